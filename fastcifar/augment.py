@@ -1,0 +1,122 @@
+"""The training augmentation, defined once: random crop from padding, horizontal flip, cutout.
+
+This is the reference every loader follows (the plain-torch loader calls it directly; the
+Triton kernel in ``kernels/augment.py`` and the DALI pipeline are tested against it). Order, per
+image, in output coordinates:
+
+1. pad the 32x32 uint8 image by ``pad`` pixels on each side (reflect or zero padding);
+2. take the 32x32 window whose top-left corner is (dy, dx) in the padded image, 0 <= dy, dx <= 2*pad;
+3. mirror it left-right if ``flip``;
+4. normalize per channel: (x - mean) / std, in fp32, then cast to the output dtype;
+5. zero the ``cutout`` x ``cutout`` square whose top-left corner is (cy, cx), fully inside the image
+   (0 <= cy, cx <= 32 - cutout). Zero after normalization is the data set's mean colour.
+
+Images are NHWC uint8 in memory; the output is NCHW-shaped with channels-last strides (the layout
+cuDNN's fast NHWC convolutions want), so it is NHWC in memory as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Per-channel mean and standard deviation of the CIFAR-10 training pixels, 0-255 scale.
+CIFAR10_MEAN = (125.307, 122.950, 113.865)
+CIFAR10_STD = (62.993, 62.089, 66.705)
+
+
+@dataclass(frozen=True)
+class AugmentParams:
+    """Per-image random parameters of one batch: int64 tensors of shape (B,) on the data's device."""
+
+    dy: torch.Tensor  # crop row offset into the padded image, 0..2*pad
+    dx: torch.Tensor  # crop column offset into the padded image, 0..2*pad
+    flip: torch.Tensor  # 1: mirror left-right, 0: keep
+    cy: torch.Tensor  # cutout top row in the output image, 0..size-cutout
+    cx: torch.Tensor  # cutout left column in the output image, 0..size-cutout
+
+
+def draw_params(
+    batch: int,
+    pad: int,
+    cutout: int,
+    generator: torch.Generator,
+    device: torch.device | str,
+    size: int = 32,
+    flip: bool = True,
+) -> AugmentParams:
+    """Draw one batch of parameters on ``device`` (the generator must live on that device).
+
+    Every parameter is uniform over its range; ``cutout=0`` and ``flip=False`` give all-zero
+    columns that the augmentation then ignores.
+    """
+
+    def uniform(high: int) -> torch.Tensor:  # integers in [0, high]
+        return torch.randint(0, high + 1, (batch,), generator=generator, device=device)
+
+    zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+    return AugmentParams(
+        dy=uniform(2 * pad) if pad else zeros,
+        dx=uniform(2 * pad) if pad else zeros,
+        flip=uniform(1) if flip else zeros,
+        cy=uniform(size - cutout) if cutout else zeros,
+        cx=uniform(size - cutout) if cutout else zeros,
+    )
+
+
+def pad_images(images: torch.Tensor, pad: int, mode: str) -> torch.Tensor:
+    """Pad NHWC images by ``pad`` on each spatial side; ``mode`` is "reflect" or "zero"."""
+    if pad == 0:
+        return images
+    if mode not in ("reflect", "zero"):
+        raise ValueError(f"padding mode must be 'reflect' or 'zero', not {mode!r}")
+    nchw = images.permute(0, 3, 1, 2)
+    if mode == "reflect":
+        # reflect padding is not implemented for uint8 on every backend: pad a float copy (exact for 0..255)
+        padded = torch.nn.functional.pad(nchw.float(), (pad, pad, pad, pad), mode="reflect").to(images.dtype)
+    else:
+        padded = torch.nn.functional.pad(nchw, (pad, pad, pad, pad), mode="constant", value=0)
+    return padded.permute(0, 2, 3, 1)
+
+
+def normalize(images: torch.Tensor, mean=CIFAR10_MEAN, std=CIFAR10_STD, dtype=torch.float32) -> torch.Tensor:
+    """NHWC uint8 -> NCHW-shaped channels-last ``dtype``, (x - mean) / std computed in fp32."""
+    m = torch.tensor(mean, dtype=torch.float32, device=images.device)
+    s = torch.tensor(std, dtype=torch.float32, device=images.device)
+    out = ((images.float() - m) / s).to(dtype)
+    return out.permute(0, 3, 1, 2)  # NHWC memory, NCHW shape: channels-last, no copy
+
+
+def augment_reference(
+    padded: torch.Tensor,
+    params: AugmentParams,
+    cutout: int,
+    mean=CIFAR10_MEAN,
+    std=CIFAR10_STD,
+    dtype: torch.dtype = torch.float32,
+    size: int = 32,
+) -> torch.Tensor:
+    """Crop, flip, normalize and cut out one batch of already padded NHWC uint8 images.
+
+    ``padded`` is (B, size+2*pad, size+2*pad, C); returns (B, C, size, size), channels-last.
+    """
+    b = padded.shape[0]
+    ar = torch.arange(size, device=padded.device)
+    rows = params.dy[:, None] + ar  # (B, size)
+    cols = params.dx[:, None] + ar
+    cols = torch.where(params.flip[:, None].bool(), cols.flip(1), cols)
+    batch_idx = torch.arange(b, device=padded.device)[:, None, None]
+    crops = padded[batch_idx, rows[:, :, None], cols[:, None, :]]  # (B, size, size, C) gather
+    out = normalize(crops, mean, std, dtype)
+    if cutout:
+        inside_y = (ar[None, :] >= params.cy[:, None]) & (ar[None, :] < params.cy[:, None] + cutout)
+        inside_x = (ar[None, :] >= params.cx[:, None]) & (ar[None, :] < params.cx[:, None] + cutout)
+        hole = inside_y[:, None, :, None] & inside_x[:, None, None, :]  # (B, 1, size, size)
+        out = out.masked_fill(hole, 0.0)
+    return out.contiguous(memory_format=torch.channels_last)
+
+
+def flip_images(x: torch.Tensor) -> torch.Tensor:
+    """Mirror an NCHW-shaped batch left-right (test-time augmentation)."""
+    return x.flip(3)

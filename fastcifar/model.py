@@ -1,0 +1,108 @@
+"""Networks: the seed ResNet-9, built from conv + fused (batchnorm, activation, pool) blocks.
+
+The batchnorm/activation/pool trio is one module, ``NormActPool``, so that the Triton kernel
+(``kernels.bn_act_pool.TritonNormActPool``, same constructor, same state) can replace it without
+touching the network's definition. Tensors are NCHW-shaped and channels-last in memory throughout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = ("relu", "gelu", "celu")
+POOL_PLACES = (None, "before", "after")
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "relu":
+        return F.relu(x)
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "celu":
+        return F.celu(x)
+    raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
+
+
+class NormActPool(nn.BatchNorm2d):
+    """BatchNorm2d, then an activation, with an optional 2x2 max-pool before or after.
+
+    ``pool="before"`` pools first (4x fewer elements to normalize, as the fast recipes do);
+    ``pool="after"`` pools the activation (the seed ResNet-9's order). Parameters and running
+    statistics stay fp32 when the activations are fp16.
+    """
+
+    def __init__(self, num_features: int, act: str = "relu", pool: Optional[str] = None,
+                 eps: float = 1e-5, momentum: float = 0.1):
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
+        if pool not in POOL_PLACES:
+            raise ValueError(f"pool must be one of {POOL_PLACES}, not {pool!r}")
+        super().__init__(num_features, eps=eps, momentum=momentum)
+        self.act = act
+        self.pool = pool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pool == "before":
+            x = F.max_pool2d(x, 2)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                         self.training, self.momentum, self.eps)
+        x = activation(x, self.act)
+        if self.pool == "after":
+            x = F.max_pool2d(x, 2)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, act={self.act}, pool={self.pool}"
+
+
+NormFactory = Callable[..., nn.Module]
+
+
+class ConvBlock(nn.Module):
+    """3x3 conv (no bias: the batchnorm's shift replaces it) followed by NormActPool."""
+
+    def __init__(self, c_in: int, c_out: int, norm: NormFactory, act: str = "relu",
+                 pool: Optional[str] = None):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, kernel_size=3, padding=1, bias=False)
+        self.norm = norm(c_out, act=act, pool=pool)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x))
+
+
+class Residual(nn.Module):
+    """x + f(x), with f two ConvBlocks of the same width."""
+
+    def __init__(self, channels: int, norm: NormFactory, act: str = "relu"):
+        super().__init__()
+        self.res1 = ConvBlock(channels, channels, norm, act)
+        self.res2 = ConvBlock(channels, channels, norm, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.res2(self.res1(x))
+
+
+class ResNet9(nn.Module):
+    """The seed ResNet-9: prep 64; layer1 128 + pool + residual; layer2 256 + pool;
+    layer3 512 + pool + residual; global max pool; linear 512->10 (no bias), logits x 0.125."""
+
+    def __init__(self, num_classes: int = 10, norm: NormFactory = NormActPool,
+                 widths=(64, 128, 256, 512), act: str = "relu", logit_scale: float = 0.125):
+        super().__init__()
+        w0, w1, w2, w3 = widths
+        self.prep = ConvBlock(3, w0, norm, act)
+        self.layer1 = nn.Sequential(ConvBlock(w0, w1, norm, act, pool="after"), Residual(w1, norm, act))
+        self.layer2 = ConvBlock(w1, w2, norm, act, pool="after")
+        self.layer3 = nn.Sequential(ConvBlock(w2, w3, norm, act, pool="after"), Residual(w3, norm, act))
+        self.fc = nn.Linear(w3, num_classes, bias=False)
+        self.logit_scale = logit_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer3(self.layer2(self.layer1(self.prep(x))))
+        x = torch.amax(x, dim=(2, 3))  # global max pool
+        return self.fc(x) * self.logit_scale
