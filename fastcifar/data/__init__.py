@@ -1,0 +1,93 @@
+"""Reading CIFAR-10 in every layout the trainer accepts, and splitting it over ranks.
+
+``load_dataset(path)`` recognizes, in this order:
+  - an official release archive ``cifar-10-python.tar.gz`` (or a folder holding one);
+  - an extracted ``cifar-10-batches-py/`` folder (or a folder holding one);
+  - an image folder ``train/<class>/*``, ``test/<class>/*`` (or its single subfolder), or a
+    ``.tar.gz`` of one, decoded once and cached as uint8 arrays.
+With ``download=True`` a path holding none of these gets the official archive, MD5-checked.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path, PurePosixPath
+from typing import Callable
+
+import numpy as np
+
+from .dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
+from .errors import DataError
+from .folder import cache_path, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
+from .official import ARCHIVE_NAME, BATCH_DIR, download, read_archive, read_batch_dir
+
+__all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "shard_indices"]
+
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
+
+
+def _cached(source: Path, cache_dir: Path | None, build: Callable[[], Dataset], log) -> Dataset:
+    target = cache_path(source, cache_dir)
+    ds = load_cache(target, str(source))
+    if ds is not None:
+        return ds
+    log(f"decoding {source} once (cache: {target})")
+    ds = build()
+    try:
+        save_cache(target, ds)
+    except OSError as exc:  # a read-only place costs speed next time, not this run
+        log(f"note: could not write the cache {target}: {exc}")
+    return ds
+
+
+def _read_any_archive(path: Path) -> Dataset:
+    """An official release archive or a ``.tar.gz`` of an image folder, told apart by content."""
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            members = tar.getmembers()
+            official = any(BATCH_DIR in PurePosixPath(m.name).parts for m in members)
+            if not official:
+                return read_folder_archive(path, tar, members)
+    except DataError:
+        raise
+    except Exception as exc:  # gzip/tar/EOF errors: a damaged or foreign file
+        raise DataError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from None
+    return read_archive(path)
+
+
+def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: str | Path | None = None,
+                 log: Callable[[str], None] = print) -> Dataset:
+    """Load CIFAR-10 from ``path`` in any layout above; raise DataError on anything unusable."""
+    path = Path(path).expanduser()
+    cache = Path(cache_dir).expanduser() if cache_dir else None
+    if path.is_file():
+        if not path.name.endswith(ARCHIVE_SUFFIXES):
+            raise DataError(f"{path}: unknown layout (expected a .tar.gz archive or a folder)")
+        return _cached(path, cache, lambda: _read_any_archive(path), log)
+    if path.is_dir():
+        if path.name == BATCH_DIR or (path / "data_batch_1").is_file():
+            return read_batch_dir(path)
+        if (path / BATCH_DIR).is_dir():
+            return read_batch_dir(path / BATCH_DIR)
+        if (path / ARCHIVE_NAME).is_file():
+            return read_archive(path / ARCHIVE_NAME)
+        root = find_split_root(path)
+        if root is not None:
+            return _cached(root, cache, lambda: read_folder(root), log)
+        if download_missing:
+            return read_archive(download(path, progress=log))
+        raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, {ARCHIVE_NAME}, or "
+                        f"train/ and test/ class folders); pass --download to fetch official CIFAR-10")
+    if download_missing:
+        return read_archive(download(path, progress=log))
+    raise DataError(f"{path}: no such file or folder; pass --download to fetch official CIFAR-10 there")
+
+
+def shard_indices(n: int, rank: int, world_size: int, seed: int = 0) -> np.ndarray:
+    """The fixed training-set shard of ``rank``: every index in exactly one shard, the same
+    shard at every epoch. A fixed permutation first, so an image folder (stored class by
+    class) still gives every rank every class; then every ``world_size``-th index."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
+    perm = np.random.default_rng(seed).permutation(n)
+    return np.sort(perm[rank::world_size])

@@ -1,0 +1,54 @@
+"""The in-memory form every reader returns: uint8 NHWC images and int64 labels, train and test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import DataError
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
+                   "dog", "frog", "horse", "ship", "truck")
+IMAGE_SHAPE = (32, 32, 3)
+
+
+@dataclass
+class Dataset:
+    train_images: np.ndarray  # (N, 32, 32, 3) uint8
+    train_labels: np.ndarray  # (N,) int64, 0..9
+    test_images: np.ndarray
+    test_labels: np.ndarray
+    classes: tuple[str, ...]
+    source: str  # what was read, for logs and summaries
+
+    def validate(self) -> "Dataset":
+        """Check shapes, dtypes and label range; raise DataError naming what is wrong."""
+        for split in ("train", "test"):
+            images = getattr(self, f"{split}_images")
+            labels = getattr(self, f"{split}_labels")
+            if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != IMAGE_SHAPE:
+                raise DataError(f"{self.source}: {split} images must be uint8 (N, 32, 32, 3), "
+                                f"got {images.dtype} {images.shape}")
+            if labels.shape != (images.shape[0],):
+                raise DataError(f"{self.source}: {split} has {images.shape[0]} images "
+                                f"but {labels.shape[0]} labels")
+            if len(labels) and (labels.min() < 0 or labels.max() >= len(self.classes)):
+                raise DataError(f"{self.source}: {split} labels outside 0..{len(self.classes) - 1}")
+            if len(labels) == 0:
+                raise DataError(f"{self.source}: the {split} split is empty")
+        return self
+
+    def subset(self, n_train: int) -> "Dataset":
+        """A fixed random sample of ``n_train`` training images and the same fraction of the
+        test set (at least 100): for short CPU runs. Image folders are stored class by class,
+        so taking the first N would give one class; the sample uses a constant seed instead."""
+        n_all = len(self.train_labels)
+        if n_train <= 0 or n_train >= n_all:
+            return self
+        n_test = min(len(self.test_labels), max(100, round(len(self.test_labels) * n_train / n_all)))
+        pick_train = np.sort(np.random.default_rng(0).permutation(n_all)[:n_train])
+        pick_test = np.sort(np.random.default_rng(1).permutation(len(self.test_labels))[:n_test])
+        return Dataset(self.train_images[pick_train], self.train_labels[pick_train],
+                       self.test_images[pick_test], self.test_labels[pick_test], self.classes,
+                       f"{self.source} (subset: {n_train} train, {n_test} test images)")

@@ -1,0 +1,178 @@
+"""Image-folder CIFAR: ``train/<class>/*`` and ``test/<class>/*``, as a folder or a ``.tar.gz`` of one.
+
+Decoding 60,000 small JPEGs takes seconds, so the decoded arrays are cached once as an ``.npz``
+keyed by the source's path, size and modification time; the second start reads the cache instead.
+The cache is written to a temporary file and renamed into place, so an interrupted start never
+leaves a half-written cache that a later start would trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tarfile
+import tempfile
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from .dataset import IMAGE_SHAPE, Dataset
+from .errors import DataError
+
+SPLITS = ("train", "test")
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm"}
+CACHE_VERSION = 1  # bump when the decoded form changes, so stale caches are not read
+
+
+def find_split_root(path: Path) -> Path | None:
+    """The folder holding ``train/`` and ``test/``: ``path`` itself or its single subfolder."""
+    if (path / "train").is_dir() and (path / "test").is_dir():
+        return path
+    subdirs = [p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    if len(subdirs) == 1:
+        return find_split_root(subdirs[0]) if subdirs[0] != path else None
+    return None
+
+
+def _split_files(entries: list[tuple[PurePosixPath, object]], source: str):
+    """Group (relative path, handle) pairs into {split: {class: [handle, ...]}} and check classes."""
+    tree: dict[str, dict[str, list]] = {s: {} for s in SPLITS}
+    for rel, handle in entries:
+        if len(rel.parts) != 3 or rel.parts[0] not in SPLITS or rel.suffix.lower() not in IMAGE_SUFFIXES:
+            continue
+        split, cls, _ = rel.parts
+        tree[split].setdefault(cls, []).append((rel, handle))
+    train_classes, test_classes = sorted(tree["train"]), sorted(tree["test"])
+    if not train_classes:
+        raise DataError(f"{source}: no images under train/<class>/")
+    if train_classes != test_classes:
+        only_train = sorted(set(train_classes) - set(test_classes))
+        only_test = sorted(set(test_classes) - set(train_classes))
+        raise DataError(f"{source}: class folders of train/ and test/ differ "
+                        f"(only in train: {only_train or 'none'}; only in test: {only_test or 'none'})")
+    return tree, tuple(train_classes)
+
+
+def _decode(raw: bytes, where: str) -> np.ndarray:
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            img = img.convert("RGB")
+            array = np.asarray(img, dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise DataError(f"{where}: not a readable image ({exc})") from None
+    if array.shape != IMAGE_SHAPE:
+        raise DataError(f"{where}: image is {array.shape[1]}x{array.shape[0]}, expected 32x32")
+    return array
+
+
+def _decode_tree(tree, classes, read, source: str) -> Dataset:
+    arrays = {}
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # PIL decodes off the GIL
+        for split in SPLITS:
+            items = [(rel, handle, label) for label, cls in enumerate(classes)
+                     for rel, handle in sorted(tree[split][cls], key=lambda t: str(t[0]))]
+            raws = [read(handle, f"{source}/{rel}") for rel, handle, _ in items]
+            images = list(pool.map(_decode, raws, [f"{source}/{rel}" for rel, _, _ in items]))
+            arrays[split] = (np.stack(images), np.array([lab for _, _, lab in items], dtype=np.int64))
+    return Dataset(*arrays["train"], *arrays["test"], classes, source).validate()
+
+
+def read_folder(root: Path) -> Dataset:
+    entries = [(PurePosixPath(p.relative_to(root).as_posix()), p) for p in root.rglob("*") if p.is_file()]
+    tree, classes = _split_files(entries, str(root))
+
+    def read(p: Path, where: str) -> bytes:
+        return p.read_bytes()
+    return _decode_tree(tree, classes, read, str(root))
+
+
+def tar_split_prefix(names: list[str]) -> str | None:
+    """The member prefix under which ``train/`` and ``test/`` sit in an archive, or None."""
+    for name in names:
+        parts = PurePosixPath(name).parts
+        for i in range(len(parts) - 1):
+            if parts[i] == "train":
+                prefix = "/".join(parts[:i])
+                test_dir = f"{prefix}/test/" if prefix else "test/"
+                if any(n.startswith(test_dir) for n in names):
+                    return prefix
+    return None
+
+
+def read_folder_archive(path: Path, tar: tarfile.TarFile, members: list[tarfile.TarInfo]) -> Dataset:
+    names = [m.name.lstrip("./") for m in members]
+    prefix = tar_split_prefix(names)
+    if prefix is None:
+        raise DataError(f"{path}: unknown layout (no train/ and test/ folders, no cifar-10-batches-py/)")
+    strip = len(PurePosixPath(prefix).parts) if prefix else 0
+    entries = [(PurePosixPath(*PurePosixPath(n).parts[strip:]), m)
+               for n, m in zip(names, members) if m.isfile() and len(PurePosixPath(n).parts) > strip]
+    tree, classes = _split_files(entries, str(path))
+
+    def read(member: tarfile.TarInfo, where: str) -> bytes:
+        try:
+            return tar.extractfile(member).read()
+        except Exception as exc:
+            raise DataError(f"{where}: truncated or corrupt archive ({exc})") from None
+    return _decode_tree(tree, classes, read, str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache of decoded arrays
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastcifar"
+
+
+def source_fingerprint(source: Path) -> str:
+    """Path, size and modification time of the source, and of every file in it if a folder:
+    any edit to the data gives a new cache key, so a stale cache is never read."""
+    st = source.stat()
+    parts = [f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_VERSION}"]
+    if source.is_dir():
+        for p in sorted(source.rglob("*")):
+            if p.is_file():
+                s = p.stat()
+                parts.append(f"{p.relative_to(source)}|{s.st_size}|{s.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def cache_path(source: Path, cache_dir: Path | None) -> Path:
+    """Where the decoded arrays of ``source`` are cached: ``cache_dir``, else next to the data if
+    that folder is writable, else the user cache folder."""
+    name = f"{source.name}.fastcifar-{source_fingerprint(source)}.npz"
+    if cache_dir is not None:
+        return cache_dir / name
+    if os.access(source.parent, os.W_OK):
+        return source.parent / f".{name}"
+    return default_cache_dir() / name
+
+
+def load_cache(path: Path, source: str) -> Dataset | None:
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return Dataset(z["train_images"], z["train_labels"], z["test_images"], z["test_labels"],
+                           tuple(str(c) for c in z["classes"]), source).validate()
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, DataError):
+        return None  # an unreadable cache is rebuilt, never trusted
+
+
+def save_cache(path: Path, ds: Dataset) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, train_images=ds.train_images, train_labels=ds.train_labels,
+                     test_images=ds.test_images, test_labels=ds.test_labels,
+                     classes=np.array(ds.classes))
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache is as readable as the data
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,71 @@
+"""The reference loader: device-resident uint8 images, augmented per batch in plain torch ops.
+
+The training shard is copied to the device once and padded once (50,000 x 40 x 40 x 3 bytes =
+240 MB for the whole set), so an epoch moves no data from the host: each batch is a gather of
+indices, the random parameters are drawn on the device and ``fastcifar.augment`` does the rest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .augment import CIFAR10_MEAN, CIFAR10_STD, augment_reference, draw_params, normalize, pad_images
+
+
+def epoch_seed(run_seed: int, rank: int, epoch: int) -> int:
+    """The seed of one rank's shuffle and augmentation in one epoch: distinct per (seed, rank, epoch)."""
+    return int(np.random.SeedSequence([run_seed, rank, epoch]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class TorchLoader:
+    """Training batches of one rank's fixed shard, reshuffled every epoch, last partial batch dropped."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, shard: np.ndarray, batch_size: int,
+                 steps_per_epoch: int, *, pad: int, pad_mode: str, cutout: int, flip: bool,
+                 dtype: torch.dtype, device: torch.device, rank: int = 0,
+                 mean=CIFAR10_MEAN, std=CIFAR10_STD):
+        if steps_per_epoch * batch_size > len(shard):
+            raise ValueError(f"{steps_per_epoch} steps of {batch_size} need {steps_per_epoch * batch_size} "
+                             f"images, the shard has {len(shard)}")
+        self.images = pad_images(torch.from_numpy(images[shard]).to(device), pad, pad_mode)
+        self.labels = torch.from_numpy(labels[shard]).to(device)
+        self.batch_size, self.steps = batch_size, steps_per_epoch
+        self.pad, self.cutout, self.flip = pad, cutout, flip
+        self.dtype, self.device, self.rank = dtype, device, rank
+        self.mean, self.std = mean, std
+        self.generator = torch.Generator(device=device)
+        self.set_epoch(0, 0)
+
+    def set_epoch(self, run_seed: int, epoch: int) -> None:
+        self.generator.manual_seed(epoch_seed(run_seed, self.rank, epoch))
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        order = torch.randperm(len(self.labels), generator=self.generator, device=self.device)
+        for step in range(self.steps):
+            idx = order[step * self.batch_size:(step + 1) * self.batch_size]
+            params = draw_params(len(idx), self.pad, self.cutout, self.generator, self.device, flip=self.flip)
+            yield (augment_reference(self.images[idx], params, self.cutout, self.mean, self.std, self.dtype),
+                   self.labels[idx])
+
+
+class EvalSet:
+    """The test images of one rank (every ``world_size``-th), normalized once, in fixed batches."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, *, dtype: torch.dtype,
+                 device: torch.device, rank: int = 0, world_size: int = 1,
+                 mean=CIFAR10_MEAN, std=CIFAR10_STD):
+        mine = slice(rank, None, world_size)
+        self.images = normalize(torch.from_numpy(images[mine]).to(device), mean, std, dtype)
+        self.labels = torch.from_numpy(labels[mine]).to(device)
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.labels) // self.batch_size)
+
+    def __iter__(self):
+        for start in range(0, len(self.labels), self.batch_size):
+            yield self.images[start:start + self.batch_size], self.labels[start:start + self.batch_size]

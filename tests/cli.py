@@ -1,0 +1,35 @@
+"""Running the trainer as users do: a subprocess, on the CPU, with a short recipe."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# A recipe small enough for 2 CPU cores: narrow ResNet-9, a few epochs, no untimed warm-up.
+SHORT = ["--device", "cpu", "--widths", "8,16,32,64", "--batch-size", "100", "--epochs", "4",
+         "--warmup-epochs", "1", "--warmup-steps", "1", "--eval-batch-size", "200"]
+
+
+def env() -> dict:
+    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e.pop("WORLD_SIZE", None)
+    e.pop("RANK", None)
+    return e
+
+
+def run_train(args, timeout=300, launcher=None) -> subprocess.CompletedProcess:
+    cmd = (launcher or [sys.executable, "-m", "fastcifar.train"]) + [str(a) for a in args]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_dirs(out: Path) -> list[Path]:
+    return sorted(p for p in out.iterdir() if p.is_dir()) if out.exists() else []
+
+
+def summary_of(out: Path) -> dict:
+    (run_dir,) = run_dirs(out)
+    return json.loads((run_dir / "summary.json").read_text())

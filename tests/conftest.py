@@ -1,0 +1,101 @@
+"""Small CIFAR-10 look-alikes in every on-disk format the trainer reads, written by the tests.
+
+The images are learnable: each class is a fixed blocky colour pattern plus noise, so a short CPU
+run can show that training learns (accuracy far above the 10% of guessing).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+SHARED_JPEG = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
+
+
+def make_images(n: int, seed: int, noise: float = 40.0) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` images (N, 32, 32, 3) uint8 and labels cycling through the 10 classes."""
+    templates = np.random.default_rng(1234).integers(0, 256, (10, 4, 4, 3)).astype(np.float32)
+    templates = templates.repeat(8, axis=1).repeat(8, axis=2)  # 8x8 blocks: survive a 4-pixel shift
+    rng = np.random.default_rng(seed)
+    labels = np.arange(n, dtype=np.int64) % 10
+    rng.shuffle(labels)
+    images = templates[labels] + rng.normal(0, noise, (n, 32, 32, 3))
+    return np.clip(images, 0, 255).astype(np.uint8), labels
+
+
+def batch_bytes(images: np.ndarray, labels: np.ndarray, protocol: int = 2) -> bytes:
+    """One batch pickled as the official release stores it (byte keys, planar rows)."""
+    data = images.transpose(0, 3, 1, 2).reshape(len(images), -1)
+    return pickle.dumps({b"batch_label": b"synthetic", b"labels": [int(v) for v in labels],
+                         b"data": data, b"filenames": [b"x.png"] * len(labels)}, protocol=protocol)
+
+
+def write_official(root: Path, per_batch: int = 40, n_test: int = 50) -> tuple[Path, dict]:
+    """cifar-10-batches-py/ under ``root``; returns its path and the arrays written."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    train_x, train_y = make_images(5 * per_batch, seed=1)
+    test_x, test_y = make_images(n_test, seed=2)
+    for i in range(5):
+        part = slice(i * per_batch, (i + 1) * per_batch)
+        (folder / f"data_batch_{i + 1}").write_bytes(batch_bytes(train_x[part], train_y[part]))
+    (folder / "test_batch").write_bytes(batch_bytes(test_x, test_y))
+    (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": [c.encode() for c in CLASSES]}))
+    return folder, {"train": (train_x, train_y), "test": (test_x, test_y)}
+
+
+def tar_folder(src: Path, archive: Path, arcname: str) -> Path:
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src, arcname=arcname)
+    return archive
+
+
+def write_image_folder(root: Path, n_train: int = 60, n_test: int = 30, fmt: str = "PNG",
+                       size: int = 32) -> tuple[Path, dict]:
+    """train/<class>/*.png and test/<class>/*.png (lossless, so decoding is exact)."""
+    arrays = {}
+    for split, n, seed in (("train", n_train, 3), ("test", n_test, 4)):
+        images, labels = make_images(n, seed)
+        for i, (img, lab) in enumerate(zip(images, labels)):
+            d = root / split / CLASSES[lab]
+            d.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img).resize((size, size)).save(d / f"{i:05d}.{fmt.lower()}", format=fmt)
+        arrays[split] = (images, labels)
+    return root, arrays
+
+
+def sort_by_label(images: np.ndarray, labels: np.ndarray):
+    """Folder readers return images class by class; order the written arrays the same way."""
+    order = np.argsort(labels, kind="stable")
+    return images[order], labels[order]
+
+
+@pytest.fixture
+def official_dir(tmp_path):
+    return write_official(tmp_path / "data")
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    return write_image_folder(tmp_path / "imgs")
+
+
+@pytest.fixture
+def learnable_data(tmp_path):
+    """An official-format set big enough to learn from in a few CPU seconds."""
+    folder, _ = write_official(tmp_path / "learn", per_batch=200, n_test=400)
+    return folder
+
+
+def one_line_error(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"
+    assert "Traceback" not in stderr
+    return lines[0]

@@ -1,0 +1,118 @@
+"""The augmentation reference: crop from padding, flip, normalization and cutout, and the loader."""
+
+import numpy as np
+import pytest
+import torch
+
+from fastcifar.augment import (CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference, draw_params,
+                               normalize, pad_images)
+from fastcifar.loader import EvalSet, TorchLoader
+
+
+def params(b, dy=4, dx=4, flip=0, cy=0, cx=0):
+    full = lambda v: torch.full((b,), v, dtype=torch.int64)  # noqa: E731
+    return AugmentParams(full(dy), full(dx), full(flip), full(cy), full(cx))
+
+
+@pytest.fixture
+def images():
+    return torch.randint(0, 256, (4, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+
+def test_centre_crop_without_flip_or_cutout_is_normalization(images):
+    out = augment_reference(pad_images(images, 4, "reflect"), params(4), cutout=0)
+    assert out.shape == (4, 3, 32, 32) and out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out, normalize(images))
+    mean = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
+    torch.testing.assert_close(out, (images.permute(0, 3, 1, 2).float() - mean) / std)
+
+
+def test_crop_offset_and_reflect_padding(images):
+    padded = pad_images(images, 4, "reflect")
+    out = augment_reference(padded, params(4, dy=0, dx=8), cutout=0)
+    # reflect padding: padded row 0 is image row 4, padded column 0 is image column 4
+    np.testing.assert_array_equal(padded[:, 0, 4].numpy(), images[:, 4, 0].numpy())
+    np.testing.assert_array_equal(padded[:, 4, 0].numpy(), images[:, 0, 4].numpy())
+    expected = normalize(padded[:, 0:32, 8:40])
+    torch.testing.assert_close(out, expected)
+
+
+def test_zero_padding(images):
+    padded = pad_images(images, 4, "zero")
+    assert padded.shape == (4, 40, 40, 3)
+    assert not padded[:, :4].any() and not padded[:, :, -4:].any()
+    assert torch.equal(padded[:, 4:36, 4:36], images)
+
+
+def test_flip_mirrors_columns(images):
+    padded = pad_images(images, 4, "reflect")
+    out = augment_reference(padded, params(4, flip=1), cutout=0)
+    torch.testing.assert_close(out, normalize(images).flip(3))
+
+
+def test_cutout_zeroes_exactly_the_square(images):
+    padded = pad_images(images, 4, "reflect")
+    out = augment_reference(padded, params(4, cy=3, cx=20), cutout=8)
+    ref = normalize(images)
+    hole = torch.zeros(32, 32, dtype=torch.bool)
+    hole[3:11, 20:28] = True
+    assert (out[:, :, hole] == 0).all()
+    torch.testing.assert_close(out[:, :, ~hole], ref[:, :, ~hole])
+
+
+def test_unknown_padding_mode(images):
+    with pytest.raises(ValueError, match="padding mode"):
+        pad_images(images, 4, "wrap")
+
+
+def test_draw_params_ranges_and_rates():
+    g = torch.Generator().manual_seed(0)
+    p = draw_params(20000, pad=4, cutout=8, generator=g, device="cpu")
+    for name, high in (("dy", 8), ("dx", 8), ("cy", 24), ("cx", 24), ("flip", 1)):
+        v = getattr(p, name)
+        assert v.min() == 0 and v.max() == high, name
+        counts = torch.bincount(v, minlength=high + 1).float()
+        expected = 20000 / (high + 1)
+        # 6 standard deviations of a binomial count: a wrong range or rate fails, chance does not
+        assert (counts - expected).abs().max() < 6 * expected ** 0.5, (name, counts)
+    off = draw_params(10, pad=0, cutout=0, generator=g, device="cpu", flip=False)
+    assert not any(getattr(off, n).any() for n in ("dy", "dx", "flip", "cy", "cx"))
+
+
+def test_loader_epochs_shapes_and_shuffles():
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (50, 32, 32, 3), dtype=np.uint8)
+    labels = np.arange(50) % 10
+    shard = np.arange(0, 50, 2)
+    loader = TorchLoader(images, labels, shard, batch_size=8, steps_per_epoch=3, pad=4, pad_mode="reflect",
+                         cutout=8, flip=True, dtype=torch.float32, device=torch.device("cpu"))
+    loader.set_epoch(0, 0)
+    first = list(loader)
+    assert len(first) == 3 and all(x.shape == (8, 3, 32, 32) and y.shape == (8,) for x, y in first)
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for x, _ in first)
+    seen = torch.cat([y for _, y in first])
+    assert set(seen.tolist()) <= set(labels[shard].tolist())
+    loader.set_epoch(0, 0)
+    again = list(loader)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again)), "same seed and epoch must repeat"
+    loader.set_epoch(0, 1)
+    other = list(loader)
+    assert not torch.equal(first[0][0], other[0][0]), "a new epoch must reshuffle"
+
+
+def test_loader_rejects_too_many_steps():
+    with pytest.raises(ValueError, match="need 30 images"):
+        TorchLoader(np.zeros((10, 32, 32, 3), np.uint8), np.zeros(10, np.int64), np.arange(10), 10, 3,
+                    pad=4, pad_mode="reflect", cutout=8, flip=True, dtype=torch.float32,
+                    device=torch.device("cpu"))
+
+
+def test_eval_set_splits_over_ranks():
+    images = np.zeros((11, 32, 32, 3), np.uint8)
+    labels = np.arange(11)
+    parts = [EvalSet(images, labels, 4, dtype=torch.float32, device=torch.device("cpu"), rank=r, world_size=3)
+             for r in range(3)]
+    got = sorted(torch.cat([y for p in parts for _, y in p]).tolist())
+    assert got == list(range(11))
+    assert [len(p) for p in parts] == [1, 1, 1]

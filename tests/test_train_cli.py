@@ -1,0 +1,110 @@
+"""The trainer end to end on the CPU: it learns, reports, and turns bad input into one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from cli import SHORT, run_dirs, run_train, summary_of
+from conftest import one_line_error, write_official
+from fastcifar.config import Config, build_parser, from_preset, parse_args
+from fastcifar.report import EPOCH_HEADER, TSV_COLUMNS
+
+pytestmark = pytest.mark.slow
+
+
+def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path):
+    out = tmp_path / "runs"
+    proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == "" or "Traceback" not in proc.stderr
+
+    summary = summary_of(out)
+    acc = summary["summary"]["acc_mean"]
+    assert acc > 60.0, f"a 4-epoch run on learnable data reached only {acc:.1f}% (guessing: 10%)"
+    assert summary["config"]["epochs"] == 4 and summary["device"]["type"] == "cpu"
+    assert summary["versions"]["torch"] and "timing_protocol" in summary
+    (result,) = summary["results"]
+    assert len(result["epochs"]) == 4 and result["train_time"] > 0 and result["wall_time"] > result["train_time"]
+
+    # stdout: the header, one fixed-width line per epoch, a final line
+    lines = proc.stdout.splitlines()
+    assert EPOCH_HEADER in lines
+    epoch_lines = [ln for ln in lines if ln.startswith("   1 ") and len(ln.split()) == 8]
+    assert [int(ln.split()[1]) for ln in epoch_lines] == [1, 2, 3, 4]
+    assert any(ln.startswith("run 1: test_acc") for ln in lines)
+
+    (run_dir,) = run_dirs(out)
+    with open(run_dir / "timing_log.tsv") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    assert tuple(rows[0]) == TSV_COLUMNS and len(rows) == 4
+    assert float(rows[-1]["test_acc"]) == pytest.approx(acc, abs=0.01)
+    assert float(rows[-1]["total_train_time"]) == pytest.approx(result["train_time"], rel=1e-4)
+    assert (run_dir / "log.txt").read_text().count("\n") >= 6
+
+
+def test_several_runs_give_a_summary_table(learnable_data, tmp_path):
+    out = tmp_path / "runs"
+    proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "1", "--runs", "2",
+                      "--target-acc", "0"])
+    assert proc.returncode == 0, proc.stderr
+    s = summary_of(out)
+    assert s["summary"]["runs"] == 2 and s["summary"]["reached"] == 2
+    assert [r["seed"] for r in s["results"]] == [0, 1]
+    assert s["results"][0]["test_acc"] != s["results"][1]["test_acc"] or \
+        s["results"][0]["epochs"][0]["train_loss"] != s["results"][1]["epochs"][0]["train_loss"]
+    assert "acc_mean" in proc.stdout and "2/2" in proc.stdout
+
+
+def test_help_lists_every_field():
+    text = build_parser(Config()).format_help()
+    for name in Config.__dataclass_fields__:
+        if name != "preset":
+            assert f"--{name.replace('_', '-')}" in text, name
+    assert "--preset" in text and "per 512 images" in text  # the units from the config's comments
+
+
+def test_overrides_and_presets():
+    cfg = parse_args(["--epochs", "3", "--no-tta", "--widths", "8,16,32,64", "--lr", "0.2"])
+    assert (cfg.epochs, cfg.tta, cfg.widths, cfg.lr, cfg.preset) == (3, False, (8, 16, 32, 64), 0.2, "resnet9")
+    seed = from_preset("resnet9")
+    assert (seed.epochs, seed.batch_size, seed.lr, seed.momentum, seed.nesterov, seed.weight_decay,
+            seed.label_smoothing, seed.crop_pad, seed.cutout, seed.warmup_epochs, seed.tta) == \
+        (24, 512, 0.4, 0.9, True, 5e-4, 0.2, 4, 8, 5.0, True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--epochs", "x"], "invalid int value"),
+    (["--epochs", "0"], "--epochs must be positive"),
+    (["--preset", "nope"], "unknown preset"),
+    (["--pad-mode", "wrap"], "invalid choice"),
+    (["--warmup-epochs", "30"], "--warmup-epochs must lie in"),
+    (["--widths", "8,16"], "--widths takes four"),
+    pytest.param(["--device", "cuda"], "no CUDA GPU", marks=pytest.mark.skipif(
+        __import__("torch").cuda.is_available(), reason="this machine has a GPU")),
+])
+def test_bad_arguments_are_one_line(args, message, tmp_path):
+    proc = run_train(["--data", tmp_path, "--out-dir", tmp_path / "runs", *args])
+    assert proc.returncode == 2
+    assert message in one_line_error(proc.stderr)
+    assert not run_dirs(tmp_path / "runs"), "nothing may be written for a refused run"
+
+
+def test_bad_data_is_one_line(tmp_path):
+    folder, _ = write_official(tmp_path / "d")
+    (folder / "test_batch").write_bytes(b"\x80\x02garbage")
+    proc = run_train(["--data", folder, "--out-dir", tmp_path / "runs", *SHORT])
+    assert proc.returncode == 2
+    assert "not a readable CIFAR-10 batch" in one_line_error(proc.stderr)
+    proc = run_train(["--data", tmp_path / "missing", "--out-dir", tmp_path / "runs", *SHORT])
+    assert proc.returncode == 2
+    assert "no such file or folder" in one_line_error(proc.stderr)
+
+
+def test_batch_larger_than_the_data(tmp_path):
+    folder, _ = write_official(tmp_path / "d", per_batch=10)
+    proc = run_train(["--data", folder, "--out-dir", tmp_path / "runs", *SHORT, "--batch-size", "100"])
+    assert proc.returncode == 2
+    assert "larger than the training set" in one_line_error(proc.stderr)
