@@ -49,6 +49,7 @@ class Config:
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     precision: str = "auto"  # auto (fp16 on cuda, fp32 on cpu) | fp16 | fp32
     comm: str = "ddp"  # gradient averaging over ranks: ddp (stock DistributedDataParallel)
+    cuda_graphs: str = "auto"  # capture the train step and eval batch as CUDA graphs: auto (on for CUDA) | on | off
     eval_batch_size: int = 1000  # images per evaluation batch, per rank
     warmup_steps: int = 3  # untimed training steps before the clock starts; state restored after
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the run
@@ -72,6 +73,7 @@ CHOICES = {
     "device": ("auto", "cuda", "cpu"),
     "precision": ("auto", "fp16", "fp32"),
     "comm": ("ddp",),
+    "cuda_graphs": ("auto", "on", "off"),
 }
 
 

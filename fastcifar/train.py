@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import distributed
+from . import distributed, graphs
 from .config import Config, ConfigError, parse_args, validate
 from .data import DataError, load_dataset, shard_indices
+from .graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
 from .loader import EvalSet, TorchLoader
 from .model import NormActPool, ResNet9
 from .optim import NesterovSGD, warmup_decay_lr
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
         validate(cfg, ctx.world_size)
+        graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)  # refuse "on" before any work
         train(cfg, ctx)
         return 0
     except (ConfigError, DataError) as exc:
@@ -74,9 +76,11 @@ def train(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
                "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images",
                "steps_per_epoch": steps, "per_rank_batch": per_rank_batch})
 
+    use_graphs = graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)
     results = []
     for run in range(1, cfg.runs + 1):
-        results.append(train_one_run(cfg, ctx, run, cfg.seed + run - 1, dtype, train_loader, test_set, log))
+        results.append(train_one_run(cfg, ctx, run, cfg.seed + run - 1, dtype, train_loader, test_set, log,
+                                     use_graphs))
         log.run_done(results[-1], cfg.target_acc)
     log.finish(results)
     return results
@@ -93,66 +97,75 @@ def build_model(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.
     return model
 
 
-def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log) -> RunResult:
+def make_step(net, opt: NesterovSGD, schedule: DeviceSchedule, label_smoothing: float):
+    """One training step on a batch: the function that runs eagerly or is captured."""
+    def step(images, labels):
+        schedule.apply(opt.lr)  # device-side: the captured graph reads each step's rate
+        logits = net(images)
+        loss = F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=label_smoothing)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach(), (logits.argmax(1) == labels).sum()
+    return step
+
+
+def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_graphs) -> RunResult:
     torch.manual_seed(seed)  # same seed on every rank: identical initial weights
     model = build_model(cfg, ctx.device, dtype)
     net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
                                   broadcast_buffers=False) if ctx.distributed else model
     # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
-    per_rank_batch = train_loader.batch_size
+    per_rank_batch, steps = train_loader.batch_size, len(train_loader)
     peak = cfg.lr * cfg.batch_size / 512 / per_rank_batch
+    schedule = DeviceSchedule([warmup_decay_lr((i + 1) / steps, cfg.epochs, cfg.warmup_epochs, peak)
+                               for i in range(cfg.epochs * steps)], ctx.device)
     opt = NesterovSGD(model.parameters(), lr=0.0, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay * per_rank_batch, nesterov=cfg.nesterov)
-    steps = len(train_loader)
 
-    def step(images, labels, lr):
-        opt.set_lr(lr)
-        logits = net(images)
-        loss = F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=cfg.label_smoothing)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach(), (logits.argmax(1) == labels).sum()
+    step = make_step(net, opt, schedule, cfg.label_smoothing)
+    train_step = TrainStep(step, StaticBatch(per_rank_batch, dtype, ctx.device), capture=use_graphs)
+    eval_step = EvalStep(model, StaticBatch(cfg.eval_batch_size, dtype, ctx.device), cfg.tta, capture=use_graphs)
 
-    # Warm-up: cuDNN's algorithm search and the allocator's first allocations stay off the clock;
-    # weights, batchnorm statistics and momentum are then put back to the initial state.
-    if cfg.warmup_steps:
-        initial = copy.deepcopy(model.state_dict())
-        train_loader.set_epoch(seed, 10**6)  # an epoch index training never uses
-        model.train()
-        for i, (images, labels) in zip(range(cfg.warmup_steps), train_loader):
-            step(images, labels, 0.0)
-        model.load_state_dict(initial)
-        opt.reset_state()
+    # Off the clock: warm-up steps (cuDNN's algorithm search, first allocations) and graph capture
+    # on a real batch; then weights, batchnorm statistics, momentum and the schedule go back to
+    # their initial values, in place, so the captured graphs still point at them.
+    initial = copy.deepcopy(model.state_dict())
+    train_loader.set_epoch(seed, 10**6)  # an epoch index training never uses
+    train_step.batch.load(*next(iter(train_loader)))
+    model.train()
+    train_step.warm_up_and_capture(cfg.warmup_steps)
+    model.load_state_dict(initial)
+    opt.reset_state()
+    schedule.reset()
+    model.eval()
+    eval_step.batch.load(*next(iter(test_set)))
+    eval_step.prepare()
 
     total_train_time = 0.0
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     for epoch in range(cfg.epochs):
         train_loader.set_epoch(seed, epoch)
         model.train()
-        loss_sum = torch.zeros((), device=ctx.device)
-        correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
+        train_step.reset_metrics()
         synchronize(ctx.device)
         t0 = time.perf_counter()
-        for i, (images, labels) in enumerate(train_loader):
-            lr = warmup_decay_lr(epoch + (i + 1) / steps, cfg.epochs, cfg.warmup_epochs, peak)
-            loss, hits = step(images, labels, lr)
-            loss_sum += loss
-            correct += hits
+        for images, labels in train_loader:
+            train_step(images, labels)
         synchronize(ctx.device)
         epoch_time = time.perf_counter() - t0
         total_train_time += epoch_time
 
         t1 = time.perf_counter()
         distributed.average_buffers(model, ctx)
-        test_loss, test_acc = evaluate(model, test_set, cfg.tta, ctx)
-        n_train = steps * per_rank_batch
-        train_loss, train_correct = distributed.all_sum([loss_sum.item(), float(correct.item())], ctx, ctx.device)
-        record = EpochRecord(run=run, epoch=epoch + 1, lr=lr * per_rank_batch, train_time=epoch_time,
-                             train_loss=train_loss / (n_train * ctx.world_size),
-                             train_acc=100.0 * train_correct / (n_train * ctx.world_size),
-                             test_time=time.perf_counter() - t1, test_loss=test_loss, test_acc=test_acc,
-                             total_train_time=total_train_time)
+        test_loss, test_acc = evaluate(model, eval_step, test_set, ctx)
+        n_train = steps * per_rank_batch * ctx.world_size
+        train_loss, train_correct = distributed.all_sum(
+            [train_step.loss_sum.item(), float(train_step.correct.item())], ctx, ctx.device)
+        record = EpochRecord(run=run, epoch=epoch + 1, lr=schedule.values[(epoch + 1) * steps - 1] * per_rank_batch,
+                             train_time=epoch_time, train_loss=train_loss / n_train,
+                             train_acc=100.0 * train_correct / n_train, test_time=time.perf_counter() - t1,
+                             test_loss=test_loss, test_acc=test_acc, total_train_time=total_train_time)
         result.epochs.append(record)
         log.epoch(record)
     result.test_acc = result.epochs[-1].test_acc
@@ -161,21 +174,14 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log) -> Ru
     return result
 
 
-@torch.no_grad()
-def evaluate(model, test_set: EvalSet, tta: bool, ctx) -> tuple[float, float]:
-    """Test loss and accuracy (%) over all ranks' slices; with ``tta`` the logits of each image
-    and its mirror image are summed."""
+def evaluate(model, eval_step: EvalStep, test_set: EvalSet, ctx) -> tuple[float, float]:
+    """Test loss and accuracy (%) over all ranks' slices of the test set."""
     model.eval()
-    loss = torch.zeros((), device=ctx.device)
-    correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    eval_step.reset()
     for images, labels in test_set:
-        logits = model(images).float()
-        if tta:
-            logits = 0.5 * (logits + model(images.flip(3)).float())
-        loss += F.cross_entropy(logits, labels, reduction="sum")
-        correct += (logits.argmax(1) == labels).sum()
+        eval_step(images, labels)
     total_loss, total_correct, count = distributed.all_sum(
-        [loss.item(), float(correct.item()), float(len(test_set.labels))], ctx, ctx.device)
+        [eval_step.loss_sum.item(), float(eval_step.correct.item()), float(len(test_set.labels))], ctx, ctx.device)
     return total_loss / count, 100.0 * total_correct / count
 
 

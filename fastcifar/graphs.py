@@ -1,0 +1,204 @@
+"""One training step, and one evaluation batch, captured as CUDA graphs and replayed.
+
+At CIFAR sizes a ResNet-9 step is a few hundred small kernels (about 35 per conv block forward
+and backward, plus the optimizer's foreach launches); launching them from Python costs more than
+running many of them. A CUDA graph replays the whole step with one launch.
+
+What makes one graph serve a whole run:
+- inputs live in static buffers (``StaticBatch``) that the loader fills before each replay, with
+  one device-to-device copy;
+- the learning-rate schedule is a table on the device, and the step reads its entry through a
+  step counter that is itself a device tensor incremented inside the graph (``DeviceSchedule``),
+  so no host value is baked into the capture;
+- parameters, gradients, optimizer state and gradient buckets exist before capture (warm-up
+  iterations create the gradients) and are only ever updated in place afterwards; restoring the
+  initial state after warm-up copies into the same storage.
+- evaluation pads the last partial batch and masks the padding out of the counts, so its shape
+  never changes.
+
+Without CUDA everything here except the capture itself runs eagerly, and the CPU tests use it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .config import ConfigError
+
+
+def resolve(setting: str, device: torch.device, world_size: int = 1, comm: str = "") -> bool:
+    """Whether to capture: ``auto`` means on for CUDA; ``on`` without CUDA is refused."""
+    if setting not in ("auto", "on", "off"):
+        raise ConfigError(f"--cuda-graphs must be auto, on or off, not {setting!r}")
+    if device.type != "cuda":
+        if setting == "on":
+            raise ConfigError("--cuda-graphs on needs a CUDA device; this run is on the CPU")
+        return False
+    if world_size > 1 and comm == "ddp":
+        if setting == "on":
+            raise ConfigError("--cuda-graphs on needs --comm bucketed with several ranks "
+                              "(DistributedDataParallel's reducer cannot be captured)")
+        return False
+    return setting != "off"
+
+
+class DeviceSchedule:
+    """Per-step values (the learning rate) in a device table, read at a device-side step counter.
+
+    ``apply(target)`` copies the current entry into ``target`` and advances the counter, both as
+    device ops, so a captured graph replays them with the value of each later step."""
+
+    def __init__(self, values: Sequence[float], device: torch.device):
+        if len(values) == 0:
+            raise ValueError("a schedule needs at least one step")
+        self.values = [float(v) for v in values]  # the host copy, for logs
+        self.table = torch.tensor(self.values, dtype=torch.float32, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def apply(self, target: torch.Tensor) -> None:
+        # clamp: a step past the end (a warm-up step replayed too often) reuses the last value
+        index = self.counter.clamp(max=len(self.values) - 1)
+        target.copy_(torch.index_select(self.table, 0, index).reshape(target.shape))
+        self.counter.add_(1)
+
+    def reset(self, step: int = 0) -> None:
+        self.counter.fill_(step)
+
+
+class StaticBatch:
+    """Fixed input buffers of one step: images (NCHW-shaped, channels-last) and int64 labels.
+
+    ``load`` copies a batch in (one device-to-device copy each). A batch smaller than the buffer
+    is padded with zeros and the ``valid`` mask marks its real rows, so evaluation of a last,
+    partial batch keeps the captured shape."""
+
+    def __init__(self, batch: int, dtype: torch.dtype, device: torch.device, size: int = 32, channels: int = 3):
+        self.images = torch.zeros(batch, channels, size, size, dtype=dtype, device=device).contiguous(
+            memory_format=torch.channels_last)
+        self.labels = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.valid = torch.ones(batch, dtype=torch.bool, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.labels.shape[0]
+
+    def load(self, images: torch.Tensor, labels: torch.Tensor) -> int:
+        n = labels.shape[0]
+        if images.shape[1:] != self.images.shape[1:] or images.shape[0] != n:
+            raise ValueError(f"batch of shape {tuple(images.shape)} does not fit buffers of "
+                             f"{tuple(self.images.shape)}")
+        if n > self.capacity:
+            raise ValueError(f"batch of {n} images exceeds the static buffer of {self.capacity}")
+        self.images[:n].copy_(images)
+        self.labels[:n].copy_(labels)
+        if n < self.capacity:
+            self.images[n:].zero_()
+            self.labels[n:].zero_()
+        self.valid.copy_(torch.arange(self.capacity, device=self.valid.device) < n)
+        return n
+
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class TrainStep:
+    """The training step over a ``StaticBatch``, eager or captured, accumulating epoch metrics
+    (summed loss, correct predictions) on the device inside the step."""
+
+    def __init__(self, step_fn: StepFn, batch: StaticBatch, capture: bool):
+        self.step_fn, self.batch, self.capture = step_fn, batch, capture
+        device = batch.labels.device
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _body(self) -> None:
+        loss, hits = self.step_fn(self.batch.images, self.batch.labels)
+        self.loss_sum.add_(loss)
+        self.correct.add_(hits)
+
+    def warm_up_and_capture(self, warmup_iters: int) -> None:
+        """Run ``warmup_iters`` steps on a side stream (cuDNN autotuning, Triton compilation, the
+        first gradients and allocator growth happen there), then capture one step. The caller
+        restores the model's state afterwards; the metrics are reset here."""
+        if not self.capture:
+            for _ in range(warmup_iters):
+                self._body()
+        else:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(max(warmup_iters, 2)):  # at least 2: the first step allocates grads
+                    self._body()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._body()
+        self.reset_metrics()
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.batch.load(images, labels)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body()
+
+    def reset_metrics(self) -> None:
+        self.loss_sum.zero_()
+        self.correct.zero_()
+
+
+class EvalStep:
+    """Evaluation of one padded batch (``StaticBatch``), eager or captured: sums the loss and the
+    correct predictions of the valid rows. With ``tta`` the logits of each image and its mirror
+    image are averaged."""
+
+    def __init__(self, model: torch.nn.Module, batch: StaticBatch, tta: bool, capture: bool):
+        self.model, self.batch, self.tta, self.capture = model, batch, tta, capture
+        device = batch.labels.device
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    @torch.no_grad()
+    def _body(self) -> None:
+        images, labels, valid = self.batch.images, self.batch.labels, self.batch.valid
+        logits = self.model(images).float()
+        if self.tta:
+            logits = 0.5 * (logits + self.model(images.flip(3)).float())
+        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+        self.loss_sum.add_((loss * valid).sum())
+        self.correct.add_(((logits.argmax(1) == labels) & valid).sum())
+
+    def prepare(self) -> None:
+        """Capture (after two eager warm-up batches on a side stream) when capturing; the
+        model must be in eval mode."""
+        if self.capture and self.graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._body()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._body()
+        self.reset()
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.batch.load(images, labels)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body()
+
+    def reset(self) -> None:
+        self.loss_sum.zero_()
+        self.correct.zero_()

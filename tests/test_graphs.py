@@ -1,0 +1,107 @@
+"""The CUDA-graph module's logic that runs without a GPU: the decision, the device schedule, the
+static buffers, eager train and eval steps over them, and the CPU refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cli import SHORT, run_dirs, run_train
+from conftest import one_line_error
+from fastcifar.config import ConfigError
+from fastcifar.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep, resolve
+from fastcifar.model import ResNet9
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_resolve():
+    assert resolve("auto", CPU) is False and resolve("off", CPU) is False
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        resolve("on", CPU)
+    assert resolve("auto", CUDA) is True and resolve("on", CUDA) is True and resolve("off", CUDA) is False
+    assert resolve("auto", CUDA, world_size=2, comm="ddp") is False
+    with pytest.raises(ConfigError, match="--comm bucketed"):
+        resolve("on", CUDA, world_size=2, comm="ddp")
+    with pytest.raises(ConfigError, match="auto, on or off"):
+        resolve("yes", CPU)
+
+
+def test_device_schedule_steps_on_the_device():
+    sched = DeviceSchedule([0.1, 0.2, 0.3], CPU)
+    lr = torch.zeros(())
+    seen = []
+    for _ in range(4):
+        sched.apply(lr)
+        seen.append(lr.item())
+    assert seen == pytest.approx([0.1, 0.2, 0.3, 0.3])  # past the end: the last value
+    sched.reset()
+    sched.apply(lr)
+    assert lr.item() == pytest.approx(0.1) and sched.counter.item() == 1
+    with pytest.raises(ValueError):
+        DeviceSchedule([], CPU)
+
+
+def test_static_batch_keeps_storage_and_masks_padding():
+    batch = StaticBatch(4, torch.float32, CPU)
+    ptr = batch.images.data_ptr()
+    assert batch.images.is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 32, 32)
+    assert batch.load(x, torch.arange(4)) == 4 and torch.equal(batch.images, x) and batch.valid.all()
+    assert batch.load(x[:3], torch.tensor([7, 8, 9])) == 3
+    assert batch.valid.tolist() == [True, True, True, False]
+    assert not batch.images[3].any() and batch.labels.tolist() == [7, 8, 9, 0]
+    assert batch.images.data_ptr() == ptr, "buffers must never be reallocated"
+    with pytest.raises(ValueError, match="exceeds"):
+        batch.load(torch.randn(5, 3, 32, 32), torch.zeros(5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="does not fit"):
+        batch.load(torch.randn(2, 3, 16, 16), torch.zeros(2, dtype=torch.int64))
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return ResNet9(widths=(4, 8, 8, 8)).to(memory_format=torch.channels_last)
+
+
+def test_eager_train_step_accumulates_metrics():
+    model = tiny_model()
+    calls = []
+
+    def step(images, labels):
+        calls.append(images.data_ptr())
+        logits = model(images)
+        return F.cross_entropy(logits, labels, reduction="sum").detach(), (logits.argmax(1) == labels).sum()
+
+    train = TrainStep(step, StaticBatch(3, torch.float32, CPU), capture=False)
+    x, y = torch.randn(3, 3, 32, 32), torch.tensor([1, 2, 3])
+    train.batch.load(x, y)
+    train.warm_up_and_capture(2)
+    assert len(calls) == 2 and train.loss_sum.item() == 0 and train.graph is None
+    train(x, y)
+    train(x, y)
+    with torch.no_grad():
+        want = 2 * F.cross_entropy(model(x), y, reduction="sum")
+    assert train.loss_sum.item() == pytest.approx(want.item(), rel=1e-5)
+    assert len(set(calls)) == 1, "the step must always read the static buffer"
+
+
+def test_eval_step_with_padded_last_batch_equals_direct_evaluation():
+    model = tiny_model().eval()
+    x, y = torch.randn(11, 3, 32, 32), torch.randint(0, 10, (11,))
+    ev = EvalStep(model, StaticBatch(4, torch.float32, CPU), tta=True, capture=False)
+    ev.prepare()
+    for start in range(0, 11, 4):  # 4 + 4 + 3: the last batch is padded and masked
+        ev(x[start:start + 4], y[start:start + 4])
+    with torch.no_grad():
+        logits = 0.5 * (model(x) + model(x.flip(3)))
+    assert ev.correct.item() == (logits.argmax(1) == y).sum().item()
+    assert ev.loss_sum.item() == pytest.approx(F.cross_entropy(logits, y, reduction="sum").item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_cuda_graphs_on_is_refused_on_cpu(learnable_data, tmp_path):
+    proc = run_train(["--data", learnable_data, "--out-dir", tmp_path / "runs", *SHORT, "--cuda-graphs", "on"])
+    assert proc.returncode == 2
+    assert "--cuda-graphs on needs a CUDA device" in one_line_error(proc.stderr)
+    assert not run_dirs(tmp_path / "runs")
