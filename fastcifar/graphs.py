@@ -103,6 +103,22 @@ class StaticBatch:
         return n
 
 
+def capture(body: Callable[[], None], warmup_iters: int) -> torch.cuda.CUDAGraph:
+    """Run ``body`` ``warmup_iters`` times on a side stream (cuDNN autotuning, Triton compilation,
+    first gradients and allocator growth happen there, as capture requires), then capture it once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_iters):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
 StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -123,22 +139,12 @@ class TrainStep:
         self.correct.add_(hits)
 
     def warm_up_and_capture(self, warmup_iters: int) -> None:
-        """Run ``warmup_iters`` steps on a side stream (cuDNN autotuning, Triton compilation, the
-        first gradients and allocator growth happen there), then capture one step. The caller
-        restores the model's state afterwards; the metrics are reset here."""
-        if not self.capture:
-            for _ in range(warmup_iters):
-                self._body()
+        """Run ``warmup_iters`` steps, then (when capturing) capture one. The caller restores the
+        model's state afterwards; the metrics are reset here."""
+        if self.capture:
+            self.graph = capture(self._body, max(warmup_iters, 2))  # 2: the first step allocates grads
         else:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(max(warmup_iters, 2)):  # at least 2: the first step allocates grads
-                    self._body()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            for _ in range(warmup_iters):
                 self._body()
         self.reset_metrics()
 
@@ -180,16 +186,7 @@ class EvalStep:
         """Capture (after two eager warm-up batches on a side stream) when capturing; the
         model must be in eval mode."""
         if self.capture and self.graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._body()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._body()
+            self.graph = capture(self._body, 2)
         self.reset()
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
