@@ -122,16 +122,39 @@ def capture(body: Callable[[], None], warmup_iters: int) -> torch.cuda.CUDAGraph
 StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-class TrainStep:
-    """The training step over a ``StaticBatch``, eager or captured, accumulating epoch metrics
-    (summed loss, correct predictions) on the device inside the step."""
+class _BatchStep:
+    """A computation over a ``StaticBatch`` that sums a loss and a count of correct predictions
+    into device scalars; run eagerly or, once captured, by replaying its graph."""
 
-    def __init__(self, step_fn: StepFn, batch: StaticBatch, capture: bool):
-        self.step_fn, self.batch, self.capture = step_fn, batch, capture
+    def __init__(self, batch: StaticBatch, capture: bool):
+        self.batch, self.capture = batch, capture
         device = batch.labels.device
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         self.correct = torch.zeros((), dtype=torch.int64, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _body(self) -> None:
+        raise NotImplementedError
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.batch.load(images, labels)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body()
+
+    def reset(self) -> None:
+        self.loss_sum.zero_()
+        self.correct.zero_()
+
+
+class TrainStep(_BatchStep):
+    """The training step: ``step_fn(images, labels) -> (summed loss, correct count)``, which
+    updates the model in place."""
+
+    def __init__(self, step_fn: StepFn, batch: StaticBatch, capture: bool):
+        super().__init__(batch, capture)
+        self.step_fn = step_fn
 
     def _body(self) -> None:
         loss, hits = self.step_fn(self.batch.images, self.batch.labels)
@@ -146,31 +169,16 @@ class TrainStep:
         else:
             for _ in range(warmup_iters):
                 self._body()
-        self.reset_metrics()
-
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        self.batch.load(images, labels)
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self._body()
-
-    def reset_metrics(self) -> None:
-        self.loss_sum.zero_()
-        self.correct.zero_()
+        self.reset()
 
 
-class EvalStep:
-    """Evaluation of one padded batch (``StaticBatch``), eager or captured: sums the loss and the
-    correct predictions of the valid rows. With ``tta`` the logits of each image and its mirror
-    image are averaged."""
+class EvalStep(_BatchStep):
+    """Evaluation of one padded batch: sums the loss and the correct predictions of the valid
+    rows. With ``tta`` the logits of each image and its mirror image are averaged."""
 
     def __init__(self, model: torch.nn.Module, batch: StaticBatch, tta: bool, capture: bool):
-        self.model, self.batch, self.tta, self.capture = model, batch, tta, capture
-        device = batch.labels.device
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        self.correct = torch.zeros((), dtype=torch.int64, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        super().__init__(batch, capture)
+        self.model, self.tta = model, tta
 
     @torch.no_grad()
     def _body(self) -> None:
@@ -188,14 +196,3 @@ class EvalStep:
         if self.capture and self.graph is None:
             self.graph = capture(self._body, 2)
         self.reset()
-
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        self.batch.load(images, labels)
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self._body()
-
-    def reset(self) -> None:
-        self.loss_sum.zero_()
-        self.correct.zero_()

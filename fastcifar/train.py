@@ -147,7 +147,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     for epoch in range(cfg.epochs):
         train_loader.set_epoch(seed, epoch)
         model.train()
-        train_step.reset_metrics()
+        train_step.reset()
         synchronize(ctx.device)
         t0 = time.perf_counter()
         for images, labels in train_loader:
