@@ -53,10 +53,11 @@ def pinned(pad: int, cutout: int, flip: bool, seed: int = 0, size: int = 32):
 
 def test_resolve_loader_explicit_and_auto(monkeypatch):
     assert resolve_loader("torch", "cuda") == ("torch", None)
-    assert resolve_loader("auto", "cpu") == ("torch", None)
     monkeypatch.setattr(dl, "dali_available", lambda: (True, "DALI 9.9"))
     assert resolve_loader("dali", "cuda") == ("dali", None)
-    assert resolve_loader("auto", "cuda") == (dl.AUTO_LOADER["cuda"], None)
+    assert resolve_loader("auto", "cuda:1") == (dl.AUTO_LOADER["cuda"], None)
+    monkeypatch.setitem(dl.AUTO_LOADER, "cpu", "torch")
+    assert resolve_loader("auto", "cpu") == ("torch", None)
     with pytest.raises(ValueError, match="--loader must be one of"):
         resolve_loader("nvidia", "cuda")
 
@@ -75,6 +76,14 @@ def test_dali_available_reports_a_broken_import(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # what a missing package looks like to import
     ok, why = dali_available.__wrapped__()
     assert not ok and "Error: " in why and "nvidia.dali" in why and "\n" not in why
+
+
+def test_constructing_without_dali_raises_one_line(monkeypatch):
+    monkeypatch.setattr(dl, "dali_available", lambda: (False, "OSError: libcudart.so.13: cannot open"))
+    with pytest.raises(DaliUnavailableError, match="NVIDIA DALI cannot be imported .OSError: libcudart"):
+        DaliLoader(random_images(4), np.arange(4), None, 2)
+    with pytest.raises(DaliUnavailableError):
+        decode_jpegs([], "cpu")
 
 
 def test_shard_indices_partition():
