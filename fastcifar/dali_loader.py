@@ -154,8 +154,9 @@ class _InFlight:
             fed = self.depth
             self.pipe.schedule_run()
             self.primed, self.pending = True, self.depth
-        for _ in range(n):
+        else:
             top_up()
+        for _ in range(n):
             outputs = self.pipe.share_outputs(stream)
             self.pending -= 1
             self.pipe.release_outputs()
@@ -204,8 +205,8 @@ class DaliLoader:
                  params_fn: Callable[[int, int, int], AugmentParams] | None = None):
         Pipeline, fn, types = _dali()
         images, labels = _check_images(images, labels)
-        self.device = torch.device(device)
-        device_id = _device_id(self.device)
+        device_id = _device_id(torch.device(device))
+        self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
         self.dtype = dtype or (torch.float16 if self.device.type == "cuda" else torch.float32)
         if self.dtype not in (torch.float16, torch.float32):
             raise TypeError(f"output dtype must be float16 or float32, not {self.dtype}")
