@@ -33,8 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastcifar.augment import augment_reference, draw_params, pad_images  # noqa: E402
-from fastcifar.dali_loader import DaliLoader, dali_available, decode_jpegs, epoch_seed  # noqa: E402
+from fastcifar.dali_loader import DaliLoader, dali_available, decode_jpegs  # noqa: E402
+from fastcifar.loader import TorchLoader  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
 RESULTS = ROOT / "bench" / "results" / "loader.jsonl"
@@ -63,39 +63,12 @@ def pil_decode(encoded: list[bytes]) -> np.ndarray:
 
 
 def torch_loader(images, labels, batch, device, seed):
-    """The torch side: fastcifar.loader.TorchLoader where this branch has it, else the same
-    algorithm from fastcifar.augment (pad once, per batch draw_params on the device + augment_reference)."""
-    try:
-        from fastcifar.loader import TorchLoader
-    except ImportError:
-        return _AugmentLoader(images, labels, batch, device)
+    """The torch side: the trainer's TorchLoader over the whole set as one shard."""
     shard = np.arange(len(images))
     loader = TorchLoader(images, labels, shard, batch, len(shard) // batch, pad=4, pad_mode="reflect", cutout=8,
                          flip=True, dtype=torch.float16 if device.type == "cuda" else torch.float32, device=device)
     loader.set_epoch(seed, 0)
     return loader
-
-
-class _AugmentLoader:
-    def __init__(self, images, labels, batch, device):
-        self.images = pad_images(torch.from_numpy(images).to(device), 4, "reflect")
-        self.labels = torch.from_numpy(labels).to(device)
-        self.batch, self.device = batch, device
-        self.dtype = torch.float16 if device.type == "cuda" else torch.float32
-        self.generator = torch.Generator(device=device)
-
-    def set_epoch(self, run_seed: int, epoch: int) -> None:
-        self.generator.manual_seed(epoch_seed(run_seed, 0, epoch))
-
-    def __len__(self) -> int:
-        return len(self.labels) // self.batch
-
-    def __iter__(self):
-        order = torch.randperm(len(self.labels), generator=self.generator, device=self.device)
-        for step in range(len(self)):
-            idx = order[step * self.batch:(step + 1) * self.batch]
-            p = draw_params(len(idx), 4, 8, self.generator, self.device)
-            yield augment_reference(self.images[idx], p, 8, dtype=self.dtype), self.labels[idx]
 
 
 def make_loader(name, images, labels, batch, device, seed=0):

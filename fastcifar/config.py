@@ -27,7 +27,7 @@ class Config:
     download: bool = False  # fetch official CIFAR-10 into --data when absent (MD5-checked)
     cache_dir: str = ""  # decoded-image cache; "" = next to the data, else ~/.cache/fastcifar
     subset: int = 0  # training images to use, 0 = all; the test set is cut to the same fraction
-    loader: str = "torch"  # torch: augmentation in plain torch ops on device-resident uint8
+    loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: dali if it imports
     # --- model ---
     arch: str = "resnet9"  # network, see fastcifar.model
     widths: tuple = (64, 128, 256, 512)  # channels of prep, layer1, layer2, layer3
@@ -67,7 +67,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 CHOICES = {
-    "loader": ("torch",),
+    "loader": ("auto", "dali", "torch"),
     "arch": ("resnet9",),
     "pad_mode": ("reflect", "zero"),
     "device": ("auto", "cuda", "cpu"),

@@ -30,7 +30,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from .config import ConfigError
 from .augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, draw_params, pad_images
+from .loader import epoch_seed
 
 LOADERS = ("auto", "dali", "torch")
 # What "auto" picks per device type: the faster in bench/bench_loader.py. CPU, measured (2 shared
@@ -40,7 +42,7 @@ AUTO_LOADER = {"cuda": "dali", "cpu": "dali"}
 DECODE_BATCH = 4096  # JPEGs per decode iteration: 15 iterations for the 60,000 images
 
 
-class DaliUnavailableError(RuntimeError):
+class DaliUnavailableError(ConfigError):
     """``--loader dali`` was asked for and DALI cannot be imported here."""
 
 
@@ -80,22 +82,6 @@ def resolve_loader(requested: str, device: torch.device | str) -> tuple[str, str
     if choice == "dali" and not ok:
         return "torch", f"note: DALI unavailable ({why}); using the torch loader"
     return choice, None
-
-
-def shard_indices(n: int, rank: int, world_size: int, seed: int = 0) -> np.ndarray:
-    """The fixed shard of ``rank``: a constant permutation of range(n), every ``world_size``-th.
-
-    Same contract as ``fastcifar.data.shard_indices`` (which the trainer passes in as ``shard``);
-    kept here so this module and its tests stand alone.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
-    return np.sort(np.random.default_rng(seed).permutation(n)[rank::world_size])
-
-
-def epoch_seed(run_seed: int, rank: int, epoch: int) -> int:
-    """One seed per (run seed, rank, epoch): drives the shuffle and the augmentation draws."""
-    return int(np.random.SeedSequence([run_seed, rank, epoch]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 def _device_id(device: torch.device) -> int | None:

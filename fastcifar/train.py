@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import distributed, graphs
 from .config import Config, ConfigError, parse_args, validate
+from .dali_loader import DaliLoader, resolve_loader
 from .data import DataError, load_dataset, shard_indices
 from .graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
 from .loader import EvalSet, TorchLoader
@@ -67,14 +68,17 @@ def train(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set "
                           f"({len(data.train_labels)} images over {ctx.world_size} ranks)")
     shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
-    train_loader = TorchLoader(data.train_images, data.train_labels, shard, per_rank_batch, steps,
-                               pad=cfg.crop_pad, pad_mode=cfg.pad_mode, cutout=cfg.cutout, flip=cfg.flip,
-                               dtype=dtype, device=ctx.device, rank=ctx.rank)
+    loader_name, notice = resolve_loader(cfg.loader, ctx.device)
+    if notice:
+        log.line(notice)
+    train_loader = (DaliLoader if loader_name == "dali" else TorchLoader)(
+        data.train_images, data.train_labels, shard, per_rank_batch, steps, pad=cfg.crop_pad,
+        pad_mode=cfg.pad_mode, cutout=cfg.cutout, flip=cfg.flip, dtype=dtype, device=ctx.device, rank=ctx.rank)
     test_set = EvalSet(data.test_images, data.test_labels, cfg.eval_batch_size, dtype=dtype,
                        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size)
     log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
                "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images",
-               "steps_per_epoch": steps, "per_rank_batch": per_rank_batch})
+               "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "loader": loader_name})
 
     use_graphs = graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)
     results = []
@@ -125,6 +129,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
 
     step = make_step(net, opt, schedule, cfg.label_smoothing)
     train_step = TrainStep(step, StaticBatch(per_rank_batch, dtype, ctx.device), capture=use_graphs)
+    if hasattr(train_loader, "bind_static"):  # DALI writes each batch straight into the step's buffers
+        train_loader.bind_static(train_step.batch.images, train_step.batch.labels)
     eval_step = EvalStep(model, StaticBatch(cfg.eval_batch_size, dtype, ctx.device), cfg.tta, capture=use_graphs)
 
     # Off the clock: warm-up steps (cuDNN's algorithm search, first allocations) and graph capture

@@ -6,7 +6,6 @@ run can show that training learns (accuracy far above the 10% of guessing).
 
 from __future__ import annotations
 
-import io
 import pickle
 import tarfile
 from pathlib import Path

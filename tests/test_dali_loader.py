@@ -18,8 +18,9 @@ import torch
 
 from fastcifar import dali_loader as dl
 from fastcifar.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params, normalize, pad_images, augment_reference
+from fastcifar.data import shard_indices
 from fastcifar.dali_loader import (DaliLoader, DaliUnavailableError, JpegDecodeError, dali_available,
-                                   decode_jpegs, resolve_loader, shard_indices)
+                                   decode_jpegs, resolve_loader)
 
 HAVE_DALI, WHY = dali_available()
 needs_dali = pytest.mark.skipif(not HAVE_DALI, reason=f"DALI unavailable: {WHY}")
@@ -84,14 +85,6 @@ def test_constructing_without_dali_raises_one_line(monkeypatch):
         DaliLoader(random_images(4), np.arange(4), None, 2)
     with pytest.raises(DaliUnavailableError):
         decode_jpegs([], "cpu")
-
-
-def test_shard_indices_partition():
-    shards = [shard_indices(103, r, 4) for r in range(4)]
-    assert sorted(np.concatenate(shards).tolist()) == list(range(103))
-    assert all(np.array_equal(s, shard_indices(103, r, 4)) for r, s in enumerate(shards))
-    with pytest.raises(ValueError, match="rank 4 outside"):
-        shard_indices(10, 4, 4)
 
 
 # ---- the training pipeline ----

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import pickle
-import tarfile
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import (CLASSES, SHARED_JPEG, batch_bytes, make_images, sort_by_label, tar_folder,
+from conftest import (CLASSES, SHARED_JPEG, sort_by_label, tar_folder,
                       write_image_folder, write_official)
 from fastcifar.data import DataError, load_dataset
 from fastcifar.data.official import ARCHIVE_NAME, download

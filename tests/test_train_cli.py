@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 
 import pytest
 
@@ -15,9 +14,10 @@ from fastcifar.report import EPOCH_HEADER, TSV_COLUMNS
 pytestmark = pytest.mark.slow
 
 
-def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path):
+@pytest.mark.parametrize("loader", ["torch", "dali"])
+def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path, loader):
     out = tmp_path / "runs"
-    proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT])
+    proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--loader", loader])
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "" or "Traceback" not in proc.stderr
 
@@ -25,6 +25,7 @@ def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path):
     acc = summary["summary"]["acc_mean"]
     assert acc > 60.0, f"a 4-epoch run on learnable data reached only {acc:.1f}% (guessing: 10%)"
     assert summary["config"]["epochs"] == 4 and summary["device"]["type"] == "cpu"
+    assert summary["loader"] == loader
     assert summary["versions"]["torch"] and "timing_protocol" in summary
     (result,) = summary["results"]
     assert len(result["epochs"]) == 4 and result["train_time"] > 0 and result["wall_time"] > result["train_time"]
