@@ -46,7 +46,6 @@ Odd maps follow ``F.max_pool2d(x, 2)``: the last row/column is dropped from the 
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -56,10 +55,10 @@ import triton.language as tl
 from torch import nn
 
 from fastcifar.model import ACTIVATIONS, POOL_PLACES, activation
+from kernels.checks import check_activation, check_device  # noqa: F401  (re-exported for tests)
 
 ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2}
 MODE_IDS = {None: 0, "before": 1, "after": 2}
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Block sizes: fixed, chosen by arithmetic, NOT yet tuned on a GPU (none was available when written).
 # A tile holds ~4096 elements (32 fp32 registers per thread at 4 warps); the pooled kernels load 4
@@ -410,25 +409,6 @@ def _empty(shape, dtype, device, channels_last: bool = False) -> torch.Tensor:
     if channels_last:
         return torch.empty(shape, dtype=dtype, device=device, memory_format=torch.channels_last)
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _check_device(t: torch.Tensor, name: str) -> None:
-    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{name} is on {t.device}: Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1)")
-
-
-def check_activation(x: torch.Tensor, name: str = "x") -> None:
-    """An NCHW-shaped, channels-last (NHWC in memory), fp16/bf16/fp32 tensor."""
-    if x.dim() != 4:
-        raise ValueError(f"{name} must be 4-D and NCHW-shaped, got shape {tuple(x.shape)}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"{name} must be one of {DTYPES}, got {x.dtype}")
-    if not x.is_contiguous(memory_format=torch.channels_last):
-        raise ValueError(
-            f"{name} must be channels-last contiguous (NHWC in memory), got shape {tuple(x.shape)} with "
-            f"strides {x.stride()}; make it once with .contiguous(memory_format=torch.channels_last) upstream"
-        )
-    _check_device(x, name)
 
 
 def _check_channel_vector(t: Optional[torch.Tensor], name: str, c: int, device) -> None:
