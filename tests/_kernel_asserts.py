@@ -12,6 +12,22 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# @triton.jit chooses interpreter or compiler when a function is defined, triton's own helpers
+# included, so the variable must be set before anything imports triton. If something imported it
+# earlier in this pytest process without the variable, the kernels cannot run on CPU tensors: say so
+# and skip instead of failing with an obscure error deep inside Triton.
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1":
+    import triton.language.standard as _tl_standard
+    from triton.runtime.interpreter import InterpretedFunction as _Interpreted
+
+    if not isinstance(_tl_standard.zeros_like, _Interpreted):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run the kernel tests with "
+                    "TRITON_INTERPRET=1 in the environment or in their own pytest process",
+                    allow_module_level=True)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Interpreter or GPU: without either (TRITON_INTERPRET explicitly off on a CPU machine) skip cleanly.
