@@ -1,0 +1,121 @@
+"""Shared benchmark helpers: CUDA check, timing, the device's copy bandwidth, tables, results files.
+
+Every bench script measures the device-to-device copy bandwidth in the same run (the ceiling its
+GB/s figures are compared with), prints a markdown table, and appends one JSON line per row to
+``bench/results/<name>.jsonl`` with the device, versions, date and git commit.
+
+``--smoke`` (see ``smoke_mode``) runs a script's whole logic on tiny shapes on the CPU under the
+Triton interpreter, timed with perf_counter, writing nothing: it checks the script, not the speed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def smoke_mode(argv: Optional[Sequence[str]] = None) -> bool:
+    """True when --smoke is given; then TRITON_INTERPRET=1 is set (call this before importing triton)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--smoke" in argv:
+        os.environ["TRITON_INTERPRET"] = "1"
+        return True
+    return False
+
+
+def require_cuda(name: str) -> None:
+    """Exit with one clear line and status 2 when there is no CUDA device: no figures are faked."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{name}: no CUDA device here, nothing measured (use --smoke to check the script on CPU)",
+              file=sys.stderr)
+        sys.exit(2)
+
+
+def time_ms(fn: Callable[[], object], smoke: bool = False, grad_to_none=None) -> Dict[str, float]:
+    """Median, 20th and 80th percentile milliseconds of fn() (triton.testing.do_bench on CUDA)."""
+    if smoke:
+        samples = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        samples.sort()
+        return {"median_ms": statistics.median(samples), "p20_ms": samples[0], "p80_ms": samples[-1]}
+    import triton
+
+    med, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none,
+                                            quantiles=[0.5, 0.2, 0.8])
+    return {"median_ms": med, "p20_ms": p20, "p80_ms": p80}
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, smoke: bool = False) -> float:
+    """Measured device-to-device copy bandwidth, GB/s counting the read and the write (2 x nbytes)."""
+    import torch
+
+    if smoke:
+        nbytes = 1 << 20
+    device = "cpu" if smoke else "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src), smoke)["median_ms"]
+    return 2 * nbytes / (t * 1e-3) / 1e9
+
+
+def environment() -> Dict[str, str]:
+    """Device, versions, date and commit: the header of a results row."""
+    import torch
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": str(torch.version.cuda),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+    }
+
+
+def print_header(title: str, env: Dict[str, str], copy_gbs: float) -> None:
+    print(f"## {title}\n")
+    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']} | "
+          f"{env['date']} | commit {env['commit']}")
+    print(f"measured device-to-device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)\n")
+
+
+def markdown_table(rows: List[Dict[str, object]], columns: Sequence[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def append_results(name: str, rows: List[Dict[str, object]], env: Dict[str, str], copy_gbs: float) -> Path:
+    """Append one JSON line per row to bench/results/<name>.jsonl (environment fields on every line)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.jsonl"
+    with path.open("a") as f:
+        for r in rows:
+            f.write(json.dumps({**env, "copy_gbs": round(copy_gbs, 1), **r}) + "\n")
+    return path

@@ -1,0 +1,78 @@
+"""Helpers shared by the kernel tests: where to run, poisoned allocation, comparison that says where.
+
+Imported by tests/test_kernel_*.py (pytest puts tests/ on sys.path). Each test module sets
+TRITON_INTERPRET=1 itself before importing triton when there is no GPU, so plain ``pytest`` on a
+CPU-only CI machine runs the kernels under the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# @triton.jit chooses interpreter or compiler when a function is defined, triton's own helpers
+# included, so the variable must be set before anything imports triton. If something imported it
+# earlier in this pytest process without the variable, the kernels cannot run on CPU tensors: say so
+# and skip instead of failing with an obscure error deep inside Triton.
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1":
+    import triton.language.standard as _tl_standard
+    from triton.runtime.interpreter import InterpretedFunction as _Interpreted
+
+    if not isinstance(_tl_standard.zeros_like, _Interpreted):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run the kernel tests with "
+                    "TRITON_INTERPRET=1 in the environment or in their own pytest process",
+                    allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Interpreter or GPU: without either (TRITON_INTERPRET explicitly off on a CPU machine) skip cleanly.
+needs_triton_backend = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no CUDA device and TRITON_INTERPRET is not 1",
+)
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def poisoned_empty(orig):
+    """Wrap a launcher's ``_empty``: float buffers come back NaN-filled, integer ones -1."""
+
+    def empty(*args, **kwargs):
+        t = orig(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        else:
+            t.fill_(-1)
+        return t
+
+    return empty
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str, rtol: float | None = None) -> None:
+    """|got - ref| <= tol * max(1, max|ref|) + rtol * |ref| elementwise (rtol defaults to tol).
+
+    NaN anywhere in ``got`` (an element the kernel never wrote) fails. The message names the worst
+    element's index, both values, the difference and the number of elements out of tolerance.
+    """
+    got = got.detach().float().cpu()
+    ref = ref.detach().float().cpu()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+    rtol = tol if rtol is None else rtol
+    scale = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
+    atol = tol * scale
+    err = (got - ref).abs()
+    bad = ~(err <= atol + rtol * ref.abs())  # NaN compares False, so it counts as bad
+    if bool(bad.any()):
+        ranked = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
+        i = int(torch.argmax(ranked))
+        where = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), got.shape))
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{got.numel()} elements out of tolerance; worst at index {where}: "
+            f"got {float(got.flatten()[i]):.6g}, reference {float(ref.flatten()[i]):.6g}, "
+            f"|diff| {float(err.flatten()[i]):.3g} > {atol:.3g} + {rtol:.3g}*|ref|"
+        )

@@ -1,0 +1,115 @@
+"""kernels/augment.py against fastcifar.augment.augment_reference: crop, flip, normalize, cutout in
+one pass, from the whole padded data set through an index tensor or from a gathered batch.
+fp32 must be exact (the kernel divides with IEEE rounding like the reference); fp16 within 1 ulp."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from _kernel_asserts import DEVICE, assert_close, needs_triton_backend, poisoned_empty  # noqa: E402
+
+import kernels.augment as am  # noqa: E402
+from fastcifar.augment import AugmentParams, draw_params, pad_images  # noqa: E402
+from kernels.augment import TritonAugment, augment, augment_indexed_reference  # noqa: E402
+
+pytestmark = needs_triton_backend
+CL = torch.channels_last
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(am, "_empty", poisoned_empty(am._empty))
+
+
+def _data(num, pad, mode, seed=0, size=32, channels=3):
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (num, size, size, channels), dtype=torch.uint8, generator=g)
+    return pad_images(images, pad, mode).contiguous().to(DEVICE)
+
+
+def _params(batch, pad, cut, seed, size=32):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return draw_params(batch, pad, cut, g, DEVICE, size=size)
+
+
+def _ulp_fp16(ref):
+    """One fp16 ulp at each reference value (the spacing above |ref|)."""
+    r = ref.abs().half()
+    return (torch.nextafter(r, torch.full_like(r, float("inf"))).float() - r.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("pad, mode, cut, use_index", [
+    (4, "reflect", 8, True), (4, "zero", 12, False), (2, "reflect", 0, True), (0, "zero", 16, False),
+])
+def test_matches_reference(pad, mode, cut, use_index, dtype):
+    data = _data(10, pad, mode, seed=pad + cut)
+    batch = 7
+    index = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(1)).to(DEVICE) if use_index else None
+    params = _params(batch if use_index else 10, pad, cut, seed=cut)
+    got = augment(data, params, cut, dtype=dtype, index=index)
+    ref = augment_indexed_reference(data, params, cut, dtype=dtype, index=index)
+    assert got.dtype == dtype and got.is_contiguous(memory_format=CL) and got.shape == ref.shape
+    where = f"pad={pad} {mode} cutout={cut} index={use_index} {dtype}"
+    if dtype == torch.float32:
+        assert_close(got, ref, 0.0, f"augment {where}")
+    else:
+        err = (got.float() - ref.float()).abs()
+        ulp = _ulp_fp16(ref.float())
+        bad = ~(err <= ulp)
+        assert not bool(bad.any()), (f"augment {where}: {int(bad.sum())} elements more than 1 fp16 ulp off; "
+                                     f"worst |diff| {float(err.max()):.3g}")
+
+
+def test_explicit_parameters_flip_and_corners():
+    """Hand-picked parameters: crop corners, both flips, cutout at both corners."""
+    data = _data(4, 4, "zero", seed=5)
+    t = lambda *v: torch.tensor(v, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    params = AugmentParams(dy=t(0, 8, 8, 3), dx=t(0, 8, 0, 5), flip=t(0, 1, 1, 0), cy=t(0, 24, 0, 11), cx=t(24, 0, 0, 7))
+    got = augment(data, params, 8, dtype=torch.float32)
+    assert_close(got, augment_indexed_reference(data, params, 8), 0.0, "augment with explicit parameters")
+
+
+def test_module_with_device_constants():
+    data = _data(6, 4, "reflect", seed=2)
+    index = torch.tensor([5, 0, 0, 3], device=DEVICE)
+    params = _params(4, 4, 8, seed=3)
+    mod = TritonAugment(8, dtype=torch.float32).to(DEVICE)
+    assert_close(mod(data, params, index), augment_indexed_reference(data, params, 8, index=index), 0.0, "TritonAugment")
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("float_data", ValueError, "uint8"),
+    ("nchw_view", ValueError, "contiguous NHWC"),
+    ("uneven_pad", ValueError, "padded evenly"),
+    ("dtype", TypeError, "output dtype"),
+    ("cutout", ValueError, "cutout must be"),
+    ("params_len", ValueError, "params.cy must be a 1-D tensor of length 4"),
+    ("index_float", TypeError, "index must be one of"),
+])
+def test_launcher_rejects(case, error, message):
+    data = _data(6, 4, "zero")
+    index = torch.tensor([5, 0, 0, 3], device=DEVICE)
+    params = _params(4, 4, 8, seed=3)
+    kw = dict(cutout=8, dtype=torch.float16)
+    if case == "float_data":
+        data = data.float()
+    elif case == "nchw_view":
+        data = data.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)
+    elif case == "uneven_pad":
+        data = data[:, 1:].contiguous()
+    elif case == "dtype":
+        kw["dtype"] = torch.float64
+    elif case == "cutout":
+        kw["cutout"] = 33
+    elif case == "params_len":
+        params = AugmentParams(params.dy, params.dx, params.flip, params.cy[:3], params.cx)
+    elif case == "index_float":
+        index = index.float()
+    with pytest.raises(error) as info:
+        augment(data, params, index=index, **kw)
+    assert message in str(info.value), str(info.value)

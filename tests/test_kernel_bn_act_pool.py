@@ -1,0 +1,305 @@
+"""kernels/bn_act_pool.py against bn_act_pool_reference / NormActPool: outputs, every gradient,
+running statistics, eval mode, odd shapes, ResNet-9 shapes, launcher rejections, a few training steps.
+
+Runs under TRITON_INTERPRET=1 when there is no GPU (set below, before triton is imported), on the
+GPU otherwise. Shapes are small so that the whole file takes seconds on 2 CPU cores.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from _kernel_asserts import DEVICE, assert_close, needs_cuda, needs_triton_backend, poisoned_empty  # noqa: E402
+
+import kernels.bn_act_pool as bap  # noqa: E402
+from fastcifar.model import NormActPool, ResNet9  # noqa: E402
+from kernels.bn_act_pool import (  # noqa: E402
+    TritonNormActPool,
+    bn_act_pool,
+    bn_act_pool_backward,
+    bn_act_pool_forward,
+    bn_act_pool_reference,
+)
+
+pytestmark = needs_triton_backend
+
+# fp32: the kernel and eager differ only in summation order. fp16: eager rounds the activation's
+# gradient to fp16 before the batchnorm backward; the kernel keeps it fp32 (a few fp16 ulps apart).
+TOL = {torch.float32: 3e-5, torch.float16: 1e-2}
+CL = torch.channels_last
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    """Every buffer the launchers allocate starts as NaN (int8 argmax as -1)."""
+    monkeypatch.setattr(bap, "_empty", poisoned_empty(bap._empty))
+
+
+def _inputs(shape, dtype, seed=0, out_pool=None):
+    g = torch.Generator().manual_seed(seed)
+    n, c, h, w = shape
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype).to(DEVICE).contiguous(memory_format=CL)
+    weight = (torch.rand(c, generator=g) + 0.5).to(DEVICE)
+    bias = (torch.randn(c, generator=g) * 0.3).to(DEVICE)
+    rm = (torch.randn(c, generator=g) * 0.1).to(DEVICE)
+    rv = (torch.rand(c, generator=g) + 0.5).to(DEVICE)
+    oh, ow = (h // 2, w // 2) if out_pool else (h, w)
+    dy = torch.randn((n, c, oh, ow), generator=g).to(dtype).to(DEVICE).contiguous(memory_format=CL)
+    return x, weight, bias, rm, rv, dy
+
+
+def _run(fn, x, weight, bias, rm, rv, dy, training, act, pool, momentum=0.1):
+    x = x.clone().requires_grad_()
+    weight = weight.clone().requires_grad_()
+    bias = bias.clone().requires_grad_()
+    rm, rv = rm.clone(), rv.clone()
+    y = fn(x, weight, bias, rm, rv, training, momentum, 1e-5, act, pool)
+    y.backward(dy)
+    return dict(y=y, dx=x.grad, dweight=weight.grad, dbias=bias.grad, running_mean=rm, running_var=rv)
+
+
+def _compare(shape, dtype, act, pool, training=True, seed=0):
+    x, weight, bias, rm, rv, dy = _inputs(shape, dtype, seed, out_pool=pool)
+    ref = _run(bn_act_pool_reference, x, weight, bias, rm, rv, dy, training, act, pool)
+    got = _run(bn_act_pool, x, weight, bias, rm, rv, dy, training, act, pool)
+    where = f"shape={shape} {dtype} act={act} pool={pool} training={training}"
+    assert got["y"].dtype == dtype and got["dx"].dtype == dtype
+    assert got["y"].is_contiguous(memory_format=CL) and got["dx"].is_contiguous(memory_format=CL)
+    for k in ref:
+        # running stats are fp32 sums of fp32-converted inputs in both paths: tight even for fp16
+        tol = 1e-5 if k.startswith("running") else TOL[dtype]
+        assert_close(got[k], ref[k], tol, f"{k} [{where}]")
+
+
+ODD_SHAPES = [(1, 5, 6, 6), (3, 5, 7, 7), (3, 24, 6, 6), (1, 24, 7, 7), (3, 24, 7, 6)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("pool", [None, "before", "after"], ids=["nopool", "before", "after"])
+@pytest.mark.parametrize("act", ["relu", "gelu", "celu"])
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_training_odd_shapes(shape, act, pool, dtype):
+    _compare(shape, dtype, act, pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("pool", [None, "before", "after"], ids=["nopool", "before", "after"])
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("shape", [(3, 5, 7, 7), (1, 24, 6, 6)], ids=lambda s: "x".join(map(str, s)))
+def test_eval_mode_uses_running_stats(shape, act, pool, dtype):
+    _compare(shape, dtype, act, pool, training=False)
+
+
+# The seed ResNet-9's blocks (channels, map, pool) at batch 2, and the fast recipes' pool-before-BN.
+RESNET9_BLOCKS = [
+    (64, 32, None), (128, 32, "after"), (128, 16, None), (256, 16, "after"), (512, 8, "after"), (512, 4, None),
+    (128, 32, "before"), (256, 16, "before"), (512, 8, "before"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("block", RESNET9_BLOCKS, ids=lambda b: f"c{b[0]}-{b[1]}x{b[1]}-{b[2]}")
+def test_resnet9_shapes(block, dtype):
+    c, hw, pool = block
+    _compare((2, c, hw, hw), dtype, "relu", pool, seed=c + hw)
+
+
+def test_bfloat16_smoke():
+    x, weight, bias, rm, rv, dy = _inputs((3, 24, 6, 6), torch.bfloat16, out_pool=None)
+    ref = _run(bn_act_pool_reference, x, weight, bias, rm, rv, dy, True, "relu", None)
+    got = _run(bn_act_pool, x, weight, bias, rm, rv, dy, True, "relu", None)
+    for k in ref:
+        assert_close(got[k], ref[k], 5e-2, f"{k} [bf16]")
+
+
+def test_large_mean_small_variance_fp16():
+    """Welford/Chan statistics: channels at 1500 +- 4 in fp16 keep their variance (naive E[x^2] - E[x]^2
+    in fp32 loses about 1% of it: x^2 ~ 2e6 carries an absolute error of ~0.1 per term)."""
+    g = torch.Generator().manual_seed(3)
+    x = (1500 + 4 * torch.randn((3, 24, 7, 7), generator=g)).half().to(DEVICE).contiguous(memory_format=CL)
+    c = 24
+    w, b = torch.ones(c, device=DEVICE), torch.zeros(c, device=DEVICE)
+    rm_ref, rv_ref = torch.zeros(c, device=DEVICE), torch.ones(c, device=DEVICE)
+    rm, rv = rm_ref.clone(), rv_ref.clone()
+    xf = x.float()
+    y_ref = bn_act_pool_reference(xf, w, b, rm_ref, rv_ref, True, 1.0, 1e-5, "relu", None)
+    y = bn_act_pool(x, w, b, rm, rv, True, 1.0, 1e-5, "relu", None)
+    assert_close(rv, rv_ref, 1e-4, "running_var at mean 1500")
+    assert_close(y, y_ref, 1e-2, "y at mean 1500")
+
+
+def test_running_stats_momentum_and_batches_tracked():
+    torch.manual_seed(0)
+    ref = NormActPool(24, act="relu", pool="after", momentum=0.3).to(DEVICE)
+    mod = TritonNormActPool(24, act="relu", pool="after", momentum=0.3).to(DEVICE)
+    assert list(mod.state_dict().keys()) == list(ref.state_dict().keys())
+    mod.load_state_dict(ref.state_dict())
+    for step in range(3):
+        x = torch.randn(3, 24, 7, 7, device=DEVICE).contiguous(memory_format=CL)
+        assert_close(mod(x), ref(x), 3e-5, f"y step {step}")
+        assert_close(mod.running_mean, ref.running_mean, 1e-5, f"running_mean step {step}")
+        assert_close(mod.running_var, ref.running_var, 1e-5, f"running_var step {step}")
+    assert int(mod.num_batches_tracked) == 3
+    mod.eval()
+    ref.eval()
+    x = torch.randn(3, 24, 7, 7, device=DEVICE).contiguous(memory_format=CL)
+    assert_close(mod(x), ref(x), 3e-5, "y eval")
+    assert int(mod.num_batches_tracked) == 3
+
+
+def test_momentum_none_is_cumulative_average():
+    mod = TritonNormActPool(5, momentum=None).to(DEVICE)
+    ref = torch.nn.BatchNorm2d(5, momentum=None).to(DEVICE)
+    for _ in range(3):
+        x = torch.randn(3, 5, 6, 6, device=DEVICE).contiguous(memory_format=CL)
+        mod(x)
+        ref(x)
+    assert_close(mod.running_mean, ref.running_mean, 1e-5, "running_mean (cumulative)")
+    assert_close(mod.running_var, ref.running_var, 1e-5, "running_var (cumulative)")
+
+
+def test_foreign_gradient_layout():
+    """A gradient that is not channels-last (the expanded one of .sum()) still gives the right result."""
+    x, weight, bias, rm, rv, _ = _inputs((3, 5, 7, 7), torch.float32, out_pool="after")
+    grads = []
+    for fn in (bn_act_pool_reference, bn_act_pool):
+        xx = x.clone().requires_grad_()
+        (fn(xx, weight, bias, rm.clone(), rv.clone(), True, 0.1, 1e-5, "gelu", "after") ** 2).sum().backward()
+        grads.append(xx.grad)
+    assert_close(grads[1], grads[0], 3e-5, "dx with a contiguous (NCHW) incoming gradient")
+
+
+def _good():
+    x = torch.randn(3, 5, 6, 6, device=DEVICE).contiguous(memory_format=CL)
+    vec = lambda: torch.ones(5, device=DEVICE)  # noqa: E731
+    return dict(x=x, weight=vec(), bias=vec(), running_mean=vec(), running_var=vec())
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("nchw", ValueError, "channels-last"),
+    ("3d", ValueError, "4-D"),
+    ("fp64", TypeError, "float64"),
+    ("int", TypeError, "int32"),
+    ("sliced", ValueError, "channels-last"),
+    ("weight_fp16", ValueError, "weight must be a contiguous fp32"),
+    ("bias_shape", ValueError, "bias must be a contiguous fp32 tensor of shape (5,)"),
+    ("no_var", ValueError, "running_var is required"),
+    ("pool_1x1", ValueError, "at least 2x2"),
+    ("one_value", ValueError, "more than 1 value per channel"),
+    ("act", ValueError, "unknown activation"),
+    ("pool", ValueError, "pool must be one of"),
+])
+def test_launcher_rejects(case, error, message):
+    a = _good()
+    kw = dict(training=True, momentum=0.1, eps=1e-5, act="relu", pool=None)
+    if case == "nchw":
+        a["x"] = a["x"].contiguous()
+    elif case == "3d":
+        a["x"] = a["x"][0]
+    elif case == "fp64":
+        a["x"] = a["x"].double()
+    elif case == "int":
+        a["x"] = a["x"].int()
+    elif case == "sliced":
+        a["x"] = torch.randn(3, 10, 6, 6, device=DEVICE).contiguous(memory_format=CL)[:, ::2]
+    elif case == "weight_fp16":
+        a["weight"] = a["weight"].half()
+    elif case == "bias_shape":
+        a["bias"] = torch.ones(6, device=DEVICE)
+    elif case == "no_var":
+        a["running_var"] = None
+    elif case == "pool_1x1":
+        a["x"] = torch.randn(3, 5, 1, 1, device=DEVICE).contiguous(memory_format=CL)
+        kw["pool"] = "after"
+    elif case == "one_value":
+        a["x"] = torch.randn(1, 5, 2, 2, device=DEVICE).contiguous(memory_format=CL)
+        kw["pool"] = "before"
+    elif case == "act":
+        kw["act"] = "tanh"
+    elif case == "pool":
+        kw["pool"] = "around"
+    with pytest.raises(error) as info:
+        bn_act_pool_forward(**a, **kw)
+    assert message in str(info.value), str(info.value)
+
+
+def test_backward_launcher_rejects_wrong_dy():
+    a = _good()
+    y, saved = bn_act_pool_forward(**a, training=True, momentum=0.1, eps=1e-5, act="relu", pool="after")
+    with pytest.raises(ValueError, match="dy must have shape"):
+        bn_act_pool_backward(torch.ones_like(a["x"]), saved, a["weight"], a["bias"], a["x"].shape, True, "relu", "after")
+    with pytest.raises(TypeError, match="dy must be"):
+        bn_act_pool_backward(y.half(), saved, a["weight"], a["bias"], a["x"].shape, True, "relu", "after")
+    with pytest.raises(ValueError, match="channels-last"):
+        bn_act_pool_backward(y.contiguous(), saved, a["weight"], a["bias"], a["x"].shape, True, "relu", "after")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors are fine under the interpreter only")
+def test_cpu_tensor_rejected_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="need a CUDA tensor"):
+        bap.check_activation(_good()["x"])
+
+
+def _model(norm, state):
+    model = ResNet9(norm=norm, widths=(8, 16, 16, 32)).to(DEVICE).to(memory_format=CL)
+    model.load_state_dict(state)
+    return model
+
+
+def _train(model, batches):
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9, weight_decay=5e-4)
+    losses = []
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_resnet9_trains_like_torch_path():
+    """ResNet9(norm=TritonNormActPool) from NormActPool's init: same first-step gradients (fp32, every
+    parameter), then the same loss curve over 4 SGD steps. The curve tolerance is looser (1e-3) than
+    the gradients' because training amplifies the ~1e-6 summation-order differences step by step
+    (measured on CPU: ~2e-6 relative on every gradient of step 1)."""
+    torch.manual_seed(0)
+    state = ResNet9(widths=(8, 16, 16, 32)).state_dict()
+    g = torch.Generator().manual_seed(1)
+    # one batch seen 4 times: the model memorizes it, so the loss must fall
+    batch = (torch.randn(8, 3, 32, 32, generator=g).to(DEVICE).contiguous(memory_format=CL),
+             torch.randint(0, 10, (8,), generator=g).to(DEVICE))
+    batches = [batch] * 4
+
+    grads = []
+    for norm in (NormActPool, TritonNormActPool):
+        model = _model(norm, state)
+        torch.nn.functional.cross_entropy(model(batches[0][0]), batches[0][1]).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    for k, ref in grads[0].items():
+        assert_close(grads[1][k], ref, 1e-4, f"step-1 gradient of {k}", rtol=1e-3)
+
+    ref_model, model = _model(NormActPool, state), _model(TritonNormActPool, state)
+    ref_losses, losses = _train(ref_model, batches), _train(model, batches)
+    assert ref_losses[-1] < ref_losses[0], f"the reference itself did not learn: {ref_losses}"
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-3 * abs(b), f"loss at step {i}: triton {a:.7f} vs torch {b:.7f}; curves {losses} vs {ref_losses}"
+    ref_state = ref_model.state_dict()
+    for k, v in model.state_dict().items():
+        if k.endswith("num_batches_tracked"):  # NormActPool calls F.batch_norm, which does not count batches
+            assert int(v) == 4, f"{k} = {int(v)} after 4 steps"
+            continue
+        assert_close(v, ref_state[k], 1e-3, f"{k} after 4 steps")
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("pool", [None, "before", "after"], ids=["nopool", "before", "after"])
+def test_resnet9_shapes_batch512_fp16_cuda(pool):
+    """Full-size shapes (int32 overflow of element offsets, many stage-1 chunks) on the GPU."""
+    _compare((512, 64 if pool is None else 128, 32, 32), torch.float16, "relu", pool)
