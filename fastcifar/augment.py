@@ -82,8 +82,8 @@ def pad_images(images: torch.Tensor, pad: int, mode: str) -> torch.Tensor:
 
 def normalize(images: torch.Tensor, mean=CIFAR10_MEAN, std=CIFAR10_STD, dtype=torch.float32) -> torch.Tensor:
     """NHWC uint8 -> NCHW-shaped channels-last ``dtype``, (x - mean) / std computed in fp32."""
-    m = torch.tensor(mean, dtype=torch.float32, device=images.device)
-    s = torch.tensor(std, dtype=torch.float32, device=images.device)
+    m = torch.as_tensor(mean, dtype=torch.float32, device=images.device)  # no copy when already there
+    s = torch.as_tensor(std, dtype=torch.float32, device=images.device)
     out = ((images.float() - m) / s).to(dtype)
     return out.permute(0, 3, 1, 2)  # NHWC memory, NCHW shape: channels-last, no copy
 

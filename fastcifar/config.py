@@ -35,7 +35,7 @@ class Config:
     epochs: int = 24  # passes over the training set
     batch_size: int = 512  # images per step, global: split evenly over the ranks
     lr: float = 0.4  # peak, for the mean loss, per 512 images of global batch (linear scaling)
-    warmup_epochs: float = 5.0  # linear from 0 to the peak, then linear to 0 at the last epoch
+    warmup_epochs: float = 5.0  # linear from 0 to the peak, then to 0 at the end; scales with --epochs unless given
     momentum: float = 0.9  # SGD momentum
     nesterov: bool = True  # Nesterov momentum
     weight_decay: float = 5e-4  # per example scale: x per-rank batch on the summed loss
@@ -47,6 +47,7 @@ class Config:
     tta: bool = True  # flip test-time augmentation: logits of image + mirrored image
     # --- engine ---
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
+    kernels: str = "auto"  # triton (fused BN+act+pool, augmentation) | torch (reference) | auto: triton on CUDA
     precision: str = "auto"  # auto (fp16 on cuda, fp32 on cpu) | fp16 | fp32
     comm: str = "ddp"  # gradient averaging over ranks: ddp (stock DistributedDataParallel)
     cuda_graphs: str = "auto"  # capture the train step and eval batch as CUDA graphs: auto (on for CUDA) | on | off
@@ -74,6 +75,7 @@ CHOICES = {
     "precision": ("auto", "fp16", "fp32"),
     "comm": ("ddp",),
     "cuda_graphs": ("auto", "on", "off"),
+    "kernels": ("auto", "triton", "torch"),
 }
 
 
@@ -178,4 +180,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     base = from_preset(known.preset)
     args = vars(build_parser(base).parse_args(argv))
     preset = args.pop("preset")
+    if args["epochs"] != base.epochs and not any(a.startswith("--warmup-epochs") for a in argv):
+        # a shorter (or longer) run keeps the preset's shape: the peak at the same fraction of it
+        args["warmup_epochs"] = base.warmup_epochs * args["epochs"] / base.epochs
     return dataclasses.replace(base, preset=preset, **args)

@@ -1,4 +1,8 @@
-"""The reference loader: device-resident uint8 images, augmented per batch in plain torch ops.
+"""The torch loader: device-resident uint8 images, augmented per batch on the device.
+
+With ``kernels="torch"`` each batch goes through ``fastcifar.augment.augment_reference`` (plain
+torch ops, the reference); with ``kernels="triton"`` through one fused Triton kernel that reads
+the padded set in place (``kernels/augment.py``).
 
 The training shard is copied to the device once and padded once (50,000 x 40 x 40 x 3 bytes =
 240 MB for the whole set), so an epoch moves no data from the host: each batch is a gather of
@@ -24,7 +28,7 @@ class TorchLoader:
     def __init__(self, images: np.ndarray, labels: np.ndarray, shard: np.ndarray, batch_size: int,
                  steps_per_epoch: int, *, pad: int, pad_mode: str, cutout: int, flip: bool,
                  dtype: torch.dtype, device: torch.device, rank: int = 0,
-                 mean=CIFAR10_MEAN, std=CIFAR10_STD):
+                 mean=CIFAR10_MEAN, std=CIFAR10_STD, kernels: str = "torch"):
         if steps_per_epoch * batch_size > len(shard):
             raise ValueError(f"{steps_per_epoch} steps of {batch_size} need {steps_per_epoch * batch_size} "
                              f"images, the shard has {len(shard)}")
@@ -33,7 +37,12 @@ class TorchLoader:
         self.batch_size, self.steps = batch_size, steps_per_epoch
         self.pad, self.cutout, self.flip = pad, cutout, flip
         self.dtype, self.device, self.rank = dtype, device, rank
-        self.mean, self.std = mean, std
+        self.mean = torch.tensor(mean, dtype=torch.float32, device=device)  # once, not per batch
+        self.std = torch.tensor(std, dtype=torch.float32, device=device)
+        self.fused = None
+        if kernels == "triton":  # one Triton pass from the padded set: gather, crop, flip, normalize, cutout
+            from kernels.augment import TritonAugment
+            self.fused = TritonAugment(cutout, mean, std, dtype).to(device)
         self.generator = torch.Generator(device=device)
         self.set_epoch(0, 0)
 
@@ -48,8 +57,11 @@ class TorchLoader:
         for step in range(self.steps):
             idx = order[step * self.batch_size:(step + 1) * self.batch_size]
             params = draw_params(len(idx), self.pad, self.cutout, self.generator, self.device, flip=self.flip)
-            yield (augment_reference(self.images[idx], params, self.cutout, self.mean, self.std, self.dtype),
-                   self.labels[idx])
+            if self.fused is not None:
+                images = self.fused(self.images, params, index=idx)
+            else:
+                images = augment_reference(self.images[idx], params, self.cutout, self.mean, self.std, self.dtype)
+            yield images, self.labels[idx]
 
 
 class EvalSet:

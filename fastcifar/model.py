@@ -7,6 +7,7 @@ touching the network's definition. Tensors are NCHW-shaped and channels-last in 
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
@@ -46,6 +47,8 @@ class NormActPool(nn.BatchNorm2d):
         self.pool = pool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.num_batches_tracked.add_(1)  # as nn.BatchNorm2d does, so both kernel paths' states agree
         if self.pool == "before":
             x = F.max_pool2d(x, 2)
         x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
@@ -60,6 +63,26 @@ class NormActPool(nn.BatchNorm2d):
 
 
 NormFactory = Callable[..., nn.Module]
+KERNELS = ("auto", "triton", "torch")
+
+
+def resolve_kernels(requested: str, device: torch.device) -> str:
+    """``auto`` is Triton on CUDA and the torch reference on the CPU. Triton on the CPU runs in
+    Triton's interpreter (correct, slow: for tests), switched on here before triton is imported."""
+    if requested not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, not {requested!r}")
+    kernels = ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
+    if kernels == "triton" and device.type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return kernels
+
+
+def norm_factory(kernels: str) -> NormFactory:
+    """The NormActPool implementation of a kernel path (``resolve_kernels``' answer)."""
+    if kernels == "triton":
+        from kernels.bn_act_pool import TritonNormActPool  # imported late: see resolve_kernels
+        return TritonNormActPool
+    return NormActPool
 
 
 class ConvBlock(nn.Module):

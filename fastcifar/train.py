@@ -28,7 +28,7 @@ from .dali_loader import DaliLoader, resolve_loader
 from .data import DataError, load_dataset, shard_indices
 from .graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
 from .loader import EvalSet, TorchLoader
-from .model import NormActPool, ResNet9
+from .model import ResNet9, norm_factory, resolve_kernels
 from .optim import NesterovSGD, warmup_decay_lr
 from .report import EpochRecord, RunLog, RunResult, device_info, process_start_time, versions
 
@@ -68,17 +68,23 @@ def train(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set "
                           f"({len(data.train_labels)} images over {ctx.world_size} ranks)")
     shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
+    kernels = resolve_kernels(cfg.kernels, ctx.device)
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
     if notice:
         log.line(notice)
-    train_loader = (DaliLoader if loader_name == "dali" else TorchLoader)(
-        data.train_images, data.train_labels, shard, per_rank_batch, steps, pad=cfg.crop_pad,
-        pad_mode=cfg.pad_mode, cutout=cfg.cutout, flip=cfg.flip, dtype=dtype, device=ctx.device, rank=ctx.rank)
+    augment = dict(pad=cfg.crop_pad, pad_mode=cfg.pad_mode, cutout=cfg.cutout, flip=cfg.flip, dtype=dtype,
+                   device=ctx.device, rank=ctx.rank)
+    if loader_name == "dali":
+        train_loader = DaliLoader(data.train_images, data.train_labels, shard, per_rank_batch, steps, **augment)
+    else:
+        train_loader = TorchLoader(data.train_images, data.train_labels, shard, per_rank_batch, steps,
+                                   kernels=kernels, **augment)
     test_set = EvalSet(data.test_images, data.test_labels, cfg.eval_batch_size, dtype=dtype,
                        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size)
     log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
                "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images",
-               "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "loader": loader_name})
+               "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "loader": loader_name,
+               "kernels": kernels})
 
     use_graphs = graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)
     results = []
@@ -91,7 +97,7 @@ def train(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
 
 
 def build_model(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    model = ResNet9(widths=cfg.widths, norm=NormActPool)
+    model = ResNet9(widths=cfg.widths, norm=norm_factory(resolve_kernels(cfg.kernels, device)))
     model = model.to(device=device, memory_format=torch.channels_last)
     if dtype == torch.float16:
         model.half()

@@ -101,6 +101,19 @@ def test_loader_epochs_shapes_and_shuffles():
     assert not torch.equal(first[0][0], other[0][0]), "a new epoch must reshuffle"
 
 
+def test_loader_with_triton_kernels_equals_the_reference():
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)
+    make = lambda kernels: TorchLoader(images, np.arange(6), np.arange(6), 3, 2, pad=4, pad_mode="reflect",  # noqa
+                                       cutout=8, flip=True, dtype=torch.float32, device=torch.device("cpu"),
+                                       kernels=kernels)
+    fused, ref = make("triton"), make("torch")
+    assert fused.fused is not None and ref.fused is None
+    for (a, ya), (b, yb) in zip(fused, ref):  # same seed: same order and parameters
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        assert torch.equal(ya, yb)
+
+
 def test_loader_rejects_too_many_steps():
     with pytest.raises(ValueError, match="need 30 images"):
         TorchLoader(np.zeros((10, 32, 32, 3), np.uint8), np.zeros(10, np.int64), np.arange(10), 10, 3,

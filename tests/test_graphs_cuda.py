@@ -26,9 +26,7 @@ def batches(n, seed=0):
 
 def trained(capture: bool, kernels: str = "torch"):
     torch.manual_seed(0)
-    cfg = Config(widths=(32, 64, 128, 256))
-    if hasattr(cfg, "kernels"):
-        cfg.kernels = kernels
+    cfg = Config(widths=(32, 64, 128, 256), kernels=kernels)
     model = build_model(cfg, torch.device("cuda"), torch.float16)
     opt = NesterovSGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=5e-4 * BATCH)
     schedule = DeviceSchedule([0.4 / BATCH * (i + 1) / STEPS for i in range(STEPS)], torch.device("cuda"))
@@ -50,8 +48,6 @@ def trained(capture: bool, kernels: str = "torch"):
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_graphed_training_matches_eager(kernels):
-    if kernels == "triton" and not hasattr(Config(), "kernels"):
-        pytest.skip("no --kernels option in this build")
     eager, _ = trained(False, kernels)
     graphed, step = trained(True, kernels)
     assert step.graph is not None

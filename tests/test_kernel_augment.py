@@ -2,12 +2,9 @@
 one pass, from the whole padded data set through an index tensor or from a gathered batch.
 fp32 must be exact (the kernel divides with IEEE rounding like the reference); fp16 within 1 ulp."""
 
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 from _kernel_asserts import DEVICE, assert_close, needs_triton_backend, poisoned_empty  # noqa: E402

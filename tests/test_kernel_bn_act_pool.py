@@ -5,12 +5,9 @@ Runs under TRITON_INTERPRET=1 when there is no GPU (set below, before triton is 
 GPU otherwise. Shapes are small so that the whole file takes seconds on 2 CPU cores.
 """
 
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 from _kernel_asserts import DEVICE, assert_close, needs_cuda, needs_triton_backend, poisoned_empty  # noqa: E402

@@ -1,12 +1,9 @@
 """kernels/cutout.py against cutout_reference: output and gradient, odd shapes, clipping at the
 border, NaN-poisoned outputs, launcher rejections. Interpreter on CPU, the GPU when there is one."""
 
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 from _kernel_asserts import DEVICE, assert_close, needs_triton_backend, poisoned_empty  # noqa: E402

@@ -68,3 +68,17 @@ def test_norm_act_pool_rejects_unknown_options():
         NormActPool(4, act="swish")
     with pytest.raises(ValueError, match="pool must be one of"):
         NormActPool(4, pool="middle")
+
+
+def test_kernel_paths_resolve_and_build(monkeypatch):
+    from fastcifar.model import norm_factory, resolve_kernels
+    from kernels.bn_act_pool import TritonNormActPool
+    assert resolve_kernels("auto", torch.device("cpu")) == "torch"
+    assert resolve_kernels("auto", torch.device("cuda")) == "triton"
+    assert resolve_kernels("triton", torch.device("cpu")) == "triton"
+    model = ResNet9(widths=(4, 8, 8, 8), norm=norm_factory("triton"))
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(isinstance(m, TritonNormActPool) for m in norms)
+    assert set(model.state_dict()) == set(ResNet9(widths=(4, 8, 8, 8)).state_dict())
+    with pytest.raises(ValueError):
+        resolve_kernels("cuda", torch.device("cpu"))

@@ -67,6 +67,12 @@ def test_help_lists_every_field():
     assert "--preset" in text and "per 512 images" in text  # the units from the config's comments
 
 
+def test_warmup_scales_with_epochs_unless_given():
+    assert parse_args(["--epochs", "12"]).warmup_epochs == pytest.approx(2.5)
+    assert parse_args(["--epochs", "12", "--warmup-epochs", "1"]).warmup_epochs == 1.0
+    assert parse_args([]).warmup_epochs == 5.0
+
+
 def test_overrides_and_presets():
     cfg = parse_args(["--epochs", "3", "--no-tta", "--widths", "8,16,32,64", "--lr", "0.2"])
     assert (cfg.epochs, cfg.tta, cfg.widths, cfg.lr, cfg.preset) == (3, False, (8, 16, 32, 64), 0.2, "resnet9")
