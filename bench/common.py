@@ -119,3 +119,16 @@ def append_results(name: str, rows: List[Dict[str, object]], env: Dict[str, str]
         for r in rows:
             f.write(json.dumps({**env, "copy_gbs": round(copy_gbs, 1), **r}) + "\n")
     return path
+
+
+def matmul_tflops(n: int = 8192, smoke: bool = False) -> float:
+    """Measured dense fp16 matrix-product rate, TFLOP/s (random data: zeros run faster)."""
+    import torch
+
+    if smoke:
+        n = 256
+    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.float16)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t = time_ms(lambda: a @ b, smoke)["median_ms"]
+    return 2 * n ** 3 / (t * 1e-3) / 1e12
