@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import distributed
+from . import distributed, profiling, recipe
 from .config import Config, ConfigError, parse_args, validate
 from .data import DataError, load_dataset, shard_indices
 from .loader import EvalSet, TorchLoader
-from .model import NormActPool, ResNet9
+from .model import NormActPool
 from .optim import NesterovSGD, warmup_decay_lr
 from .report import EpochRecord, RunLog, RunResult, device_info, process_start_time, versions
+from .tta import tta_logits
 
 PROCESS_START = process_start_time()
 
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             distributed.teardown(ctx)
 
 
-def train(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
+def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> list[RunResult]:
+    """``cfg.runs`` runs, logged and summarized; ``warmup_runs`` whole runs before them that are
+    neither logged nor returned (bench/bench_train.py: caches, clocks and allocator settle)."""
     log = RunLog(cfg, cfg.out_dir, enabled=ctx.is_main)
     half = cfg.precision == "fp16" or (cfg.precision == "auto" and ctx.device.type == "cuda")
     dtype = torch.float16 if half else torch.float32
@@ -67,13 +70,15 @@ def train(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
     shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
     train_loader = TorchLoader(data.train_images, data.train_labels, shard, per_rank_batch, steps,
                                pad=cfg.crop_pad, pad_mode=cfg.pad_mode, cutout=cfg.cutout, flip=cfg.flip,
-                               dtype=dtype, device=ctx.device, rank=ctx.rank)
+                               dtype=dtype, device=ctx.device, rank=ctx.rank, flip_mode=cfg.flip_mode)
     test_set = EvalSet(data.test_images, data.test_labels, cfg.eval_batch_size, dtype=dtype,
                        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size)
     log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
                "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images",
                "steps_per_epoch": steps, "per_rank_batch": per_rank_batch})
 
+    for _ in range(warmup_runs):  # seed seed+runs: one no measured run uses
+        train_one_run(cfg, ctx, 0, cfg.seed + cfg.runs, dtype, train_loader, test_set, RunLog(cfg, "", False))
     results = []
     for run in range(1, cfg.runs + 1):
         results.append(train_one_run(cfg, ctx, run, cfg.seed + run - 1, dtype, train_loader, test_set, log))
@@ -83,7 +88,7 @@ def train(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
 
 
 def build_model(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    model = ResNet9(widths=cfg.widths, norm=NormActPool)
+    model = recipe.make_network(cfg, norm=NormActPool)
     model = model.to(device=device, memory_format=torch.channels_last)
     if dtype == torch.float16:
         model.half()
@@ -101,17 +106,24 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log) -> Ru
     # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
     per_rank_batch = train_loader.batch_size
     peak = cfg.lr * cfg.batch_size / 512 / per_rank_batch
-    opt = NesterovSGD(model.parameters(), lr=0.0, momentum=cfg.momentum,
+    opt = NesterovSGD(recipe.param_groups(model, cfg, per_rank_batch), lr=0.0, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay * per_rank_batch, nesterov=cfg.nesterov)
     steps = len(train_loader)
+    push, pop = profiling.markers(cfg.nvtx)  # NVTX ranges for nsys; no-ops unless --nvtx on CUDA
 
     def step(images, labels, lr):
         opt.set_lr(lr)
+        push("forward")
         logits = net(images)
         loss = F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=cfg.label_smoothing)
+        pop()
+        push("backward")  # with --comm ddp the gradient all-reduce runs inside backward, on its own stream
         loss.backward()
+        pop()
+        push("optimizer")
         opt.step()
         opt.zero_grad()
+        pop()
         return loss.detach(), (logits.argmax(1) == labels).sum()
 
     # Warm-up: cuDNN's algorithm search and the allocator's first allocations stay off the clock;
@@ -125,6 +137,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log) -> Ru
         model.load_state_dict(initial)
         opt.reset_state()
 
+    hooks = recipe.RunHooks(cfg, model, opt, train_loader, ctx)  # whitening init, bias freeze, lookahead
+    window = profiling.StepWindow(cfg.profile_steps if run == 1 else "")  # nsys capture range, profiler steps
     total_train_time = 0.0
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     for epoch in range(cfg.epochs):
@@ -134,11 +148,16 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log) -> Ru
         correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
         synchronize(ctx.device)
         t0 = time.perf_counter()
-        for i, (images, labels) in enumerate(train_loader):
-            lr = warmup_decay_lr(epoch + (i + 1) / steps, cfg.epochs, cfg.warmup_epochs, peak)
+        hooks.epoch_start(epoch)  # on the clock: epoch 0's data-dependent init reads training images
+        for i, (images, labels) in enumerate(profiling.ranged(train_loader, "data", push, pop)):
+            lr = warmup_decay_lr(epoch + (i + 1) / steps, cfg.epochs, cfg.warmup_epochs, peak,
+                                 cfg.lr_start, cfg.lr_end)
             loss, hits = step(images, labels, lr)
             loss_sum += loss
             correct += hits
+            hooks.after_step()
+            window.boundary()
+        hooks.epoch_end(epoch)
         synchronize(ctx.device)
         epoch_time = time.perf_counter() - t0
         total_train_time += epoch_time
@@ -155,6 +174,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log) -> Ru
                              total_train_time=total_train_time)
         result.epochs.append(record)
         log.epoch(record)
+    window.close()
     result.test_acc = result.epochs[-1].test_acc
     result.train_time = total_train_time
     result.wall_time = time.time() - PROCESS_START
@@ -162,16 +182,14 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log) -> Ru
 
 
 @torch.no_grad()
-def evaluate(model, test_set: EvalSet, tta: bool, ctx) -> tuple[float, float]:
-    """Test loss and accuracy (%) over all ranks' slices; with ``tta`` the logits of each image
-    and its mirror image are summed."""
+def evaluate(model, test_set: EvalSet, tta: int, ctx) -> tuple[float, float]:
+    """Test loss and accuracy (%) over all ranks' slices, with test-time augmentation level
+    ``tta`` (fastcifar.tta: 0 none, 1 flip, 2 flip and 1-px shifts)."""
     model.eval()
     loss = torch.zeros((), device=ctx.device)
     correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
     for images, labels in test_set:
-        logits = model(images).float()
-        if tta:
-            logits = 0.5 * (logits + model(images.flip(3)).float())
+        logits = tta_logits(model, images, tta)
         loss += F.cross_entropy(logits, labels, reduction="sum")
         correct += (logits.argmax(1) == labels).sum()
     total_loss, total_correct, count = distributed.all_sum(
