@@ -88,7 +88,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
                "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images",
                "steps_per_epoch": steps, "per_rank_batch": per_rank_batch})
 
-    for _ in range(warmup_runs):  # seed seed+runs: one no measured run uses
+    for _ in range(warmup_runs):  # seed + runs: a seed no measured run uses
         train_one_run(cfg, ctx, 0, cfg.seed + cfg.runs, dtype, train_loader, test_set, RunLog(cfg, "", False))
     results = []
     for run in range(1, cfg.runs + 1):
