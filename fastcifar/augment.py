@@ -6,7 +6,8 @@ image, in output coordinates:
 
 1. pad the 32x32 uint8 image by ``pad`` pixels on each side (reflect or zero padding);
 2. take the 32x32 window whose top-left corner is (dy, dx) in the padded image, 0 <= dy, dx <= 2*pad;
-3. mirror it left-right if ``flip``;
+3. mirror it left-right if ``flip`` (drawn at random per image, or alternating: see
+   ``alternating_flip``);
 4. normalize per channel: (x - mean) / std, in fp32, then cast to the output dtype;
 5. zero the ``cutout`` x ``cutout`` square whose top-left corner is (cy, cx), fully inside the image
    (0 <= cy, cx <= 32 - cutout). Zero after normalization is the data set's mean colour.
@@ -37,6 +38,9 @@ class AugmentParams:
     cx: torch.Tensor  # cutout left column in the output image, 0..size-cutout
 
 
+FLIP_MODES = ("random", "alternate")
+
+
 def draw_params(
     batch: int,
     pad: int,
@@ -45,24 +49,62 @@ def draw_params(
     device: torch.device | str,
     size: int = 32,
     flip: bool = True,
+    *,
+    flip_mode: str = "random",
+    index: torch.Tensor | None = None,
+    epoch: int = 0,
+    seed: int = 0,
 ) -> AugmentParams:
     """Draw one batch of parameters on ``device`` (the generator must live on that device).
 
     Every parameter is uniform over its range; ``cutout=0`` and ``flip=False`` give all-zero
-    columns that the augmentation then ignores.
+    columns that the augmentation then ignores. ``flip_mode="alternate"`` replaces the random
+    flip by ``alternating_flip(index, epoch, seed)``: ``index`` holds the batch's data-set
+    indices (int64, on ``device``). The other parameters' draws are the same in both modes.
     """
+    if flip_mode not in FLIP_MODES:
+        raise ValueError(f"flip mode must be one of {FLIP_MODES}, not {flip_mode!r}")
 
     def uniform(high: int) -> torch.Tensor:  # integers in [0, high]
         return torch.randint(0, high + 1, (batch,), generator=generator, device=device)
 
     zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+    if not flip:
+        flips = zeros
+    elif flip_mode == "random":
+        flips = uniform(1)
+    else:
+        if index is None or index.shape != (batch,):
+            raise ValueError(f"alternating flips need the batch's {batch} data-set indices")
+        flips = alternating_flip(index, epoch, seed)
     return AugmentParams(
         dy=uniform(2 * pad) if pad else zeros,
         dx=uniform(2 * pad) if pad else zeros,
-        flip=uniform(1) if flip else zeros,
+        flip=flips,
         cy=uniform(size - cutout) if cutout else zeros,
         cx=uniform(size - cutout) if cutout else zeros,
     )
+
+
+# Knuth's multiplicative hash constant (2^32 / golden ratio): consecutive indices land far apart.
+_HASH_MUL = 2654435761
+_MASK32 = (1 << 32) - 1
+
+
+def alternating_flip(index: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
+    """Deterministic flips that alternate per image across epochs: 1 = mirror, int64 like ``index``.
+
+    Image ``i`` is mirrored in epoch ``e`` iff ``coin(i, seed) XOR (e odd)``, where ``coin`` is a
+    hash bit, so over any two consecutive epochs every image is seen once each way (random flips
+    repeat an orientation half the time) and about half the images are mirrored in each epoch.
+    Depends only on the data-set index, the run seed and the epoch: every loader (torch, Triton,
+    DALI) and every rank count agree. Integer arithmetic stays below 2^63 for indices < 2^31.
+    """
+    salt = (seed * 0x9E3779B1 + 0x7F4A7C15) & _MASK32
+    h = (index.to(torch.int64) * _HASH_MUL + salt) & _MASK32
+    h = (h ^ (h >> 15)) * 0x2C1B3C6D & _MASK32  # one more mix: the top bit depends on every index bit
+    coin = (h >> 31) & 1
+    return coin ^ (epoch & 1)
 
 
 def pad_images(images: torch.Tensor, pad: int, mode: str) -> torch.Tensor:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError
-from .augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, draw_params, pad_images
+from .augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, draw_params, normalize, pad_images
 from .loader import epoch_seed
 
 LOADERS = ("auto", "dali", "torch")
@@ -187,7 +187,7 @@ class DaliLoader:
                  steps_per_epoch: int | None = None, *, pad: int = 4, pad_mode: str = "reflect",
                  cutout: int = 8, flip: bool = True, dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu", rank: int = 0, mean=CIFAR10_MEAN, std=CIFAR10_STD,
-                 seed: int = 0, prefetch: int = 2, num_threads: int = 2,
+                 seed: int = 0, prefetch: int = 2, num_threads: int = 2, flip_mode: str = "random",
                  params_fn: Callable[[int, int, int], AugmentParams] | None = None):
         Pipeline, fn, types = _dali()
         images, labels = _check_images(images, labels)
@@ -215,7 +215,9 @@ class DaliLoader:
 
         self.batch_size, self.steps, self.size = batch_size, steps, size
         self.pad, self.cutout, self.flip, self.rank = pad, cutout, flip, rank
-        self.params_fn = params_fn
+        self.params_fn, self.flip_mode = params_fn, flip_mode
+        self.mean, self.std = mean, std
+        self.shard_index = shard_t.cpu()  # data-set index of each slot: alternating flips hash it
         # gather the shard first (the shard is 1/world of the set), pad once: every batch is a gather
         shard_t = shard_t.to(images.device)
         self.images = pad_images(images[shard_t].to(self.device), pad, pad_mode).contiguous()
@@ -254,6 +256,12 @@ class DaliLoader:
     def __len__(self) -> int:
         return self.steps
 
+    def plain_images(self, n: int) -> torch.Tensor:
+        """The shard's first ``n`` images un-augmented, normalized, fp32, NCHW-shaped (channels-last):
+        what a data-dependent init (the whitening conv) reads; the same as TorchLoader's."""
+        centre = self.images[:n, self.pad:self.pad + self.size, self.pad:self.pad + self.size]
+        return normalize(centre, self.mean, self.std, torch.float32)
+
     def set_epoch(self, run_seed: int, epoch: int) -> None:
         """Select the shuffle and augmentation draws of ``epoch`` of the run seeded ``run_seed``."""
         self._run_seed, self.epoch = run_seed, epoch
@@ -280,7 +288,9 @@ class DaliLoader:
         n = self.steps * self.batch_size
         order = torch.randperm(len(self.labels), generator=g)[:n]
         if self.params_fn is None:
-            p = draw_params(n, self.pad, self.cutout, g, "cpu", size=self.size, flip=self.flip)
+            p = draw_params(n, self.pad, self.cutout, g, "cpu", size=self.size, flip=self.flip,
+                            flip_mode=self.flip_mode, index=self.shard_index[order], epoch=self.epoch,
+                            seed=self._run_seed)
         else:
             batches = [self._checked(self.params_fn(self.epoch, s, self.batch_size)) for s in range(self.steps)]
             p = AugmentParams(*(torch.cat([getattr(b, f) for b in batches]) for f in ("dy", "dx", "flip", "cy", "cx")))

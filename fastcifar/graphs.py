@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from .config import ConfigError
+from .tta import tta_logits
 
 
 def resolve(setting: str, device: torch.device, world_size: int = 1, comm: str = "") -> bool:
@@ -176,18 +177,17 @@ class TrainStep(_BatchStep):
 
 class EvalStep(_BatchStep):
     """Evaluation of one padded batch: sums the loss and the correct predictions of the valid
-    rows. With ``tta`` the logits of each image and its mirror image are averaged."""
+    rows, with test-time augmentation level ``tta`` (``fastcifar.tta``: 0 none, 1 flip, 2 flip
+    and 1-pixel shifts)."""
 
-    def __init__(self, model: torch.nn.Module, batch: StaticBatch, tta: bool, capture: bool):
+    def __init__(self, model: torch.nn.Module, batch: StaticBatch, tta: int, capture: bool):
         super().__init__(batch, capture)
         self.model, self.tta = model, tta
 
     @torch.no_grad()
     def _body(self) -> None:
         images, labels, valid = self.batch.images, self.batch.labels, self.batch.valid
-        logits = self.model(images).float()
-        if self.tta:
-            logits = 0.5 * (logits + self.model(images.flip(3)).float())
+        logits = tta_logits(self.model, images, self.tta)
         loss = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
         self.loss_sum.add_((loss * valid).sum())
         self.correct.add_(((logits.argmax(1) == labels) & valid).sum())

@@ -28,12 +28,14 @@ class TorchLoader:
     def __init__(self, images: np.ndarray, labels: np.ndarray, shard: np.ndarray, batch_size: int,
                  steps_per_epoch: int, *, pad: int, pad_mode: str, cutout: int, flip: bool,
                  dtype: torch.dtype, device: torch.device, rank: int = 0,
-                 mean=CIFAR10_MEAN, std=CIFAR10_STD, kernels: str = "torch"):
+                 mean=CIFAR10_MEAN, std=CIFAR10_STD, flip_mode: str = "random", kernels: str = "torch"):
         if steps_per_epoch * batch_size > len(shard):
             raise ValueError(f"{steps_per_epoch} steps of {batch_size} need {steps_per_epoch * batch_size} "
                              f"images, the shard has {len(shard)}")
         self.images = pad_images(torch.from_numpy(images[shard]).to(device), pad, pad_mode)
         self.labels = torch.from_numpy(labels[shard]).to(device)
+        self.index = torch.from_numpy(shard).to(device=device, dtype=torch.int64)  # data-set index per slot
+        self.flip_mode = flip_mode
         self.batch_size, self.steps = batch_size, steps_per_epoch
         self.pad, self.cutout, self.flip = pad, cutout, flip
         self.dtype, self.device, self.rank = dtype, device, rank
@@ -48,15 +50,25 @@ class TorchLoader:
 
     def set_epoch(self, run_seed: int, epoch: int) -> None:
         self.generator.manual_seed(epoch_seed(run_seed, self.rank, epoch))
+        self.run_seed, self.epoch = run_seed, epoch
 
     def __len__(self) -> int:
         return self.steps
+
+    def plain_images(self, n: int) -> torch.Tensor:
+        """The shard's first ``n`` images un-augmented (the centre of the padded copy), normalized,
+        fp32, NCHW-shaped: the data a data-dependent init (the whitening conv) reads."""
+        size = self.images.shape[1] - 2 * self.pad
+        centre = self.images[:n, self.pad:self.pad + size, self.pad:self.pad + size]
+        return normalize(centre, self.mean, self.std, torch.float32)
 
     def __iter__(self):
         order = torch.randperm(len(self.labels), generator=self.generator, device=self.device)
         for step in range(self.steps):
             idx = order[step * self.batch_size:(step + 1) * self.batch_size]
-            params = draw_params(len(idx), self.pad, self.cutout, self.generator, self.device, flip=self.flip)
+            params = draw_params(len(idx), self.pad, self.cutout, self.generator, self.device, flip=self.flip,
+                                 flip_mode=self.flip_mode, index=self.index[idx], epoch=self.epoch,
+                                 seed=self.run_seed)
             if self.fused is not None:
                 images = self.fused(self.images, params, index=idx)
             else:

@@ -3,7 +3,8 @@
 ``torch.optim.SGD`` reads a float learning rate on the host (and a tensor one through ``.item()``
 on its foreach path), which a captured CUDA graph cannot replay with a changing rate. This one
 keeps the rate in a 0-dim tensor on the parameters' device and does the whole update with
-``torch._foreach_*`` ops, grouped by dtype (fp16 weights, fp32 batchnorm). It computes exactly what
+``torch._foreach_*`` ops, grouped by dtype (fp16 weights, fp32 batchnorm) and by param group
+(each with its own rate multiplier and weight decay, e.g. batchnorm biases at 64x the rate). It computes exactly what
 ``torch.optim.SGD(momentum, nesterov, weight_decay)`` computes; a test holds it to that.
 """
 
@@ -15,30 +16,58 @@ import torch
 
 
 class NesterovSGD:
+    """``params`` is an iterable of tensors, or of param groups: dicts with ``params``, and optionally
+    ``name``, ``lr_scale`` (the group's rate is the global rate x this; default 1) and
+    ``weight_decay`` (default: the argument). Parameters that do not require grad are left out, so
+    frozen ones (batchnorm scales, a whitening conv) take no step and hold no momentum.
+    """
+
     def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  nesterov: bool = True):
-        self.params = [p for p in params if p.requires_grad]
+        specs = list(params)
+        if not specs or not isinstance(specs[0], dict):
+            specs = [{"params": specs}]
+        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
+        self.params, self.param_groups, seen = [], [], set()
+        for i, spec in enumerate(specs):
+            trainable = [p for p in spec["params"] if p.requires_grad]
+            if any(id(p) in seen for p in trainable):
+                raise ValueError(f"a parameter is in more than one group (group {spec.get('name', i)!r})")
+            seen.update(id(p) for p in trainable)
+            self.params += trainable
+            self.param_groups.append({"name": spec.get("name", str(i)), "params": trainable,
+                                      "lr_scale": float(spec.get("lr_scale", 1.0)),
+                                      "weight_decay": float(spec.get("weight_decay", weight_decay))})
         if not self.params:
             raise ValueError("no trainable parameters")
         device = self.params[0].device
         self.lr = torch.tensor(float(lr), dtype=torch.float32, device=device)
-        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
-        groups = defaultdict(list)
-        for p in self.params:
-            groups[(p.device, p.dtype)].append(p)
-        self.groups = list(groups.values())
+        # Per group, the rate multiplier is a device tensor too: freezing a group mid-run
+        # (set_lr_scale(name, 0)) is a device write that a captured graph replays correctly.
+        self.lr_scales = {g["name"]: torch.tensor(g["lr_scale"], dtype=torch.float32, device=device)
+                          for g in self.param_groups}
+        buckets = defaultdict(list)  # foreach ops want one dtype per list: (group, device, dtype)
+        for g in self.param_groups:
+            for p in g["params"]:
+                buckets[(g["name"], g["weight_decay"], p.device, p.dtype)].append(p)
+        self.groups = list(buckets.values())
+        self._group_meta = [(name, wd) for name, wd, _, _ in buckets]
         self.buffers = [[torch.zeros_like(p) for p in group] for group in self.groups]
 
     def set_lr(self, value: float) -> None:
         self.lr.fill_(value)  # a device write, no host sync
 
+    def set_lr_scale(self, group: str, value: float) -> None:
+        """The multiplier of one group's rate (0 freezes it: no step, no decay)."""
+        self.lr_scales[group].fill_(value)
+
     @torch.no_grad()
     def step(self) -> None:
-        for params, bufs in zip(self.groups, self.buffers):
+        for params, bufs, (name, weight_decay) in zip(self.groups, self.buffers, self._group_meta):
             grads = [p.grad for p in params]
             if any(g is None for g in grads):
                 raise RuntimeError("a parameter has no gradient; run backward before step()")
-            d_p = torch._foreach_add(grads, params, alpha=self.weight_decay) if self.weight_decay \
+            d_p = torch._foreach_add(grads, params, alpha=weight_decay) if weight_decay \
                 else [g.clone() for g in grads]
             torch._foreach_mul_(bufs, self.momentum)
             torch._foreach_add_(bufs, d_p)
@@ -46,7 +75,7 @@ class NesterovSGD:
                 torch._foreach_add_(d_p, bufs, alpha=self.momentum)
             else:
                 d_p = [b.clone() for b in bufs]
-            torch._foreach_mul_(d_p, self.lr.to(params[0].dtype))
+            torch._foreach_mul_(d_p, (self.lr * self.lr_scales[name]).to(params[0].dtype))
             torch._foreach_sub_(params, d_p)
 
     @torch.no_grad()
@@ -63,13 +92,16 @@ class NesterovSGD:
             torch._foreach_zero_(bufs)
 
 
-def warmup_decay_lr(progress: float, epochs: float, warmup_epochs: float, peak: float) -> float:
-    """Piecewise linear: 0 at epoch 0, ``peak`` at ``warmup_epochs``, 0 at ``epochs``.
+def warmup_decay_lr(progress: float, epochs: float, warmup_epochs: float, peak: float,
+                    start: float = 0.0, end: float = 0.0) -> float:
+    """Piecewise linear: ``start x peak`` at epoch 0, ``peak`` at ``warmup_epochs``, ``end x peak``
+    at ``epochs`` (the seed recipe: start = end = 0).
 
     ``progress`` is in epochs (fractional). With no warm-up the rate starts at the peak.
     """
     if progress < warmup_epochs:
-        return peak * progress / warmup_epochs
+        return peak * (start + (1.0 - start) * progress / warmup_epochs)
     if epochs <= warmup_epochs:
         return peak
-    return peak * max(0.0, (epochs - progress) / (epochs - warmup_epochs))
+    left = max(0.0, (epochs - progress) / (epochs - warmup_epochs))  # 1 at the peak, 0 at the end
+    return peak * (end + (1.0 - end) * left)

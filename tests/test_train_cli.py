@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from cli import SHORT, run_dirs, run_train, summary_of
+from cli import FAST_SHORT, SHORT, run_dirs, run_train, summary_of
 from conftest import one_line_error, write_official
 from fastcifar.config import Config, build_parser, from_preset, parse_args
 from fastcifar.report import EPOCH_HEADER, TSV_COLUMNS
@@ -46,6 +46,20 @@ def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path, loader):
     assert (run_dir / "log.txt").read_text().count("\n") >= 6
 
 
+def test_default_fast_preset_learns_on_the_cpu(learnable_data, tmp_path):
+    out = tmp_path / "runs"
+    proc = run_train(["--data", learnable_data, "--out-dir", out, *FAST_SHORT, "--epochs", "2", "--warmup-epochs", "0.5"])
+    assert proc.returncode == 0, proc.stderr
+    summary = summary_of(out)
+    cfg = summary["config"]
+    assert (cfg["preset"], cfg["arch"], cfg["flip_mode"], cfg["tta"], cfg["lookahead_steps"]) == \
+        ("fast", "fastnet", "alternate", 2, 5)
+    acc = summary["summary"]["acc_mean"]
+    assert acc > 60.0, f"a 2-epoch fast run on learnable data reached only {acc:.1f}% (guessing: 10%)"
+    (result,) = summary["results"]
+    assert len(result["epochs"]) == 2 and result["epochs"][0]["lr"] > 0
+
+
 def test_several_runs_give_a_summary_table(learnable_data, tmp_path):
     out = tmp_path / "runs"
     proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "1", "--runs", "2",
@@ -68,14 +82,15 @@ def test_help_lists_every_field():
 
 
 def test_warmup_scales_with_epochs_unless_given():
-    assert parse_args(["--epochs", "12"]).warmup_epochs == pytest.approx(2.5)
-    assert parse_args(["--epochs", "12", "--warmup-epochs", "1"]).warmup_epochs == 1.0
-    assert parse_args([]).warmup_epochs == 5.0
+    assert parse_args(["--preset", "resnet9", "--epochs", "12"]).warmup_epochs == pytest.approx(2.5)
+    assert parse_args(["--preset", "resnet9", "--epochs", "12", "--warmup-epochs", "1"]).warmup_epochs == 1.0
+    assert parse_args(["--preset", "resnet9"]).warmup_epochs == 5.0
 
 
 def test_overrides_and_presets():
-    cfg = parse_args(["--epochs", "3", "--no-tta", "--widths", "8,16,32,64", "--lr", "0.2"])
+    cfg = parse_args(["--preset", "resnet9", "--epochs", "3", "--no-tta", "--widths", "8,16,32,64", "--lr", "0.2"])
     assert (cfg.epochs, cfg.tta, cfg.widths, cfg.lr, cfg.preset) == (3, False, (8, 16, 32, 64), 0.2, "resnet9")
+    assert parse_args(["--epochs", "3"]).preset == "fast"  # the default preset
     seed = from_preset("resnet9")
     assert (seed.epochs, seed.batch_size, seed.lr, seed.momentum, seed.nesterov, seed.weight_decay,
             seed.label_smoothing, seed.crop_pad, seed.cutout, seed.warmup_epochs, seed.tta) == \
@@ -88,7 +103,8 @@ def test_overrides_and_presets():
     (["--preset", "nope"], "unknown preset"),
     (["--pad-mode", "wrap"], "invalid choice"),
     (["--warmup-epochs", "30"], "--warmup-epochs must lie in"),
-    (["--widths", "8,16"], "--widths takes four"),
+    (["--widths", "8,16"], "--widths takes three positive channel counts for --arch fastnet"),
+    (["--preset", "resnet9", "--widths", "8,16"], "--widths takes four"),
     pytest.param(["--device", "cuda"], "no CUDA GPU", marks=pytest.mark.skipif(
         __import__("torch").cuda.is_available(), reason="this machine has a GPU")),
 ])

@@ -1,0 +1,68 @@
+"""bench/bench_train.py end to end on the CPU: two tiny presets side by side, rows, table, plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cli import ROOT, env
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--device", "cpu", "--batch-size", "100", "--epochs", "2", "--warmup-epochs", "0.5",
+        "--warmup-steps", "1", "--eval-batch-size", "200", "--target-acc", "50"]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "bench_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_presets_side_by_side(learnable_data, tmp_path):
+    results = tmp_path / "results" / "train.jsonl"
+    cmd = [sys.executable, "bench/bench_train.py", "--preset", "fast", "--compare", "resnet9", "--runs", "2",
+           "--results", results, "--out-dir", tmp_path / "runs", "--plot", tmp_path / "plot.png",
+           "--args-for", "fast=--widths 16,32,32 --whiten-images 200",
+           "--args-for", "resnet9=--widths 8,16,32,64", "--", "--data", learnable_data, *TINY]
+    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["preset"] for r in rows] == ["fast", "resnet9"]
+    assert rows[0]["bench"] == rows[1]["bench"]  # one invocation, one id
+    for row in rows:
+        assert row["device"]["type"] == "cpu" and row["versions"]["torch"] and row["date"] and row["data"]
+        assert row["warmup_runs"] == 1 and "train time" in row["timing_protocol"]
+        assert [r["seed"] for r in row["runs"]] == [0, 1], "the warm-up run is not among the measured runs"
+        assert all(len(r["epoch_test_acc"]) == 2 and r["train_time"] > 0 for r in row["runs"])
+        s = row["summary"]
+        assert s["runs"] == 2 and s["below_target"] + s["reached"] == 2 and s["train_time_min"] > 0
+        assert s["bar"] == pytest.approx(rows[1]["summary"]["acc_mean"])  # resnet9's mean is the bar
+    assert rows[0]["config"]["arch"] == "fastnet" and rows[1]["config"]["arch"] == "resnet9"
+    assert rows[0]["config"]["widths"] == [16, 32, 32]
+
+    out = proc.stdout
+    assert "| preset | runs | acc mean ± std |" in out and "| fast | 2 |" in out and "| resnet9 | 2 |" in out
+    last = out.strip().splitlines()[-1]
+    assert last == f"plot: {tmp_path / 'plot.png'}" or last.startswith("plot skipped: matplotlib")
+    if last.startswith("plot: "):
+        assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_plot_is_a_notice(monkeypatch, tmp_path):
+    bench = load_bench()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    note = bench.plot([{"runs": []}], tmp_path / "p.png", 94.0)
+    assert note.startswith("plot skipped: matplotlib is not installed") and not (tmp_path / "p.png").exists()
+
+
+def test_bad_arguments(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/bench_train.py", "--args-for", "apple8=--no-tta", "--",
+                           "--data", str(tmp_path)], cwd=ROOT, env=env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "not among the presets" in proc.stderr
