@@ -15,6 +15,7 @@ with the clock stopped during evaluation, and report.
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import distributed
+from . import comm, distributed
 from .config import Config, ConfigError, parse_args, validate
 from .data import DataError, load_dataset, shard_indices
 from .loader import EvalSet, TorchLoader
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = None
     try:
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
+        # Before validate: ranks launched with different settings all stop here, none validates alone.
+        distributed.check_same(distributed.config_digest(cfg), "config", ctx)
         validate(cfg, ctx.world_size)
         train(cfg, ctx)
         return 0
@@ -45,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         where = f"[rank {ctx.rank}] " if ctx is not None and ctx.distributed else ""
         print(f"fastcifar: error: {where}{exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        if not distributed.is_comm_failure(exc):
+            raise
+        # Another rank died or stalled. No teardown: a broken group can block in it; exiting frees it.
+        print(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
+              f"{distributed.failure_message(exc, cfg.dist_timeout_s)}", file=sys.stderr)
+        ctx = None
+        return 3
     finally:
         if ctx is not None:
             distributed.teardown(ctx)
@@ -96,8 +107,15 @@ def build_model(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.
 def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log) -> RunResult:
     torch.manual_seed(seed)  # same seed on every rank: identical initial weights
     model = build_model(cfg, ctx.device, dtype)
-    net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-                                  broadcast_buffers=False) if ctx.distributed else model
+    distributed.check_same(distributed.model_digest(model), "model's parameter shapes", ctx)
+    net, buckets = model, None
+    if ctx.distributed and cfg.comm == "ddp":
+        net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+                                      broadcast_buffers=False)
+    elif ctx.distributed:  # gradients become views into flat buckets, all-reduced during backward
+        buckets = comm.GradBuckets(model.parameters(), cfg.bucket_mb)
+        if run == 1:
+            log.line(buckets.describe())
     # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
     per_rank_batch = train_loader.batch_size
     peak = cfg.lr * cfg.batch_size / 512 / per_rank_batch
@@ -110,8 +128,10 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log) -> Ru
         logits = net(images)
         loss = F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=cfg.label_smoothing)
         loss.backward()
+        if buckets is not None:
+            buckets.finish()  # the optimizer waits for every bucket's average
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad()  # in place, so bucketed gradients stay views into their buckets
         return loss.detach(), (logits.argmax(1) == labels).sum()
 
     # Warm-up: cuDNN's algorithm search and the allocator's first allocations stay off the clock;
