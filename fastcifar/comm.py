@@ -99,7 +99,7 @@ class GradBuckets:
 
     ``communicate=False`` keeps the buckets, hooks and readiness counting but issues no collective:
     the same step with communication skipped, which the benchmark subtracts to get the exposed
-    communication time. ``trace``, when a list, receives ("grad", name) and ("launch", bucket index)
+    communication time (it is an attribute: the benchmark flips it between steps, never inside one). ``trace``, when a list, receives ("grad", name) and ("launch", bucket index)
     events in the order they happen (the overlap test reads it).
     """
 
@@ -114,7 +114,7 @@ class GradBuckets:
         self.communicate = communicate
         if communicate and not dist.is_initialized():
             raise RuntimeError("GradBuckets needs an initialized process group (or communicate=False)")
-        self.world_size = dist.get_world_size(group) if communicate else 1
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.trace = trace
         self._names = names or {}
         self._next = 0  # index of the next bucket to launch
