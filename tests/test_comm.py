@@ -288,3 +288,15 @@ def test_two_ranks_bucketed_learns_and_reproduces_ddp_under_torchrun(learnable_d
     # Both divide by 2 before a two-term sum (exact in binary) from the same weights and batches:
     # the same bits, so the same losses, unless an average or an ordering went wrong.
     assert epochs["bucketed"] == epochs["ddp"]
+
+
+def test_apple8_launcher_spells_out_the_seed_recipe():
+    script = ROOT / "scripts" / "launch_apple8.sh"
+    one = subprocess.run(["bash", str(script), "--data", "d"], env=dict(os.environ, DRY_RUN="1"),
+                         capture_output=True, text=True, timeout=30)
+    assert one.returncode == 0, one.stderr
+    assert "--nproc_per_node 8 --standalone -m fastcifar.train --preset resnet9 --batch-size 2048 " \
+           "--comm bucketed --data d" in one.stdout, one.stdout
+    multi = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30,
+                           env=dict(os.environ, DRY_RUN="1", NNODES="2", RDZV_ENDPOINT="host0:29500"))
+    assert "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint host0:29500" in multi.stdout, multi.stdout
