@@ -271,6 +271,19 @@ def test_a_rank_that_dies_or_stalls_ends_the_others_within_the_timeout(learnable
 
 
 @pytest.mark.slow
+def test_a_rank_that_never_joins_ends_the_others_within_the_timeout(learnable_data, tmp_path):
+    port = free_port()
+    argv = trainer(learnable_data, tmp_path / "runs", lambda r: ["--dist-timeout-s", "5"])(0)
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, cwd=ROOT, env=rank_env(0, port), capture_output=True, text=True,
+                          timeout=5 + SLACK_S)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    line = one_line_error(proc.stderr)
+    assert line.startswith("fastcifar: error: [rank 0] lost contact with the other ranks") and "1/2" in line, line
+    assert time.monotonic() - t0 < 5 + SLACK_S
+
+
+@pytest.mark.slow
 def test_two_ranks_bucketed_learns_and_reproduces_ddp_under_torchrun(learnable_data, tmp_path):
     epochs, stdout = {}, {}
     for comm in ("bucketed", "ddp"):
