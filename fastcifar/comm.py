@@ -106,8 +106,9 @@ class GradBuckets:
 
     ``communicate=False`` keeps the buckets, hooks and readiness counting but issues no collective:
     the same step with communication skipped, which the benchmark subtracts to get the exposed
-    communication time (it is an attribute: the benchmark flips it between steps, never inside one). ``trace``, when a list, receives ("grad", name) and ("launch", bucket index)
-    events in the order they happen (the overlap test reads it).
+    communication time (an attribute: the benchmark flips it between steps, never inside one).
+    ``trace``, when a list, receives ("grad", name) and ("launch", bucket index) events in the
+    order they happen (the overlap test reads it).
     """
 
     def __init__(self, params, bucket_mb: float = 2.0, group=None, communicate: bool = True,
