@@ -67,7 +67,8 @@ class Config:
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     kernels: str = "auto"  # triton (fused BN+act+pool, augmentation) | torch (reference) | auto: triton on CUDA
     precision: str = "auto"  # auto (fp16 on cuda, fp32 on cpu) | fp16 | fp32
-    comm: str = "ddp"  # gradient averaging over ranks: ddp (stock DistributedDataParallel)
+    comm: str = "bucketed"  # gradient averaging over ranks: bucketed (fastcifar.comm, overlapped) | ddp (stock)
+    bucket_mb: float = 2.0  # MiB of gradients per all-reduce bucket (--comm bucketed), see fastcifar.comm
     cuda_graphs: str = "auto"  # capture the train step and eval batch as CUDA graphs: auto (on for CUDA) | on | off
     eval_batch_size: int = 1000  # images per evaluation batch, per rank
     warmup_steps: int = 3  # untimed training steps before the clock starts; state restored after
@@ -117,7 +118,7 @@ CHOICES = {
     "whiten_kernel": (2, 3),
     "device": ("auto", "cuda", "cpu"),
     "precision": ("auto", "fp16", "fp32"),
-    "comm": ("ddp",),
+    "comm": ("bucketed", "ddp"),
     "cuda_graphs": ("auto", "on", "off"),
     "kernels": ("auto", "triton", "torch"),
 }
@@ -139,6 +140,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{_flag(name)} must be positive, not {getattr(cfg, name)}")
+    if cfg.bucket_mb <= 0:
+        raise ConfigError(f"--bucket-mb must be positive, not {cfg.bucket_mb}")
+    if cfg.dist_timeout_s <= 0:
+        raise ConfigError(f"--dist-timeout-s must be positive, not {cfg.dist_timeout_s}")
     for name in ("subset", "warmup_steps", "crop_pad", "cutout", "lr", "weight_decay", "momentum", "lr_start",
                  "lr_end", "lookahead_steps", "whiten_images", "whiten_bias_epochs"):
         if getattr(cfg, name) < 0:

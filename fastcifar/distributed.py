@@ -2,11 +2,19 @@
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a process started without them is rank 0 of 1
 and creates no process group. NCCL joins GPU ranks, gloo CPU ranks.
+
+Nothing waits forever: every collective is bounded by ``--dist-timeout-s`` (the process group's
+timeout), the start-up handshake by at most ``HANDSHAKE_TIMEOUT_S``. A rank that dies closes its
+gloo sockets and the others fail at once; one that stalls fails them after the timeout (NCCL's
+watchdog enforces the same bound on the GPU). The survivors print one line and exit 3.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 
@@ -60,6 +68,55 @@ def setup(requested_device: str, timeout_s: float = 300.0) -> DistContext:
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return DistContext(rank, world_size, local_rank, device, backend)
+
+
+# Fields that name places on this machine: nodes may keep the data, cache and logs at different paths.
+LOCAL_FIELDS = ("data", "download", "cache_dir", "out_dir")
+# All ranks have just joined the group when the handshake runs, so 60 s is generous; NCCL creates
+# its communicator in that first collective, which takes seconds, not minutes, on 8 GPUs.
+HANDSHAKE_TIMEOUT_S = 60.0
+
+
+def config_digest(cfg) -> str:
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in LOCAL_FIELDS}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """Names, shapes and dtypes of the parameters and buffers, not their values."""
+    items = [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    return hashlib.sha256("\n".join(items).encode()).hexdigest()
+
+
+def check_same(digest: str, what: str, ctx: DistContext, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+    """Fail on every rank, with the same message, unless all ranks hold the same ``digest``.
+
+    Every rank gathers every digest, so every rank sees a mismatch and raises: none is left
+    waiting in a later collective for a rank that already gave up."""
+    if not ctx.distributed:
+        return
+    mine = torch.tensor(list(bytes.fromhex(digest)[:16]), dtype=torch.uint8).view(torch.int64).to(ctx.device)
+    gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, mine, async_op=True).wait(datetime.timedelta(seconds=timeout_s))
+    digests = [bytes(g.cpu().view(torch.uint8).tolist()).hex() for g in gathered]
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ConfigError(f"ranks disagree on the {what}: rank(s) {', '.join(map(str, differ))} differ from "
+                          f"rank 0 (digest {digests[0][:12]}); launch every rank with the same settings and code")
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """NCCL and the rendezvous store raise DistError subclasses; gloo reports a dead peer ("Connection
+    reset by peer") or a timeout ("Timed out waiting 10000ms for recv") as a plain RuntimeError
+    raised from its transport's source files."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in str(exc))
+
+
+def failure_message(exc: BaseException, timeout_s: float) -> str:
+    """One line for a collective that failed because another rank died or stalled."""
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"lost contact with the other ranks (one exited, was killed, or stalled past "
+            f"--dist-timeout-s {timeout_s:g}): {detail[:300]}")
 
 
 def teardown(ctx: DistContext) -> None:

@@ -27,6 +27,7 @@ evaluation, and report.
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import distributed, graphs, profiling, recipe
+from . import comm, distributed, graphs, profiling, recipe
 from .config import Config, ConfigError, parse_args, validate
 from .dali_loader import DaliLoader, resolve_loader
 from .data import DataError, load_dataset, shard_indices
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = None
     try:
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
+        # Before validate: ranks launched with different settings all stop here, none validates alone.
+        distributed.check_same(distributed.config_digest(cfg), "config", ctx)
         validate(cfg, ctx.world_size)
         graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)  # refuse "on" before any work
         train(cfg, ctx)
@@ -60,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         where = f"[rank {ctx.rank}] " if ctx is not None and ctx.distributed else ""
         print(f"fastcifar: error: {where}{exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        if not distributed.is_comm_failure(exc):
+            raise
+        # Another rank died or stalled. No teardown: a broken group can block in it; exiting frees it.
+        print(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
+              f"{distributed.failure_message(exc, cfg.dist_timeout_s)}", file=sys.stderr)
+        ctx = None
+        return 3
     finally:
         if ctx is not None:
             distributed.teardown(ctx)
@@ -125,9 +136,10 @@ def build_model(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.
 
 
 def make_step(net, opt: NesterovSGD, schedule: DeviceSchedule, label_smoothing: float,
-              markers=profiling.markers(False)):
-    """One training step on a batch: the function that runs eagerly or is captured. ``markers``
-    (push, pop) put NVTX ranges around its phases for nsys (no-ops unless --nvtx on CUDA)."""
+              markers=profiling.markers(False), buckets: comm.GradBuckets | None = None):
+    """One training step on a batch: the function that runs eagerly or is captured. ``buckets``
+    (several ranks, --comm bucketed) average the gradients during backward; ``markers`` (push,
+    pop) put NVTX ranges around its phases for nsys (no-ops unless --nvtx on CUDA)."""
     push, pop = markers
 
     def step(images, labels):
@@ -139,9 +151,13 @@ def make_step(net, opt: NesterovSGD, schedule: DeviceSchedule, label_smoothing: 
         push("backward")  # with --comm ddp the gradient all-reduce runs inside backward, on its own stream
         loss.backward()
         pop()
+        if buckets is not None:
+            push("comm")
+            buckets.finish()  # the optimizer waits (a stream wait on GPU) for every bucket's average
+            pop()
         push("optimizer")
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad()  # in place, so bucketed gradients stay views into their buckets
         pop()
         return loss.detach(), (logits.argmax(1) == labels).sum()
     return step
@@ -150,8 +166,15 @@ def make_step(net, opt: NesterovSGD, schedule: DeviceSchedule, label_smoothing: 
 def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_graphs) -> RunResult:
     torch.manual_seed(seed)  # same seed on every rank: identical initial weights
     model = build_model(cfg, ctx.device, dtype)
-    net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-                                  broadcast_buffers=False) if ctx.distributed else model
+    distributed.check_same(distributed.model_digest(model), "model's parameter shapes", ctx)
+    net, buckets = model, None
+    if ctx.distributed and cfg.comm == "ddp":
+        net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+                                      broadcast_buffers=False)
+    elif ctx.distributed:  # gradients become views into flat buckets, all-reduced during backward
+        buckets = comm.GradBuckets(model.parameters(), cfg.bucket_mb)
+        if run == 1:
+            log.line(buckets.describe())
     # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
     per_rank_batch, steps = train_loader.batch_size, len(train_loader)
     peak = cfg.lr * cfg.batch_size / 512 / per_rank_batch
@@ -161,7 +184,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     opt = NesterovSGD(recipe.param_groups(model, cfg, per_rank_batch), lr=0.0, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay * per_rank_batch, nesterov=cfg.nesterov)
     push, pop = profiling.markers(cfg.nvtx)
-    step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop))
+    step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), buckets)
     train_step = TrainStep(step, StaticBatch(per_rank_batch, dtype, ctx.device), capture=use_graphs)
     if hasattr(train_loader, "bind_static"):  # DALI writes each batch straight into the step's buffers
         train_loader.bind_static(train_step.batch.images, train_step.batch.labels)

@@ -1,0 +1,314 @@
+"""The bucketed all-reduce (fastcifar.comm) and launch hardening, on the CPU with gloo.
+
+Two-rank tests start real processes with RANK/WORLD_SIZE/MASTER_PORT set, as torchrun would, and
+bound every wait: a test that hangs fails at its own timeout instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli import ROOT, SHORT, run_dirs, run_train, summary_of
+from comm_worker import SmallNet, make_model, reference_params
+from conftest import one_line_error
+from fastcifar.comm import GradBuckets, plan_buckets
+from fastcifar.config import Config
+from fastcifar.train import build_model
+
+WORKER = Path(__file__).with_name("comm_worker.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "-m", "fastcifar.train"]
+DIST_TIMEOUT_S = 10  # the trainer's --dist-timeout-s in the failure tests
+SLACK_S = 60  # start-up (two torch imports on 2 shared cores) plus exit, on top of the timeout
+MB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# The bucket plan and the views, in one process (communication skipped).
+
+def test_plan_takes_reverse_order_and_caps_size():
+    params = list(make_model().parameters())
+    largest = max(p.numel() * 4 for p in params)
+    for cap in (10**9, largest - 1, 1):
+        buckets = plan_buckets(params, cap)
+        flat = [p for b in buckets for p in b.params]
+        assert [id(p) for p in flat] == [id(p) for p in reversed(params)], "reverse registration order"
+        for b in buckets:
+            size = sum(p.numel() * 4 for p in b.params)
+            assert size <= cap or len(b.params) == 1, f"bucket {b.index}: {size} bytes over the cap {cap}"
+    assert len(plan_buckets(params, 10**9)) == 1
+    assert len(plan_buckets(params, 1)) == len(params)
+    mid = plan_buckets(params, largest - 1)
+    assert 1 < len(mid) < len(params)
+    (own,) = [b for b in mid if any(p.numel() * 4 == largest for p in b.params)]
+    assert len(own.params) == 1, "a tensor bigger than the cap gets a bucket of its own"
+
+
+def test_plan_one_dtype_per_bucket_ordered_by_last_gradient():
+    model = build_model(Config(widths=(8, 16, 32, 64)), torch.device("cpu"), torch.float32)
+    for m in model.modules():  # the GPU layout: fp16 conv and linear weights, fp32 batchnorm
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            m.half()
+    params = list(model.parameters())
+    position = {id(p): i for i, p in enumerate(reversed(params))}
+    buckets = plan_buckets(params, 64 * 1024)
+    assert {p.dtype for p in params} == {torch.float16, torch.float32}
+    assert all(len({p.dtype for p in b.params}) == 1 for b in buckets)
+    last = [max(position[id(p)] for p in b.params) for b in buckets]
+    assert last == sorted(last), "buckets launch in the order their last gradient arrives"
+    assert sorted(id(p) for b in buckets for p in b.params) == sorted(id(p) for p in params)
+
+
+def test_grads_are_strided_views_that_backward_fills_in_place():
+    cfg = Config(widths=(8, 16, 32, 64))
+    torch.manual_seed(0)
+    model = build_model(cfg, torch.device("cpu"), torch.float32)
+    reference = build_model(cfg, torch.device("cpu"), torch.float32)
+    reference.load_state_dict(model.state_dict())
+    buckets = GradBuckets(model.parameters(), bucket_mb=0.05, communicate=False)
+    convs = [p for p in model.parameters() if p.dim() == 4]
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+                         for p in convs), "the test needs channels-last conv weights"
+    before = {id(p): (p.grad.data_ptr(), p.grad.stride()) for p in model.parameters()}
+    x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    for _ in range(2):
+        model(x).float().sum().backward()
+        buckets.finish()
+        reference(x).float().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad.data_ptr(), p.grad.stride()) == before[id(p)], f"{name}: .grad left its bucket"
+        assert p.grad.stride() == p.stride(), f"{name}: grad strides {p.grad.stride()} != {p.stride()}"
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+    assert any(b.flat.abs().sum() > 0 for b in buckets.buckets), "the buckets hold the gradients"
+    buckets.zero_grad()
+    assert all(p.grad.abs().sum() == 0 for p in model.parameters()), "zeroing the buckets zeroes every grad"
+
+
+def test_replaced_grad_and_double_backward_fail_clearly():
+    model = SmallNet()
+    buckets = GradBuckets(model.parameters(), bucket_mb=1.0, communicate=False)
+    x = torch.randn(2, 3, 8, 8)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="accumulated twice before finish"):
+        model(x).sum().backward()
+    buckets.finish()
+    model.zero_grad()  # set_to_none=True: autograd would allocate a fresh grad outside the bucket
+    with pytest.raises(RuntimeError, match="no longer lives in its bucket"):
+        model(x).sum().backward()
+
+
+def test_buckets_launch_in_bucket_order_even_when_completed_out_of_order():
+    model = SmallNet()
+    trace: list = []
+    buckets = GradBuckets(model.parameters(), bucket_mb=1e-9, communicate=False, trace=trace)
+    # Reverse what backward does: hand the parameters their gradients in registration order.
+    for p in model.parameters():
+        p.grad.add_(1.0)
+        buckets._on_grad(p)
+    buckets.finish()
+    launches = [i for kind, i in trace if kind == "launch"]
+    assert launches == list(range(len(buckets)))
+    assert trace.index(("launch", 0)) == len(trace) - len(buckets), "nothing launched before bucket 0 was ready"
+
+
+# ---------------------------------------------------------------------------------------------
+# Two gloo ranks against one process.
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, port: int, world_size: int = 2) -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size))
+
+
+def start_ranks(argv_of, out: Path, world_size: int = 2) -> list[subprocess.Popen]:
+    """One process per rank; ``argv_of(rank)`` is its command; stdout/stderr go to files in ``out``."""
+    port = free_port()
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(world_size):
+        stdout = open(out / f"stdout{rank}", "w")
+        stderr = open(out / f"stderr{rank}", "w")
+        procs.append(subprocess.Popen(argv_of(rank), cwd=ROOT, env=rank_env(rank, port, world_size),
+                                      stdout=stdout, stderr=stderr))
+    return procs
+
+
+def wait_all(procs, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return codes
+
+
+def read(out: Path, name: str) -> str:
+    return (out / name).read_text()
+
+
+BUCKET_CASES = {"one bucket": 100.0, "a bucket per tensor": 1e-6, "cap below the largest tensor": 0.004}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("comm")
+    procs = start_ranks(lambda r: [sys.executable, str(WORKER), "train", str(out),
+                                   *map(str, BUCKET_CASES.values())], out)
+    codes = wait_all(procs, timeout=240)
+    assert codes == [0, 0], read(out, "stderr0")[-2000:] + read(out, "stderr1")[-2000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("case", BUCKET_CASES)
+def test_two_ranks_match_one_process_over_the_global_batch(two_rank_results, case):
+    mb = BUCKET_CASES[case]
+    ref = reference_params()
+    ranks = [r[mb] for r in two_rank_results]
+    n_params = len(ref)
+    expected = {"one bucket": lambda n: n == 1, "a bucket per tensor": lambda n: n == n_params,
+                "cap below the largest tensor": lambda n: 1 < n < n_params}[case]
+    assert expected(ranks[0]["n_buckets"]), f"{case}: {ranks[0]['n_buckets']} buckets"
+    if case == "cap below the largest tensor":
+        assert ["conv3.weight"] in ranks[0]["bucket_params"], ranks[0]["bucket_params"]
+    for name, want in ref.items():
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), f"{name}: ranks differ"
+        torch.testing.assert_close(ranks[0]["params"][name], want, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{case}, {name}: {m}")
+    assert all(r["views_kept"] for r in ranks), "a .grad left its bucket or changed strides"
+
+
+def test_first_bucket_launches_before_backward_ends(two_rank_results):
+    for rank in two_rank_results:
+        result = rank[BUCKET_CASES["a bucket per tensor"]]
+        n = result["n_buckets"]
+        step = result["trace"][: len(result["trace"]) // 4]  # the first of the 4 steps
+        kinds = [kind for kind, _ in step]
+        first_launch, last_grad = kinds.index("launch"), len(kinds) - 1 - kinds[::-1].index("grad")
+        assert first_launch < last_grad, f"no overlap: {step}"
+        assert [i for kind, i in step if kind == "launch"] == list(range(n))
+
+
+def test_different_model_shapes_fail_on_every_rank(tmp_path):
+    procs = start_ranks(lambda r: [sys.executable, str(WORKER), "shapes"], tmp_path)
+    assert wait_all(procs, timeout=120) == [2, 2]
+    for r in range(2):
+        line = one_line_error(read(tmp_path, f"stderr{r}"))
+        assert line.startswith(f"fastcifar: error: [rank {r}] ranks disagree on the model's parameter shapes: "
+                               "rank(s) 1 differ"), line
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer: bad launches end with one line and a non-zero exit on every rank, within a bound.
+
+def trainer(data, out, extra):
+    return lambda rank: [sys.executable, "-m", "fastcifar.train", "--data", str(data), "--out-dir", str(out),
+                         *SHORT, "--dist-timeout-s", str(DIST_TIMEOUT_S), *extra(rank)]
+
+
+@pytest.mark.slow
+def test_different_configs_fail_on_every_rank(learnable_data, tmp_path):
+    procs = start_ranks(trainer(learnable_data, tmp_path / "runs", lambda r: ["--lr", str(0.4 + r)]), tmp_path)
+    assert wait_all(procs, timeout=120) == [2, 2]
+    for r in range(2):
+        line = one_line_error(read(tmp_path, f"stderr{r}"))
+        assert line.startswith(f"fastcifar: error: [rank {r}] ranks disagree on the config: rank(s) 1"), line
+
+
+@pytest.mark.slow
+def test_batch_that_does_not_divide_fails_on_every_spawned_rank(learnable_data, tmp_path):
+    procs = start_ranks(trainer(learnable_data, tmp_path / "runs", lambda r: ["--batch-size", "101"]), tmp_path)
+    assert wait_all(procs, timeout=120) == [2, 2]
+    for r in range(2):
+        assert "does not divide over 2 ranks" in read(tmp_path, f"stderr{r}")
+
+
+def start_long_training(learnable_data, tmp_path) -> list[subprocess.Popen]:
+    procs = start_ranks(trainer(learnable_data, tmp_path / "runs", lambda r: ["--epochs", "200"]), tmp_path)
+    deadline = time.monotonic() + 120
+    while "train_loss" not in read(tmp_path, "stdout0"):  # rank 0 printed the epoch header: training
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), read(tmp_path, "stderr0")
+        time.sleep(0.2)
+    return procs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+def test_a_rank_that_dies_or_stalls_ends_the_others_within_the_timeout(learnable_data, tmp_path, how):
+    procs = start_long_training(learnable_data, tmp_path)
+    procs[1].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        code = procs[0].wait(timeout=DIST_TIMEOUT_S + SLACK_S)
+    finally:
+        procs[1].kill()
+        wait_all(procs, timeout=30)
+    elapsed = time.monotonic() - t0
+    assert code == 3, read(tmp_path, "stderr0")[-2000:]
+    line = one_line_error(read(tmp_path, "stderr0"))
+    assert line.startswith("fastcifar: error: [rank 0] lost contact with the other ranks"), line
+    assert elapsed < DIST_TIMEOUT_S + SLACK_S
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_joins_ends_the_others_within_the_timeout(learnable_data, tmp_path):
+    port = free_port()
+    argv = trainer(learnable_data, tmp_path / "runs", lambda r: ["--dist-timeout-s", "5"])(0)
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, cwd=ROOT, env=rank_env(0, port), capture_output=True, text=True,
+                          timeout=5 + SLACK_S)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    line = one_line_error(proc.stderr)
+    assert line.startswith("fastcifar: error: [rank 0] lost contact with the other ranks") and "1/2" in line, line
+    assert time.monotonic() - t0 < 5 + SLACK_S
+
+
+@pytest.mark.slow
+def test_two_ranks_bucketed_learns_and_reproduces_ddp_under_torchrun(learnable_data, tmp_path):
+    epochs, stdout = {}, {}
+    for comm in ("bucketed", "ddp"):
+        out = tmp_path / comm
+        proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "2", "--comm", comm,
+                          "--bucket-mb", "0.05"], launcher=TORCHRUN, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(run_dirs(out)) == 1, "only rank 0 writes files"
+        stdout[comm] = proc.stdout
+        s = summary_of(out)
+        assert s["config"]["comm"] == comm and s["device"]["world_size"] == 2
+        epochs[comm] = [(e["train_loss"], e["test_loss"], e["test_acc"]) for e in s["results"][0]["epochs"]]
+    assert "gradient buckets" in stdout["bucketed"] and "gradient buckets" not in stdout["ddp"]
+    assert epochs["bucketed"][-1][2] > 60.0, epochs
+    # Both divide by 2 before a two-term sum (exact in binary) from the same weights and batches:
+    # the same bits, so the same losses, unless an average or an ordering went wrong.
+    assert epochs["bucketed"] == epochs["ddp"]
+
+
+def test_apple8_launcher_spells_out_the_seed_recipe():
+    script = ROOT / "scripts" / "launch_apple8.sh"
+    one = subprocess.run(["bash", str(script), "--data", "d"], env=dict(os.environ, DRY_RUN="1"),
+                         capture_output=True, text=True, timeout=30)
+    assert one.returncode == 0, one.stderr
+    assert "--nproc_per_node 8 --standalone -m fastcifar.train --preset resnet9 --batch-size 2048 " \
+           "--comm bucketed --data d" in one.stdout, one.stdout
+    multi = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30,
+                           env=dict(os.environ, DRY_RUN="1", NNODES="2", RDZV_ENDPOINT="host0:29500"))
+    assert "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint host0:29500" in multi.stdout, multi.stdout
