@@ -413,3 +413,19 @@ def _locate_failure(encoded: Sequence[bytes], lo: int, hi: int, exc: Exception) 
     except ImportError:
         pass
     return f"a JPEG among encoded[{lo}:{hi}] could not be decoded (DALI: {cause})"
+
+
+def dali_decoder(device: torch.device | str):
+    """A batch decoder for ``fastcifar.data.load_dataset``: DALI decodes an image folder's JPEGs
+    (nvJPEG on the GPU, device "mixed"; libjpeg-turbo on the CPU) when no cache holds them. The
+    arrays come back to the host once, for the cache; the loader then keeps its shard on the device.
+    It declines (returns None, and PIL decodes) anything that is not all JPEG or fails to decode,
+    so PIL's error names the bad file."""
+    def decode(raws: list, wheres: list):
+        if not raws or not all(bytes(r[:2]) == b"\xff\xd8" for r in raws):
+            return None
+        try:
+            return decode_jpegs(raws, device).cpu().numpy()
+        except JpegDecodeError:
+            return None
+    return decode

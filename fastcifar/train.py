@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import comm, distributed, graphs, profiling, recipe
 from .config import Config, ConfigError, parse_args, validate
-from .dali_loader import DaliLoader, resolve_loader
+from .dali_loader import DaliLoader, dali_decoder, resolve_loader
 from .data import DataError, load_dataset, shard_indices
 from .graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
 from .loader import EvalSet, TorchLoader
@@ -86,17 +86,19 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv algorithm once
 
     # Data: every rank reads the set, keeps its fixed shard on the device, and the same number of steps.
-    data = load_dataset(cfg.data, cfg.download, cfg.cache_dir or None, log=log.line).subset(cfg.subset)
+    kernels = resolve_kernels(cfg.kernels, ctx.device)
+    loader_name, notice = resolve_loader(cfg.loader, ctx.device)
+    if notice:
+        log.line(notice)
+    decode = dali_decoder(ctx.device) if loader_name == "dali" else None  # JPEG folders: DALI decodes once
+    data = load_dataset(cfg.data, cfg.download, cfg.cache_dir or None, log=log.line,
+                        decode=decode).subset(cfg.subset)
     per_rank_batch = cfg.batch_size // ctx.world_size
     steps = len(data.train_labels) // ctx.world_size // per_rank_batch
     if steps == 0:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set "
                           f"({len(data.train_labels)} images over {ctx.world_size} ranks)")
     shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
-    kernels = resolve_kernels(cfg.kernels, ctx.device)
-    loader_name, notice = resolve_loader(cfg.loader, ctx.device)
-    if notice:
-        log.line(notice)
     augment = dict(pad=cfg.crop_pad, pad_mode=cfg.pad_mode, cutout=cfg.cutout, flip=cfg.flip,
                    flip_mode=cfg.flip_mode, dtype=dtype, device=ctx.device, rank=ctx.rank)
     if loader_name == "dali":

@@ -457,3 +457,38 @@ def test_cuda_decode_matches_pil():
     assert on_gpu.is_cuda and on_gpu.shape == (len(encoded), 32, 32, 3)
     # nvJPEG with libjpeg-turbo's chroma upsampling: unmeasured so far, bounds are a first guess
     assert_close_to_pil(on_gpu, encoded, 1.0, 32)
+
+
+# ---- decoding an image folder through the data layer ----
+
+@needs_dali
+def test_data_layer_decodes_jpeg_folders_with_dali(tmp_path):
+    from conftest import write_image_folder
+    from fastcifar.data import load_dataset
+    root, _ = write_image_folder(tmp_path / "jpg", n_train=30, n_test=10, fmt="JPEG")
+    calls = []
+    decoder = dl.dali_decoder("cpu")
+
+    def spy(raws, wheres):
+        calls.append(len(raws))
+        return decoder(raws, wheres)
+    by_dali = load_dataset(root, cache_dir=tmp_path / "c1", log=lambda m: None, decode=spy)
+    by_pil = load_dataset(root, cache_dir=tmp_path / "c2", log=lambda m: None)
+    assert calls == [30, 10]
+    diff = np.abs(by_dali.train_images.astype(int) - by_pil.train_images.astype(int))
+    assert diff.mean() <= 0.5 and diff.max() <= 8, (diff.mean(), diff.max())
+    np.testing.assert_array_equal(by_dali.train_labels, by_pil.train_labels)
+
+
+@needs_dali
+def test_dali_decoder_leaves_bad_files_and_pngs_to_pil(tmp_path):
+    from conftest import write_image_folder
+    from fastcifar.data import DataError, load_dataset
+    png_root, arrays = write_image_folder(tmp_path / "png", n_train=20, n_test=10)
+    ds = load_dataset(png_root, cache_dir=tmp_path / "c1", log=lambda m: None, decode=dl.dali_decoder("cpu"))
+    assert ds.train_images.shape == (20, 32, 32, 3)  # lossless: PIL decoded them exactly
+    jpg_root, _ = write_image_folder(tmp_path / "jpg", n_train=20, n_test=10, fmt="JPEG")
+    bad = next((jpg_root / "train").rglob("*.jpeg"))
+    bad.write_bytes(bad.read_bytes()[:40])  # a JPEG cut short
+    with pytest.raises(DataError, match=f"{bad.name}: not a readable image"):
+        load_dataset(jpg_root, cache_dir=tmp_path / "c2", log=lambda m: None, decode=dl.dali_decoder("cpu"))

@@ -18,7 +18,7 @@ import numpy as np
 
 from .dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
 from .errors import DataError
-from .folder import cache_path, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
+from .folder import BatchDecoder, cache_path, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
 from .official import ARCHIVE_NAME, BATCH_DIR, download, read_archive, read_batch_dir
 
 __all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "shard_indices"]
@@ -40,14 +40,14 @@ def _cached(source: Path, cache_dir: Path | None, build: Callable[[], Dataset], 
     return ds
 
 
-def _read_any_archive(path: Path) -> Dataset:
+def _read_any_archive(path: Path, decode: BatchDecoder | None) -> Dataset:
     """An official release archive or a ``.tar.gz`` of an image folder, told apart by content."""
     try:
         with tarfile.open(path, "r:gz") as tar:
             members = tar.getmembers()
             official = any(BATCH_DIR in PurePosixPath(m.name).parts for m in members)
             if not official:
-                return read_folder_archive(path, tar, members)
+                return read_folder_archive(path, tar, members, decode)
     except DataError:
         raise
     except Exception as exc:  # gzip/tar/EOF errors: a damaged or foreign file
@@ -56,14 +56,16 @@ def _read_any_archive(path: Path) -> Dataset:
 
 
 def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: str | Path | None = None,
-                 log: Callable[[str], None] = print) -> Dataset:
-    """Load CIFAR-10 from ``path`` in any layout above; raise DataError on anything unusable."""
+                 log: Callable[[str], None] = print, decode: BatchDecoder | None = None) -> Dataset:
+    """Load CIFAR-10 from ``path`` in any layout above; raise DataError on anything unusable.
+    ``decode`` decodes an image folder's files in batches when no cache holds them (PIL when None,
+    or for any batch it declines)."""
     path = Path(path).expanduser()
     cache = Path(cache_dir).expanduser() if cache_dir else None
     if path.is_file():
         if not path.name.endswith(ARCHIVE_SUFFIXES):
             raise DataError(f"{path}: unknown layout (expected a .tar.gz archive or a folder)")
-        return _cached(path, cache, lambda: _read_any_archive(path), log)
+        return _cached(path, cache, lambda: _read_any_archive(path, decode), log)
     if path.is_dir():
         if path.name == BATCH_DIR or (path / "data_batch_1").is_file():
             return read_batch_dir(path)
@@ -73,7 +75,7 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
             return read_archive(path / ARCHIVE_NAME)
         root = find_split_root(path)
         if root is not None:
-            return _cached(root, cache, lambda: read_folder(root), log)
+            return _cached(root, cache, lambda: read_folder(root, decode), log)
         if download_missing:
             return read_archive(download(path, progress=log))
         raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, {ARCHIVE_NAME}, or "

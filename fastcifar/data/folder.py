@@ -16,6 +16,7 @@ import tempfile
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
+from typing import Callable, Optional
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -69,25 +70,37 @@ def _decode(raw: bytes, where: str) -> np.ndarray:
     return array
 
 
-def _decode_tree(tree, classes, read, source: str) -> Dataset:
-    arrays = {}
+def decode_with_pil(raws: list[bytes], wheres: list[str]) -> np.ndarray:
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # PIL decodes off the GIL
-        for split in SPLITS:
-            items = [(rel, handle, label) for label, cls in enumerate(classes)
-                     for rel, handle in sorted(tree[split][cls], key=lambda t: str(t[0]))]
-            raws = [read(handle, f"{source}/{rel}") for rel, handle, _ in items]
-            images = list(pool.map(_decode, raws, [f"{source}/{rel}" for rel, _, _ in items]))
-            arrays[split] = (np.stack(images), np.array([lab for _, _, lab in items], dtype=np.int64))
+        return np.stack(list(pool.map(_decode, raws, wheres)))
+
+
+# A batch decoder: (encoded images, their names) -> (N, 32, 32, 3) uint8, or None to leave the
+# batch to PIL (which then names the file that is bad). fastcifar.dali_loader.dali_decoder is one.
+BatchDecoder = Callable[[list, list], Optional[np.ndarray]]
+
+
+def _decode_tree(tree, classes, read, source: str, decode: BatchDecoder | None = None) -> Dataset:
+    arrays = {}
+    for split in SPLITS:
+        items = [(rel, handle, label) for label, cls in enumerate(classes)
+                 for rel, handle in sorted(tree[split][cls], key=lambda t: str(t[0]))]
+        wheres = [f"{source}/{rel}" for rel, _, _ in items]
+        raws = [read(handle, where) for (_, handle, _), where in zip(items, wheres)]
+        images = decode(raws, wheres) if decode is not None else None
+        if images is None:
+            images = decode_with_pil(raws, wheres)
+        arrays[split] = (images, np.array([lab for _, _, lab in items], dtype=np.int64))
     return Dataset(*arrays["train"], *arrays["test"], classes, source).validate()
 
 
-def read_folder(root: Path) -> Dataset:
+def read_folder(root: Path, decode: BatchDecoder | None = None) -> Dataset:
     entries = [(PurePosixPath(p.relative_to(root).as_posix()), p) for p in root.rglob("*") if p.is_file()]
     tree, classes = _split_files(entries, str(root))
 
     def read(p: Path, where: str) -> bytes:
         return p.read_bytes()
-    return _decode_tree(tree, classes, read, str(root))
+    return _decode_tree(tree, classes, read, str(root), decode)
 
 
 def tar_split_prefix(names: list[str]) -> str | None:
@@ -103,7 +116,8 @@ def tar_split_prefix(names: list[str]) -> str | None:
     return None
 
 
-def read_folder_archive(path: Path, tar: tarfile.TarFile, members: list[tarfile.TarInfo]) -> Dataset:
+def read_folder_archive(path: Path, tar: tarfile.TarFile, members: list[tarfile.TarInfo],
+                        decode: BatchDecoder | None = None) -> Dataset:
     names = [m.name.lstrip("./") for m in members]
     prefix = tar_split_prefix(names)
     if prefix is None:
@@ -118,7 +132,7 @@ def read_folder_archive(path: Path, tar: tarfile.TarFile, members: list[tarfile.
             return tar.extractfile(member).read()
         except Exception as exc:
             raise DataError(f"{where}: truncated or corrupt archive ({exc})") from None
-    return _decode_tree(tree, classes, read, str(path))
+    return _decode_tree(tree, classes, read, str(path), decode)
 
 
 # ---------------------------------------------------------------------------------------------
