@@ -98,6 +98,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     #   weight decay 0.0153 decoupled = 1.36 on the summed loss at 1024 = 1.33e-3 per example;
     #   epochs 9.9 there, 10 whole epochs here; schedule 0.2 -> 1 at 23% -> 0.07 of the peak;
     #   batchnorm momentum 0.6 in airbench's (1 - torch) convention = 0.4 here.
+    # Known departures from that recipe, kept until a GPU measures them: batchnorm eps 1e-5 (theirs
+    # ~1e-12); the whitening covariance is centred (theirs: the uncentred second moment); the final
+    # lookahead sync folds in the steps since the last sync (theirs resets to the slow weights).
     "fast": {
         "arch": "fastnet", "widths": (64, 256, 256), "whiten_kernel": 2, "whiten_images": 5000,
         "whiten_frozen": True, "whiten_bias_epochs": 3, "bn_momentum": 0.4, "bn_scale_frozen": True,

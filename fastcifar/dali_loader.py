@@ -316,6 +316,14 @@ class DaliLoader:
                                  f"got shape {tuple(v.shape)} range {v.min().item()}..{v.max().item()}")
         return p
 
+    def quiesce(self) -> None:
+        """Finish and release every iteration still scheduled (after an abandoned pass), then wait
+        for the device: DALI's threads issue no CUDA calls while a graph is being captured."""
+        cuda = self._feed_stream is not None
+        self._flight.drain(torch.cuda.current_stream(self.device) if cuda else None)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+
     def __iter__(self):
         cuda = self._feed_stream is not None
         stream = torch.cuda.current_stream(self.device) if cuda else None

@@ -16,6 +16,9 @@ import datetime
 import hashlib
 import json
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +120,41 @@ def failure_message(exc: BaseException, timeout_s: float) -> str:
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (f"lost contact with the other ranks (one exited, was killed, or stalled past "
             f"--dist-timeout-s {timeout_s:g}): {detail[:300]}")
+
+
+class ProgressWatchdog:
+    """Ends this rank (one line, exit 3) when the training loop makes no progress for ``timeout_s``.
+
+    NCCL's own watchdog bounds eagerly issued collectives, but not those replayed from a CUDA
+    graph (PyTorch leaves captured collectives out of it), and a host blocked in a graph launch or
+    a device synchronize waits forever for a stalled peer. The loop calls ``beat()`` after every
+    step (a float store: nothing on the hot path); a daemon thread checks once a second."""
+
+    def __init__(self, timeout_s: float, ctx: DistContext, enabled: bool, stream=sys.stderr):
+        self.timeout_s, self.ctx, self.stream = timeout_s, ctx, stream
+        self.last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = None
+        if enabled:
+            self._thread = threading.Thread(target=self._watch, name="fastcifar-watchdog", daemon=True)
+            self._thread.start()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            idle = time.monotonic() - self.last
+            if idle > self.timeout_s:
+                print(f"fastcifar: error: [rank {self.ctx.rank}] lost contact with the other ranks (no "
+                      f"training progress for {idle:.0f} s, past --dist-timeout-s {self.timeout_s:g}: a "
+                      f"peer stalled or died)", file=self.stream, flush=True)
+                os._exit(3)  # the main thread is blocked in CUDA or NCCL: nothing else can end it
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def teardown(ctx: DistContext) -> None:

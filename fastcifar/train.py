@@ -114,6 +114,9 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
                "kernels": kernels})
 
     use_graphs = graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)
+    if cfg.nvtx and use_graphs:
+        log.line("note: with CUDA graphs --nvtx marks each step as one range; --cuda-graphs off "
+                 "shows its forward, backward, comm and optimizer phases")
     for _ in range(warmup_runs):  # seed + runs: a seed no measured run uses
         train_one_run(cfg, ctx, 0, cfg.seed + cfg.runs, dtype, train_loader, test_set, RunLog(cfg, "", False),
                       use_graphs)
@@ -198,6 +201,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     initial = copy.deepcopy(model.state_dict())
     train_loader.set_epoch(seed, 10**6)  # an epoch index training never uses
     train_step.batch.load(*next(iter(train_loader)))
+    if hasattr(train_loader, "quiesce"):  # DALI's threads must make no CUDA calls during capture
+        train_loader.quiesce()
     model.train()
     train_step.warm_up_and_capture(cfg.warmup_steps)
     model.load_state_dict(initial)
@@ -207,6 +212,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     eval_step.batch.load(*next(iter(test_set)))
     eval_step.prepare()
 
+    # Several ranks: a stalled peer must end this rank too, also inside graph replays (distributed.py).
+    watchdog = distributed.ProgressWatchdog(cfg.dist_timeout_s, ctx, enabled=ctx.distributed)
     hooks = recipe.RunHooks(cfg, model, opt, train_loader, ctx)  # whitening init, bias freeze, lookahead
     window = profiling.StepWindow(cfg.profile_steps if run == 1 else "")  # nsys capture range, profiler steps
     total_train_time = 0.0
@@ -219,9 +226,12 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         t0 = time.perf_counter()
         hooks.epoch_start(epoch)  # on the clock: epoch 0's data-dependent init reads training images
         for images, labels in profiling.ranged(train_loader, "data", push, pop):
+            push("step")  # a graph replay shows as this one range: its phases were marked at capture
             train_step(images, labels)
+            pop()
             hooks.after_step()
             window.boundary()
+            watchdog.beat()
         hooks.epoch_end(epoch)
         synchronize(ctx.device)
         epoch_time = time.perf_counter() - t0
@@ -239,7 +249,9 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
                              test_loss=test_loss, test_acc=test_acc, total_train_time=total_train_time)
         result.epochs.append(record)
         log.epoch(record)
+        watchdog.beat()
     window.close()
+    watchdog.close()
     result.test_acc = result.epochs[-1].test_acc
     result.train_time = total_train_time
     result.wall_time = time.time() - PROCESS_START

@@ -10,6 +10,8 @@
 # and --profile-steps START:STOP, which calls cudaProfilerStart after START timed steps of run 1
 # and cudaProfilerStop after STOP: nsys records only that window (--capture-range=cudaProfilerApi),
 # so cuDNN's algorithm search, the first allocations and the data load stay out of the report.
+# With CUDA graphs (the default on CUDA) a step is one graph replay, marked as the range "step";
+# its phases were marked once, at capture: add --cuda-graphs off to see them per step.
 # Writes $OUT.nsys-rep (OUT defaults to runs/nsys-<date>) and prints the kernel and NVTX summaries.
 # Needs nsys on PATH and a CUDA GPU; for CPU-only or where nsys cannot run, use
 # scripts/profile_torch.py.

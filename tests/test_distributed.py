@@ -31,3 +31,22 @@ def test_batch_that_does_not_divide_fails_on_every_rank(learnable_data, tmp_path
                      launcher=TORCHRUN, timeout=300)
     assert proc.returncode != 0
     assert proc.stderr.count("does not divide over 2 ranks") == 2, proc.stderr[-2000:]
+
+
+def test_progress_watchdog_ends_a_stuck_rank_in_one_line():
+    """A rank whose loop stops making progress (blocked in a graph replay waiting for a stalled
+    peer, say) is ended by the watchdog with exit 3; one that keeps beating is left alone."""
+    import subprocess
+    from cli import ROOT, env
+    code = ("import time, torch; from fastcifar.distributed import DistContext, ProgressWatchdog\n"
+            "ctx = DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
+            "dog = ProgressWatchdog(1.0, ctx, enabled=True)\n"
+            "for _ in range(6): time.sleep(0.5); dog.beat()\n"  # alive for 3 s: no exit
+            "print('beating ok', flush=True)\n"
+            "time.sleep(60)\n")  # stuck: the watchdog must end it long before this
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 3
+    assert proc.stdout.strip() == "beating ok"
+    line = proc.stderr.strip()
+    assert "\n" not in line and "[rank 1] lost contact with the other ranks" in line

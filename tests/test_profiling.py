@@ -72,8 +72,9 @@ def test_the_step_marks_its_phases(learnable_data, tmp_path, monkeypatch):
                       "--warmup-epochs", "0.5", "--warmup-steps", "0", "--nvtx", "--profile-steps", "1:3"])
     trainer.train(cfg, DistContext(0, 1, 0, torch.device("cpu"), None))
     names = [e for e in events if e != "pop"]
-    assert names[:4] == ["data", "forward", "backward", "optimizer"]
-    assert names.count("forward") == names.count("backward") == names.count("optimizer") == 10  # 1000 / 100
+    assert names[:5] == ["data", "step", "forward", "backward", "optimizer"]
+    assert names.count("step") == names.count("forward") == names.count("backward") \
+        == names.count("optimizer") == 10  # 1000 / 100
     assert events.count("pop") == len(names), "every range is closed"
 
 
