@@ -52,9 +52,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import nn
 
-from fastcifar.model import ACTIVATIONS, POOL_PLACES, activation
+from fastcifar.model import ACTIVATIONS, POOL_PLACES, NormActPool, activation
 from kernels.checks import check_activation, check_device  # noqa: F401  (re-exported for tests)
 
 ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2}
@@ -576,18 +575,9 @@ def bn_act_pool(x, weight, bias, running_mean, running_var, training: bool, mome
     return BnActPoolFunction.apply(x, weight, bias, running_mean, running_var, training, momentum, eps, act, pool)
 
 
-class TritonNormActPool(nn.BatchNorm2d):
-    """``NormActPool`` computed by the fused Triton kernels (same constructor, state and math)."""
-
-    def __init__(self, num_features: int, act: str = "relu", pool: Optional[str] = None,
-                 eps: float = 1e-5, momentum: float = 0.1):
-        if act not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
-        if pool not in POOL_PLACES:
-            raise ValueError(f"pool must be one of {POOL_PLACES}, not {pool!r}")
-        super().__init__(num_features, eps=eps, momentum=momentum)
-        self.act = act
-        self.pool = pool
+class TritonNormActPool(NormActPool):
+    """``NormActPool`` computed by the fused Triton kernels: its constructor, state and math, only
+    ``forward`` differs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         momentum = 0.0 if self.momentum is None else self.momentum
@@ -597,9 +587,6 @@ class TritonNormActPool(nn.BatchNorm2d):
                 momentum = 1.0 / float(self.num_batches_tracked)
         return BnActPoolFunction.apply(x, self.weight, self.bias, self.running_mean, self.running_var,
                                        self.training, momentum, self.eps, self.act, self.pool)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, act={self.act}, pool={self.pool}"
 
 
 # ----------------------------------------------------------------------------------------------
