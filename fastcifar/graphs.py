@@ -83,6 +83,7 @@ class StaticBatch:
             memory_format=torch.channels_last)
         self.labels = torch.zeros(batch, dtype=torch.int64, device=device)
         self.valid = torch.ones(batch, dtype=torch.bool, device=device)
+        self._valid_rows = batch  # host copy of valid.sum(): the mask is rewritten only when it changes
 
     @property
     def capacity(self) -> int:
@@ -102,7 +103,9 @@ class StaticBatch:
         if n < self.capacity:
             self.images[n:].zero_()
             self.labels[n:].zero_()
-        self.valid.copy_(torch.arange(self.capacity, device=self.valid.device) < n)
+        if n != self._valid_rows:  # only evaluation's last batch: no mask work on the training step
+            self.valid.copy_(torch.arange(self.capacity, device=self.valid.device) < n)
+            self._valid_rows = n
         return n
 
 

@@ -85,11 +85,12 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv algorithm once
 
-    # Data: every rank reads the set, keeps its fixed shard on the device, and the same number of steps.
     kernels = resolve_kernels(cfg.kernels, ctx.device)
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
     if notice:
         log.line(notice)
+
+    # Data: every rank reads the set, keeps its fixed shard on the device, and the same number of steps.
     decode = dali_decoder(ctx.device) if loader_name == "dali" else None  # JPEG folders: DALI decodes once
     data = load_dataset(cfg.data, cfg.download, cfg.cache_dir or None, log=log.line,
                         decode=decode).subset(cfg.subset)
@@ -191,7 +192,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     push, pop = profiling.markers(cfg.nvtx)
     step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), buckets)
     train_step = TrainStep(step, StaticBatch(per_rank_batch, dtype, ctx.device), capture=use_graphs)
-    if hasattr(train_loader, "bind_static"):  # DALI writes each batch straight into the step's buffers
+    if hasattr(train_loader, "bind_static"):  # DALI copies each batch into the step's buffers: the one copy
         train_loader.bind_static(train_step.batch.images, train_step.batch.labels)
     eval_step = EvalStep(model, StaticBatch(cfg.eval_batch_size, dtype, ctx.device), cfg.tta, capture=use_graphs)
 

@@ -52,6 +52,7 @@ def test_static_batch_keeps_storage_and_masks_padding():
     assert batch.load(x[:3], torch.tensor([7, 8, 9])) == 3
     assert batch.valid.tolist() == [True, True, True, False]
     assert not batch.images[3].any() and batch.labels.tolist() == [7, 8, 9, 0]
+    assert batch.load(x, torch.arange(4)) == 4 and batch.valid.all(), "a full batch after a partial one"
     assert batch.images.data_ptr() == ptr, "buffers must never be reallocated"
     with pytest.raises(ValueError, match="exceeds"):
         batch.load(torch.randn(5, 3, 32, 32), torch.zeros(5, dtype=torch.int64))
