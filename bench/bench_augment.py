@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
                           print_header, require_cuda, time_ms)
 from fastcifar.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params  # noqa: E402
-from kernels.augment import augment, augment_indexed_reference, channel_constants  # noqa: E402
-from kernels.cutout import cutout, cutout_reference  # noqa: E402
+from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants  # noqa: E402
+from fastcifar.kernels.cutout import cutout, cutout_reference  # noqa: E402
 
 CL = torch.channels_last
 PAD, CUTOUT, SIZE = 4, 12, 32

@@ -30,7 +30,7 @@ from torch import nn  # noqa: E402
 from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
                           print_header, require_cuda, time_ms)
 from fastcifar.model import NormActPool, ResNet9  # noqa: E402
-from kernels.bn_act_pool import TritonNormActPool, bn_act_pool_reference  # noqa: E402
+from fastcifar.kernels.bn_act_pool import TritonNormActPool, bn_act_pool_reference  # noqa: E402
 
 CL = torch.channels_last
 # (channels, map size, pool): the seed ResNet-9's blocks, then the fast recipes' pool-before-BN blocks

@@ -1,7 +1,7 @@
 """Networks: the seed ResNet-9, built from conv + fused (batchnorm, activation, pool) blocks.
 
 The batchnorm/activation/pool trio is one module, ``NormActPool``, so that the Triton kernel
-(``kernels.bn_act_pool.TritonNormActPool``, same constructor, same state) can replace it without
+(``fastcifar.kernels.bn_act_pool.TritonNormActPool``, same constructor, same state) can replace it without
 touching the network's definition. Tensors are NCHW-shaped and channels-last in memory throughout.
 """
 
@@ -11,56 +11,9 @@ import os
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-ACTIVATIONS = ("relu", "gelu", "celu")
-POOL_PLACES = (None, "before", "after")
-
-
-def activation(x: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "relu":
-        return F.relu(x)
-    if act == "gelu":
-        return F.gelu(x)
-    if act == "celu":
-        return F.celu(x)
-    raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
-
-
-class NormActPool(nn.BatchNorm2d):
-    """BatchNorm2d, then an activation, with an optional 2x2 max-pool before or after.
-
-    ``pool="before"`` pools first (4x fewer elements to normalize, as the fast recipes do);
-    ``pool="after"`` pools the activation (the seed ResNet-9's order). Parameters and running
-    statistics stay fp32 when the activations are fp16.
-    """
-
-    def __init__(self, num_features: int, act: str = "relu", pool: Optional[str] = None,
-                 eps: float = 1e-5, momentum: float = 0.1):
-        if act not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
-        if pool not in POOL_PLACES:
-            raise ValueError(f"pool must be one of {POOL_PLACES}, not {pool!r}")
-        super().__init__(num_features, eps=eps, momentum=momentum)
-        self.act = act
-        self.pool = pool
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            self.num_batches_tracked.add_(1)  # as nn.BatchNorm2d does, so both kernel paths' states agree
-        if self.pool == "before":
-            x = F.max_pool2d(x, 2)
-        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                         self.training, self.momentum, self.eps)
-        x = activation(x, self.act)
-        if self.pool == "after":
-            x = F.max_pool2d(x, 2)
-        return x
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, act={self.act}, pool={self.pool}"
-
+from .norm_act_pool import ACTIVATIONS, POOL_PLACES, NormActPool, activation  # noqa: F401  (re-exported)
 
 NormFactory = Callable[..., nn.Module]
 KERNELS = ("auto", "triton", "torch")
@@ -80,7 +33,7 @@ def resolve_kernels(requested: str, device: torch.device) -> str:
 def norm_factory(kernels: str) -> NormFactory:
     """The NormActPool implementation of a kernel path (``resolve_kernels``' answer)."""
     if kernels == "triton":
-        from kernels.bn_act_pool import TritonNormActPool  # imported late: see resolve_kernels
+        from .kernels.bn_act_pool import TritonNormActPool  # imported late: see resolve_kernels
         return TritonNormActPool
     return NormActPool
 

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import nn
 
 from fastcifar.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference
-from kernels.checks import check_device
+from .checks import check_device
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

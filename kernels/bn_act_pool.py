@@ -53,8 +53,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fastcifar.model import ACTIVATIONS, POOL_PLACES, NormActPool, activation
-from kernels.checks import check_activation, check_device  # noqa: F401  (re-exported for tests)
+from fastcifar.norm_act_pool import ACTIVATIONS, POOL_PLACES, NormActPool, activation
+from .checks import check_activation, check_device  # noqa: F401  (re-exported for tests)
 
 ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2}
 MODE_IDS = {None: 0, "before": 1, "after": 2}

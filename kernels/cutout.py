@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kernels.checks import check_activation, check_device
+from .checks import check_activation, check_device
 
 # Fixed, not tuned on a GPU: 4096 elements per program = 32 per thread at 4 warps (8 KiB of fp16 in flight).
 BLOCK = 4096

@@ -12,9 +12,9 @@ import torch
 import pytest  # noqa: E402
 from _kernel_asserts import DEVICE, assert_close, needs_cuda, needs_triton_backend, poisoned_empty  # noqa: E402
 
-import kernels.bn_act_pool as bap  # noqa: E402
+import fastcifar.kernels.bn_act_pool as bap  # noqa: E402
 from fastcifar.model import NormActPool, ResNet9  # noqa: E402
-from kernels.bn_act_pool import (  # noqa: E402
+from fastcifar.kernels.bn_act_pool import (  # noqa: E402
     TritonNormActPool,
     bn_act_pool,
     bn_act_pool_backward,

@@ -8,8 +8,8 @@ import torch
 import pytest  # noqa: E402
 from _kernel_asserts import DEVICE, assert_close, needs_triton_backend, poisoned_empty  # noqa: E402
 
-import kernels.cutout as cm  # noqa: E402
-from kernels.cutout import Cutout, cutout, cutout_forward, cutout_reference  # noqa: E402
+import fastcifar.kernels.cutout as cm  # noqa: E402
+from fastcifar.kernels.cutout import Cutout, cutout, cutout_forward, cutout_reference  # noqa: E402
 
 pytestmark = needs_triton_backend
 CL = torch.channels_last

@@ -72,7 +72,7 @@ def test_norm_act_pool_rejects_unknown_options():
 
 def test_kernel_paths_resolve_and_build(monkeypatch):
     from fastcifar.model import norm_factory, resolve_kernels
-    from kernels.bn_act_pool import TritonNormActPool
+    from fastcifar.kernels.bn_act_pool import TritonNormActPool
     assert resolve_kernels("auto", torch.device("cpu")) == "torch"
     assert resolve_kernels("auto", torch.device("cuda")) == "triton"
     assert resolve_kernels("triton", torch.device("cpu")) == "triton"

@@ -1,0 +1,61 @@
+"""``NormActPool``: batchnorm, an activation and an optional 2x2 max-pool as one module.
+
+Its own module so that the network (``fastcifar.model``) and the fused Triton kernel
+(``fastcifar.kernels.bn_act_pool.TritonNormActPool``, same constructor, same state) both build on it
+without importing each other.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = ("relu", "gelu", "celu")
+POOL_PLACES = (None, "before", "after")
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "relu":
+        return F.relu(x)
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "celu":
+        return F.celu(x)
+    raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
+
+
+class NormActPool(nn.BatchNorm2d):
+    """BatchNorm2d, then an activation, with an optional 2x2 max-pool before or after.
+
+    ``pool="before"`` pools first (4x fewer elements to normalize, as the fast recipes do);
+    ``pool="after"`` pools the activation (the seed ResNet-9's order). Parameters and running
+    statistics stay fp32 when the activations are fp16.
+    """
+
+    def __init__(self, num_features: int, act: str = "relu", pool: Optional[str] = None,
+                 eps: float = 1e-5, momentum: float = 0.1):
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
+        if pool not in POOL_PLACES:
+            raise ValueError(f"pool must be one of {POOL_PLACES}, not {pool!r}")
+        super().__init__(num_features, eps=eps, momentum=momentum)
+        self.act = act
+        self.pool = pool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.num_batches_tracked.add_(1)  # as nn.BatchNorm2d does, so both kernel paths' states agree
+        if self.pool == "before":
+            x = F.max_pool2d(x, 2)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                         self.training, self.momentum, self.eps)
+        x = activation(x, self.act)
+        if self.pool == "after":
+            x = F.max_pool2d(x, 2)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, act={self.act}, pool={self.pool}"
