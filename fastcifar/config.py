@@ -83,7 +83,7 @@ class Config:
     error_feedback: bool = True  # add what compression dropped to the next step's gradient
     compress_warmup_steps: int = 0  # steps averaged uncompressed before compression starts
     compress_transport: str = "sparse"  # sparse: payloads only (all-reduce or all-gather) | dense: the seed's zero-filled all-reduce
-    randomk_unbiased: bool = True  # randomk: values x d/k (unbiased) | --no-randomk-unbiased: the seed's unscaled
+    randomk_unbiased: bool = False  # randomk: values x d/k (unbiased; pair with --no-error-feedback) | off: the seed's unscaled
     terngrad_clip: bool = False  # terngrad: clip to +-2.5 standard deviations before ternarizing
     nvtx: bool = False  # NVTX ranges around data, forward, backward, optimizer (for nsys); off: no CUDA calls
     profile_steps: str = ""  # A:B: cudaProfilerStart after A timed steps of run 1, Stop after B (nsys capture range)

@@ -30,6 +30,7 @@ class Compressor:
     kind = "gather"
     fixed_size = True
     rounds = 1  # PowerSGD needs two collectives in a row
+    unbiased = False  # E[decompress(compress(x))] = x with variance above |x|^2 for small payloads
 
     def compress(self, x: torch.Tensor, world_size: int = 1, rng=None, shared=None, key: int = 0,
                  rows: int | None = None):
@@ -103,7 +104,7 @@ class RandomK(Compressor):
     name = "randomk"
 
     def __init__(self, ratio: float, unbiased: bool = True, shared: bool = True):
-        self.ratio, self.unbiased, self.shared = ratio, unbiased, shared
+        self.ratio, self.unbiased, self.shared = ratio, unbiased and ratio < 1, shared
         self.kind = "sum" if shared else "gather"
 
     def compress(self, x, world_size=1, rng=None, shared=None, key=0, rows=None):
@@ -155,7 +156,7 @@ class TernGrad(Compressor):
     """s = max|x|, x_i -> s x sign(x_i) x Bernoulli(|x_i| / s): int8 levels in {-1, 0, 1} and one
     fp32 scale (1 byte per coordinate). ``clip``: first clip x to +-2.5 standard deviations (then
     the scale is the clipped max; biased, lower variance, as the TernGrad paper does)."""
-    name = "terngrad"
+    name, unbiased = "terngrad", True
 
     def __init__(self, clip: bool = False):
         self.clip = clip
@@ -182,7 +183,7 @@ class QSGD(Compressor):
     """s levels: x_i -> ||x||_2 x sign(x_i) x xi_i / s, xi_i the stochastic rounding of
     s |x_i| / ||x||_2 (an integer in 0..s); levels as int8 (s <= 127) or int16, and one fp32 norm
     per ``chunk`` coordinates (0: one norm for the whole vector)."""
-    name = "qsgd"
+    name, unbiased = "qsgd", True
 
     def __init__(self, levels: int, chunk: int = 0):
         if not 1 <= levels <= 32767:

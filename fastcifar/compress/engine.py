@@ -148,7 +148,11 @@ class Compression:
     def describe(self) -> str:
         ef = "error feedback" if self.memory is not None else "no error feedback"
         warm = f", dense for the first {self.warmup_steps} steps" if self.warmup_steps else ""
-        return f"compression: {self.compressor.describe()}, scope {self.scope}, {self.transport} transport, {ef}{warm}"
+        note = ""
+        if self.memory is not None and self.compressor.unbiased:
+            note = " (note: error feedback with an unbiased compressor can diverge, see README)"
+        return f"compression: {self.compressor.describe()}, scope {self.scope}, {self.transport} transport, " \
+               f"{ef}{warm}{note}"
 
     # -- per step ------------------------------------------------------------------------------
     def launch(self, b, dense_all_reduce):
