@@ -109,13 +109,18 @@ class GradBuckets:
     communication time (an attribute: the benchmark flips it between steps, never inside one).
     ``trace``, when a list, receives ("grad", name) and ("launch", bucket index) events in the
     order they happen (the overlap test reads it).
+    ``compression`` (a ``fastcifar.compress.Compression``), when given, replaces each bucket's
+    all-reduce by its compress -> transport -> decompress, launched at the same moment on the same
+    stream; scope ``model`` makes one bucket per dtype (the whole gradient as one vector).
     """
 
     def __init__(self, params, bucket_mb: float = 2.0, group=None, communicate: bool = True,
-                 names: dict | None = None, trace: list | None = None):
+                 names: dict | None = None, trace: list | None = None, compression=None):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, not {bucket_mb}")
-        self.buckets = plan_buckets(params, int(bucket_mb * 2**20))
+        self.compression = compression
+        whole = compression is not None and compression.scope == "model"
+        self.buckets = plan_buckets(params, 2**62 if whole else int(bucket_mb * 2**20))
         self.params = [p for b in self.buckets for p in b.params]
         self.device = self.params[0].device
         self.group = group
@@ -140,6 +145,8 @@ class GradBuckets:
                     self._bucket_of[p] = b
                     self._ptr[p] = view.data_ptr()
                 b.pending = len(b.params)
+        if compression is not None:
+            compression.plan(self.buckets)
         if communicate:
             self._broadcast_from_rank0()
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -185,9 +192,14 @@ class GradBuckets:
             # this bucket's gradients on; the collective then runs beside the rest of backward.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                b.work = self._all_reduce_mean(b.flat)
+                b.work = self._average(b)
         else:
-            b.work = self._all_reduce_mean(b.flat)
+            b.work = self._average(b)
+
+    def _average(self, b: Bucket):
+        if self.compression is not None:
+            return self.compression.launch(b, self._all_reduce_mean)
+        return self._all_reduce_mean(b.flat)
 
     def _all_reduce_mean(self, flat: torch.Tensor):
         # Divide before the sum, for every dtype. fp16: each rank's gradient is at most 65504 (the
@@ -217,12 +229,20 @@ class GradBuckets:
             b.work = None
             b.pending = len(b.params)
         self._next = 0
+        if self.communicate and self.compression is not None:
+            self.compression.end_step()
 
     @torch.no_grad()
     def zero_grad(self) -> None:
         """Zero every bucket (one fill per bucket; the views and their storage stay)."""
         for b in self.buckets:
             b.flat.zero_()
+
+    def reset(self) -> None:
+        """Compression state (error-feedback residuals, RNG step, warm start, counts) back to
+        before the first step; nothing to do without compression."""
+        if self.compression is not None:
+            self.compression.reset()
 
     def remove(self) -> None:
         """Detach the hooks; the gradients stay (as views) until the caller drops them."""

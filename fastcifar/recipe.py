@@ -21,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from .alexnet import AlexNet
 from .averaging import Lookahead
 from .fastnet import FastNet, init_whitening
 from .model import ResNet9
@@ -37,6 +38,8 @@ def make_network(cfg, norm) -> nn.Module:
     norm = functools.partial(norm, momentum=cfg.bn_momentum)
     if cfg.arch == "resnet9":
         model = ResNet9(widths=cfg.widths, norm=norm)
+    elif cfg.arch == "alexnet":
+        model = AlexNet(widths=cfg.widths, norm=norm)
     elif cfg.arch == "fastnet":
         model = FastNet(widths=cfg.widths, norm=norm, whiten_kernel=cfg.whiten_kernel)
         model.whiten.weight.requires_grad_(not cfg.whiten_frozen)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import comm, distributed, graphs, profiling, recipe
+from . import comm, compress, distributed, graphs, profiling, recipe
 from .config import Config, ConfigError, parse_args, validate
 from .dali_loader import DaliLoader, dali_decoder, resolve_loader
 from .data import DataError, load_dataset, shard_indices
@@ -115,6 +115,9 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
                "kernels": kernels})
 
     use_graphs = graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)
+    if use_graphs and ctx.distributed and compress.graph_safe(cfg):  # "on" was refused in validate
+        use_graphs = False
+        log.line(f"note: CUDA graphs off: {compress.graph_safe(cfg)}")
     if cfg.nvtx and use_graphs:
         log.line("note: with CUDA graphs --nvtx marks each step as one range; --cuda-graphs off "
                  "shows its forward, backward, comm and optimizer phases")
@@ -178,9 +181,12 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
                                       broadcast_buffers=False)
     elif ctx.distributed:  # gradients become views into flat buckets, all-reduced during backward
-        buckets = comm.GradBuckets(model.parameters(), cfg.bucket_mb)
+        buckets = comm.GradBuckets(model.parameters(), cfg.bucket_mb,
+                                   compression=compress.from_config(cfg, ctx, seed))  # None: plain all-reduce
         if run == 1:
             log.line(buckets.describe())
+            if buckets.compression is not None:
+                log.line(buckets.compression.describe())
     # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
     per_rank_batch, steps = train_loader.batch_size, len(train_loader)
     peak = cfg.lr * cfg.batch_size / 512 / per_rank_batch
@@ -209,6 +215,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     model.load_state_dict(initial)
     opt.reset_state()
     schedule.reset()
+    if buckets is not None:
+        buckets.reset()  # error-feedback residuals, compression RNG and counts
     model.eval()
     eval_step.batch.load(*next(iter(test_set)))
     eval_step.prepare()
@@ -253,6 +261,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         watchdog.beat()
     window.close()
     watchdog.close()
+    compress.log_stats(buckets.compression if buckets is not None else None, log, run)
     result.test_acc = result.epochs[-1].test_acc
     result.train_time = total_train_time
     result.wall_time = time.time() - PROCESS_START

@@ -1,0 +1,17 @@
+"""Compressed gradient communication for the bucketed all-reduce (issue 15).
+
+The field's split (GRACE, DDP communication hooks): a compressor (``compressors``: compress ->
+payload + context, decompress), an error-feedback memory (``memory``), and the transport the
+payload needs (``engine``: all-reduce when payloads sum, all-gather when each rank's indices or
+scales differ, or the seed's dense all-reduce). ``fastcifar.comm.GradBuckets`` calls
+``Compression.launch`` per bucket; the trainer only names the method (``from_config``).
+"""
+
+from __future__ import annotations
+
+from .compressors import METHODS, Compressor, make
+from .engine import SCOPES, TRANSPORTS, Compression, pack, unpack
+from .trainer import from_config, graph_safe, log_stats
+
+__all__ = ["METHODS", "SCOPES", "TRANSPORTS", "Compression", "Compressor", "from_config", "graph_safe", "log_stats",
+           "make", "pack", "unpack"]

@@ -1,0 +1,314 @@
+"""Compressed averaging of one gradient bucket: split into chunks, compress, transport, decompress.
+
+``Compression.launch(bucket)`` is what ``fastcifar.comm.GradBuckets`` calls instead of its plain
+all-reduce when backward has filled a bucket (on the GPU inside the comm stream, so it overlaps
+the rest of backward). It returns an object with ``wait()``, like the c10d Work it replaces;
+``GradBuckets.finish()`` waits on it, and then the bucket holds the mean of the ranks'
+reconstructed gradients (in place, in the bucket's dtype).
+
+Chunks (``scope``): ``layer`` one per parameter (its view's span in the bucket), ``bucket`` the
+whole bucket, ``model`` the whole bucket too, GradBuckets then making one bucket per dtype
+(fp32 on the CPU: the whole model; fp16 weights and fp32 batchnorm on the GPU: two vectors).
+
+Transports (``transport``):
+- ``sparse``: what the compressor's payload needs. Summable payloads of all chunks are
+  concatenated into one all-reduce; per-rank payloads are packed into one byte buffer (each piece
+  8-byte aligned) and all-gathered, then each rank's part is decompressed and the mean taken in
+  rank order. Threshold (variable size) first all-gathers the per-chunk counts (a blocking
+  collective: the sizes go to the host), pads every chunk to the largest count and gathers that;
+  when every count is zero nothing more is sent (no zero-size collective to hang on).
+- ``dense``: the seed's way: each rank's own reconstruction D(C(g)), zeros included, is
+  all-reduced at full size. Same result, no bytes saved; for side-by-side comparison.
+
+Bytes counted are the payload bytes this rank contributes per step (counts included), and the
+dense baseline is the bucket's size (what ``--compress none`` all-reduces): the ratio is the
+reduction in what each rank puts on the wire. A ring all-reduce moves ~2(n-1)/n of its buffer
+per rank and an all-gather (n-1) times the payload: bench/bench_compress.py models both.
+Compress time is host time around compress + decompress (on the GPU: launch time only, the
+kernels run asynchronously on the comm stream).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .compressors import Compressor, PowerSGD
+from .memory import ErrorFeedback
+from .rng import SHARED_STREAM, CounterRNG
+
+SCOPES = ("layer", "bucket", "model")
+TRANSPORTS = ("sparse", "dense")
+
+
+@dataclass
+class Chunk:
+    key: int  # unique over the model; the RNG and the memory are keyed by it
+    start: int  # element offset in the bucket's flat tensor
+    length: int
+    rows: int | None  # a matrix view for PowerSGD (a parameter's first dimension), None: flat
+
+
+@dataclass
+class Stats:
+    steps: int = 0  # steps averaged (dense warm-up steps included)
+    compressed_steps: int = 0
+    payload_bytes: int = 0  # summed over steps: bytes this rank sent
+    dense_bytes: int = 0  # summed over steps: bytes --compress none would have sent
+    compress_s: float = 0.0  # host seconds in compress + decompress (+ error feedback)
+
+    def as_dict(self) -> dict:
+        steps = max(self.steps, 1)
+        return {"steps": self.steps, "compressed_steps": self.compressed_steps,
+                "bytes_per_step": self.payload_bytes / steps, "dense_bytes_per_step": self.dense_bytes / steps,
+                "ratio": self.dense_bytes / self.payload_bytes if self.payload_bytes else float("inf"),
+                "compress_ms_per_step": 1e3 * self.compress_s / steps}
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
+
+
+def pack(tensors: list) -> tuple[torch.Tensor, list]:
+    """Tensors of any dtypes in one uint8 buffer (each 8-byte aligned, so views back are legal)."""
+    layout, offset = [], 0
+    for t in tensors:
+        layout.append((offset, t.dtype, tuple(t.shape), t.numel() * t.element_size()))
+        offset += _aligned(t.numel() * t.element_size())
+    device = tensors[0].device if tensors else "cpu"
+    buf = torch.zeros(max(offset, 8), dtype=torch.uint8, device=device)
+    for t, (o, _, _, nb) in zip(tensors, layout):
+        if nb:
+            buf[o:o + nb].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    return buf, layout
+
+
+def unpack(buf: torch.Tensor, layout: list) -> list:
+    return [buf[o:o + nb].view(dtype).reshape(shape) for o, dtype, shape, nb in layout]
+
+
+class _Pending:
+    """The Work-like handle of one bucket: ``wait()`` waits for its collectives, then finishes."""
+
+    def __init__(self, works: list, finish):
+        self.works, self.finish = works, finish
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.finish()
+
+
+class Compression:
+    """One compressor applied to every bucket of a GradBuckets, with its memory, RNGs and stats."""
+
+    def __init__(self, compressor: Compressor, scope: str = "bucket", error_feedback: bool = False,
+                 warmup_steps: int = 0, transport: str = "sparse", seed: int = 0, group=None,
+                 device: torch.device | str = "cpu"):
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+        if transport == "dense" and compressor.rounds > 1:
+            raise ValueError(f"{compressor.name} has no dense transport (its two rounds are the method)")
+        self.compressor, self.scope, self.transport = compressor, scope, transport
+        self.warmup_steps, self.group = warmup_steps, group
+        self.memory = ErrorFeedback() if error_feedback else None
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.rng = CounterRNG(seed, rank, device)  # this rank's own draws
+        self.shared = CounterRNG(seed, SHARED_STREAM, device)  # the same draws on every rank
+        self.step = 0  # host count of finished steps (dense warm-up)
+        self.stats = Stats()
+        self._chunks: dict = {}  # bucket index -> [Chunk]
+        self._step_bytes = [0, 0]  # this step: payload, dense
+        self._last_bytes = None  # the last finished step's (payload, dense)
+        self.captured = None  # (payload, dense) of the last step before reset(): a captured step's
+
+    # -- set-up --------------------------------------------------------------------------------
+    def plan(self, buckets) -> None:
+        """Chunks of every bucket (GradBuckets calls this once its buckets exist)."""
+        from fastcifar.comm import _span
+        key = 0
+        for b in buckets:
+            if self.scope == "layer":
+                chunks = []
+                for p, offset in zip(b.params, b.offsets):
+                    chunks.append(Chunk(key, offset, _span(p), p.shape[0] if p.dim() > 1 else None))
+                    key += 1
+            else:
+                chunks = [Chunk(key, 0, b.numel, None)]
+                key += 1
+            self._chunks[b.index] = chunks
+
+    def describe(self) -> str:
+        ef = "error feedback" if self.memory is not None else "no error feedback"
+        warm = f", dense for the first {self.warmup_steps} steps" if self.warmup_steps else ""
+        note = ""
+        if self.memory is not None and self.compressor.unbiased:
+            note = " (note: error feedback with an unbiased compressor can diverge, see README)"
+        return f"compression: {self.compressor.describe()}, scope {self.scope}, {self.transport} transport, " \
+               f"{ef}{warm}{note}"
+
+    # -- per step ------------------------------------------------------------------------------
+    def launch(self, b, dense_all_reduce):
+        """Start averaging bucket ``b``; ``dense_all_reduce(flat)`` is GradBuckets' own (uncompressed) path."""
+        dense_bytes = b.flat.numel() * b.flat.element_size()
+        self._step_bytes[1] += dense_bytes
+        if self.step < self.warmup_steps:
+            self._step_bytes[0] += dense_bytes
+            return dense_all_reduce(b.flat)
+        t0 = time.perf_counter()
+        n, comp = self.world_size, self.compressor
+        items = []  # (chunk, compensated fp32, payload, ctx)
+        for c in self._chunks[b.index]:
+            g = b.flat[c.start:c.start + c.length].to(torch.float32, copy=True)
+            if self.memory is not None:
+                g = self.memory.compensate(c.key, g)
+            scale = 1 if self.transport == "dense" else n  # dense: the whole reconstruction is summed
+            payload, ctx = comp.compress(g, scale, self.rng, self.shared, key=c.key, rows=c.rows)
+            items.append((c, g, payload, ctx))
+        if self.transport == "dense":
+            pending = self._launch_dense(b, items)
+        elif comp.kind == "sum":
+            pending = self._launch_sum(b, items)
+        else:
+            pending = self._launch_gather(b, items)
+        self.stats.compress_s += time.perf_counter() - t0
+        return pending
+
+    def end_step(self) -> None:
+        """After every bucket of a step was waited for (GradBuckets.finish)."""
+        if self.step >= self.warmup_steps:
+            self.stats.compressed_steps += 1
+        self.step += 1
+        self.stats.steps += 1
+        self.stats.payload_bytes += self._step_bytes[0]
+        self.stats.dense_bytes += self._step_bytes[1]
+        self._last_bytes = tuple(self._step_bytes)
+        self._step_bytes = [0, 0]
+        self.rng.advance()
+        self.shared.advance()
+
+    def reset(self) -> None:
+        """Back to the state before the first step (after the trainer's untimed warm-up steps)."""
+        self.captured = self._last_bytes
+        self.step = 0
+        self.stats = Stats()
+        self._step_bytes = [0, 0]
+        self.rng.reset()
+        self.shared.reset()
+        if self.memory is not None:
+            self.memory.reset()
+        if isinstance(self.compressor, PowerSGD):
+            self.compressor.reset(self.shared)
+
+    # -- transports ----------------------------------------------------------------------------
+    def _write(self, b, c: Chunk, mean: torch.Tensor) -> None:
+        b.flat[c.start:c.start + c.length].copy_(mean)
+
+    def _feedback(self, c: Chunk, g: torch.Tensor, own: torch.Tensor) -> None:
+        if self.memory is not None:
+            self.memory.update(c.key, g, own)
+
+    def _timed(self, fn):
+        def run():
+            t0 = time.perf_counter()
+            fn()
+            self.stats.compress_s += time.perf_counter() - t0
+        return run
+
+    def _launch_dense(self, b, items):
+        """The seed: write each rank's reconstruction / n into the bucket, all-reduce it whole."""
+        comp, n = self.compressor, self.world_size
+        for c, g, payload, ctx in items:
+            own = comp.decompress(payload, ctx)
+            self._feedback(c, g, own)
+            self._write(b, c, own / n)
+        self._step_bytes[0] += b.flat.numel() * b.flat.element_size()
+        return _Pending([dist.all_reduce(b.flat, group=self.group, async_op=True)], lambda: None)
+
+    def _launch_sum(self, b, items):
+        comp, n = self.compressor, self.world_size
+        first = [t for _, _, payload, _ in items for t in payload]
+        buf = torch.cat([t.reshape(-1) for t in first])
+        self._step_bytes[0] += buf.numel() * buf.element_size()
+        work = dist.all_reduce(buf, group=self.group, async_op=True)
+
+        def split(flat, like):
+            out, o = [], 0
+            for t in like:
+                out.append(flat[o:o + t.numel()].reshape(t.shape))
+                o += t.numel()
+            return out
+
+        def finish():
+            summed = split(buf, first)
+            per_item, o = [], 0
+            for _, _, payload, _ in items:
+                per_item.append(summed[o:o + len(payload)])
+                o += len(payload)
+            if comp.rounds > 1:  # PowerSGD: the second collective (Q) needs the first's result (P)
+                second = [comp.next_round(s, ctx, n) for s, (_, _, _, ctx) in zip(per_item, items)]
+                flat2 = [t for s in second for t in s]
+                if flat2:
+                    buf2 = torch.cat([t.reshape(-1) for t in flat2])
+                    self._step_bytes[0] += buf2.numel() * buf2.element_size()
+                    dist.all_reduce(buf2, group=self.group)
+                    summed2, o = split(buf2, flat2), 0
+                    for i, s in enumerate(second):
+                        second[i] = summed2[o:o + len(s)]
+                        o += len(s)
+                for s, s2, (_, _, _, ctx) in zip(per_item, second, items):
+                    comp.finish_round(s, s2, ctx)
+                per_item = [s + s2 for s, s2 in zip(per_item, second)]
+            for s, (c, g, payload, ctx) in zip(per_item, items):
+                mean = comp.decompress(s, ctx)
+                if comp.rounds > 1:
+                    own = mean  # PowerSGD's residual is against the shared approximation
+                else:
+                    own = comp.decompress(payload, ctx) * n  # what this rank sent, unscaled
+                self._feedback(c, g, own)
+                self._write(b, c, mean)
+        return _Pending([work], self._timed(finish))
+
+    def _launch_gather(self, b, items):
+        comp, n = self.compressor, self.world_size
+        payloads = [payload for _, _, payload, _ in items]
+        counts = None
+        if not comp.fixed_size:
+            # Variable sizes: every rank learns every chunk's count, then pads to the largest.
+            mine = torch.tensor([p[0].numel() for p in payloads], dtype=torch.int64, device=b.flat.device)
+            gathered = [torch.empty_like(mine) for _ in range(n)]
+            dist.all_gather(gathered, mine, group=self.group)
+            self._step_bytes[0] += mine.numel() * mine.element_size()
+            counts = torch.stack(gathered).cpu()  # (ranks, chunks): the host needs the sizes
+            largest = counts.amax(0).tolist()
+            payloads = [[torch.nn.functional.pad(t, (0, k - t.numel())) for t in p]
+                        for p, k in zip(payloads, largest)]
+        buf, layout = pack([t for p in payloads for t in p])
+        if counts is not None and int(counts.sum()) == 0:
+            out, work = [buf] * n, None  # nothing selected anywhere: no data collective at all
+        else:
+            self._step_bytes[0] += buf.numel()
+            out = [torch.empty_like(buf) for _ in range(n)]
+            work = dist.all_gather(out, buf, group=self.group, async_op=True)
+
+        def finish():
+            per_rank = [unpack(o, layout) for o in out]
+            for i, (c, g, payload, ctx) in enumerate(items):
+                k = len(payload)
+                mean = None
+                for r in range(n):  # rank order: the same sum on every rank
+                    part = per_rank[r][i * k:(i + 1) * k]
+                    if counts is not None:
+                        part = [t[:int(counts[r, i])] for t in part]
+                    x = comp.decompress(part, ctx) / n
+                    mean = x if mean is None else mean.add_(x)
+                self._feedback(c, g, comp.decompress(payload, ctx))
+                self._write(b, c, mean)
+        return _Pending([work] if work is not None else [], self._timed(finish))

@@ -1,0 +1,177 @@
+"""Compressors against plain references, in one process: exact selection, unbiasedness and the
+variance the formulas give, error feedback's conservation, the RNG, packing, config checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastcifar.alexnet import AlexNet
+from fastcifar.compress import make, pack, unpack
+from fastcifar.compress.compressors import PowerSGD, _orthonormalize
+from fastcifar.compress.memory import ErrorFeedback
+from fastcifar.compress.rng import SHARED_STREAM, CounterRNG
+from fastcifar.config import Config, ConfigError, from_preset, validate
+
+DRAWS = 2000
+
+
+def vector(d=64, seed=0):
+    return torch.randn(d, generator=torch.Generator().manual_seed(seed))
+
+
+def roundtrip(comp, x, rng, key=0):
+    payload, ctx = comp.compress(x.clone(), 1, rng, rng, key=key)
+    return comp.decompress(payload, ctx), payload
+
+
+def test_topk_selects_exactly_the_largest_magnitudes():
+    x = vector(101)
+    for ratio in (0.01, 0.1, 0.5, 1.0):
+        out, (values, idx) = roundtrip(make("topk", ratio=ratio), x, CounterRNG(0, 0))
+        k = math.ceil(ratio * 101)
+        assert values.numel() == k and idx.dtype == torch.int32
+        expected = set(x.abs().argsort(descending=True)[:k].tolist())
+        assert set(idx.tolist()) == expected, ratio
+        reference = torch.zeros_like(x)
+        reference[list(expected)] = x[list(expected)]
+        assert torch.equal(out, reference)
+
+
+def test_threshold_keeps_exactly_the_coordinates_at_or_above_v():
+    x = vector(200)
+    out, (values, idx) = roundtrip(make("threshold", threshold=0.7), x, CounterRNG(0, 0))
+    assert torch.equal(out, torch.where(x.abs() >= 0.7, x, torch.zeros_like(x)))
+    out, (values, idx) = roundtrip(make("threshold", threshold=1e9), x, CounterRNG(0, 0))
+    assert values.numel() == 0 and out.abs().sum() == 0
+
+
+def draws(comp, x, shared=False, n=DRAWS):
+    rng = CounterRNG(3, SHARED_STREAM if shared else 1)
+    out = []
+    for _ in range(n):
+        out.append(roundtrip(comp, x, rng)[0])
+        rng.advance()
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("method", ["terngrad", "qsgd", "randomk"])
+def test_unbiased_with_the_variance_of_the_formula(method):
+    x = vector(48, seed=1)
+    d = x.numel()
+    if method == "terngrad":
+        comp = make("terngrad")
+        s = x.abs().max()
+        var = s * x.abs() - x**2
+    elif method == "qsgd":
+        comp = make("qsgd", levels=4)
+        norm = x.norm()
+        r = 4 * x.abs() / norm
+        p = r - r.floor()
+        var = (norm / 4) ** 2 * p * (1 - p)
+    else:
+        comp = make("randomk", ratio=0.25, randomk_unbiased=True)
+        k = math.ceil(0.25 * d)
+        var = x**2 * (d / k - 1)
+    samples = draws(comp, x)
+    mean, emp_var = samples.mean(0), samples.var(0)
+    # the mean of 2000 draws is within 5 standard errors of x, coordinate by coordinate
+    assert torch.all((mean - x).abs() <= 5 * (var / DRAWS).sqrt() + 1e-6), (mean - x).abs().max()
+    # the variance matches the formula in total (within 10%) and where it is large (within 25%)
+    assert emp_var.sum() == pytest.approx(var.sum().item(), rel=0.1)
+    big = var > 0.1 * var.max()
+    assert torch.allclose(emp_var[big], var[big], rtol=0.25)
+
+
+def test_biased_randomk_is_k_over_d_times_x_in_expectation():
+    x = vector(40, seed=2)
+    samples = draws(make("randomk", ratio=0.25, randomk_unbiased=False), x, shared=True, n=600)
+    # per coordinate the mean's standard error is 0.43 |x_i| / sqrt(600) = 0.018 |x_i|: 5.5 of them
+    torch.testing.assert_close(samples.mean(0), 0.25 * x, atol=0.1 * x.abs().max(), rtol=0)
+    assert all(int((s != 0).sum()) == 10 for s in samples[:20]), "exactly k = 10 coordinates each draw"
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "threshold", "terngrad", "qsgd", "fp16", "powersgd"])
+def test_error_feedback_conserves_the_gradient(method):
+    """sent + residual = g + previous residual, every step; so sum(sent) + e_T = sum(g) over T steps."""
+    comp = make(method, ratio=0.2, threshold=0.5, levels=2, rank=1)
+    memory, rng = ErrorFeedback(), CounterRNG(0, 0)
+    total_g, total_sent = torch.zeros(60, dtype=torch.float64), torch.zeros(60, dtype=torch.float64)
+    for step in range(6):
+        g = vector(60, seed=10 + step)
+        total_g += g.double()
+        compensated = memory.compensate(0, g.clone())
+        payload, ctx = comp.compress(compensated, 1, rng, rng, key=0, rows=6)
+        if comp.rounds > 1:  # one rank: the sums are the payloads themselves
+            second = comp.next_round(payload, ctx)  # orthonormalizes payload[0] in place
+            comp.finish_round(payload, second, ctx)
+            payload = payload + second
+        sent = comp.decompress(payload, ctx)
+        memory.update(0, compensated, sent)
+        total_sent += sent.double()
+        rng.advance()
+    torch.testing.assert_close(total_sent + memory.residual[0].double(), total_g, atol=1e-4, rtol=0)  # fp32 rounding of 6 steps
+    assert memory.residual[0].abs().sum() > 0 or method == "fp16"
+
+
+def test_powersgd_recovers_a_low_rank_matrix():
+    torch.manual_seed(0)
+    m = torch.randn(12, 2) @ torch.randn(2, 9)
+    comp, rng = PowerSGD(rank=2), CounterRNG(0, SHARED_STREAM)
+    for _ in range(3):  # warm start: each step one more power iteration
+        payload, ctx = comp.compress(m.flatten(), 1, rng, rng, key=5, rows=12)
+        second = comp.next_round([payload[0].clone()], ctx)
+        comp.finish_round(payload, second, ctx)
+        approx = comp.decompress([_orthonormalize(payload[0]), second[0]], ctx)
+    torch.testing.assert_close(approx.reshape(12, 9), m, atol=1e-4, rtol=1e-4)
+    assert 2 * (12 + 9) < 12 * 9, "the payload is smaller than the matrix"
+
+
+def test_counter_rng_is_uniform_reproducible_and_separates_streams():
+    a, b, shared = CounterRNG(1, 0), CounterRNG(1, 1), CounterRNG(1, SHARED_STREAM)
+    u = a.uniform(100000)
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
+    assert not torch.equal(a.uniform(100), b.uniform(100)), "ranks draw independently"
+    assert not torch.equal(a.uniform(100, key=1), a.uniform(100, key=2)), "chunks draw independently"
+    first = shared.uniform(100)
+    shared.advance()
+    assert not torch.equal(first, shared.uniform(100)), "each step draws anew"
+    shared.reset()
+    assert torch.equal(first, shared.uniform(100)) and torch.equal(first, CounterRNG(1, SHARED_STREAM).uniform(100))
+
+
+def test_pack_unpack_roundtrip_mixed_dtypes():
+    parts = [torch.randn(5), torch.arange(3, dtype=torch.int32), torch.tensor([1, -1, 0], dtype=torch.int8),
+             torch.zeros(0), torch.randn(2, 3).half()]
+    buf, layout = pack(parts)
+    assert buf.dtype == torch.uint8 and all(o % 8 == 0 for o, *_ in layout)
+    for a, b in zip(parts, unpack(buf.clone(), layout)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_config_refuses_settings_that_cannot_work():
+    ok = Config(compress="topk")
+    validate(ok)
+    cases = [({"compress_ratio": 0.0}, "--compress-ratio"), ({"compress_ratio": 1.5}, "--compress-ratio"),
+             ({"qsgd_levels": 0}, "--qsgd-levels"), ({"powersgd_rank": 0}, "--powersgd-rank"),
+             ({"compress_threshold": -1.0}, "--compress-threshold"),
+             ({"comm": "ddp"}, "--comm bucketed"),
+             ({"compress": "powersgd", "compress_transport": "dense"}, "dense"),
+             ({"compress": "threshold", "cuda_graphs": "on"}, "--cuda-graphs on"),
+             ({"compress_warmup_steps": 5, "cuda_graphs": "on"}, "--cuda-graphs on"),
+             ({"compress_scope": "net"}, "--compress-scope")]
+    for overrides, words in cases:
+        with pytest.raises(ConfigError, match=words.replace("-", r"\-")):
+            validate(Config(**{"compress": "topk", **overrides}))
+    validate(Config(compress="topk", cuda_graphs="on"))  # fixed-size payloads can be captured
+
+
+def test_alexnet_preset_builds_the_cifar_alexnet():
+    cfg = validate(from_preset("alexnet"))
+    model = AlexNet(widths=cfg.widths)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert sum(p.numel() for p in model.parameters()) == 2473418
+    with pytest.raises(ConfigError, match="five"):
+        validate(Config(arch="alexnet"))
