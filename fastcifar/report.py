@@ -261,12 +261,13 @@ class RunLog:
         if not self.enabled:
             return
         self._epochs.append(r)
+        # the TSV row first: whoever sees the printed line (and stops the run) finds it on disk
+        self._write(self._tsv, "\t".join(f"{getattr(r, c):.6g}" if isinstance(getattr(r, c), float)
+                                         else str(getattr(r, c)) for c in TSV_COLUMNS) + "\n")
         if r.epoch == 1:
             self.line(EPOCH_HEADER)
         self.line(f"{r.run:>4} {r.epoch:>5} {r.lr:>8.4f} {r.train_loss:>10.4f} {r.train_acc:>9.2f} "
                   f"{r.test_acc:>8.2f} {r.train_time:>8.2f} {r.total_train_time:>8.2f}")
-        self._write(self._tsv, "\t".join(f"{getattr(r, c):.6g}" if isinstance(getattr(r, c), float)
-                                         else str(getattr(r, c)) for c in TSV_COLUMNS) + "\n")
 
     def run_done(self, res: RunResult, target_acc: float) -> None:
         self._results.append(res)
