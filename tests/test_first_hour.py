@@ -332,3 +332,31 @@ def test_ddp_is_built_without_the_deprecated_argument():
     assert set(train._DDP_OWN_BUFFERS) <= set(accepted) and not any(train._DDP_OWN_BUFFERS.values())
     if "forward_sync_buffers" in accepted:
         assert "broadcast_buffers" not in train._DDP_OWN_BUFFERS
+
+
+def test_chunked_decoder_under_a_bar_gives_the_same_arrays(tmp_path, monkeypatch):
+    """The decode bar decodes in chunks: the decoder's chunks, PIL for those it declines."""
+    import io
+
+    from PIL import Image
+
+    from fastcifar import progress as progress_mod
+    from fastcifar.data.folder import decode_with_pil
+
+    images = np.random.default_rng(0).integers(0, 256, (7, 32, 32, 3), dtype=np.uint8)
+    raws = []
+    for img in images:
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="PNG")
+        raws.append(buf.getvalue())
+    wheres = [f"img{i}.png" for i in range(7)]
+    calls = []
+
+    def every_other(chunk, names):  # takes chunks 0 and 2, declines chunk 1 (PIL decodes it)
+        calls.append(names[0])
+        return None if names[0] == "img3.png" else decode_with_pil(chunk, names)
+    monkeypatch.setattr(progress_mod, "DECODE_CHUNK", 3)
+    stream = _Tty(True)
+    out = progress_mod.chunked_decoder(every_other, Progress(True, stream))(raws, wheres)
+    assert np.array_equal(out, images) and calls == ["img0.png", "img3.png", "img6.png"]
+    assert "decoding" in "".join(stream.text)
