@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -92,6 +93,7 @@ class Config:
     seed: int = 0  # seed of the first run
     target_acc: float = 94.0  # test accuracy (%) a run must reach to count as reached
     out_dir: str = "runs"  # each invocation writes its logs to a new folder in here
+    quiet: bool = False  # no progress bars (they show only on rank 0 and only when stderr is a terminal)
     preset: str = field(default="resnet9", metadata={"cli": False})  # the preset this started from
 
 
@@ -150,8 +152,16 @@ def from_preset(name: str = DEFAULT_PRESET, **overrides) -> Config:
     return dataclasses.replace(Config(), preset=name, **{**PRESETS[name], **overrides})
 
 
+SEED_MAX = 2**63 - 1  # torch.manual_seed and numpy's SeedSequence both take seeds in 0..2^63-1 here
+IMAGE_SIDE = 32  # pixels: the CIFAR-10 image the crop and cutout are measured against
+
+
 def validate(cfg: Config, world_size: int = 1) -> Config:
     """Reject settings that cannot work, with one sentence naming the field."""
+    for f in fields(Config):  # nan passes every comparison below, inf most: refuse both first
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{_flag(f.name)} must be a finite number, not {value}")
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"--{_flag(name)} must be one of {', '.join(map(str, allowed))}, "
@@ -172,6 +182,12 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--warmup-epochs must lie in 0..{cfg.epochs} (the epochs), not {cfg.warmup_epochs}")
     if not 0 <= cfg.label_smoothing < 1:
         raise ConfigError(f"--label-smoothing must lie in [0, 1), not {cfg.label_smoothing}")
+    if not 0 <= cfg.seed <= SEED_MAX - cfg.runs:  # run r uses seed + r - 1; bench's warm-up run seed + runs
+        raise ConfigError(f"--seed must lie in 0..2^63-1-runs ({SEED_MAX - cfg.runs}), not {cfg.seed}")
+    max_pad = IMAGE_SIDE - 1 if cfg.pad_mode == "reflect" else IMAGE_SIDE  # reflection needs pad < side
+    if cfg.crop_pad > max_pad:
+        raise ConfigError(f"--crop-pad must be at most {max_pad} with --pad-mode {cfg.pad_mode} "
+                          f"(the image side is {IMAGE_SIDE}), not {cfg.crop_pad}")
     if cfg.cutout > 32:
         raise ConfigError(f"--cutout must be at most 32 (the image side), not {cfg.cutout}")
     n_widths = {"resnet9": 4, "fastnet": 3, "alexnet": 5}[cfg.arch]

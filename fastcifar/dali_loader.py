@@ -5,9 +5,9 @@ Data flow per rank (the same code on the CPU backend, where tests run it):
 * start-up: images are uint8 NHWC, resident on the rank's device (official CIFAR-10 arrives as
   arrays; an image folder is decoded once by ``decode_jpegs``, nvJPEG via device "mixed");
   the shard is gathered and padded once (reflect or zero), 50,000 x 40 x 40 x 3 = 240 MB;
-* per epoch: the shard's order and every random parameter of the epoch are drawn on the host
-  from one generator seeded by ``epoch_seed(run_seed, rank, epoch)`` with ``augment.draw_params``
-  itself, so the distribution is the reference's by construction;
+* per epoch: the shard's order and every random parameter of the epoch come from
+  ``loader.epoch_plan`` (one host generator seeded by ``epoch_seed(run_seed, rank, epoch)``,
+  ``augment.draw_params`` itself): the torch loader's exact draws, so either loader gives the same run;
 * per batch: a gather of the batch's padded images on a side stream feeds ``fn.external_source``
   (device memory, no host round trip); the parameters (a few hundred ints) are the argument
   inputs of one ``crop_mirror_normalize`` (crop from padding + flip + normalize + cast, fused)
@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from .config import ConfigError
-from .augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, draw_params, normalize, pad_images
-from .loader import epoch_seed
+from .augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, normalize, pad_images
+from .loader import epoch_plan
 
 LOADERS = ("auto", "dali", "torch")
 # What "auto" picks per device type: the faster in bench/bench_loader.py. CPU, measured (2 shared
@@ -284,14 +284,11 @@ class DaliLoader:
 
     def _epoch_plan(self) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """This epoch's batch order (indices into the shard) and DALI's argument inputs, all batches."""
-        g = torch.Generator().manual_seed(epoch_seed(self._run_seed, self.rank, self.epoch))
         n = self.steps * self.batch_size
-        order = torch.randperm(len(self.labels), generator=g)[:n]
-        if self.params_fn is None:
-            p = draw_params(n, self.pad, self.cutout, g, "cpu", size=self.size, flip=self.flip,
-                            flip_mode=self.flip_mode, index=self.shard_index[order], epoch=self.epoch,
-                            seed=self._run_seed)
-        else:
+        order, p = epoch_plan(self._run_seed, self.rank, self.epoch, len(self.labels), n, pad=self.pad,
+                              cutout=self.cutout, flip=self.flip, flip_mode=self.flip_mode,
+                              shard_index=self.shard_index, size=self.size)  # the torch loader's too
+        if self.params_fn is not None:
             batches = [self._checked(self.params_fn(self.epoch, s, self.batch_size)) for s in range(self.steps)]
             p = AugmentParams(*(torch.cat([getattr(b, f) for b in batches]) for f in ("dy", "dx", "flip", "cy", "cx")))
         args = {}

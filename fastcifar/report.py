@@ -1,8 +1,14 @@
 """What a run leaves behind: fixed-width lines on stdout and in log.txt, timing_log.tsv, summary.json.
 
 Only rank 0 makes a ``RunLog`` that writes; other ranks get one that does nothing, so the trainer
-calls it unconditionally. summary.json is written to a temporary file and renamed, so a reader
-never sees half of one.
+calls it unconditionally. The run folder is made only at ``start``, once the data and config have
+been read and checked, so bad input leaves no folder behind; lines logged before it are kept and
+written first. Every line and every TSV row is flushed as it is written, so a killed run leaves
+its header and every finished epoch. summary.json is strict JSON (a non-finite number is written
+as null), written to a temporary file and renamed, so a reader never sees half of one; a run that
+stops early (diverged, interrupted, failed) still gets one, with ``status`` saying why.
+A folder or file that cannot be written (a bad --out-dir, a full disk) is an ``OutputError``:
+one line, exit 2, like any bad input.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -21,6 +28,8 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+
+from .config import ConfigError
 
 TIMING_PROTOCOL = ("train time: summed per-epoch training time (on-device augmentation included), "
                    "device synchronized at each epoch's start and end; per-epoch evaluation and the "
@@ -116,6 +125,45 @@ def summary_table(s: dict) -> str:
     ])
 
 
+class OutputError(ConfigError):
+    """The run's folder or one of its files cannot be written: printed as one line, exit 2."""
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+def check_out_dir(root: str | Path) -> None:
+    """Refuse an --out-dir that cannot hold run folders, before anything is read or written:
+    a file, a path under a file, or a folder (or its nearest existing parent) that is not
+    writable. Nothing is created here; ``RunLog.start`` makes the folder."""
+    path = Path(root).expanduser().absolute()
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(f"--out-dir {root}: {probe} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputError(f"--out-dir {root}: {probe} is not writable")
+
+
+def _finite(value):
+    """``value`` with every non-finite float replaced by None: strict JSON has no NaN or Infinity."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(doc: dict) -> str:
+    return json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
+
+
 def write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -128,69 +176,151 @@ def write_atomic(path: Path, text: str) -> None:
             os.unlink(tmp)
 
 
+_OPEN: list["RunLog"] = []  # started, unfinished logs: stop_open_logs closes them on any early exit
+
+
+def stop_open_logs(status: str, reason: str) -> None:
+    """Record why the run ended early in every open log (log.txt and summary.json) and close it.
+    Best effort: this runs on the way out, after an error that may itself be a full disk."""
+    for log in list(_OPEN):
+        log.stop(status, reason)
+
+
 class RunLog:
     """Rank 0's record of one invocation. ``enabled=False`` makes every call a no-op."""
 
     def __init__(self, cfg, out_root: str, enabled: bool, stream=sys.stdout):
         self.cfg, self.enabled, self.stream = cfg, enabled, stream
+        self.out_root = out_root
         self.dir: Path | None = None
         self.meta: dict = {}
-        if not enabled:
+        self._pending: list[str] = []  # lines logged before the folder exists
+        self._log = self._tsv = None
+        self._results: list[RunResult] = []
+        self._epochs: list[EpochRecord] = []  # the current run's, for a summary of a stopped run
+        if enabled:
+            check_out_dir(out_root)
+
+    def _write(self, f, text: str) -> None:
+        try:
+            f.write(text)
+            f.flush()
+        except OSError as exc:
+            raise OutputError(f"cannot write {getattr(f, 'name', 'a log file')}: {_why(exc)}") from None
+
+    def line(self, text: str = "", terminal: bool = True) -> None:
+        """Print ``text`` (unless ``terminal`` is False) and append it to log.txt."""
+        if not self.enabled:
             return
+        if terminal:
+            print(text, file=self.stream, flush=True)
+        if self._log is None:
+            self._pending.append(text)
+        else:
+            self._write(self._log, text + "\n")
+
+    def _make_dir(self) -> None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        base = Path(out_root) / f"{stamp}-{cfg.preset}"
+        base = Path(self.out_root) / f"{stamp}-{self.cfg.preset}"
         self.dir, n = base, 1
         while self.dir.exists():  # two invocations in one second get two folders
             n += 1
             self.dir = base.with_name(f"{base.name}-{n}")
-        self.dir.mkdir(parents=True)
-        self._log = open(self.dir / "log.txt", "w")
-        self._tsv = open(self.dir / "timing_log.tsv", "w")
-        self._tsv.write("\t".join(TSV_COLUMNS) + "\n")
-
-    def line(self, text: str = "") -> None:
-        if not self.enabled:
-            return
-        print(text, file=self.stream, flush=True)
-        self._log.write(text + "\n")
-        self._log.flush()
+        try:
+            self.dir.mkdir(parents=True)
+            self._log = open(self.dir / "log.txt", "w")
+            self._tsv = open(self.dir / "timing_log.tsv", "w")
+        except OSError as exc:
+            raise OutputError(f"--out-dir {self.out_root}: cannot create {self.dir}: {_why(exc)}") from None
+        _OPEN.append(self)
+        self._write(self._tsv, "\t".join(TSV_COLUMNS) + "\n")  # flushed: even a SIGKILL leaves the header
+        for text in self._pending:
+            self._write(self._log, text + "\n")
+        self._pending = []
 
     def start(self, meta: dict) -> None:
+        """Make the run folder (data and config are valid by now) and write the header: one line
+        each for the build, the engine actually chosen, and the data; the full config goes to
+        log.txt and summary.json only."""
         self.meta = meta
-        self.line(f"fastcifar {meta['versions']['fastcifar'] or ''} | preset {self.cfg.preset} | "
-                  f"{meta['device']['type']} {meta['device']['name']} x{meta['device']['world_size']} | "
-                  f"torch {meta['versions']['torch']}")
+        if not self.enabled:
+            return
+        self._make_dir()
+        dev = meta["device"]
+        name = "" if dev["name"] in ("", dev["type"]) else f" {dev['name']}"
+        self.line(f"fastcifar {meta['versions']['fastcifar'] or '(source)'} | preset {self.cfg.preset} | "
+                  f"{dev['type']}{name} x{dev['world_size']} | torch {meta['versions']['torch']}")
+        engine = meta.get("engine")
+        if engine:
+            self.line("engine: " + ", ".join(f"{k} {v}" for k, v in engine.items()))
         self.line(f"data: {meta['data']}")
-        self.line("config: " + json.dumps(dataclasses.asdict(self.cfg)))
-        if self.dir:
-            self.line(f"logs: {self.dir}")
+        self.line("config: " + json.dumps(dataclasses.asdict(self.cfg)), terminal=False)
+        self.line(f"logs: {self.dir}")
 
     def epoch(self, r: EpochRecord) -> None:
         if not self.enabled:
             return
+        self._epochs.append(r)
+        # the TSV row first: whoever sees the printed line (and stops the run) finds it on disk
+        self._write(self._tsv, "\t".join(f"{getattr(r, c):.6g}" if isinstance(getattr(r, c), float)
+                                         else str(getattr(r, c)) for c in TSV_COLUMNS) + "\n")
         if r.epoch == 1:
             self.line(EPOCH_HEADER)
         self.line(f"{r.run:>4} {r.epoch:>5} {r.lr:>8.4f} {r.train_loss:>10.4f} {r.train_acc:>9.2f} "
                   f"{r.test_acc:>8.2f} {r.train_time:>8.2f} {r.total_train_time:>8.2f}")
-        self._tsv.write("\t".join(f"{getattr(r, c):.6g}" if isinstance(getattr(r, c), float)
-                                  else str(getattr(r, c)) for c in TSV_COLUMNS) + "\n")
-        self._tsv.flush()
 
     def run_done(self, res: RunResult, target_acc: float) -> None:
+        self._results.append(res)
+        self._epochs = []
         verdict = "reached" if res.test_acc >= target_acc else "missed"
         self.line(f"run {res.run}: test_acc {res.test_acc:.2f}% train {res.train_time:.2f} s "
                   f"wall {res.wall_time:.2f} s (target {target_acc:.2f}%: {verdict})")
+
+    def _summary_doc(self, results: list[RunResult], summary: dict | None, status: str, **extra) -> dict:
+        return {**self.meta, "status": status, **extra, "config": dataclasses.asdict(self.cfg),
+                "timing_protocol": TIMING_PROTOCOL, "summary": summary,
+                "results": [dataclasses.asdict(r) for r in results],
+                "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+    def _write_summary(self, doc: dict) -> None:
+        try:
+            write_atomic(self.dir / "summary.json", to_json(doc))
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.dir / 'summary.json'}: {_why(exc)}") from None
+
+    def _close(self) -> None:
+        for f in (self._log, self._tsv):
+            try:
+                f.close()
+            except OSError:
+                pass
+        if self in _OPEN:
+            _OPEN.remove(self)
 
     def finish(self, results: list[RunResult]) -> dict:
         summary = summarize(results, self.cfg.target_acc)
         if not self.enabled:
             return summary
         self.line(summary_table(summary))
-        doc = {**self.meta, "config": dataclasses.asdict(self.cfg), "timing_protocol": TIMING_PROTOCOL,
-               "summary": summary, "results": [dataclasses.asdict(r) for r in results],
-               "date": datetime.datetime.now().isoformat(timespec="seconds")}
-        write_atomic(self.dir / "summary.json", json.dumps(doc, indent=2) + "\n")
+        self._write_summary(self._summary_doc(results, summary, "finished"))
         self.line(f"summary: {self.dir / 'summary.json'}")
-        self._log.close()
-        self._tsv.close()
+        self._close()
         return summary
+
+    def stop(self, status: str, reason: str) -> None:
+        """End a started log early: the reason as the last line of log.txt, and a summary.json
+        with ``status`` (e.g. "diverged", "interrupted", "failed"), the finished runs and the
+        epochs of the unfinished one. Never raises: the caller is already on its way out."""
+        if not self.enabled or self._log is None or self not in _OPEN:
+            return
+        try:
+            self._log.write(f"stopped ({status}): {reason}\n")
+            self._log.flush()
+            summary = summarize(self._results, self.cfg.target_acc) if self._results else None
+            partial = [dataclasses.asdict(r) for r in self._epochs]
+            self._write_summary(self._summary_doc(self._results, summary, status, stopped=reason,
+                                                  unfinished_run_epochs=partial))
+        except (OSError, OutputError):
+            pass
+        finally:
+            self._close()

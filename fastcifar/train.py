@@ -27,6 +27,7 @@ evaluation, and report.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
 import time
@@ -35,22 +36,30 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import comm, compress, distributed, graphs, profiling, recipe
+from . import comm, compress, distributed, graphs, profiling, recipe, report, signals
 from .config import Config, ConfigError, parse_args, validate
 from .dali_loader import DaliLoader, dali_decoder, resolve_loader
 from .data import DataError, load_dataset, shard_indices
 from .graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
+from .guard import LossGuard
 from .loader import EvalSet, TorchLoader
 from .model import norm_factory, resolve_kernels
 from .optim import NesterovSGD, warmup_decay_lr
+from .progress import Progress, chunked_decoder
 from .report import EpochRecord, RunLog, RunResult, device_info, process_start_time, versions
 
 PROCESS_START = process_start_time()
+# DDP without buffer broadcasts (each rank's batchnorm statistics stay its own until averaged per
+# epoch): torch >= 2.13 names it forward_sync_buffers and warns on every rank about the old name.
+_DDP_OWN_BUFFERS = ({"forward_sync_buffers": False}
+                    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                    else {"broadcast_buffers": False})
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     ctx = None
+    signals.install()  # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run (signals.py)
     try:
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
         # Before validate: ranks launched with different settings all stop here, none validates alone.
@@ -61,14 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (ConfigError, DataError) as exc:
         where = f"[rank {ctx.rank}] " if ctx is not None and ctx.distributed else ""
+        report.stop_open_logs("failed", str(exc))
         print(f"fastcifar: error: {where}{exc}", file=sys.stderr)
         return 2
+    except signals.StopRun as exc:  # interrupted (130, 143) or diverged (4): logs closed, summary written
+        report.stop_open_logs(type(exc).__name__.lower(), str(exc))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"fastcifar: {exc}", file=sys.stderr)
+        return exc.exit_code
     except RuntimeError as exc:
         if not distributed.is_comm_failure(exc):
             raise
         # Another rank died or stalled. No teardown: a broken group can block in it; exiting frees it.
         print(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
               f"{distributed.failure_message(exc, cfg.dist_timeout_s)}", file=sys.stderr)
+        report.stop_open_logs("failed", str(exc))
         ctx = None
         return 3
     finally:
@@ -79,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> list[RunResult]:
     """``cfg.runs`` runs, logged and summarized; ``warmup_runs`` whole runs before them that are
     neither logged nor returned (bench/bench_train.py: caches, clocks and allocator settle)."""
-    log = RunLog(cfg, cfg.out_dir, enabled=ctx.is_main)
+    log = RunLog(cfg, cfg.out_dir, enabled=ctx.is_main)  # checks --out-dir; the folder comes at log.start
+    progress = Progress.for_rank(ctx.is_main, cfg.quiet)
     half = cfg.precision == "fp16" or (cfg.precision == "auto" and ctx.device.type == "cuda")
     dtype = torch.float16 if half else torch.float32
     if ctx.device.type == "cuda":
@@ -92,6 +109,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
     # Data: every rank reads the set, keeps its fixed shard on the device, and the same number of steps.
     decode = dali_decoder(ctx.device) if loader_name == "dali" else None  # JPEG folders: DALI decodes once
+    if progress.enabled:
+        decode = chunked_decoder(decode, progress)
     data = load_dataset(cfg.data, cfg.download, cfg.cache_dir or None, log=log.line,
                         decode=decode).subset(cfg.subset)
     per_rank_batch = cfg.batch_size // ctx.world_size
@@ -109,15 +128,19 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
                                    kernels=kernels, **augment)
     test_set = EvalSet(data.test_images, data.test_labels, cfg.eval_batch_size, dtype=dtype,
                        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size)
-    log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
-               "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images",
-               "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "loader": loader_name,
-               "kernels": kernels})
-
     use_graphs = graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)
     if use_graphs and ctx.distributed and compress.graph_safe(cfg):  # "on" was refused in validate
         use_graphs = False
         log.line(f"note: CUDA graphs off: {compress.graph_safe(cfg)}")
+    engine = {"loader": loader_name, "kernels": kernels, "precision": "fp16" if half else "fp32",
+              "cuda graphs": "on" if use_graphs else "off"}
+    if ctx.distributed:
+        engine["comm"] = cfg.comm
+    log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
+               "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images",
+               "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "loader": loader_name,
+               "kernels": kernels, "engine": engine})
+
     if cfg.nvtx and use_graphs:
         log.line("note: with CUDA graphs --nvtx marks each step as one range; --cuda-graphs off "
                  "shows its forward, backward, comm and optimizer phases")
@@ -179,7 +202,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     net, buckets = model, None
     if ctx.distributed and cfg.comm == "ddp":
         net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-                                      broadcast_buffers=False)
+                                      **_DDP_OWN_BUFFERS)
     elif ctx.distributed:  # gradients become views into flat buckets, all-reduced during backward
         buckets = comm.GradBuckets(model.parameters(), cfg.bucket_mb,
                                    compression=compress.from_config(cfg, ctx, seed))  # None: plain all-reduce
@@ -211,7 +234,9 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     if hasattr(train_loader, "quiesce"):  # DALI's threads must make no CUDA calls during capture
         train_loader.quiesce()
     model.train()
-    train_step.warm_up_and_capture(cfg.warmup_steps)
+    progress = Progress.for_rank(log.enabled, cfg.quiet)  # bench's warm-up runs log nothing, draw nothing
+    with progress.stage(f"run {run}: warm-up" + (" and graph capture" if use_graphs else "")):
+        train_step.warm_up_and_capture(cfg.warmup_steps)
     model.load_state_dict(initial)
     opt.reset_state()
     schedule.reset()
@@ -224,6 +249,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     # Several ranks: a stalled peer must end this rank too, also inside graph replays (distributed.py).
     watchdog = distributed.ProgressWatchdog(cfg.dist_timeout_s, ctx, enabled=ctx.distributed)
     hooks = recipe.RunHooks(cfg, model, opt, train_loader, ctx)  # whitening init, bias freeze, lookahead
+    guard = LossGuard(num_classes=int(train_loader.labels.max()) + 1)  # NaN or exploded loss ends the run
     window = profiling.StepWindow(cfg.profile_steps if run == 1 else "")  # nsys capture range, profiler steps
     total_train_time = 0.0
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
@@ -234,7 +260,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         synchronize(ctx.device)
         t0 = time.perf_counter()
         hooks.epoch_start(epoch)  # on the clock: epoch 0's data-dependent init reads training images
-        for images, labels in profiling.ranged(train_loader, "data", push, pop):
+        for images, labels in progress.steps(profiling.ranged(train_loader, "data", push, pop), steps,
+                                             f"run {run} epoch {epoch + 1}/{cfg.epochs}"):
             push("step")  # a graph replay shows as this one range: its phases were marked at capture
             train_step(images, labels)
             pop()
@@ -258,6 +285,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
                              test_loss=test_loss, test_acc=test_acc, total_train_time=total_train_time)
         result.epochs.append(record)
         log.epoch(record)
+        guard.check(record.train_loss, run, epoch + 1)
         watchdog.beat()
     window.close()
     watchdog.close()

@@ -39,7 +39,7 @@ NUM_WARPS = 4
 def _augment_kernel(data_ptr, index_ptr, dy_ptr, dx_ptr, flip_ptr, cy_ptr, cx_ptr, mean_ptr, std_ptr, out_ptr,
                     total, num_images, C, S, Hp, Wp, cutout,
                     HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
-    """out[b, oh, ow, c] (flat NHWC) = (data[img, dy+oh, dx+(flip ? S-1-ow : ow), c] - mean[c]) / std[c],
+    """out[b, oh, ow, c] (flat NHWC) = (data[img, dy+oh, dx+(flip ? S-1-ow : ow), c] - mean[c]) * (1 / std[c]),
     0 inside the cutout square; img = index[b] (or b)."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = e < total
@@ -64,7 +64,7 @@ def _augment_kernel(data_ptr, index_ptr, dy_ptr, dx_ptr, flip_ptr, cy_ptr, cx_pt
     v = tl.load(data_ptr + src, mask=mask & inside, other=0).to(tl.float32)
     m = tl.load(mean_ptr + c, mask=mask, other=0.0)
     s = tl.load(std_ptr + c, mask=mask, other=1.0)
-    y = tl.math.div_rn(v - m, s)  # IEEE division, as the reference's fp32 (x - mean) / std
+    y = (v - m) * tl.math.div_rn(s * 0.0 + 1.0, s)  # times the IEEE reciprocal, as the reference (and DALI)
     hole = (oh >= cy) & (oh < cy + cutout) & (ow >= cx) & (ow < cx + cutout)
     y = tl.where(hole, 0.0, y)
     tl.store(out_ptr + e, y.to(out_ptr.dtype.element_ty), mask=mask)

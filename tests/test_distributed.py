@@ -24,6 +24,7 @@ def test_two_ranks_ddp_learns_and_only_rank0_reports(learnable_data, tmp_path):
     assert s["device"]["world_size"] == 2 and s["per_rank_batch"] == 50
     assert s["summary"]["acc_mean"] > 60.0
     assert proc.stdout.count("run 1: test_acc") == 1, "only rank 0 prints"
+    assert "Warning" not in proc.stderr, proc.stderr[-2000:]  # was: broadcast_buffers deprecated, every rank
 
 
 def test_batch_that_does_not_divide_fails_on_every_rank(learnable_data, tmp_path):

@@ -44,11 +44,14 @@ class Dataset:
         test set (at least 100): for short CPU runs. Image folders are stored class by class,
         so taking the first N would give one class; the sample uses a constant seed instead."""
         n_all = len(self.train_labels)
-        if n_train <= 0 or n_train >= n_all:
+        if n_train > n_all:
+            raise DataError(f"--subset {n_train} is larger than the training set of {self.source} "
+                            f"({n_all} images)")
+        if n_train <= 0 or n_train == n_all:
             return self
         n_test = min(len(self.test_labels), max(100, round(len(self.test_labels) * n_train / n_all)))
         pick_train = np.sort(np.random.default_rng(0).permutation(n_all)[:n_train])
         pick_test = np.sort(np.random.default_rng(1).permutation(len(self.test_labels))[:n_test])
         return Dataset(self.train_images[pick_train], self.train_labels[pick_train],
                        self.test_images[pick_test], self.test_labels[pick_test], self.classes,
-                       f"{self.source} (subset: {n_train} train, {n_test} test images)")
+                       f"{self.source} (a fixed subset)")  # the counts are printed beside the source

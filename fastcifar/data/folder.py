@@ -71,8 +71,11 @@ def _decode(raw: bytes, where: str) -> np.ndarray:
 
 
 def decode_with_pil(raws: list[bytes], wheres: list[str]) -> np.ndarray:
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # PIL decodes off the GIL
+    pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))  # PIL decodes off the GIL
+    try:
         return np.stack(list(pool.map(_decode, raws, wheres)))
+    finally:  # an error or a signal: drop the queued images instead of decoding them all first
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # A batch decoder: (encoded images, their names) -> (N, 32, 32, 3) uint8, or None to leave the
