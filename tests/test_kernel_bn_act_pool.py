@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 from _kernel_asserts import DEVICE, assert_close, needs_cuda, needs_triton_backend, poisoned_empty  # noqa: E402
 
 import fastcifar.kernels.bn_act_pool as bap  # noqa: E402
+import fastcifar.kernels.checks as checks  # noqa: E402
 from fastcifar.model import NormActPool, ResNet9  # noqa: E402
 from fastcifar.kernels.bn_act_pool import (  # noqa: E402
     TritonNormActPool,
@@ -237,7 +238,7 @@ def test_backward_launcher_rejects_wrong_dy():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors are fine under the interpreter only")
 def test_cpu_tensor_rejected_without_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(checks, "interpreted", lambda: False)
     with pytest.raises(ValueError, match="need a CUDA tensor"):
         bap.check_activation(_good()["x"])
 
