@@ -59,15 +59,17 @@ from .checks import check_activation, check_device  # noqa: F401  (re-exported f
 ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2}
 MODE_IDS = {None: 0, "before": 1, "after": 2}
 
-# Block sizes: fixed, chosen by arithmetic, NOT yet tuned on a GPU (none was available when written).
-# A tile holds ~4096 elements (32 fp32 registers per thread at 4 warps); the pooled kernels load 4
-# window elements per output row, so their tiles have 4x fewer rows.
+# Block sizes: fixed, chosen by arithmetic and by ptxas's register report, NOT timed on a GPU (none
+# was available when written). A tile holds 2048 elements (16 per thread at 4 warps); the pooled
+# kernels load 4 window elements per output row, so their tiles have 2x fewer rows. At 4096 per
+# tile the GELU backward reduction took 168 registers and spilled on sm_80 (python -m
+# fastcifar.kernels.aot; bench/results/kernel_registers.md has every variant's figures).
 BLOCK_C_MAX = 64  # 64 fp16 channels = one 128-byte line per tile row
-TILE_ELEMS = 4096
+TILE_ELEMS = 2048
 POOL_TILE_ELEMS = 1024
 NUM_WARPS = 4
 TARGET_PROGRAMS = 512  # stage-1 reduction programs: ~4 per SM on a 132-SM H100
-BLOCK_K = 64  # partials combined per stage-2 step
+BLOCK_K = 32  # partials combined per stage-2 step (64 x 64 fp32 pairs spilled on sm_80)
 
 
 # ----------------------------------------------------------------------------------------------
