@@ -334,14 +334,22 @@ def test_own_stats_reference_odd_shape_fp16(pool):
     _compare_own_stats((3, 24, 7, 7), torch.float16, "relu", pool, seed=5)
 
 
+# The presets' real blocks on one GPU: (batch, channels, map side, activation, pool). resnet9 at 512,
+# fast (FastNet 64/256/256 after the 2x2 whitening conv: 31x31 maps) at 1024.
+PRESET_CUDA_BLOCKS = [(512, 64, 32, "relu", None), (512, 128, 32, "relu", "after"), (512, 512, 8, "relu", "after"),
+                      (1024, 64, 31, "gelu", "before"), (1024, 64, 15, "gelu", None),
+                      (1024, 256, 15, "gelu", "before"), (1024, 256, 3, "gelu", None)]
+
+
 @needs_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("pool", [None, "before", "after"], ids=["nopool", "before", "after"])
-def test_resnet9_shapes_batch512_fp16_cuda(pool):
+@pytest.mark.parametrize("block", PRESET_CUDA_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}x{b[2]}-{b[3]}-{b[4]}")
+def test_preset_shapes_fp16_cuda(block):
     """Full-size shapes (int32 overflow of element offsets, many stage-1 chunks) on the GPU, against
     the reference that uses the kernel's own statistics: cuDNN's batchnorm sums in another order,
     so eager fp16 would flip ~1e-4 of the ReLU masks / argmaxes and fail ``dx`` for the wrong reason."""
-    _compare_own_stats((512, 64 if pool is None else 128, 32, 32), torch.float16, "relu", pool)
+    n, c, side, act, pool = block
+    _compare_own_stats((n, c, side, side), torch.float16, act, pool)
 
 
 @needs_cuda
