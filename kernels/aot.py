@@ -155,7 +155,8 @@ def cutout_call(batch, channels, side, size, dtype) -> Callable[[], None]:
 def calls(which: str) -> list[Callable[[], None]]:
     """``ci``: one of each kind the presets launch (fp16 on the GPU: `fast`'s GELU with pool before BN,
     training and evaluation; `resnet9`'s ReLU with pool after; the augmentation and cutout) and an
-    odd fp32 shape with CELU, about 20 compiles per arch; ``full``: every dtype x activation x pool x mode over the
+    odd fp32 shape with CELU, about 20 compiles per arch; ``presets``: every block of the `fast` and
+    `resnet9` presets in fp16, training and evaluation, with the augmentation and cutout; ``full``: every dtype x activation x pool x mode over the
     presets' and odd shapes, every augmentation and cutout dtype."""
     out = []
     if which == "ci":
@@ -165,8 +166,14 @@ def calls(which: str) -> list[Callable[[], None]]:
                 bn_call(512, 128, 32, "after", fp16, "relu", True), bn_call(3, 5, 7, None, torch.float32, "celu", True),
                 augment_call(1024, 50000, 2, 0, fp16, True), cutout_call(512, 3, 32, 8, fp16)]
         return out
+    if which == "presets":
+        for training in (True, False):
+            out += [bn_call(b, c, s, pool, torch.float16, "gelu", training) for b, c, s, pool in FAST_BLOCKS]
+            out += [bn_call(b, c, s, pool, torch.float16, "relu", training) for b, c, s, pool in RESNET9_BLOCKS]
+        return out + [augment_call(1024, 50000, 2, 0, torch.float16, True),
+                      augment_call(512, 50000, 4, 8, torch.float16, True), cutout_call(512, 3, 32, 8, torch.float16)]
     if which != "full":
-        raise ValueError(f"unknown variant set {which!r}: ci or full")
+        raise ValueError(f"unknown variant set {which!r}: ci, presets or full")
     for dtype in DTYPES.values():
         for act in ("relu", "gelu", "celu"):
             for training in (True, False):
@@ -279,7 +286,7 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--set", default="ci", choices=("ci", "full"), help="which launcher calls (see calls())")
+    p.add_argument("--set", default="ci", choices=("ci", "presets", "full"), help="which launcher calls (see calls())")
     p.add_argument("--arch", default="80,90", help="compute capabilities, comma-separated")
     p.add_argument("--out", default="", help="write OUT.md (table) and OUT.jsonl (one row per variant)")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
