@@ -276,11 +276,11 @@ def table(rows: list[dict], header: str) -> str:
 def summary(rows: list[dict]) -> str:
     ok = [r for r in rows if "error" not in r]
     spills = [r for r in ok if r["spill_store_bytes"] or r["spill_load_bytes"]]
-    out = [f"{len(rows)} variants compiled, {len(rows) - len(ok)} failed, {len(spills)} with spills"]
+    out = [f"{len(rows)} variants compiled, {len(rows) - len(ok)} failed, {len(spills)} with spills", ""]
     for arch in sorted({r["arch"] for r in ok}):
         for kernel in sorted({r["kernel"] for r in ok if r["arch"] == arch}):
             regs = [r["registers"] for r in ok if r["arch"] == arch and r["kernel"] == kernel]
-            out.append(f"  {arch} {kernel}: {len(regs)} variants, registers {min(regs)}-{max(regs)}")
+            out.append(f"- {arch} {kernel}: {len(regs)} variants, registers {min(regs)}-{max(regs)}")
     return "\n".join(out)
 
 
@@ -313,7 +313,8 @@ def main(argv=None) -> int:
         header = (f"### Triton {triton.__version__}, torch {torch.__version__}, compiled on the CPU (no GPU) for "
                   f"{', '.join('sm_' + a for a in args.arch.split(','))}, set `{args.set}`, {stamp}\n\n"
                   f"{summary(rows)}\n\nregisters per thread, spills and stack from ptxas -v of the real compile; "
-                  "shared memory from Triton's metadata.")
+                  "shared memory from Triton's metadata; compile s is wall time on this machine "
+                  f"({os.cpu_count()} CPUs, possibly shared).")
         with open(args.out + ".md", "a") as f:
             f.write(table(rows, header) + "\n")
     if args.json:
