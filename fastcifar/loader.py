@@ -61,8 +61,8 @@ class TorchLoader:
         self.std = torch.tensor(std, dtype=torch.float32, device=device)
         self.fused = None
         if kernels == "triton":  # one Triton pass from the padded set: gather, crop, flip, normalize, cutout
-            from .kernels.augment import TritonAugment
-            self.fused = TritonAugment(cutout, mean, std, dtype).to(device)
+            from .model import kernel_module
+            self.fused = kernel_module("augment").TritonAugment(cutout, mean, std, dtype).to(device)
         self.shard_index = torch.from_numpy(shard).to(torch.int64)  # host copy: epoch_plan hashes it
         self.set_epoch(0, 0)
 

@@ -7,7 +7,6 @@ touching the network's definition. Tensors are NCHW-shaped and channels-last in 
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 import torch
@@ -20,21 +19,24 @@ KERNELS = ("auto", "triton", "torch")
 
 
 def resolve_kernels(requested: str, device: torch.device) -> str:
-    """``auto`` is Triton on CUDA and the torch reference on the CPU. Triton on the CPU runs in
-    Triton's interpreter (correct, slow: for tests), switched on here before triton is imported."""
+    """``auto`` is Triton on CUDA and the torch reference on the CPU. Triton without a GPU runs in
+    Triton's interpreter (correct, slow: for tests; see ``kernel_module``)."""
     if requested not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, not {requested!r}")
-    kernels = ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
-    if kernels == "triton" and device.type != "cuda":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    return kernels
+    return ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
+
+
+def kernel_module(name: str):
+    """``fastcifar.kernels.<name>``, its kernels interpreted when there is no GPU to compile for.
+    ``TRITON_INTERPRET`` is set for the import only, never left in the process environment."""
+    from .kernels import load
+    return load(name, interpret=not torch.cuda.is_available())
 
 
 def norm_factory(kernels: str) -> NormFactory:
     """The NormActPool implementation of a kernel path (``resolve_kernels``' answer)."""
     if kernels == "triton":
-        from .kernels.bn_act_pool import TritonNormActPool  # imported late: see resolve_kernels
-        return TritonNormActPool
+        return kernel_module("bn_act_pool").TritonNormActPool
     return NormActPool
 
 

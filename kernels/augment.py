@@ -28,11 +28,14 @@ from .checks import check_device
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Fixed, not tuned on a GPU: 4096 output elements per program (32 per thread at 4 warps): the stores
+# Fixed, not tuned on a GPU: 1024 output elements per program, 4 per thread at 8 warps. The stores
 # are contiguous (the output is NHWC in memory), the uint8 loads are gathered but stay within one or
-# two 96-byte image rows per 32 output elements.
-BLOCK = 4096
-NUM_WARPS = 4
+# two 96-byte image rows per 32 output elements. Each element carries its image's 6 int64 parameters
+# and offsets: at 32 elements per thread (4096 at 4 warps) ptxas spilled 8 KB per thread on sm_90,
+# at 4 per thread it needs ~110 registers and spills nothing (python -m fastcifar.kernels.aot,
+# bench/results/kernel_registers.md).
+BLOCK = 1024
+NUM_WARPS = 8
 
 
 @triton.jit

@@ -59,15 +59,17 @@ from .checks import check_activation, check_device  # noqa: F401  (re-exported f
 ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2}
 MODE_IDS = {None: 0, "before": 1, "after": 2}
 
-# Block sizes: fixed, chosen by arithmetic, NOT yet tuned on a GPU (none was available when written).
-# A tile holds ~4096 elements (32 fp32 registers per thread at 4 warps); the pooled kernels load 4
-# window elements per output row, so their tiles have 4x fewer rows.
+# Block sizes: fixed, chosen by arithmetic and by ptxas's register report, NOT timed on a GPU (none
+# was available when written). A tile holds 2048 elements (16 per thread at 4 warps); the pooled
+# kernels load 4 window elements per output row, so their tiles have 2x fewer rows. At 4096 per
+# tile the GELU backward reduction took 168 registers and spilled on sm_80 (python -m
+# fastcifar.kernels.aot; bench/results/kernel_registers.md has every variant's figures).
 BLOCK_C_MAX = 64  # 64 fp16 channels = one 128-byte line per tile row
-TILE_ELEMS = 4096
+TILE_ELEMS = 2048
 POOL_TILE_ELEMS = 1024
 NUM_WARPS = 4
 TARGET_PROGRAMS = 512  # stage-1 reduction programs: ~4 per SM on a 132-SM H100
-BLOCK_K = 64  # partials combined per stage-2 step
+BLOCK_K = 32  # partials combined per stage-2 step (64 x 64 fp32 pairs spilled on sm_80)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,3 +606,31 @@ def bn_act_pool_reference(x, weight, bias, running_mean, running_var, training: 
     if pool == "after":
         x = F.max_pool2d(x, 2)
     return x
+
+
+def bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act: str = "relu",
+                                     pool: Optional[str] = None) -> torch.Tensor:
+    """Training-mode reference whose forward uses the given batch statistics (the kernel's own fp32
+    ``mean``/``rstd``, from ``bn_act_pool_forward``'s ``saved``) while its gradient flows through the
+    batch mean and variance as batchnorm's does.
+
+    Why: two correct batchnorms sum in different orders (cuDNN's vs the kernel's two-stage
+    reduction), so their fp32 statistics differ in the last bits, and in fp16 about 1e-4 of the
+    rounded activations then land on the other side of a ReLU's zero or of a 2x2 max's tie; each
+    such element moves a whole gradient in ``dx``. With the kernel's statistics every rounding
+    decision matches, and what remains to compare is the math. Rounds where eager rounds: the BN
+    output and the activation output are cast to ``x``'s dtype."""
+    if pool == "before":
+        x = F.max_pool2d(x, 2)
+    xf = x.float()
+    batch_mean = xf.mean(dim=(0, 2, 3))
+    batch_rstd = torch.rsqrt(xf.var(dim=(0, 2, 3), unbiased=False) + 1e-5)
+    # the values of the given statistics, the gradient of the batch's (a straight-through swap)
+    m = batch_mean + (mean.float() - batch_mean).detach()
+    r = batch_rstd + (rstd.float() - batch_rstd).detach()
+    scale = (weight * r).view(1, -1, 1, 1)
+    shift = (bias - m * weight * r).view(1, -1, 1, 1)
+    out = activation((xf * scale + shift).to(x.dtype), act)
+    if pool == "after":
+        out = F.max_pool2d(out, 2)
+    return out

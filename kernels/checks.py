@@ -9,9 +9,19 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels. Triton decided that when it was imported, so the
+    answer is read from Triton itself, not from ``TRITON_INTERPRET`` now (``fastcifar.kernels.load``
+    sets the variable for the import only)."""
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.zeros_like, InterpretedFunction)
+
+
 def check_device(t: torch.Tensor, name: str) -> None:
     """A CUDA tensor, or any tensor when the Triton interpreter runs the kernels (CPU tests)."""
-    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not t.is_cuda and not interpreted():
         raise ValueError(f"{name} is on {t.device}: Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1)")
 
 

@@ -1,42 +1,157 @@
 #!/usr/bin/env bash
-# One visit to a GPU machine: correctness of the GPU paths first, then the figures the issues ask
-# for, each step's log under $OUT (or ./gpu-visit) and a short table of what passed at the end.
+# One GPU visit, in stages that each fit one command on the GPU machine: at most 10 minutes, and at
+# most 8 result files back from $OUT, two folders deep. Each stage leaves exactly three files in
+# $OUT: STAGE-table.md (what passed, how long, the key figures), STAGE-logs.tar.gz (every log) and
+# STAGE-results.tar.gz (bench/results/ as the stage left it). The table prints even when a step
+# fails or the stage is cut short; the stage exits 1 if any step failed.
 #
-#   bash scripts/gpu_visit.sh [quick|full]
+#   bash scripts/gpu_visit.sh check                    # (a) versions, CUDA tests, kernels at the presets' shapes
+#   bash scripts/gpu_visit.sh engines                  # (b) ~1 epoch per engine combination + 1-rank NCCL
+#   bash scripts/gpu_visit.sh bench                    # (c) kernel, augmentation, step and loader benchmarks
+#   bash scripts/gpu_visit.sh accuracy PRESET [SEED]   # (d) runs of PRESET from SEED until the stage budget
+#   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
 #
-# quick: CUDA tests + kernel, step and loader benches (about 10 minutes on an H100).
-# full:  also the resnet9 reference accuracy on the JPEG copy (5 runs) and fast vs resnet9.
-# Data: .stage/data/cifar10-jpeg.tar.gz if present (bash ../shared/device/stage.sh data), else $DATA.
-# DALI: used when it imports (PYTHONPATH=/tmp/site after the stage.sh dali steps), else skipped.
+# Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
+# engines and bench stages fall back to a synthetic CIFAR-format set when neither exists.
+# DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
+# give full value without it and add DALI rows only when it imports.
+# DRY_RUN=1: runs nothing heavy on any machine: each step logs the command it would run (DRY_FAIL=NAME
+# makes step NAME fail); the budget, table and bundles are real. tests/test_gpu_visit.py runs it.
 set -uo pipefail
-mode=${1:-quick}
+stage=${1:-}
+case "$stage" in
+  check|engines|bench|accuracy|dali) ;;
+  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|accuracy PRESET [SEED]|dali" >&2; exit 2 ;;
+esac
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
 out=${OUT:-gpu-visit}
 mkdir -p "$out"
-data=${DATA:-.stage/data/cifar10-jpeg.tar.gz}
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-results=()
+work=$(mktemp -d)
+budget=${STAGE_BUDGET_S:-530}  # stop starting steps after this: 600 s per command, less bundling
+dry=${DRY_RUN:-0}
+py=${PYTHON:-python3}
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+rows=()
+failed=0
 
-step() {  # step NAME COMMAND...: run, log to $out/NAME.log, remember pass/fail and seconds
-  local name=$1; shift
-  local t0=$SECONDS
-  echo "=== $name: $*"
-  "$@" >"$out/$name.log" 2>&1
-  local rc=$?
-  tail -n 25 "$out/$name.log"
-  results+=("$(printf '%-22s %-6s %5ss' "$name" "$([ $rc -eq 0 ] && echo ok || echo FAIL:$rc)" $((SECONDS - t0)))")
+note() { echo "$*" | tee -a "$work/notes.log"; }
+
+step() {  # step NAME TIMEOUT_S COMMAND...: log to $work/NAME.log, one table row
+  local name=$1 limit=$2; shift 2
+  local left=$((budget - SECONDS)) t0=$SECONDS rc
+  if [ "$left" -lt 15 ]; then
+    rows+=("| $name | skipped: stage budget spent | 0 |"); failed=1; return 1
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "=== $name (limit ${limit}s): $*"
+  if [ "$dry" = 1 ]; then
+    echo "dry run: $*" >"$work/$name.log"
+    [ "${DRY_FAIL:-}" = "$name" ] && rc=1 || rc=0
+  else
+    timeout --kill-after=10 "$limit" "$@" >"$work/$name.log" 2>&1
+    rc=$?
+  fi
+  tail -n 15 "$work/$name.log"
+  local status=ok
+  [ $rc -eq 124 ] && status="TIMEOUT after ${limit}s"
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && status="FAIL (exit $rc)"
+  [ $rc -ne 0 ] && failed=1
+  rows+=("| $name | $status | $((SECONDS - t0)) |")
+  return $rc
 }
 
-step versions python3 -c "import torch, triton, datetime; print(datetime.datetime.now().isoformat(), torch.__version__, triton.__version__, torch.cuda.get_device_name()); import nvidia.dali as d; print('dali', d.__version__)"
-step cifar-copies bash -c "find / -xdev -iname '*cifar*' -not -path '*/proc/*' 2>/dev/null | grep -v \"$PWD\" | head -20; true"
-step cuda-tests python3 -m pytest -q -m cuda tests
-step kernel-tests python3 -m pytest -q tests/test_kernel_bn_act_pool.py tests/test_kernel_augment.py tests/test_kernel_cutout.py
-step bench-bn python3 bench/bench_bn_act_pool.py
-step bench-augment python3 bench/bench_augment.py
-step bench-step python3 bench/bench_step.py
-[ -f "$data" ] && step bench-loader python3 bench/bench_loader.py --device cuda --data "$data"
-if [ "$mode" = full ] && [ -f "$data" ]; then
-  step resnet9-reference python3 bench/bench_train.py --preset resnet9 --runs 5 --out-dir "$out/runs" -- --data "$data"
-  step fast-vs-resnet9 python3 bench/bench_train.py --preset fast --runs 5 --compare resnet9 --out-dir "$out/runs" -- --data "$data"
-fi
-cp -r bench/results "$out/" 2>/dev/null
-echo; echo "step                   result  time"; printf '%s\n' "${results[@]}"
+finish() {  # always: the table, the bundles, the exit status
+  {
+    echo "## gpu_visit $stage: $(date -u +%Y-%m-%dT%H:%M:%SZ), ${SECONDS}s of ${budget}s"
+    echo
+    echo "| step | result | seconds |"
+    echo "|---|---|---|"
+    printf '%s\n' "${rows[@]}"
+    [ -f "$work/figures.md" ] && { echo; cat "$work/figures.md"; }
+  } >"$out/$stage-table.md"
+  tar -czf "$out/$stage-logs.tar.gz" -C "$work" . 2>/dev/null
+  tar -czf "$out/$stage-results.tar.gz" -C "$root/bench" results 2>/dev/null
+  rm -rf "$work"
+  echo
+  cat "$out/$stage-table.md"
+  exit $failed
+}
+trap finish EXIT
+
+data=${DATA:-.stage/data/cifar10-jpeg.tar.gz}
+ensure_data() {  # real data when staged, else a synthetic official-format set (learnable, 10k images)
+  if [ -e "$data" ]; then return 0; fi
+  data="$work/synthetic"
+  step synthetic-data 120 "$py" -c "
+import sys; sys.path.insert(0, 'tests')
+from pathlib import Path
+from conftest import write_official
+write_official(Path('$data'), per_batch=2000, n_test=2000)"
+}
+
+dali_ok() { [ "$dry" = 1 ] || "$py" -c "import nvidia.dali" >/dev/null 2>&1; }
+
+train() {  # train NAME TIMEOUT FLAGS...: one trainer invocation logging into $work/runs/NAME
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" "$py" -m fastcifar.train --data "$data" --out-dir "$work/runs/$name" "$@"
+}
+
+case "$stage" in
+check)
+  step versions 60 bash -c "nvidia-smi; $py -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"cudnn\", torch.backends.cudnn.version()); print(\"triton\", triton.__version__); print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())'"
+  step cuda-tests 240 "$py" -m pytest -q -m cuda tests -p no:cacheprovider
+  step kernel-tests 240 "$py" -m pytest -q tests/test_kernel_bn_act_pool.py tests/test_kernel_augment.py \
+    tests/test_kernel_cutout.py -p no:cacheprovider
+  ;;
+engines)
+  ensure_data
+  for kernels in triton torch; do
+    for graphs in on off; do
+      train "k-$kernels-g-$graphs" 150 --subset 10000 --epochs 2 --kernels "$kernels" --cuda-graphs "$graphs" --loader torch
+    done
+  done
+  step nccl-1rank 150 torchrun --standalone --nproc_per_node 1 -m fastcifar.train --data "$data" \
+    --out-dir "$work/runs/nccl-1rank" --subset 10000 --epochs 2 --comm bucketed --cuda-graphs on --loader torch
+  if dali_ok; then
+    train "dali-g-on" 150 --subset 10000 --epochs 2 --kernels triton --cuda-graphs on --loader dali
+  fi
+  step engine-checks 60 "$py" scripts/gpu_visit_report.py engines "$work/runs" --out "$work/figures.md"
+  ;;
+bench)
+  ensure_data
+  step bench-bn 150 "$py" bench/bench_bn_act_pool.py
+  step bench-augment 120 "$py" bench/bench_augment.py
+  step bench-step 150 "$py" bench/bench_step.py
+  loaders=torch; dali_ok && loaders="dali torch"
+  [ -f "$data" ] && step bench-loader 100 "$py" bench/bench_loader.py --device cuda --data "$data" --loaders $loaders
+  ;;
+accuracy)
+  preset=${2:?usage: gpu_visit.sh accuracy PRESET [SEED]}
+  seed=${3:-0}
+  first=$seed
+  [ -e "$data" ] || { note "accuracy needs real data: \$DATA or .stage/data/cifar10-jpeg.tar.gz"; failed=1; exit; }
+  last=0
+  # one process per seed, so a cut-off stage loses at most the run in progress; the next starts
+  # only if the last one's duration (x1.2) still fits the budget
+  while [ $((budget - SECONDS)) -gt $((last * 12 / 10 + 15)) ]; do
+    t0=$SECONDS
+    train "$preset-seed$seed" $((budget - SECONDS)) --preset "$preset" --seed "$seed" --runs 1 || true
+    last=$((SECONDS - t0)); seed=$((seed + 1))
+    [ "$dry" = 1 ] && [ $((seed - first)) -ge 3 ] && break  # a dry run's steps take no time
+  done
+  note "next chunk: bash scripts/gpu_visit.sh accuracy $preset $seed"
+  step accuracy-table 60 "$py" scripts/gpu_visit_report.py accuracy "$work/runs" --out "$work/figures.md"
+  ;;
+dali)
+  if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi
+  ensure_data
+  step dali-version 60 "$py" -c "import nvidia.dali as d; print('dali', d.__version__)"
+  step dali-tests 200 "$py" -m pytest -q tests/test_dali_loader.py -p no:cacheprovider
+  for graphs in on off; do
+    train "dali-g-$graphs" 120 --subset 10000 --epochs 2 --kernels triton --cuda-graphs "$graphs" --loader dali
+  done
+  [ -f "$data" ] && step bench-loader 120 "$py" bench/bench_loader.py --device cuda --data "$data" --loaders dali torch
+  step engine-checks 60 "$py" scripts/gpu_visit_report.py engines "$work/runs" --out "$work/figures.md"
+  ;;
+esac

@@ -85,6 +85,19 @@ def sort_by_label(images: np.ndarray, labels: np.ndarray):
     return images[order], labels[order]
 
 
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """fp32 parity tests compare fp32 with fp32: on CUDA, cuDNN convolutions default to TF32 (10-bit
+    mantissa, ~1e-3 relative), which would fail them for the wrong reason. Off for every test."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.fixture
 def official_dir(tmp_path):
     return write_official(tmp_path / "data")

@@ -85,3 +85,27 @@ def test_captured_eval_equals_eager_eval():
         counts.append((ev.correct.item(), ev.loss_sum.item()))
     assert counts[0][0] == counts[1][0]
     assert counts[0][1] == pytest.approx(counts[1][1], rel=1e-3)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_eager_steps_make_no_host_sync(kernels):
+    """The GPU half of tests/test_sync_free.py: with CUDA's sync debug mode set to "error", one eager
+    training step (after warm-up) and one TTA-2 evaluation batch raise on any synchronizing call,
+    including the host-to-device copies the CPU test cannot see."""
+    model, step = trained(False, kernels)
+    images, labels = batches(1, seed=3)[0]
+    step.batch.load(images, labels)
+    ev = EvalStep(model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=2, capture=False)
+    ev.batch.load(images[:40], labels[:40])  # a partial batch: the valid mask is in play
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model.train()
+        step._body()
+        model.eval()
+        ev._body()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    assert ev.loss_sum.item() > 0

@@ -1,0 +1,137 @@
+"""scripts/gpu_visit.sh fits the GPU machine: every stage, in its CPU dry run, leaves at most 8 files
+in $OUT at most two folders deep, prints its table even when a step fails, and bundles its logs.
+scripts/gpu_visit_report.py's checks fail on a loss that does not fall and on graphed and eager
+runs that disagree."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from fastcifar.report import EpochRecord, RunResult
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_visit.sh"
+STAGES = [["check"], ["engines"], ["bench"], ["accuracy", "resnet9", "3"], ["dali"]]
+MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
+
+
+def visit(tmp_path, *args, **env):
+    out = tmp_path / "out"
+    data = tmp_path / "cifar.tar.gz"
+    data.write_bytes(b"")  # the dry run only checks that it exists
+    e = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "DATA": str(data), "PYTHON": sys.executable, **env}
+    proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=e, capture_output=True, text=True,
+                          timeout=120)
+    return proc, out
+
+
+def tree(out: Path) -> list[Path]:
+    return [p for p in out.rglob("*")]
+
+
+@pytest.mark.parametrize("args", STAGES, ids=lambda a: a[0])
+def test_stage_dry_run_fits_the_machines_limits(tmp_path, args):
+    proc, out = visit(tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    files = [p for p in tree(out) if p.is_file()]
+    assert 0 < len(files) <= MAX_FILES, files
+    assert all(len(p.relative_to(out).parts) <= MAX_DEPTH for p in tree(out))
+    stage = args[0]
+    assert {p.name for p in files} == {f"{stage}-table.md", f"{stage}-logs.tar.gz", f"{stage}-results.tar.gz"}
+    table = (out / f"{stage}-table.md").read_text()
+    assert "| step | result | seconds |" in table and table in proc.stdout
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows and all("| ok |" in r for r in rows), table
+    with tarfile.open(out / f"{stage}-logs.tar.gz") as tar:
+        logs = [m.name for m in tar.getmembers() if m.name.endswith(".log")]
+    assert len(logs) >= len(rows), (logs, rows)
+
+
+def test_engines_stage_covers_every_combination(tmp_path):
+    proc, out = visit(tmp_path, "engines")
+    table = (out / "engines-table.md").read_text()
+    for name in ("k-triton-g-on", "k-triton-g-off", "k-torch-g-on", "k-torch-g-off", "nccl-1rank", "engine-checks"):
+        assert f"| {name} |" in table, table
+    assert "--nproc_per_node 1" in proc.stdout and "--comm bucketed --cuda-graphs on" in proc.stdout
+
+
+def test_accuracy_stage_runs_seeds_in_order_and_says_where_to_go_on(tmp_path):
+    proc, out = visit(tmp_path, "accuracy", "fast", "7")
+    table = (out / "accuracy-table.md").read_text()
+    assert "| fast-seed7 |" in table and "| fast-seed8 |" in table
+    assert "next chunk: bash scripts/gpu_visit.sh accuracy fast 10" in proc.stdout
+
+
+def test_a_failing_step_still_prints_the_table_and_bundles(tmp_path):
+    proc, out = visit(tmp_path, "check", DRY_FAIL="cuda-tests")
+    assert proc.returncode == 1
+    table = (out / "check-table.md").read_text()
+    assert "| cuda-tests | FAIL (exit 1) |" in table and "| kernel-tests | ok |" in table
+    assert table in proc.stdout
+    assert (out / "check-logs.tar.gz").stat().st_size > 0
+
+
+def test_spent_budget_skips_steps_and_says_so(tmp_path):
+    proc, out = visit(tmp_path, "check", STAGE_BUDGET_S="5")
+    assert proc.returncode == 1
+    assert "skipped: stage budget spent" in (out / "check-table.md").read_text()
+
+
+def test_unknown_stage_is_refused(tmp_path):
+    proc, _ = visit(tmp_path, "everything")
+    assert proc.returncode == 2 and proc.stderr.startswith("usage:")
+
+
+# --- the report's checks --------------------------------------------------------------------------
+
+
+def write_run(root: Path, name: str, losses, preset="fast", seed=0, acc=91.0):
+    epochs = [EpochRecord(run=1, epoch=i + 1, lr=0.1, train_time=1.0, train_loss=v, train_acc=50.0,
+                          test_time=0.1, test_loss=v, test_acc=acc, total_train_time=i + 1.0)
+              for i, v in enumerate(losses)]
+    result = RunResult(run=1, seed=seed, test_acc=acc, train_time=float(len(losses)), wall_time=9.0, epochs=epochs)
+    folder = root / name / "2026-11-22-x"
+    folder.mkdir(parents=True)
+    doc = {"config": {"preset": preset}, "results": [dataclasses.asdict(result)]}
+    (folder / "summary.json").write_text(json.dumps(doc))
+
+
+def report(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_visit_report.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_engine_report_passes_agreeing_runs_and_fails_the_rest(tmp_path):
+    good = tmp_path / "good"
+    write_run(good, "k-triton-g-on", [1.9, 1.4])
+    write_run(good, "k-triton-g-off", [1.9, 1.41])
+    proc = report("engines", good)
+    assert proc.returncode == 0, proc.stdout
+    assert "| k-triton-g-on | 1.9000 > 1.4000 |" in proc.stdout
+
+    flat = tmp_path / "flat"
+    write_run(flat, "k-torch-g-on", [1.9, 2.0])
+    proc = report("engines", flat)
+    assert proc.returncode == 1 and "did not fall" in proc.stdout
+
+    apart = tmp_path / "apart"
+    write_run(apart, "k-torch-g-on", [1.9, 1.0])
+    write_run(apart, "k-torch-g-off", [1.9, 1.4])
+    proc = report("engines", apart)
+    assert proc.returncode == 1 and "graphed 1.0000 vs eager 1.4000" in proc.stdout
+
+
+def test_accuracy_report_combines_chunks(tmp_path):
+    write_run(tmp_path / "a", "fast-seed0", [1.0], seed=0, acc=93.0)
+    write_run(tmp_path / "b", "fast-seed1", [1.0], seed=1, acc=95.0)
+    proc = report("accuracy", tmp_path / "a", tmp_path / "b")
+    assert proc.returncode == 0, proc.stdout
+    assert "fast: 2 runs, test acc mean 94.00 ± 1.41 (min 93.00)" in proc.stdout

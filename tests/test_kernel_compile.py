@@ -1,0 +1,83 @@
+"""Every kind of kernel variant the launchers produce compiles for sm_80 and sm_90 with Triton's own
+compiler, on a machine without a GPU, and none spills registers (issue 11, item 1).
+
+The compile runs in a subprocess with ``TRITON_INTERPRET`` removed: these tests' own process has
+the interpreter on (conftest.py), and the interpreter compiles nothing. The CI set is one of each
+kind the presets launch (about 20 compiles per arch); ``python -m fastcifar.kernels.aot --set full``
+compiles the whole sweep and writes bench/results/kernel_registers.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend (ptxas) is not installed")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-m", "fastcifar.kernels.aot", "--set", "ci", "--arch", "80,90", "--json"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    lines = out.stdout.strip().splitlines()
+    assert lines, f"no output (exit {out.returncode}):\n{out.stderr[-3000:]}"
+    return json.loads(lines[-1]), out
+
+
+def test_every_variant_compiles_to_a_cubin_for_both_archs(rows):
+    rows, out = rows
+    failed = [f"{r['arch']} {r['variant']} ({r['from']}): {r['error']}" for r in rows if "error" in r]
+    assert not failed, "\n".join(failed)
+    archs = {r["arch"] for r in rows}
+    assert archs == {"sm_80", "sm_90"}
+    kernels = {r["kernel"] for r in rows}
+    assert kernels == {"_stats_kernel", "_stats_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel",
+                       "_bwd_finalize_kernel", "_bwd_dx_kernel", "_augment_kernel", "_cutout_kernel"}
+    assert all(r["cubin_bytes"] > 0 and r["ptx_bytes"] > 0 and r["registers"] > 0 for r in rows)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_no_variant_spills(rows):
+    rows, _ = rows
+    spilled = [f"{r['arch']} {r['variant']} ({r['from']}): {r['registers']} registers, "
+               f"{r['spill_store_bytes']} B spill stores, {r['spill_load_bytes']} B spill loads"
+               for r in rows if "error" not in r and (r["spill_store_bytes"] or r["spill_load_bytes"])]
+    assert not spilled, "register spills:\n" + "\n".join(spilled)
+
+
+def test_the_recorder_sees_the_launchers_choices(rows):
+    """The variants are what the launchers pick, not a hand-written list: the pooled `fast` block
+    runs the pooling stats kernel, and eval mode's dx kernel is compiled without the batch terms."""
+    rows, _ = rows
+    variants = [r["variant"] for r in rows if r["arch"] == "sm_90"]
+    assert any(v.startswith("_stats_kernel[") and "POOL=True,STATS=True" in v for v in variants), variants
+    assert any(v.startswith("_stats_kernel[") and "POOL=True,STATS=False" in v for v in variants), variants
+    assert any(v.startswith("_bwd_dx_kernel[") and "MODE=2" in v for v in variants), variants
+
+
+def test_ptxas_report_parsing():
+    from fastcifar.kernels.aot import parse_ptxas
+
+    log = ("ptxas info    : Function properties for k\n"
+           "    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 72 registers, used 1 barriers, 16 bytes cumulative stack size\n")
+    assert parse_ptxas(log) == {"registers": 72, "stack_bytes": 16, "spill_store_bytes": 8, "spill_load_bytes": 12}
+    with pytest.raises(ValueError, match="no register"):
+        parse_ptxas("ptxas info    : 0 bytes gmem\n")
+
+
+def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
+    from fastcifar.kernels import aot
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert aot.main(["--set", "ci"]) == 2
+    assert "unset TRITON_INTERPRET" in capsys.readouterr().err

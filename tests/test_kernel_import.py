@@ -1,0 +1,106 @@
+"""How the kernels package is installed and imported (issue 11, items 4 and 6).
+
+- It installs as ``fastcifar.kernels`` (a top-level ``kernels`` would clash with another
+  distribution of that name), and no kernel file imports the trainer's model.
+- Importing it for the CPU interpreter leaves ``TRITON_INTERPRET`` out of the process environment.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_FILES = sorted((ROOT / "kernels").glob("*.py"))
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports, relative imports resolved against fastcifar.kernels."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from .x import y / from . import y, inside fastcifar.kernels
+                parent = "fastcifar.kernels".rsplit(".", node.level - 1)[0]
+                base = f"{parent}.{base}" if base else parent
+                names.update(f"{base}.{a.name}" for a in node.names)
+            names.add(base)
+    return names
+
+
+def test_kernel_files_do_not_import_the_model_or_a_top_level_kernels():
+    assert KERNEL_FILES, "no kernel files found"
+    for path in KERNEL_FILES:
+        names = _imports(path)
+        assert not any(n == "fastcifar.model" or n.startswith("fastcifar.model.") for n in names), \
+            f"{path.name} imports fastcifar.model (the import circle of issue 11)"
+        assert not any(n == "kernels" or n.startswith("kernels.") for n in names), \
+            f"{path.name} imports the top-level 'kernels' name"
+
+
+def test_import_graph_helper_sees_relative_and_absolute_imports(tmp_path):
+    """The check above would pass vacuously if _imports missed imports."""
+    f = tmp_path / "k.py"
+    f.write_text("from ..model import ResNet9\nimport kernels.x\nfrom .checks import check_device\n")
+    assert {"fastcifar.model", "kernels.x", "fastcifar.kernels.checks"} <= _imports(f)
+
+
+def test_importing_kernels_does_not_load_the_model():
+    code = ("import sys, fastcifar.kernels.bn_act_pool, fastcifar.kernels.augment, fastcifar.kernels.cutout;"
+            "print('fastcifar.model' in sys.modules, 'kernels' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_wheel_installs_kernels_under_fastcifar(tmp_path):
+    """``pip wheel --no-deps`` (no build isolation: no network in CI) holds fastcifar/kernels/*.py
+    and no top-level kernels package. Built from a copy: setuptools leaves build/ and *.egg-info
+    in the source tree."""
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("fastcifar", "kernels"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                          "--wheel-dir", str(tmp_path), str(src)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (wheel,) = tmp_path.glob("fastcifar-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    expected = {f"fastcifar/kernels/{p.name}" for p in KERNEL_FILES}
+    assert expected <= set(names), f"missing from the wheel: {sorted(expected - set(names))}"
+    assert not [n for n in names if n.startswith("kernels/")], "a top-level kernels package is in the wheel"
+
+
+def test_triton_kernels_on_cpu_leave_no_triton_interpret_behind():
+    """norm_factory("triton") and the Triton loader without a GPU: kernels interpreted, a forward
+    runs on CPU tensors, and TRITON_INTERPRET is not left set (it used to leak into every later
+    test and subprocess)."""
+    code = """
+import os, torch
+assert "TRITON_INTERPRET" not in os.environ
+from fastcifar.model import norm_factory, resolve_kernels
+assert resolve_kernels("triton", torch.device("cpu")) == "triton"
+norm = norm_factory("triton")(8, act="relu", pool="after")
+x = torch.randn(2, 8, 4, 4).contiguous(memory_format=torch.channels_last)
+y = norm(x)
+from fastcifar.kernels.checks import interpreted
+print(tuple(y.shape), interpreted(), "TRITON_INTERPRET" in os.environ)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["(2,", "8,", "2,", "2)", "True", "False"], out.stdout
