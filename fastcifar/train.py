@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import comm, distributed, graphs, profiling, recipe
+from . import comm, distributed, graphs, profiling, recipe, sparse
 from .config import Config, ConfigError, parse_args, validate
 from .dali_loader import DaliLoader, dali_decoder, resolve_loader
 from .data import DataError, load_dataset, shard_indices
@@ -112,7 +112,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
                "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images",
                "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "loader": loader_name,
-               "kernels": kernels})
+               "kernels": kernels, "classes": list(data.classes)})
 
     use_graphs = graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)
     if cfg.nvtx and use_graphs:
@@ -174,10 +174,11 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     model = build_model(cfg, ctx.device, dtype)
     distributed.check_same(distributed.model_digest(model), "model's parameter shapes", ctx)
     net, buckets = model, None
-    if ctx.distributed and cfg.comm == "ddp":
+    sync_grads = ctx.distributed and not cfg.local_steps  # local SGD (fastcifar.sparse) merges weights instead
+    if sync_grads and cfg.comm == "ddp":
         net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
                                       broadcast_buffers=False)
-    elif ctx.distributed:  # gradients become views into flat buckets, all-reduced during backward
+    elif sync_grads:  # gradients become views into flat buckets, all-reduced during backward
         buckets = comm.GradBuckets(model.parameters(), cfg.bucket_mb)
         if run == 1:
             log.line(buckets.describe())
@@ -189,6 +190,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
                                for i in range(cfg.epochs * steps)], ctx.device)
     opt = NesterovSGD(recipe.param_groups(model, cfg, per_rank_batch), lr=0.0, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay * per_rank_batch, nesterov=cfg.nesterov)
+    sparse_run = sparse.SparseRun(cfg, model, opt, train_loader, ctx, log, run, seed)  # masks, diffs, local SGD
+    opt = sparse_run.optimizer  # masked when --sparse-mask is set
     push, pop = profiling.markers(cfg.nvtx)
     step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), buckets)
     train_step = TrainStep(step, StaticBatch(per_rank_batch, dtype, ctx.device), capture=use_graphs)
@@ -226,14 +229,17 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         synchronize(ctx.device)
         t0 = time.perf_counter()
         hooks.epoch_start(epoch)  # on the clock: epoch 0's data-dependent init reads training images
+        sparse_run.epoch_start(epoch)  # on the clock too: the Fisher mask reads training images
         for images, labels in profiling.ranged(train_loader, "data", push, pop):
             push("step")  # a graph replay shows as this one range: its phases were marked at capture
             train_step(images, labels)
             pop()
             hooks.after_step()
+            sparse_run.after_step()
             window.boundary()
             watchdog.beat()
         hooks.epoch_end(epoch)
+        sparse_run.epoch_end(epoch)
         synchronize(ctx.device)
         epoch_time = time.perf_counter() - t0
         total_train_time += epoch_time
@@ -250,9 +256,11 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
                              test_loss=test_loss, test_acc=test_acc, total_train_time=total_train_time)
         result.epochs.append(record)
         log.epoch(record)
+        sparse_run.epoch_done(epoch, test_acc)  # off the clock: the epoch's sparse diff
         watchdog.beat()
     window.close()
     watchdog.close()
+    sparse_run.finish()
     result.test_acc = result.epochs[-1].test_acc
     result.train_time = total_train_time
     result.wall_time = time.time() - PROCESS_START
