@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import comm, distributed, graphs, profiling, recipe, sparse
+from . import comm, distributed, graphs, profiling, recipe
 from .config import Config, ConfigError, parse_args, validate
 from .dali_loader import DaliLoader, dali_decoder, resolve_loader
 from .data import DataError, load_dataset, shard_indices
@@ -44,6 +44,7 @@ from .loader import EvalSet, TorchLoader
 from .model import norm_factory, resolve_kernels
 from .optim import NesterovSGD, warmup_decay_lr
 from .report import EpochRecord, RunLog, RunResult, device_info, process_start_time, versions
+from .sparse.run import SparseRun
 
 PROCESS_START = process_start_time()
 
@@ -190,7 +191,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
                                for i in range(cfg.epochs * steps)], ctx.device)
     opt = NesterovSGD(recipe.param_groups(model, cfg, per_rank_batch), lr=0.0, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay * per_rank_batch, nesterov=cfg.nesterov)
-    sparse_run = sparse.SparseRun(cfg, model, opt, train_loader, ctx, log, run, seed)  # masks, diffs, local SGD
+    sparse_run = SparseRun(cfg, model, opt, train_loader, ctx, log, run, seed)  # masks, diffs, local SGD
     opt = sparse_run.optimizer  # masked when --sparse-mask is set
     push, pop = profiling.markers(cfg.nvtx)
     step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), buckets)

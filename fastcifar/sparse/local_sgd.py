@@ -67,18 +67,19 @@ class LocalSGD:
         names the parameters every rank trains (the forced ones), all-reduced."""
         # Per dtype: [(param flat view, reduced idx, [owned idx per rank])]
         plan = defaultdict(list)
+        self.owned = rank_masks is not None and len(rank_masks) > 1
         for name, p in self.params.items():
             flat = flat_view(p.data)
+            none = flat.new_zeros(0, dtype=torch.long, device=p.device)
+            owned = [none] * self.world if self.owned else []
             if rank_masks is None:
-                reduced, owned = torch.arange(flat.numel(), device=p.device), []
-            elif len(rank_masks) == 1 or name in (shared or set()):
-                reduced, owned = memory_indices(rank_masks[0][name], p), []
+                reduced = torch.arange(flat.numel(), device=p.device)
+            elif not self.owned or name in (shared or set()):
+                reduced = memory_indices(rank_masks[0][name], p)
             else:
-                reduced = flat.new_zeros(0, dtype=torch.long)
-                owned = [memory_indices(m[name], p) for m in rank_masks]
+                reduced, owned = none, [memory_indices(m[name], p) for m in rank_masks]
             plan[p.dtype].append((flat, reduced, owned))
         self.plan = dict(plan)
-        self.owned = rank_masks is not None and len(rank_masks) > 1
         self.anchor = {dt: self._gather_values(dt) for dt in self.plan}
 
     def _gather_values(self, dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
