@@ -61,6 +61,19 @@ def test_fisher_scores_match_a_per_sample_loop(variant):
         assert want[n].abs().sum() > 0, n
 
 
+def test_fisher_scores_skip_frozen_parameters():
+    """FastNet in the `fast` preset: frozen whitening weights and batchnorm scales are not scored,
+    but they shape everyone else's gradients."""
+    _, model = tiny("fastnet")
+    x, y = batch(6)
+    model = fisher.scoring_copy(model, x)
+    got = fisher.fisher_scores(model, x, y, "squared", chunk=4)
+    assert "whiten.weight" not in got and "blocks.0.conv1.norm.weight" not in got and "whiten.bias" in got
+    want = loop_scores(model, x, y, "squared")
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-9, msg=n)
+
+
 def test_scoring_copy_leaves_the_model_alone_and_uses_exact_statistics():
     _, model = tiny()
     x, _ = batch(20)

@@ -80,6 +80,11 @@ class LocalSGD:
                 reduced, owned = none, [memory_indices(m[name], p) for m in rank_masks]
             plan[p.dtype].append((flat, reduced, owned))
         self.plan = dict(plan)
+        self.rebase()
+
+    def rebase(self) -> None:
+        """Take the current weights as the anchor: after a change every rank made identically
+        (the data-dependent init at epoch 0), which a sum merge would otherwise count W times."""
         self.anchor = {dt: self._gather_values(dt) for dt in self.plan}
 
     def _gather_values(self, dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -135,7 +140,7 @@ class LocalSGD:
                 b /= self.world
         if self.momentum == "reset":
             self.opt.reset_state()
-        self.anchor = {dt: self._gather_values(dt) for dt in self.plan}
+        self.rebase()
         self.merges += 1
 
     def _scatter(self, dtype, new_r: torch.Tensor, new_o: list[torch.Tensor]) -> None:

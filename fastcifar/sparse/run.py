@@ -44,6 +44,7 @@ class SparseRun:
         if self.masked and (epoch == 0 or (every and epoch % every == 0)):
             self.choose_masks(epoch)
         if epoch == 0 and self.local is not None:
+            self.local.rebase()  # after the whitening init, which every rank made alike
             self.log.line(self.local.describe())  # once per run: the figures are fixed by the masks
             self.record["local_sgd"] = {"every": self.cfg.local_steps, **self.local.bytes_per_merge()}
         if epoch == 0 and self.diffs is not None:
