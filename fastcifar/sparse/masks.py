@@ -6,7 +6,7 @@ like a frozen whitening conv or frozen batchnorm scales, never train and are nev
 The budget is ``fraction`` of all trainable parameters, rounded; it is spent on the highest scores
 among the *scored* parameters. The classifier (the last ``nn.Linear``) is always trainable, and so
 are the batchnorm shifts when ``bn_shifts`` is set: these *forced* entries come on top of the budget
-(ResNet-9's classifier is 5,120 of 6.57 M parameters, 0.08%; its shifts 2,688).
+(ResNet-9's classifier is 5,120 of 6.57 M parameters, 0.08%; its shifts 2,240).
 
 Disjoint layout over W ranks: the top ``W x budget`` scores are dealt out round-robin in order of
 score (the best to rank 0, the next to rank 1, ...), so each rank trains a different ``budget``
