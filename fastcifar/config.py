@@ -64,6 +64,19 @@ class Config:
     flip_mode: str = "random"  # random: a coin per image per epoch | alternate: a coin per image, mirrored every other epoch
     cutout: int = 8  # side of the zeroed square, pixels; 0 = off
     tta: int = 1  # test-time augmentation: 0 none | 1 mean logits of image and mirror | 2 also 1-px shifts (6 views)
+    # --- sparse training (fastcifar.sparse) ---
+    sparse_mask: str = "none"  # which parameters train: none (all) | fisher (top Fisher scores) | random (same count)
+    sparse_fraction: float = 0.02  # K: fraction of the trainable parameters in the mask (classifier/BN shifts on top)
+    mask_samples: int = 1024  # N: training images whose per-sample gradients score the parameters (split over ranks)
+    mask_score: str = "squared"  # Fisher score per sample: squared grad at the true label | abs | expected (over the model's labels)
+    mask_every: int = 0  # recompute the mask every this many epochs; 0 = one mask for the whole run
+    mask_bn_shifts: bool = True  # batchnorm shifts always train (else they compete for the mask like the rest)
+    sparse_update: str = "full"  # full: mask gradient, weight decay and momentum | grad: the gradient only
+    sparse_checkpoints: bool = False  # write a base model file and a sparse diff per epoch (run dir, sparse/)
+    local_steps: int = 0  # H: local SGD, ranks merge weights every H steps instead of all-reducing gradients; 0 = off
+    merge: str = "mean"  # local SGD: combine the ranks' changes by mean | sum
+    mask_layout: str = "shared"  # local SGD masks: shared (one mask) | disjoint (top W*K dealt round-robin over ranks)
+    local_momentum: str = "keep"  # local SGD: momentum after a merge: keep | reset (zeroed)
     # --- engine ---
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     kernels: str = "auto"  # triton (fused BN+act+pool, augmentation) | torch (reference) | auto: triton on CUDA
@@ -143,6 +156,12 @@ CHOICES = {
     "compress": ("none", "fp16", "bf16", "topk", "randomk", "threshold", "terngrad", "qsgd", "powersgd"),
     "compress_scope": ("layer", "bucket", "model"),
     "compress_transport": ("sparse", "dense"),
+    "sparse_mask": ("none", "fisher", "random"),
+    "mask_score": ("squared", "abs", "expected"),
+    "sparse_update": ("full", "grad"),
+    "merge": ("mean", "sum"),
+    "mask_layout": ("shared", "disjoint"),
+    "local_momentum": ("keep", "reset"),
 }
 
 
@@ -201,6 +220,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if not 0 < cfg.bn_momentum <= 1:
         raise ConfigError(f"--bn-momentum must lie in (0, 1], not {cfg.bn_momentum}")
     _validate_compress(cfg)
+    _validate_sparse(cfg, world_size)
     try:
         parse_window(cfg.profile_steps)
     except ValueError as exc:
@@ -233,6 +253,30 @@ def _validate_compress(cfg: Config) -> None:
         why = graph_safe(cfg)
         if why:
             raise ConfigError(f"--cuda-graphs on cannot capture this step: {why}; use --cuda-graphs off")
+
+
+def _validate_sparse(cfg: Config, world_size: int) -> None:
+    if not 0 < cfg.sparse_fraction <= 1:
+        raise ConfigError(f"--sparse-fraction must lie in (0, 1], not {cfg.sparse_fraction}")
+    if cfg.mask_samples <= 0:
+        raise ConfigError(f"--mask-samples must be positive, not {cfg.mask_samples}")
+    for name in ("mask_every", "local_steps"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{_flag(name)} must not be negative, not {getattr(cfg, name)}")
+    if cfg.sparse_checkpoints and cfg.sparse_mask == "none":
+        raise ConfigError("--sparse-checkpoints needs --sparse-mask fisher or random (a dense run's diffs are dense)")
+    if cfg.local_steps and cfg.compress != "none":
+        raise ConfigError(f"--compress {cfg.compress} needs --local-steps 0 (local SGD merges weights, "
+                          "it has no gradient all-reduce to compress)")
+    if cfg.local_steps and cfg.lookahead_steps:
+        raise ConfigError("--local-steps needs --lookahead-steps 0 (each rank's slow copy would drift from the "
+                          "merged weights)")
+    if cfg.mask_layout == "disjoint":
+        if not cfg.local_steps or cfg.sparse_mask == "none":
+            raise ConfigError("--mask-layout disjoint needs --local-steps and --sparse-mask fisher or random")
+        if world_size * cfg.sparse_fraction > 1:
+            raise ConfigError(f"--mask-layout disjoint deals {world_size} x --sparse-fraction "
+                              f"{cfg.sparse_fraction} of the parameters: more than all of them")
 
 
 # ---------------------------------------------------------------------------------------------

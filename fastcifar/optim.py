@@ -61,6 +61,14 @@ class NesterovSGD:
         """The multiplier of one group's rate (0 freezes it: no step, no decay)."""
         self.lr_scales[group].fill_(value)
 
+    def take_weight_decay(self) -> list[float]:
+        """Hand over the weight decay of each foreach group (``self.groups`` order); from then on
+        this optimizer decays nothing and the caller applies the decay itself (masked, in
+        ``fastcifar.sparse.update``)."""
+        decays = [wd for _, wd in self._group_meta]
+        self._group_meta = [(name, 0.0) for name, _ in self._group_meta]
+        return decays
+
     @torch.no_grad()
     def step(self) -> None:
         for params, bufs, (name, weight_decay) in zip(self.groups, self.buffers, self._group_meta):

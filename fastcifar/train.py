@@ -47,6 +47,7 @@ from .model import norm_factory, resolve_kernels
 from .optim import NesterovSGD, warmup_decay_lr
 from .progress import Progress, chunked_decoder
 from .report import EpochRecord, RunLog, RunResult, device_info, process_start_time, versions
+from .sparse.run import SparseRun
 
 PROCESS_START = process_start_time()
 # DDP without buffer broadcasts (each rank's batchnorm statistics stay its own until averaged per
@@ -139,7 +140,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
                "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images",
                "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "loader": loader_name,
-               "kernels": kernels, "engine": engine})
+               "kernels": kernels, "engine": engine, "classes": list(data.classes)})
 
     if cfg.nvtx and use_graphs:
         log.line("note: with CUDA graphs --nvtx marks each step as one range; --cuda-graphs off "
@@ -200,10 +201,11 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     model = build_model(cfg, ctx.device, dtype)
     distributed.check_same(distributed.model_digest(model), "model's parameter shapes", ctx)
     net, buckets = model, None
-    if ctx.distributed and cfg.comm == "ddp":
+    sync_grads = ctx.distributed and not cfg.local_steps  # local SGD (fastcifar.sparse) merges weights instead
+    if sync_grads and cfg.comm == "ddp":
         net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
                                       **_DDP_OWN_BUFFERS)
-    elif ctx.distributed:  # gradients become views into flat buckets, all-reduced during backward
+    elif sync_grads:  # gradients become views into flat buckets, all-reduced during backward
         buckets = comm.GradBuckets(model.parameters(), cfg.bucket_mb,
                                    compression=compress.from_config(cfg, ctx, seed))  # None: plain all-reduce
         if run == 1:
@@ -218,6 +220,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
                                for i in range(cfg.epochs * steps)], ctx.device)
     opt = NesterovSGD(recipe.param_groups(model, cfg, per_rank_batch), lr=0.0, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay * per_rank_batch, nesterov=cfg.nesterov)
+    sparse_run = SparseRun(cfg, model, opt, train_loader, ctx, log, run, seed)  # masks, diffs, local SGD
+    opt = sparse_run.optimizer  # masked when --sparse-mask is set
     push, pop = profiling.markers(cfg.nvtx)
     step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), buckets)
     train_step = TrainStep(step, StaticBatch(per_rank_batch, dtype, ctx.device), capture=use_graphs)
@@ -260,15 +264,18 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         synchronize(ctx.device)
         t0 = time.perf_counter()
         hooks.epoch_start(epoch)  # on the clock: epoch 0's data-dependent init reads training images
+        sparse_run.epoch_start(epoch)  # on the clock too: the Fisher mask reads training images
         for images, labels in progress.steps(profiling.ranged(train_loader, "data", push, pop), steps,
                                              f"run {run} epoch {epoch + 1}/{cfg.epochs}"):
             push("step")  # a graph replay shows as this one range: its phases were marked at capture
             train_step(images, labels)
             pop()
             hooks.after_step()
+            sparse_run.after_step()
             window.boundary()
             watchdog.beat()
         hooks.epoch_end(epoch)
+        sparse_run.epoch_end(epoch)
         synchronize(ctx.device)
         epoch_time = time.perf_counter() - t0
         total_train_time += epoch_time
@@ -285,11 +292,13 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
                              test_loss=test_loss, test_acc=test_acc, total_train_time=total_train_time)
         result.epochs.append(record)
         log.epoch(record)
+        sparse_run.epoch_done(epoch, test_acc)  # off the clock: the epoch's sparse diff
         guard.check(record.train_loss, run, epoch + 1)
         watchdog.beat()
     window.close()
     watchdog.close()
     compress.log_stats(buckets.compression if buckets is not None else None, log, run)
+    sparse_run.finish()
     result.test_acc = result.epochs[-1].test_acc
     result.train_time = total_train_time
     result.wall_time = time.time() - PROCESS_START

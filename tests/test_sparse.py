@@ -1,0 +1,193 @@
+"""Sparse training pieces on the CPU: Fisher scores, masks, masked updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastcifar.config import from_preset
+from fastcifar.model import NormActPool
+from fastcifar.optim import NesterovSGD
+from fastcifar.recipe import make_network, param_groups
+from fastcifar.sparse import fisher, masks
+from fastcifar.sparse.update import MaskedOptimizer
+
+
+def tiny(arch="resnet9", seed=0):
+    torch.manual_seed(seed)
+    widths = (4, 8, 8, 8) if arch == "resnet9" else (8, 8, 8)
+    cfg = from_preset("resnet9" if arch == "resnet9" else "fast", widths=widths)
+    return cfg, make_network(cfg, NormActPool).to(memory_format=torch.channels_last)
+
+
+def batch(n=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
+    return x, torch.randint(0, 10, (n,), generator=g)
+
+
+def loop_scores(model, x, y, variant):
+    """The definition, one sample at a time with autograd."""
+    params = fisher.trainable(model)
+    out = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(len(y)):
+        logits = model(x[i:i + 1])
+        labels = range(10) if variant == "expected" else [int(y[i])]
+        probs = logits.softmax(1)[0].detach()
+        for c in labels:
+            grads = torch.autograd.grad(F.cross_entropy(logits, torch.tensor([c])), list(params.values()),
+                                        retain_graph=True)
+            for n, g in zip(params, grads):
+                if variant == "squared":
+                    out[n] += g.square()
+                elif variant == "abs":
+                    out[n] += g.abs()
+                else:
+                    out[n] += probs[c] * g.square()
+    return out
+
+
+@pytest.mark.parametrize("variant", fisher.VARIANTS)
+def test_fisher_scores_match_a_per_sample_loop(variant):
+    _, model = tiny()
+    x, y = batch()
+    model = fisher.scoring_copy(model, x)  # eval mode with statistics from x: per-sample is well defined
+    got = fisher.fisher_scores(model, x, y, variant, chunk=5)  # chunks of 5, 5, 2
+    want = loop_scores(model, x, y, variant)
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-9, msg=f"{variant} {n}")
+        assert want[n].abs().sum() > 0, n
+
+
+def test_fisher_scores_skip_frozen_parameters():
+    """FastNet in the `fast` preset: frozen whitening weights and batchnorm scales are not scored,
+    but they shape everyone else's gradients."""
+    _, model = tiny("fastnet")
+    x, y = batch(6)
+    model = fisher.scoring_copy(model, x)
+    got = fisher.fisher_scores(model, x, y, "squared", chunk=4)
+    assert "whiten.weight" not in got and "blocks.0.conv1.norm.weight" not in got and "whiten.bias" in got
+    want = loop_scores(model, x, y, "squared")
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-9, msg=n)
+
+
+def test_scoring_copy_leaves_the_model_alone_and_uses_exact_statistics():
+    _, model = tiny()
+    x, _ = batch(20)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scorer = fisher.scoring_copy(model, x, chunk=20)  # one chunk: the exact batch statistics
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    prep = scorer.prep.norm
+    conv_out = scorer.prep.conv(x)
+    torch.testing.assert_close(prep.running_mean, conv_out.mean((0, 2, 3)), rtol=1e-4, atol=1e-5)
+    assert not scorer.training
+
+
+def test_top_k_keeps_the_highest_scores_plus_classifier_and_shifts():
+    _, model = tiny()
+    scores = {n: torch.rand(p.shape) for n, p in fisher.trainable(model).items()}
+    forced = masks.forced_names(model, bn_shifts=True)
+    assert "fc.weight" in forced and "prep.norm.bias" in forced and "prep.norm.weight" not in forced
+    mask = masks.top_k(scores, 0.05, forced)
+    k = masks.budget(scores, 0.05)
+    scored = torch.cat([scores[n].flatten() for n in scores if n not in forced])
+    chosen = torch.cat([scores[n][mask[n]] for n in scores if n not in forced])
+    assert chosen.numel() == k
+    assert chosen.min() >= torch.topk(scored, k).values.min()
+    assert all(mask[n].all() for n in forced)
+    no_shifts = masks.top_k(scores, 0.05, masks.forced_names(model, bn_shifts=False))
+    assert not no_shifts["prep.norm.bias"].all()
+
+
+def test_random_mask_has_the_same_size_and_is_reproducible():
+    _, model = tiny()
+    like = {n: p.detach() for n, p in fisher.trainable(model).items()}
+    forced = masks.forced_names(model, True)
+    a = masks.top_k(masks.random_scores(like, 3), 0.1, forced)
+    b = masks.top_k(masks.random_scores(like, 3), 0.1, forced)
+    c = masks.top_k(masks.random_scores(like, 4), 0.1, forced)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert masks.count(a) == masks.count(c) and any(not torch.equal(a[n], c[n]) for n in a)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_disjoint_masks_never_overlap_and_cover_the_top(world):
+    _, model = tiny()
+    scores = {n: torch.rand(p.shape) for n, p in fisher.trainable(model).items()}
+    forced = masks.forced_names(model, True)
+    dealt = masks.deal(scores, 0.02, forced, world)
+    union = masks.top_k(scores, 0.02 * world, forced)
+    k = masks.budget(scores, 0.02)
+    for n in scores:
+        if n in forced:
+            assert all(m[n].all() for m in dealt)
+            continue
+        stacked = torch.stack([m[n] for m in dealt]).int()
+        assert stacked.sum(0).max() <= 1, f"ranks overlap in {n}"
+        assert torch.equal(stacked.sum(0).bool(), union[n])
+    sizes = [sum(int(m[n].sum()) for n in scores if n not in forced) for m in dealt]
+    assert sizes == [k] * world
+
+
+def train_steps(model, opt, steps=3):
+    for i in range(steps):
+        x, y = batch(8, seed=10 + i)
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("arch", ["resnet9", "fastnet"])
+def test_full_masking_moves_exactly_the_masked_entries(arch):
+    cfg, model = tiny(arch)
+    params = fisher.trainable(model)
+    opt = MaskedOptimizer(NesterovSGD(param_groups(model, cfg, 8), lr=0.05, momentum=0.9, weight_decay=5e-3),
+                          params, "full")
+    scores = {n: torch.rand(p.shape) for n, p in params.items()}
+    mask = masks.top_k(scores, 0.1, masks.forced_names(model, True))
+    opt.set_masks(mask)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    train_steps(model, opt)
+    trained = 0
+    for n, p in params.items():
+        moved = p.detach() != before[n]
+        assert not (moved & ~mask[n]).any(), f"{n}: an unmasked entry moved"
+        trained += int(moved[mask[n]].sum())
+    assert trained > 0.9 * masks.count(mask), "masked entries did not train"
+    # a new, smaller mask: the entries leaving it stop at once (their momentum is cleared)
+    half = {n: m & (torch.rand(m.shape) < 0.5) for n, m in mask.items()}
+    opt.set_masks(half)
+    mid = {n: p.detach().clone() for n, p in params.items()}
+    train_steps(model, opt, 2)
+    for n, p in params.items():
+        assert not ((p.detach() != mid[n]) & ~half[n]).any(), n
+
+
+def test_gradient_only_masking_lets_decay_and_momentum_move_the_rest():
+    cfg, model = tiny()
+    params = fisher.trainable(model)
+    opt = MaskedOptimizer(NesterovSGD(param_groups(model, cfg, 8), lr=0.05, momentum=0.9, weight_decay=5e-3),
+                          params, "grad")
+    mask = masks.top_k({n: torch.rand(p.shape) for n, p in params.items()}, 0.1, set())
+    opt.set_masks(mask)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    train_steps(model, opt)
+    w = "layer2.conv.weight"
+    outside = ~mask[w]
+    assert (params[w].detach()[outside].abs() < before[w][outside].abs()).all()  # decayed, not frozen
+
+
+def test_full_mask_of_ones_is_the_dense_optimizer():
+    cfg, a = tiny()
+    _, b = tiny()
+    pa, pb = fisher.trainable(a), fisher.trainable(b)
+    oa = NesterovSGD(param_groups(a, cfg, 8), lr=0.05, momentum=0.9, weight_decay=5e-3)
+    ob = MaskedOptimizer(NesterovSGD(param_groups(b, cfg, 8), lr=0.05, momentum=0.9, weight_decay=5e-3), pb)
+    ob.set_masks({n: torch.ones(p.shape, dtype=torch.bool) for n, p in pb.items()})
+    train_steps(a, oa)
+    train_steps(b, ob)
+    for n in pa:
+        torch.testing.assert_close(pa[n], pb[n], rtol=1e-6, atol=1e-7)
