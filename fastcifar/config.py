@@ -31,6 +31,7 @@ class Config:
     # --- data ---
     data: str = "data"  # official archive/folder, or image folder / .tar.gz of train/ and test/
     download: bool = False  # fetch official CIFAR-10 into --data when absent (MD5-checked)
+    download_set: str = "cifar10"  # which official set --download fetches: cifar10 | cifar100 (fine labels)
     cache_dir: str = ""  # decoded-image cache; "" = next to the data, else ~/.cache/fastcifar
     subset: int = 0  # training images to use, 0 = all; the test set is cut to the same fraction
     loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: dali if it imports
@@ -80,6 +81,10 @@ class Config:
     seed: int = 0  # seed of the first run
     target_acc: float = 94.0  # test accuracy (%) a run must reach to count as reached
     out_dir: str = "runs"  # each invocation writes its logs to a new folder in here
+    # --- checkpoints (fastcifar.checkpoint) ---
+    save_model: bool = True  # write the final, evaluated weights to the run folder (model.safetensors), off the clock
+    checkpoint_every: int = 0  # epochs between training-state checkpoints (run folder's checkpoint.pt); 0 = none
+    resume: str = ""  # training-state checkpoint (checkpoint.pt) to continue from; "" = start fresh
     preset: str = field(default="resnet9", metadata={"cli": False})  # the preset this started from
 
 
@@ -124,13 +129,19 @@ CHOICES = {
     "comm": ("bucketed", "ddp"),
     "cuda_graphs": ("auto", "on", "off"),
     "kernels": ("auto", "triton", "torch"),
+    "download_set": ("cifar10", "cifar100"),
 }
 
 
 def from_preset(name: str = DEFAULT_PRESET, **overrides) -> Config:
+    """The preset's config with ``overrides``; like the command line, a changed ``epochs`` without
+    a ``warmup_epochs`` keeps the peak at the same fraction of the run."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    return dataclasses.replace(Config(), preset=name, **{**PRESETS[name], **overrides})
+    base = dataclasses.replace(Config(), preset=name, **PRESETS[name])
+    if "epochs" in overrides and "warmup_epochs" not in overrides and overrides["epochs"] != base.epochs:
+        overrides["warmup_epochs"] = base.warmup_epochs * overrides["epochs"] / base.epochs
+    return dataclasses.replace(base, **overrides)
 
 
 def validate(cfg: Config, world_size: int = 1) -> Config:
@@ -171,6 +182,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         parse_window(cfg.profile_steps)
     except ValueError as exc:
         raise ConfigError(f"--profile-steps: {exc}") from None
+    if cfg.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must not be negative, not {cfg.checkpoint_every}")
+    if (cfg.checkpoint_every or cfg.resume) and cfg.runs != 1:
+        raise ConfigError(f"--checkpoint-every and --resume hold one run; use --runs 1, not {cfg.runs}")
     if cfg.batch_size % world_size:
         raise ConfigError(f"--batch-size {cfg.batch_size} does not divide over {world_size} ranks "
                           f"(the per-rank batch must be a whole number)")

@@ -90,6 +90,14 @@ class RunResult:
     train_time: float  # s, see TIMING_PROTOCOL
     wall_time: float  # s since process start
     epochs: list[EpochRecord] = field(default_factory=list)
+    model: object = field(default=None, repr=False, compare=False)  # the trained network, in memory (not logged)
+
+
+def record(r: RunResult) -> dict:
+    """A run's metrics as plain data, without the in-memory model."""
+    doc = dataclasses.asdict(dataclasses.replace(r, model=None))
+    del doc["model"]
+    return doc
 
 
 def summarize(results: list[RunResult], target_acc: float) -> dict:
@@ -135,6 +143,7 @@ class RunLog:
         self.cfg, self.enabled, self.stream = cfg, enabled, stream
         self.dir: Path | None = None
         self.meta: dict = {}
+        self._epochs_logged = 0
         if not enabled:
             return
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -168,8 +177,9 @@ class RunLog:
     def epoch(self, r: EpochRecord) -> None:
         if not self.enabled:
             return
-        if r.epoch == 1:
+        if r.epoch == 1 or not self._epochs_logged:  # a resumed run starts past epoch 1
             self.line(EPOCH_HEADER)
+        self._epochs_logged += 1
         self.line(f"{r.run:>4} {r.epoch:>5} {r.lr:>8.4f} {r.train_loss:>10.4f} {r.train_acc:>9.2f} "
                   f"{r.test_acc:>8.2f} {r.train_time:>8.2f} {r.total_train_time:>8.2f}")
         self._tsv.write("\t".join(f"{getattr(r, c):.6g}" if isinstance(getattr(r, c), float)
@@ -187,7 +197,7 @@ class RunLog:
             return summary
         self.line(summary_table(summary))
         doc = {**self.meta, "config": dataclasses.asdict(self.cfg), "timing_protocol": TIMING_PROTOCOL,
-               "summary": summary, "results": [dataclasses.asdict(r) for r in results],
+               "summary": summary, "results": [record(r) for r in results],
                "date": datetime.datetime.now().isoformat(timespec="seconds")}
         write_atomic(self.dir / "summary.json", json.dumps(doc, indent=2) + "\n")
         self.line(f"summary: {self.dir / 'summary.json'}")
