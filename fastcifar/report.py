@@ -90,6 +90,8 @@ class RunResult:
     train_time: float  # s, see TIMING_PROTOCOL
     wall_time: float  # s since process start
     epochs: list[EpochRecord] = field(default_factory=list)
+    classes: tuple = ()  # class names, in label order (the data's)
+    model_path: str = ""  # where its model file was written ("" = not written)
     model: object = field(default=None, repr=False, compare=False)  # the trained network, in memory (not logged)
 
 

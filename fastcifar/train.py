@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import checkpoint, comm, distributed, graphs, profiling, recipe
+from . import api, checkpoint, comm, distributed, graphs, profiling, recipe
 from .augment import CIFAR10_MEAN, CIFAR10_STD
 from .config import Config, ConfigError, parse_args, validate
 from .dali_loader import DaliLoader, dali_decoder, resolve_loader
@@ -275,11 +275,11 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     result.test_acc = result.epochs[-1].test_acc
     result.train_time = total_train_time
     result.wall_time = time.time() - PROCESS_START
-    result.model = model
+    result.model, result.classes = model, tuple(classes)
     if cfg.save_model and log.dir is not None:  # off the clock; the evaluated (lookahead-averaged) weights
-        path = checkpoint.save_model(checkpoint.model_path(log.dir, run, cfg.runs), model, cfg, classes,
-                                     result.test_acc, CIFAR10_MEAN, CIFAR10_STD)
-        log.line(f"model: {path}")
+        result.model_path = str(checkpoint.save_model(checkpoint.model_path(log.dir, run, cfg.runs), model, cfg,
+                                                      classes, result.test_acc, CIFAR10_MEAN, CIFAR10_STD))
+        log.line(f"model: {result.model_path}")
     return result
 
 
@@ -298,6 +298,9 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
+
+# `fastcifar.train(cfg)` calls the API whether or not this module was imported first (fastcifar.api).
+api.make_callable(__name__, api.train)
 
 if __name__ == "__main__":
     sys.exit(main())
