@@ -21,7 +21,8 @@ The story of one invocation: join the ranks, load the data, then for each run bu
 optimizer, take a few untimed warm-up steps (and capture the step and evaluation as CUDA graphs),
 restore the initial state, start the clock, set the data-dependent init (the whitening conv reads
 training images, so it is training time), train epoch by epoch with the clock stopped during
-evaluation, and report.
+evaluation (and, if asked, a training-state checkpoint every few epochs, or a resume from one:
+``fastcifar.checkpoint``), report, and keep the evaluated model in the run folder.
 """
 
 from __future__ import annotations
