@@ -28,13 +28,13 @@ mid-write leaves the previous file whole.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import random
 import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -56,16 +56,27 @@ class CheckpointError(DataError):
     """A model or checkpoint file that cannot be used: one line, exit 2."""
 
 
-def write_atomic(path: str | Path, write: Callable[[str], None]) -> Path:
-    """``write(tmp_name)`` fills a temporary file beside ``path``, which is then renamed to it."""
+def _write_bytes(tmp: str, blob: bytes) -> None:
+    with open(tmp, "wb") as f:
+        f.write(blob)
+
+
+def write_atomic(path: str | Path, blob: bytes) -> Path:
+    """``blob`` into a temporary file beside ``path``, then renamed to it. The bytes are built in
+    memory first, so a full disk surfaces here as an OSError: one line (CheckpointError), exit 2."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     try:
-        write(tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or type(exc).__name__}") from None
+    try:
+        _write_bytes(tmp, blob)
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600
         os.replace(tmp, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or type(exc).__name__}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -98,13 +109,13 @@ class ModelInfo:
 
 def save_model(path, model: torch.nn.Module, cfg: Config, classes, test_acc: float, mean, std) -> Path:
     """Write ``model``'s state_dict and its metadata to ``path`` (safetensors), atomically."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     tensors = {name: t.detach().cpu().contiguous().clone() for name, t in model.state_dict().items()}
     metadata = {"format": MODEL_FORMAT, "config": json.dumps(dataclasses.asdict(cfg)),
                 "classes": json.dumps(list(classes)), "mean": json.dumps([float(m) for m in mean]),
                 "std": json.dumps([float(s) for s in std]), "test_acc": str(float(test_acc)),
                 "torch": str(torch.__version__)}
-    return write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    return write_atomic(path, save(tensors, metadata=metadata))
 
 
 def load_model(path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelInfo]:
@@ -202,7 +213,9 @@ def save_state(path, *, cfg: Config, ctx, epochs_done: int, model, opt, schedule
              "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
              "optimizer": opt.state_dict(), "schedule_step": int(schedule.counter.item()),
              "records": [dataclasses.asdict(r) for r in records], "ranks": ranks, "torch": str(torch.__version__)}
-    write_atomic(path, lambda tmp: torch.save(state, tmp))
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_atomic(path, buffer.getvalue())
 
 
 def load_state(path, cfg: Config, world_size: int) -> dict:

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from cli import run_dirs, run_train
 from conftest import CLASSES, batch_bytes, make_images, one_line_error
-from fastcifar import recipe
+from fastcifar import checkpoint, recipe
 from fastcifar.checkpoint import CheckpointError, load_model, save_model
 from fastcifar.config import from_preset
 from fastcifar.evaluate import evaluate
@@ -96,12 +96,12 @@ def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     path = save_model(tmp_path / "m.safetensors", model, cfg, CLASSES + ("x",), 50.0, (0,) * 3, (1,) * 3)
     before = path.read_bytes()
 
-    def half_then_crash(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"half a file")
-        raise OSError("disk full")
-    monkeypatch.setattr("safetensors.torch.save_file", half_then_crash)
-    with pytest.raises(OSError, match="disk full"):
+    def half_then_full(tmp, blob):  # what a full disk does mid-write
+        with open(tmp, "wb") as f:
+            f.write(blob[:100])
+        raise OSError(27, "File too large")
+    monkeypatch.setattr(checkpoint, "_write_bytes", half_then_full)
+    with pytest.raises(CheckpointError, match="cannot write .*m.safetensors: File too large"):
         save_model(path, model, cfg, CLASSES + ("x",), 60.0, (0,) * 3, (1,) * 3)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
 
@@ -296,3 +296,24 @@ def test_predict_folder_with_a_corrupt_file(trained, tmp_path, capsys):
 
     assert predict_main([str(model_file), str(folder / "0.png")]) == 0
     assert capsys.readouterr().out.startswith(f"{folder / '0.png'}: {CLASSES[expected[0]]} ")
+
+
+def test_full_disk_at_the_model_file_is_one_line(learnable_data, tmp_path):
+    """RLIMIT_FSIZE fails writes past 16 KiB (EFBIG), as a full disk would: the logs fit, the
+    model file (~100 KiB) does not; one line, exit 2, no temporary file left."""
+    import resource
+    import subprocess
+
+    from cli import ROOT, SHORT, env
+
+    def limit_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+    out = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "fastcifar.train", "--data", str(learnable_data), "--out-dir", str(out),
+                           *SHORT, "--epochs", "1", "--loader", "torch"], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=300, preexec_fn=limit_files)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = one_line_error(proc.stderr)
+    assert line.startswith("fastcifar: error: cannot write ") and line.endswith("model.safetensors: File too large")
+    (run_dir,) = run_dirs(out)
+    assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp") or p.name.startswith(".model")]
