@@ -8,7 +8,8 @@ and runs no code when read. Its string metadata makes the file self-sufficient:
     config      JSON of dataclasses.asdict(Config): architecture and widths come from here
     classes     JSON list of class names (their count sizes the last layer)
     mean, std   JSON lists: the per-channel normalization, in 0..255 pixel units
-    test_acc    str(float): the run's final test accuracy in %, with the config's TTA
+    test_acc    str(float): the run's final test accuracy in %, with the config's TTA; "" when the
+                file was written before any evaluation (a sparse-diff base)
     torch       the torch version that wrote it
 
 ``save_model`` / ``load_model`` are the only writer and reader (the trainer, ``evaluate``,
@@ -103,17 +104,18 @@ class ModelInfo:
     classes: tuple[str, ...]
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    test_acc: float
+    test_acc: float | None  # None: written before any evaluation
     metadata: dict = field(default_factory=dict, repr=False)  # every key of the file, as stored
 
 
-def save_model(path, model: torch.nn.Module, cfg: Config, classes, test_acc: float, mean, std) -> Path:
-    """Write ``model``'s state_dict and its metadata to ``path`` (safetensors), atomically."""
+def save_model(path, model: torch.nn.Module, cfg: Config, classes, test_acc: float | None, mean, std) -> Path:
+    """Write ``model``'s state_dict and its metadata to ``path`` (safetensors), atomically.
+    ``test_acc`` None (not evaluated yet) is stored as ""."""
     from safetensors.torch import save
     tensors = {name: t.detach().cpu().contiguous().clone() for name, t in model.state_dict().items()}
     metadata = {"format": MODEL_FORMAT, "config": json.dumps(dataclasses.asdict(cfg)),
                 "classes": json.dumps(list(classes)), "mean": json.dumps([float(m) for m in mean]),
-                "std": json.dumps([float(s) for s in std]), "test_acc": str(float(test_acc)),
+                "std": json.dumps([float(s) for s in std]), "test_acc": "" if test_acc is None else str(float(test_acc)),
                 "torch": str(torch.__version__)}
     return write_atomic(path, save(tensors, metadata=metadata))
 
@@ -140,7 +142,8 @@ def load_model(path, device: str | torch.device = "cpu") -> tuple[torch.nn.Modul
     try:
         cfg = config_from_dict(json.loads(meta["config"]))
         info = ModelInfo(cfg, tuple(json.loads(meta["classes"])), tuple(json.loads(meta["mean"])),
-                         tuple(json.loads(meta["std"])), float(meta["test_acc"]), dict(meta))
+                         tuple(json.loads(meta["std"])),
+                         float(meta["test_acc"]) if meta.get("test_acc") else None, dict(meta))
         model = recipe.make_network(cfg, norm_factory(resolve_kernels("auto", device)), len(info.classes))
     except Exception as exc:
         raise CheckpointError(f"{path}: unusable metadata ({type(exc).__name__}: {exc})") from None

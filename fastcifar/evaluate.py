@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(args.device)
         net, info = load_model(args.model, device)
         cfg = info.config
+        recorded = "none recorded" if info.test_acc is None else f"recorded test_acc {info.test_acc:.2f}%"
         print(f"model: {args.model} ({cfg.arch} {','.join(map(str, cfg.widths))}, {len(info.classes)} classes, "
-              f"recorded test_acc {info.test_acc:.2f}% with TTA {cfg.tta})")
+              f"{recorded} with TTA {cfg.tta})")
         result = evaluate((net, info), args.data, tta=args.tta, subset=args.subset, batch_size=args.batch_size,
                           device=device, cache_dir=args.cache_dir or None, log=print)
     except (ConfigError, DataError, CheckpointError) as exc:

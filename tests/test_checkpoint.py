@@ -85,6 +85,8 @@ def test_model_file_round_trip(tmp_path):
     assert info.config == cfg and info.classes == tuple(classes) and info.test_acc == 71.25
     for name, t in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], t), name
+    base = save_model(tmp_path / "base.safetensors", model, cfg, classes, None, (1.0,) * 3, (4.0,) * 3)
+    assert load_model(base)[1].test_acc is None  # a file written before any evaluation (a sparse-diff base)
     x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     model.eval().to(memory_format=torch.channels_last)  # as loaded: same layout, same conv algorithm
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
