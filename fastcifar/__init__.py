@@ -9,3 +9,25 @@ __version__ = "0.1.0"
 # install, this lets ``import fastcifar.kernels`` find that folder all the same.
 if not (_Path(__file__).parent / "kernels").is_dir() and (_Path(__file__).parent.parent / "kernels").is_dir():
     __path__.append(str(_Path(__file__).parent.parent))
+
+# The Python API (fastcifar.api). Config and presets are light and imported now; the trainer,
+# evaluate and predict are modules that are also callable, imported on first use: importing
+# fastcifar.train here would make `python -m fastcifar.train` warn (runpy finds it imported).
+from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, validate  # noqa: E402
+from .data import DataError  # noqa: E402
+
+_LAZY = {"train": None, "evaluate": None, "predict": None, "load_model": "checkpoint", "save_model": "checkpoint",
+         "CheckpointError": "checkpoint", "TrainedRun": "api"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fastcifar' has no attribute {name!r}")
+    import importlib
+    if _LAZY[name] is None:  # a callable submodule; importing it sets this attribute for next time
+        return importlib.import_module(f".{name}", __name__)
+    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+
+
+__all__ = ["Config", "ConfigError", "DataError", "DEFAULT_PRESET", "PRESETS", "from_preset", "validate",
+           *_LAZY]

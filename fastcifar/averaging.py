@@ -54,3 +54,16 @@ class Lookahead:
         """Fold in the steps since the last sync (none are dropped), leaving the averaged weights."""
         if self.steps % self.every:
             self.sync(self.decay(self.steps))
+
+    def state_dict(self) -> dict:
+        """Steps taken and the slow copy (on the CPU): what a resumed run needs to continue."""
+        return {"steps": self.steps, "slow": [[t.detach().cpu().clone() for t in group] for group in self.slow]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        shapes = [[tuple(t.shape) for t in group] for group in self.slow]
+        if [[tuple(t.shape) for t in group] for group in state["slow"]] != shapes:
+            raise ValueError("the lookahead state does not fit this model's weights")
+        self.steps = int(state["steps"])
+        for slow, saved in zip(self.slow, state["slow"]):
+            torch._foreach_copy_(slow, [t.to(slow[0].device) for t in saved])

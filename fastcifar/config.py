@@ -32,6 +32,7 @@ class Config:
     # --- data ---
     data: str = "data"  # official archive/folder, or image folder / .tar.gz of train/ and test/
     download: bool = False  # fetch official CIFAR-10 into --data when absent (MD5-checked)
+    download_set: str = "cifar10"  # which official set --download fetches: cifar10 | cifar100 (fine labels)
     cache_dir: str = ""  # decoded-image cache; "" = next to the data, else ~/.cache/fastcifar
     subset: int = 0  # training images to use, 0 = all; the test set is cut to the same fraction
     loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: dali if it imports
@@ -107,6 +108,10 @@ class Config:
     target_acc: float = 94.0  # test accuracy (%) a run must reach to count as reached
     out_dir: str = "runs"  # each invocation writes its logs to a new folder in here
     quiet: bool = False  # no progress bars (they show only on rank 0 and only when stderr is a terminal)
+    # --- checkpoints (fastcifar.checkpoint) ---
+    save_model: bool = True  # write the final, evaluated weights to the run folder (model.safetensors), off the clock
+    checkpoint_every: int = 0  # epochs between training-state checkpoints (run folder's checkpoint.pt); 0 = none
+    resume: str = ""  # training-state checkpoint (checkpoint.pt) to continue from; "" = start fresh
     preset: str = field(default="resnet9", metadata={"cli": False})  # the preset this started from
 
 
@@ -162,13 +167,19 @@ CHOICES = {
     "merge": ("mean", "sum"),
     "mask_layout": ("shared", "disjoint"),
     "local_momentum": ("keep", "reset"),
+    "download_set": ("cifar10", "cifar100"),
 }
 
 
 def from_preset(name: str = DEFAULT_PRESET, **overrides) -> Config:
+    """The preset's config with ``overrides``; like the command line, a changed ``epochs`` without
+    a ``warmup_epochs`` keeps the peak at the same fraction of the run."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    return dataclasses.replace(Config(), preset=name, **{**PRESETS[name], **overrides})
+    base = dataclasses.replace(Config(), preset=name, **PRESETS[name])
+    if "epochs" in overrides and "warmup_epochs" not in overrides and overrides["epochs"] != base.epochs:
+        overrides["warmup_epochs"] = base.warmup_epochs * overrides["epochs"] / base.epochs
+    return dataclasses.replace(base, **overrides)
 
 
 SEED_MAX = 2**63 - 1  # torch.manual_seed and numpy's SeedSequence both take seeds in 0..2^63-1 here
@@ -225,6 +236,15 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         parse_window(cfg.profile_steps)
     except ValueError as exc:
         raise ConfigError(f"--profile-steps: {exc}") from None
+    if cfg.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must not be negative, not {cfg.checkpoint_every}")
+    if (cfg.checkpoint_every or cfg.resume) and cfg.runs != 1:
+        raise ConfigError(f"--checkpoint-every and --resume hold one run; use --runs 1, not {cfg.runs}")
+    if (cfg.checkpoint_every or cfg.resume) and (cfg.compress != "none" or cfg.sparse_mask != "none"
+                                                 or cfg.local_steps):
+        # their state (error-feedback residuals, masks, local-SGD anchors) is not in the checkpoint
+        raise ConfigError("--checkpoint-every and --resume do not yet hold --compress, --sparse-mask or "
+                          "--local-steps state; use one or the other")
     if cfg.batch_size % world_size:
         raise ConfigError(f"--batch-size {cfg.batch_size} does not divide over {world_size} ranks "
                           f"(the per-rank batch must be a whole number)")

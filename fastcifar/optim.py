@@ -99,6 +99,23 @@ class NesterovSGD:
         for bufs in self.buffers:
             torch._foreach_zero_(bufs)
 
+    def state_dict(self) -> dict:
+        """Momentum buffers and per-group rate multipliers (on the CPU), for checkpoints."""
+        return {"buffers": [[b.detach().cpu().clone() for b in bufs] for bufs in self.buffers],
+                "lr_scales": {name: float(t.item()) for name, t in self.lr_scales.items()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """In place (a captured graph holds these tensors); refuses state of another shape."""
+        shapes = [[tuple(b.shape) for b in bufs] for bufs in self.buffers]
+        if [[tuple(b.shape) for b in bufs] for bufs in state["buffers"]] != shapes \
+                or set(state["lr_scales"]) != set(self.lr_scales):
+            raise ValueError("the optimizer state does not fit this model's parameter groups")
+        for bufs, saved in zip(self.buffers, state["buffers"]):
+            torch._foreach_copy_(bufs, [t.to(bufs[0].device) for t in saved])
+        for name, value in state["lr_scales"].items():
+            self.lr_scales[name].fill_(value)
+
 
 def warmup_decay_lr(progress: float, epochs: float, warmup_epochs: float, peak: float,
                     start: float = 0.0, end: float = 0.0) -> float:

@@ -34,14 +34,14 @@ def norm_layers(model: nn.Module) -> list[nn.Module]:
             if hasattr(m, "running_mean") and isinstance(getattr(m, "weight", None), nn.Parameter)]
 
 
-def make_network(cfg, norm) -> nn.Module:
+def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
     norm = functools.partial(norm, momentum=cfg.bn_momentum)
     if cfg.arch == "resnet9":
-        model = ResNet9(widths=cfg.widths, norm=norm)
+        model = ResNet9(num_classes, widths=cfg.widths, norm=norm)
     elif cfg.arch == "alexnet":
-        model = AlexNet(widths=cfg.widths, norm=norm)
+        model = AlexNet(num_classes, widths=cfg.widths, norm=norm)
     elif cfg.arch == "fastnet":
-        model = FastNet(widths=cfg.widths, norm=norm, whiten_kernel=cfg.whiten_kernel)
+        model = FastNet(num_classes, widths=cfg.widths, norm=norm, whiten_kernel=cfg.whiten_kernel)
         model.whiten.weight.requires_grad_(not cfg.whiten_frozen)
     else:
         raise ValueError(f"unknown arch {cfg.arch!r}")
@@ -79,8 +79,7 @@ class RunHooks:
         if isinstance(model, FastNet) and epoch == cfg.whiten_bias_epochs:
             self.opt.set_lr_scale("whiten_bias", 0.0)  # frozen from here: no step, no decay
         if epoch == 0 and cfg.lookahead_steps:  # after the data init: the slow copy starts from it
-            self.lookahead = Lookahead(model, cfg.lookahead_steps, cfg.lookahead_decay,
-                                       cfg.epochs * len(self.loader))
+            self.lookahead = self._new_lookahead()
 
     def after_step(self) -> None:
         if self.lookahead is not None:
@@ -89,6 +88,22 @@ class RunHooks:
     def epoch_end(self, epoch: int) -> None:
         if epoch == self.cfg.epochs - 1 and self.lookahead is not None:
             self.lookahead.finish()
+
+    def _new_lookahead(self) -> Lookahead:
+        cfg = self.cfg
+        return Lookahead(self.model, cfg.lookahead_steps, cfg.lookahead_decay, cfg.epochs * len(self.loader))
+
+    def state_dict(self) -> dict:
+        """What the hooks carry between epochs (the lookahead's slow copy): for checkpoints."""
+        return {"lookahead": None if self.lookahead is None else self.lookahead.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume after a checkpoint: the hooks of later epochs then act as in an unbroken run
+        (the whitening conv's weights and the bias freeze live in the model and optimizer state)."""
+        self.lookahead = None
+        if state["lookahead"] is not None:
+            self.lookahead = self._new_lookahead()
+            self.lookahead.load_state_dict(state["lookahead"])
 
     def init_whitening(self) -> None:
         """Whitening weights from the first ``whiten_images`` training images (un-augmented), split

@@ -99,6 +99,16 @@ class RunResult:
     train_time: float  # s, see TIMING_PROTOCOL
     wall_time: float  # s since process start
     epochs: list[EpochRecord] = field(default_factory=list)
+    classes: tuple = ()  # class names, in label order (the data's)
+    model_path: str = ""  # where its model file was written ("" = not written)
+    model: object = field(default=None, repr=False, compare=False)  # the trained network, in memory (not logged)
+
+
+def record(r: RunResult) -> dict:
+    """A run's metrics as plain data, without the in-memory model."""
+    doc = dataclasses.asdict(dataclasses.replace(r, model=None))
+    del doc["model"]
+    return doc
 
 
 def summarize(results: list[RunResult], target_acc: float) -> dict:
@@ -198,6 +208,7 @@ class RunLog:
         self._log = self._tsv = None
         self._results: list[RunResult] = []
         self._epochs: list[EpochRecord] = []  # the current run's, for a summary of a stopped run
+        self._epochs_logged = 0  # a resumed run's first logged epoch is past 1: it gets the header
         if enabled:
             check_out_dir(out_root)
 
@@ -264,8 +275,9 @@ class RunLog:
         # the TSV row first: whoever sees the printed line (and stops the run) finds it on disk
         self._write(self._tsv, "\t".join(f"{getattr(r, c):.6g}" if isinstance(getattr(r, c), float)
                                          else str(getattr(r, c)) for c in TSV_COLUMNS) + "\n")
-        if r.epoch == 1:
+        if r.epoch == 1 or not self._epochs_logged:  # a resumed run starts past epoch 1
             self.line(EPOCH_HEADER)
+        self._epochs_logged += 1
         self.line(f"{r.run:>4} {r.epoch:>5} {r.lr:>8.4f} {r.train_loss:>10.4f} {r.train_acc:>9.2f} "
                   f"{r.test_acc:>8.2f} {r.train_time:>8.2f} {r.total_train_time:>8.2f}")
 
@@ -279,7 +291,7 @@ class RunLog:
     def _summary_doc(self, results: list[RunResult], summary: dict | None, status: str, **extra) -> dict:
         return {**self.meta, "status": status, **extra, "config": dataclasses.asdict(self.cfg),
                 "timing_protocol": TIMING_PROTOCOL, "summary": summary,
-                "results": [dataclasses.asdict(r) for r in results],
+                "results": [record(r) for r in results],
                 "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
     def _write_summary(self, doc: dict) -> None:

@@ -21,7 +21,8 @@ The story of one invocation: join the ranks, load the data, then for each run bu
 optimizer, take a few untimed warm-up steps (and capture the step and evaluation as CUDA graphs),
 restore the initial state, start the clock, set the data-dependent init (the whitening conv reads
 training images, so it is training time), train epoch by epoch with the clock stopped during
-evaluation, and report.
+evaluation (and, if asked, a training-state checkpoint every few epochs, or a resume from one:
+``fastcifar.checkpoint``), report, and keep the evaluated model in the run folder.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import comm, compress, distributed, graphs, profiling, recipe, report, signals
+from . import api, checkpoint, comm, compress, distributed, graphs, profiling, recipe, report, signals
+from .augment import CIFAR10_MEAN, CIFAR10_STD
 from .config import Config, ConfigError, parse_args, validate
 from .dali_loader import DaliLoader, dali_decoder, resolve_loader
 from .data import DataError, load_dataset, shard_indices
@@ -63,11 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     signals.install()  # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run (signals.py)
     try:
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
-        # Before validate: ranks launched with different settings all stop here, none validates alone.
-        distributed.check_same(distributed.config_digest(cfg), "config", ctx)
-        validate(cfg, ctx.world_size)
-        graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)  # refuse "on" before any work
-        train(cfg, ctx)
+        run(cfg, ctx)
         return 0
     except (ConfigError, DataError) as exc:
         where = f"[rank {ctx.rank}] " if ctx is not None and ctx.distributed else ""
@@ -93,9 +91,19 @@ def main(argv: list[str] | None = None) -> int:
             distributed.teardown(ctx)
 
 
+def run(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
+    """Check the settings, then train: the command line and ``fastcifar.train(cfg)`` both come here."""
+    # Before validate: ranks launched with different settings all stop here, none validates alone.
+    distributed.check_same(distributed.config_digest(cfg), "config", ctx)
+    validate(cfg, ctx.world_size)
+    graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)  # refuse "on" before any work
+    return train(cfg, ctx)
+
+
 def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> list[RunResult]:
     """``cfg.runs`` runs, logged and summarized; ``warmup_runs`` whole runs before them that are
     neither logged nor returned (bench/bench_train.py: caches, clocks and allocator settle)."""
+    resume = checkpoint.load_state(cfg.resume, cfg, ctx.world_size) if cfg.resume else None  # refused before any write
     log = RunLog(cfg, cfg.out_dir, enabled=ctx.is_main)  # checks --out-dir; the folder comes at log.start
     progress = Progress.for_rank(ctx.is_main, cfg.quiet)
     half = cfg.precision == "fp16" or (cfg.precision == "auto" and ctx.device.type == "cuda")
@@ -113,7 +121,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     if progress.enabled:
         decode = chunked_decoder(decode, progress)
     data = load_dataset(cfg.data, cfg.download, cfg.cache_dir or None, log=log.line,
-                        decode=decode).subset(cfg.subset)
+                        decode=decode, download_set=cfg.download_set).subset(cfg.subset)
     per_rank_batch = cfg.batch_size // ctx.world_size
     steps = len(data.train_labels) // ctx.world_size // per_rank_batch
     if steps == 0:
@@ -138,7 +146,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     if ctx.distributed:
         engine["comm"] = cfg.comm
     log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
-               "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images",
+               "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images, "
+                       f"{len(data.classes)} classes ({', '.join(data.classes)})",
                "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "loader": loader_name,
                "kernels": kernels, "engine": engine, "classes": list(data.classes)})
 
@@ -147,18 +156,18 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
                  "shows its forward, backward, comm and optimizer phases")
     for _ in range(warmup_runs):  # seed + runs: a seed no measured run uses
         train_one_run(cfg, ctx, 0, cfg.seed + cfg.runs, dtype, train_loader, test_set, RunLog(cfg, "", False),
-                      use_graphs)
+                      use_graphs, data.classes)
     results = []
     for run in range(1, cfg.runs + 1):
         results.append(train_one_run(cfg, ctx, run, cfg.seed + run - 1, dtype, train_loader, test_set, log,
-                                     use_graphs))
+                                     use_graphs, data.classes, resume))
         log.run_done(results[-1], cfg.target_acc)
     log.finish(results)
     return results
 
 
-def build_model(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    model = recipe.make_network(cfg, norm=norm_factory(resolve_kernels(cfg.kernels, device)))
+def build_model(cfg: Config, device: torch.device, dtype: torch.dtype, num_classes: int = 10) -> torch.nn.Module:
+    model = recipe.make_network(cfg, norm=norm_factory(resolve_kernels(cfg.kernels, device)), num_classes=num_classes)
     model = model.to(device=device, memory_format=torch.channels_last)
     if dtype == torch.float16:
         model.half()
@@ -196,9 +205,10 @@ def make_step(net, opt: NesterovSGD, schedule: DeviceSchedule, label_smoothing: 
     return step
 
 
-def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_graphs) -> RunResult:
+def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_graphs, classes,
+                  resume: dict | None = None) -> RunResult:
     torch.manual_seed(seed)  # same seed on every rank: identical initial weights
-    model = build_model(cfg, ctx.device, dtype)
+    model = build_model(cfg, ctx.device, dtype, num_classes=len(classes))
     distributed.check_same(distributed.model_digest(model), "model's parameter shapes", ctx)
     net, buckets = model, None
     sync_grads = ctx.distributed and not cfg.local_steps  # local SGD (fastcifar.sparse) merges weights instead
@@ -253,11 +263,17 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     # Several ranks: a stalled peer must end this rank too, also inside graph replays (distributed.py).
     watchdog = distributed.ProgressWatchdog(cfg.dist_timeout_s, ctx, enabled=ctx.distributed)
     hooks = recipe.RunHooks(cfg, model, opt, train_loader, ctx)  # whitening init, bias freeze, lookahead
-    guard = LossGuard(num_classes=int(train_loader.labels.max()) + 1)  # NaN or exploded loss ends the run
+    guard = LossGuard(num_classes=len(classes))  # NaN or exploded loss ends the run
     window = profiling.StepWindow(cfg.profile_steps if run == 1 else "")  # nsys capture range, profiler steps
-    total_train_time = 0.0
+    total_train_time, start_epoch = 0.0, 0
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
-    for epoch in range(cfg.epochs):
+    parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=train_loader)
+    if resume is not None:  # weights, momentum, schedule, lookahead, RNGs, loader: as after epoch start_epoch
+        start_epoch, records = checkpoint.restore(resume, source=cfg.resume, **parts)
+        result.epochs = [EpochRecord(**r) for r in records]
+        total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
+        log.line(f"resumed from {cfg.resume} after epoch {start_epoch}")
+    for epoch in range(start_epoch, cfg.epochs):
         train_loader.set_epoch(seed, epoch)
         model.train()
         train_step.reset()
@@ -294,6 +310,10 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         log.epoch(record)
         sparse_run.epoch_done(epoch, test_acc)  # off the clock: the epoch's sparse diff
         guard.check(record.train_loss, run, epoch + 1)
+        if cfg.checkpoint_every and run and (epoch + 1) % cfg.checkpoint_every == 0 and epoch + 1 < cfg.epochs:
+            # off the clock; every rank takes part (its RNGs and lookahead copy), rank 0 writes
+            checkpoint.save_state(log.dir and log.dir / checkpoint.STATE_NAME, cfg=cfg, epochs_done=epoch + 1,
+                                  records=result.epochs, **parts)
         watchdog.beat()
     window.close()
     watchdog.close()
@@ -302,6 +322,11 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     result.test_acc = result.epochs[-1].test_acc
     result.train_time = total_train_time
     result.wall_time = time.time() - PROCESS_START
+    result.model, result.classes = model, tuple(classes)
+    if cfg.save_model and log.dir is not None:  # off the clock; the evaluated (lookahead-averaged) weights
+        result.model_path = str(checkpoint.save_model(checkpoint.model_path(log.dir, run, cfg.runs), model, cfg,
+                                                      classes, result.test_acc, CIFAR10_MEAN, CIFAR10_STD))
+        log.line(f"model: {result.model_path}")
     return result
 
 
@@ -320,6 +345,9 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
+
+# `fastcifar.train(cfg)` calls the API whether or not this module was imported first (fastcifar.api).
+api.make_callable(__name__, api.train)
 
 if __name__ == "__main__":
     sys.exit(main())

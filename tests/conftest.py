@@ -115,6 +115,29 @@ def learnable_data(tmp_path):
     return folder
 
 
+@pytest.fixture
+def http_folder(tmp_path):
+    """Serve a folder over HTTP on localhost (the download goes through torchvision's
+    ``download_url``, which needs a server's Content-Length); yields (folder, base URL)."""
+    import functools
+    import http.server
+    import threading
+    root = tmp_path / "served"
+    root.mkdir()
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def one_line_error(stderr: str) -> str:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"

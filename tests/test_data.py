@@ -137,28 +137,33 @@ def test_shared_jpeg_archive_loads_as_is(tmp_path):
 
 # --- download -------------------------------------------------------------------------------
 
-def test_download_verifies_md5(official_dir, tmp_path):
+def test_download_verifies_md5(official_dir, http_folder, tmp_path):
     folder, arrays = official_dir
-    source = tar_folder(folder, tmp_path / "served.tar.gz", "cifar-10-batches-py")
+    served, url = http_folder
+    source = tar_folder(folder, served / "served.tar.gz", "cifar-10-batches-py")
     md5 = hashlib.md5(source.read_bytes()).hexdigest()
     dest = tmp_path / "dl"
-    path = download(dest, url=source.as_uri(), md5=md5, progress=quiet)
+    path = download(dest, url=f"{url}/served.tar.gz", md5=md5, progress=quiet)
     assert path == dest / ARCHIVE_NAME and path.read_bytes() == source.read_bytes()
-    assert download(dest, url="file:///nonexistent", md5=md5, progress=quiet) == path  # kept, not refetched
+    assert list(dest.iterdir()) == [path], "the staging folder is gone"
+    assert download(dest, url="http://127.0.0.1:9/none", md5=md5, progress=quiet) == path  # kept, not refetched
 
 
-def test_download_checksum_mismatch_leaves_nothing(official_dir, tmp_path):
+def test_download_checksum_mismatch_leaves_nothing(official_dir, http_folder, tmp_path):
     folder, _ = official_dir
-    source = tar_folder(folder, tmp_path / "served.tar.gz", "cifar-10-batches-py")
+    served, url = http_folder
+    tar_folder(folder, served / "served.tar.gz", "cifar-10-batches-py")
     dest = tmp_path / "dl"
     with pytest.raises(DataError, match="checksum mismatch"):
-        download(dest, url=source.as_uri(), md5="0" * 32, progress=quiet)
+        download(dest, url=f"{url}/served.tar.gz", md5="0" * 32, progress=quiet)
     assert list(dest.iterdir()) == []
 
 
-def test_download_unreachable(tmp_path):
+def test_download_unreachable(http_folder, tmp_path):
+    _, url = http_folder
     with pytest.raises(DataError, match="download of .* failed"):
-        download(tmp_path / "dl", url=(tmp_path / "missing.tar.gz").as_uri(), md5="0" * 32, progress=quiet)
+        download(tmp_path / "dl", url=f"{url}/missing.tar.gz", md5="0" * 32, progress=quiet)
+    assert list((tmp_path / "dl").iterdir()) == []
 
 
 def test_existing_archive_with_wrong_md5_is_reported(tmp_path):

@@ -1,11 +1,14 @@
-"""Reading CIFAR-10 in every layout the trainer accepts, and splitting it over ranks.
+"""Reading CIFAR in every layout the trainer accepts, and splitting it over ranks.
 
 ``load_dataset(path)`` recognizes, in this order:
-  - an official release archive ``cifar-10-python.tar.gz`` (or a folder holding one);
-  - an extracted ``cifar-10-batches-py/`` folder (or a folder holding one);
+  - an official release archive ``cifar-10-python.tar.gz`` or ``cifar-100-python.tar.gz`` (or a
+    folder holding one);
+  - an extracted ``cifar-10-batches-py/`` or ``cifar-100-python/`` folder (or a folder holding one);
   - an image folder ``train/<class>/*``, ``test/<class>/*`` (or its single subfolder), or a
     ``.tar.gz`` of one, decoded once and cached as uint8 arrays.
-With ``download=True`` a path holding none of these gets the official archive, MD5-checked.
+With ``download=True`` a path holding none of these gets the official archive of
+``download_set`` (cifar10 | cifar100), MD5-checked. The class count is the data's: 10, 100, or
+an image folder's number of class folders.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 from .dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
 from .errors import DataError
 from .folder import BatchDecoder, cache_path, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
-from .official import ARCHIVE_NAME, BATCH_DIR, download, read_archive, read_batch_dir
+from .official import OFFICIAL_SETS, download, read_archive, read_batch_dir, set_of_folder
 
 __all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "shard_indices"]
 
@@ -45,7 +48,8 @@ def _read_any_archive(path: Path, decode: BatchDecoder | None) -> Dataset:
     try:
         with tarfile.open(path, "r:gz") as tar:
             members = tar.getmembers()
-            official = any(BATCH_DIR in PurePosixPath(m.name).parts for m in members)
+            official = any(spec.folder in PurePosixPath(m.name).parts
+                           for m in members for spec in OFFICIAL_SETS.values())
             if not official:
                 return read_folder_archive(path, tar, members, decode)
     except DataError:
@@ -56,8 +60,9 @@ def _read_any_archive(path: Path, decode: BatchDecoder | None) -> Dataset:
 
 
 def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: str | Path | None = None,
-                 log: Callable[[str], None] = print, decode: BatchDecoder | None = None) -> Dataset:
-    """Load CIFAR-10 from ``path`` in any layout above; raise DataError on anything unusable.
+                 log: Callable[[str], None] = print, decode: BatchDecoder | None = None,
+                 download_set: str = "cifar10") -> Dataset:
+    """Load CIFAR from ``path`` in any layout above; raise DataError on anything unusable.
     ``decode`` decodes an image folder's files in batches when no cache holds them (PIL when None,
     or for any batch it declines)."""
     path = Path(path).expanduser()
@@ -67,21 +72,22 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
             raise DataError(f"{path}: unknown layout (expected a .tar.gz archive or a folder)")
         return _cached(path, cache, lambda: _read_any_archive(path, decode), log)
     if path.is_dir():
-        if path.name == BATCH_DIR or (path / "data_batch_1").is_file():
+        if set_of_folder(path) is not None or (path / "data_batch_1").is_file():
             return read_batch_dir(path)
-        if (path / BATCH_DIR).is_dir():
-            return read_batch_dir(path / BATCH_DIR)
-        if (path / ARCHIVE_NAME).is_file():
-            return read_archive(path / ARCHIVE_NAME)
+        for spec in OFFICIAL_SETS.values():
+            if (path / spec.folder).is_dir():
+                return read_batch_dir(path / spec.folder)
+            if (path / spec.archive).is_file():
+                return read_archive(path / spec.archive)
         root = find_split_root(path)
         if root is not None:
             return _cached(root, cache, lambda: read_folder(root, decode), log)
         if download_missing:
-            return read_archive(download(path, progress=log))
-        raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, {ARCHIVE_NAME}, or "
-                        f"train/ and test/ class folders); pass --download to fetch official CIFAR-10")
+            return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
+        raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, cifar-100-python/, their .tar.gz, "
+                        f"or train/ and test/ class folders); pass --download to fetch official CIFAR-10")
     if download_missing:
-        return read_archive(download(path, progress=log))
+        return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
     raise DataError(f"{path}: no such file or folder; pass --download to fetch official CIFAR-10 there")
 
 

@@ -1,22 +1,25 @@
-"""Official CIFAR-10: the python-pickle batches, as a folder or as the release archive, and its download.
+"""Official CIFAR-10 and CIFAR-100: the python-pickle batches, as a folder or release archive, and their download.
 
-The release (``cifar-10-python.tar.gz``, 170,498,071 bytes) holds ``cifar-10-batches-py/`` with
-``data_batch_1..5`` (10,000 images each), ``test_batch`` and ``batches.meta``. Each batch is a
-pickled dict: ``data`` a (10000, 3072) uint8 array, one image per row as three 32x32 planes (R, G, B);
-``labels`` a list of ints. The pickles are unpickled with an allow-list, not ``pickle.load``, because a
-pickle can run arbitrary code and these files come from the network.
+CIFAR-10 (``cifar-10-python.tar.gz``, 170,498,071 bytes) holds ``cifar-10-batches-py/`` with
+``data_batch_1..5`` (10,000 images each), ``test_batch`` and ``batches.meta``. CIFAR-100
+(``cifar-100-python.tar.gz``, 169,001,437 bytes) holds ``cifar-100-python/`` with ``train``
+(50,000 images), ``test`` (10,000) and ``meta``; each image has a fine label (100 classes, used
+here) and a coarse one (20 superclasses). Each batch is a pickled dict: ``data`` a (N, 3072) uint8
+array, one image per row as three 32x32 planes (R, G, B), and the labels as a list of ints. The
+pickles are unpickled with an allow-list, not ``pickle.load``, because a pickle can run arbitrary
+code and these files come from the network.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import pickle
+import shutil
 import tarfile
 import tempfile
 import urllib.error
-import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +27,35 @@ import numpy as np
 from .dataset import CIFAR10_CLASSES, Dataset
 from .errors import DataError
 
-ARCHIVE_NAME = "cifar-10-python.tar.gz"
-ARCHIVE_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-ARCHIVE_MD5 = "c58f30108f718f92721af3b95e74349a"
-BATCH_DIR = "cifar-10-batches-py"
-TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
-TEST_BATCH = "test_batch"
+
+@dataclass(frozen=True)
+class OfficialSet:
+    """One official release: where it is fetched from, and how its folder is laid out."""
+    name: str  # as --download-set spells it
+    title: str  # for messages
+    archive: str
+    url: str
+    md5: str
+    folder: str  # the folder inside the archive
+    train: tuple[str, ...]  # training batch files
+    test: str
+    meta: str  # holds the class names
+    label_key: str
+    names_key: str
+
+
+CIFAR10 = OfficialSet("cifar10", "CIFAR-10", "cifar-10-python.tar.gz",
+                      "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a",
+                      "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), "test_batch",
+                      "batches.meta", "labels", "label_names")
+CIFAR100 = OfficialSet("cifar100", "CIFAR-100", "cifar-100-python.tar.gz",
+                       "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85",
+                       "cifar-100-python", ("train",), "test", "meta", "fine_labels", "fine_label_names")
+OFFICIAL_SETS = {s.name: s for s in (CIFAR10, CIFAR100)}
+
+# CIFAR-10's names, kept for the readers and tests that use them.
+ARCHIVE_NAME, ARCHIVE_URL, ARCHIVE_MD5, BATCH_DIR = CIFAR10.archive, CIFAR10.url, CIFAR10.md5, CIFAR10.folder
+TRAIN_BATCHES, TEST_BATCH = CIFAR10.train, CIFAR10.test
 
 # What a CIFAR batch pickle may reference: numpy's array reconstruction (and bytes), nothing else.
 _ALLOWED_GLOBALS = {
@@ -47,104 +73,119 @@ class _BatchUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
 
 
-def decode_batch(raw: bytes, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """One pickled batch -> (images (N, 32, 32, 3) uint8, labels (N,) int64)."""
+def _unpickle(raw: bytes, where: str, title: str) -> dict:
     try:
         batch = _BatchUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as exc:  # truncated, corrupt or hostile: all are bad input here
-        raise DataError(f"{where}: not a readable CIFAR-10 batch ({type(exc).__name__}: {exc})") from None
+        raise DataError(f"{where}: not a readable {title} batch ({type(exc).__name__}: {exc})") from None
     if not isinstance(batch, dict):
-        raise DataError(f"{where}: not a CIFAR-10 batch (a {type(batch).__name__}, expected a dict)")
-    batch = {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
-    if "data" not in batch or "labels" not in batch:
-        raise DataError(f"{where}: CIFAR-10 batch without 'data' and 'labels' entries")
+        raise DataError(f"{where}: not a {title} batch (a {type(batch).__name__}, expected a dict)")
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
+
+
+def decode_batch(raw: bytes, where: str, spec: OfficialSet = CIFAR10) -> tuple[np.ndarray, np.ndarray]:
+    """One pickled batch -> (images (N, 32, 32, 3) uint8, labels (N,) int64)."""
+    batch = _unpickle(raw, where, spec.title)
+    if "data" not in batch or spec.label_key not in batch:
+        raise DataError(f"{where}: {spec.title} batch without 'data' and '{spec.label_key}' entries")
     data = np.asarray(batch["data"])
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise DataError(f"{where}: images must be uint8 rows of 3072 values (32x32 RGB), "
                         f"got {data.dtype} {data.shape}")
-    labels = np.asarray(batch["labels"], dtype=np.int64)
+    labels = np.asarray(batch[spec.label_key], dtype=np.int64)
     if labels.shape != (data.shape[0],):
         raise DataError(f"{where}: {data.shape[0]} images but {labels.size} labels")
     images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)  # planes -> NHWC
     return np.ascontiguousarray(images), labels
 
 
-def _assemble(read, source: str) -> Dataset:
+def _class_names(read, source: str, spec: OfficialSet) -> tuple[str, ...]:
+    """CIFAR-10's fixed names; CIFAR-100's from its ``meta`` file (100 fine label names)."""
+    if spec is CIFAR10:
+        return CIFAR10_CLASSES
+    meta = _unpickle(read(spec.meta), f"{source}/{spec.meta}", spec.title)
+    names = meta.get(spec.names_key)
+    if not isinstance(names, list) or not names:
+        raise DataError(f"{source}/{spec.meta}: no '{spec.names_key}' list of class names")
+    return tuple(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+
+
+def _assemble(read, source: str, spec: OfficialSet = CIFAR10) -> Dataset:
     """Build the data set from ``read(name) -> bytes`` for each batch name."""
-    train = [decode_batch(read(name), f"{source}/{name}") for name in TRAIN_BATCHES]
-    test_images, test_labels = decode_batch(read(TEST_BATCH), f"{source}/{TEST_BATCH}")
+    train = [decode_batch(read(name), f"{source}/{name}", spec) for name in spec.train]
+    test_images, test_labels = decode_batch(read(spec.test), f"{source}/{spec.test}", spec)
     return Dataset(np.concatenate([t[0] for t in train]), np.concatenate([t[1] for t in train]),
-                   test_images, test_labels, CIFAR10_CLASSES, source).validate()
+                   test_images, test_labels, _class_names(read, source, spec), source).validate()
+
+
+def set_of_folder(path: Path) -> OfficialSet | None:
+    """The official set whose extracted folder ``path`` is, by name or by its files."""
+    for spec in OFFICIAL_SETS.values():
+        if path.name == spec.folder or all((path / name).is_file() for name in (*spec.train, spec.test)):
+            return spec
+    return None
 
 
 def read_batch_dir(path: Path) -> Dataset:
-    """Read an extracted ``cifar-10-batches-py`` folder."""
+    """Read an extracted ``cifar-10-batches-py`` or ``cifar-100-python`` folder."""
+    spec = set_of_folder(path) or CIFAR10
+
     def read(name: str) -> bytes:
         f = path / name
         if not f.is_file():
-            raise DataError(f"{path}: missing CIFAR-10 batch file {name!r}")
+            raise DataError(f"{path}: missing {spec.title} batch file {name!r}")
         return f.read_bytes()
-    return _assemble(read, str(path))
+    return _assemble(read, str(path), spec)
 
 
 def read_archive(path: Path) -> Dataset:
-    """Read the release archive directly, without extracting it to disk."""
+    """Read a release archive directly, without extracting it to disk."""
     try:
         with tarfile.open(path, "r:gz") as tar:
-            members = {Path(m.name).name: m for m in tar.getmembers()
-                       if m.isfile() and Path(m.name).parent.name == BATCH_DIR}
+            files = [m for m in tar.getmembers() if m.isfile()]
+            spec = next((s for s in OFFICIAL_SETS.values() if any(Path(m.name).parent.name == s.folder for m in files)),
+                        CIFAR10)
+            members = {Path(m.name).name: m for m in files if Path(m.name).parent.name == spec.folder}
 
             def read(name: str) -> bytes:
                 if name not in members:
-                    raise DataError(f"{path}: archive has no {BATCH_DIR}/{name}")
+                    raise DataError(f"{path}: archive has no {spec.folder}/{name}")
                 return tar.extractfile(members[name]).read()
-            return _assemble(read, str(path))
+            return _assemble(read, str(path), spec)
     except DataError:
         raise
     except Exception as exc:  # tarfile, gzip, zlib and EOF errors all mean a damaged archive
         raise DataError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from None
 
 
-def md5_of(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def download(root: Path, url: str | None = None, md5: str | None = None, progress=print,
+             spec: OfficialSet = CIFAR10) -> Path:
+    """Fetch the release archive of ``spec`` into ``root`` and verify its MD5; returns its path.
 
-
-def download(root: Path, url: str = ARCHIVE_URL, md5: str = ARCHIVE_MD5, progress=print) -> Path:
-    """Fetch the release archive into ``root`` and verify its MD5; returns the archive's path.
-
-    An archive already there with the right checksum is kept. The download goes to a temporary
-    file in ``root`` that is renamed only once its checksum matches, so an interrupted or
-    corrupted download never leaves a file that looks finished.
+    torchvision's ``download_url`` fetches (with a progress bar) and checks the MD5. It writes into
+    a temporary folder inside ``root``, renamed into place only once the checksum matched, so an
+    interrupted or corrupted download never leaves a file that looks finished. An archive already
+    there with the right checksum is kept.
     """
+    from torchvision.datasets.utils import check_integrity, download_url  # late: a second of import
+    url, md5 = url or spec.url, md5 or spec.md5
     root.mkdir(parents=True, exist_ok=True)
-    target = root / ARCHIVE_NAME
+    target = root / spec.archive
     if target.is_file():
-        if md5_of(target) == md5:
+        if check_integrity(str(target), md5):
             return target
         raise DataError(f"{target}: checksum mismatch (expected MD5 {md5}); delete it to download again")
     progress(f"downloading {url} -> {target}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{ARCHIVE_NAME}.", suffix=".part", dir=root)
+    staging = tempfile.mkdtemp(prefix=f".{spec.archive}.", suffix=".part", dir=root)
     try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
-            total = int(response.headers.get("Content-Length") or 0)
-            done, next_report = 0, 0.1
-            for block in iter(lambda: response.read(1 << 20), b""):
-                out.write(block)
-                done += len(block)
-                if total and done / total >= next_report:
-                    progress(f"  {done / 1e6:.0f} of {total / 1e6:.0f} MB")
-                    next_report += 0.1
-        got = md5_of(Path(tmp))
-        if got != md5:
-            raise DataError(f"{url}: checksum mismatch (MD5 {got}, expected {md5})")
-        os.replace(tmp, target)
+        download_url(url, staging, filename=spec.archive, md5=md5)
+        os.replace(Path(staging) / spec.archive, target)
+    except RuntimeError as exc:  # torchvision's answer to a file whose MD5 is not the expected one
+        if "corrupted" not in str(exc) and "not found" not in str(exc):
+            raise DataError(f"download of {url} failed: {exc}") from None
+        raise DataError(f"{url}: checksum mismatch (expected MD5 {md5})") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise DataError(f"download of {url} failed: {exc}") from None
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(staging, ignore_errors=True)
     return target

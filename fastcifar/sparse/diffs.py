@@ -10,8 +10,10 @@ parent's SHA-256, so a chain restored in the wrong order or with a file missing 
 mask (the tests hold the trainer to that), and anything else that moved is recorded too, so a
 restore is exact whatever trained. Files are written to a temporary name and renamed.
 
-    python -m fastcifar.sparse.diffs inspect RUN_DIR/sparse/run1/*.safetensors
-    python -m fastcifar.sparse.diffs restore BASE DIFF [DIFF ...] --out model.safetensors [--data PATH]
+    python -m fastcifar.checkpoint inspect RUN_DIR/sparse/run1/*.safetensors
+    python -m fastcifar.checkpoint restore BASE DIFF [DIFF ...] --out model.safetensors [--data PATH]
+
+(``python -m fastcifar.sparse.diffs`` is the same command.)
 
 ``restore`` writes the model file of the last diff's epoch; with ``--data`` it also evaluates it on
 the test set as the trainer does (its TTA, on the CPU) and prints the accuracy.
@@ -59,12 +61,9 @@ def host_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def write_base(path: str | Path, state: dict[str, torch.Tensor], cfg, classes, mean, std,
                test_acc: float | None = None) -> int:
-    """A model file in the checkpoint issue's format (safetensors of the state dict; metadata format,
-    config, classes, mean, std, test_acc). The one place this package writes a model file."""
-    meta = {"format": BASE_FORMAT, "config": json.dumps(dataclasses.asdict(cfg)),
-            "classes": json.dumps(list(classes)), "mean": json.dumps(list(mean)), "std": json.dumps(list(std)),
-            "test_acc": "" if test_acc is None else str(test_acc)}
-    return _save_atomic(dict(state), meta, Path(path))
+    """A model file (fastcifar.checkpoint's format) of a host state dict; returns its size in bytes."""
+    from ..checkpoint import save_weights  # late: fastcifar.checkpoint may be running as __main__
+    return save_weights(path, state, cfg, classes, test_acc, mean, std).stat().st_size
 
 
 def make_diff(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor],
@@ -199,8 +198,8 @@ def inspect_lines(path: str | Path) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastcifar.sparse.diffs",
+def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.sparse.diffs") -> int:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Inspect sparse diffs, or restore a model from a base file "
                                                  "and a chain of them.")
     sub = parser.add_subparsers(dest="command", required=True)

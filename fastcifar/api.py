@@ -1,0 +1,94 @@
+"""The Python API: ``import fastcifar`` and train, load, evaluate and predict from a notebook.
+
+    import fastcifar
+    cfg = fastcifar.from_preset("fast", data="data", epochs=2)
+    (run,) = fastcifar.train(cfg)                  # validated exactly as the command line validates
+    run.model, run.test_acc, run.metrics.epochs    # the trained network in memory, and its records
+    model, info = fastcifar.load_model(run.model_path)
+    fastcifar.evaluate((model, info), "data").accuracy
+    fastcifar.predict(run.model_path, ["cat.png"])
+
+Naming: ``fastcifar.train`` is also the trainer module (``python -m fastcifar.train``), and
+importing a submodule sets the package attribute of that name to the module, replacing any
+function defined there. So the modules ``train``, ``evaluate`` and ``predict`` are themselves
+callable (``CallableModule``): ``fastcifar.train(cfg)`` is the same call whether or not something
+imported ``fastcifar.train`` first, and the package imports none of them eagerly, which keeps
+``python -m fastcifar.train`` free of runpy's "found in sys.modules" warning.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import ModelInfo, load_model
+from .config import Config, ConfigError
+from .report import RunResult
+
+
+class CallableModule(types.ModuleType):
+    """A module that is also a function: calling it calls its ``__api_call__``."""
+
+    def __call__(self, *args, **kwargs):
+        return self.__api_call__(*args, **kwargs)
+
+
+def make_callable(module_name: str, function) -> None:
+    module = sys.modules[module_name]
+    module.__class__ = CallableModule
+    module.__api_call__ = function
+
+
+@dataclass
+class TrainedRun:
+    """One run of ``train``: the trained network (in memory, on the run's device, evaluated
+    weights), what describes it, and its metrics (per-epoch records, times)."""
+    model: torch.nn.Module
+    info: ModelInfo
+    metrics: RunResult
+
+    @property
+    def test_acc(self) -> float:
+        return self.metrics.test_acc
+
+    @property
+    def model_path(self) -> str:
+        return self.metrics.model_path
+
+
+def train(config: Config) -> list[TrainedRun]:
+    """Train ``config.runs`` runs as ``python -m fastcifar.train`` would with these settings
+    (the same validation, logs and run folder); raises ConfigError or DataError on bad input.
+    Under torchrun every rank calls it and gets its own copy of the results."""
+    from . import distributed
+    from . import train as trainer
+    from .augment import CIFAR10_MEAN, CIFAR10_STD
+    if not isinstance(config, Config):
+        raise ConfigError(f"train() takes a fastcifar.Config, not {type(config).__name__}")
+    ctx = distributed.setup(config.device, config.dist_timeout_s)
+    try:
+        results = trainer.run(config, ctx)
+    finally:
+        distributed.teardown(ctx)
+    return [TrainedRun(r.model, ModelInfo(config, r.classes, CIFAR10_MEAN, CIFAR10_STD, r.test_acc), r)
+            for r in results]
+
+
+def resolve_model(model, device="cpu") -> tuple[torch.nn.Module, ModelInfo]:
+    """A model file's path, ``(network, ModelInfo)``, or a ``TrainedRun`` -> (network, info)."""
+    if isinstance(model, (str, Path)):
+        return load_model(model, device)
+    if isinstance(model, TrainedRun):
+        net, device = model.model, torch.device(device)
+        first = next(net.parameters())
+        if first.dtype != torch.float32 or first.device != device:  # a copy: the run's network stays as it is
+            net = copy.deepcopy(net).to(device=device, dtype=torch.float32)
+        return net.eval(), model.info
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[1], ModelInfo):
+        return model[0].to(device), model[1]
+    raise TypeError("expected a model file path, (model, ModelInfo) from load_model, or a run from train()")

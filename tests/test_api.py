@@ -1,0 +1,97 @@
+"""The Python API: the README's example runs, fastcifar.train is callable before and after
+``import fastcifar.train``, ``python -m`` stays quiet, and train() validates as the CLI does."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import fastcifar
+from cli import ROOT, env
+from conftest import make_images, one_line_error, write_official
+from fastcifar.config import ConfigError, from_preset, parse_args
+from fastcifar.train import main as train_main
+
+
+def python(code: str, cwd, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_readme_example_runs_and_train_is_callable_before_and_after_import(tmp_path):
+    """The README's example, in a fresh interpreter: its fastcifar.train(cfg) comes before anything
+    imported the trainer module; after ``import fastcifar.train`` the attribute is that module and
+    the same call gives the same network."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Python API"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    write_official(tmp_path / "data", per_batch=100, n_test=200)  # ./data, as the example reads it
+    Image.fromarray(make_images(1, seed=5)[0][0]).save(tmp_path / "cat.png")
+    before = "import sys\nimport fastcifar\nassert 'fastcifar.train' not in sys.modules, 'imported too early'\n"
+    after = """
+import torch
+assert isinstance(run.model, torch.nn.Module) and len(run.metrics.epochs) == 2
+assert abs(acc - run.test_acc) < 1e-9, (acc, run.test_acc)
+assert run.test_acc > 50 and info.classes[0] == "airplane" and len(p.top) == 3
+import fastcifar.train
+from fastcifar import train
+assert fastcifar.train is sys.modules["fastcifar.train"] is train
+(again,) = train(cfg)
+assert torch.equal(again.model.fc.weight, run.model.fc.weight) and again.test_acc == run.test_acc
+print("EXAMPLE OK")
+"""
+    proc = python(before + code + after, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "EXAMPLE OK" in proc.stdout and "cat.png [(" in proc.stdout
+
+
+@pytest.mark.parametrize("module", ["fastcifar.train", "fastcifar.evaluate", "fastcifar.predict"])
+def test_python_m_help_prints_no_warning(module):
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:")
+    assert proc.stderr == "", f"python -m {module} wrote to stderr:\n{proc.stderr}"
+
+
+def test_train_validates_exactly_as_the_cli(learnable_data, tmp_path, capsys):
+    flags = ["--epochs", "2", "--warmup-epochs", "3"]
+    assert train_main(["--data", str(learnable_data), "--out-dir", str(tmp_path / "cli"), *flags]) == 2
+    cli_line = one_line_error(capsys.readouterr().err)
+    cfg = from_preset("fast", data=str(learnable_data), out_dir=str(tmp_path / "api"), epochs=2, warmup_epochs=3.0)
+    with pytest.raises(ConfigError) as err:
+        fastcifar.train(cfg)
+    assert cli_line == f"fastcifar: error: {err.value}"
+    assert not (tmp_path / "api").exists() and not (tmp_path / "cli").exists()
+    with pytest.raises(ConfigError, match="--batch-size must be positive"):
+        fastcifar.train(from_preset("fast", batch_size=0))
+    with pytest.raises(ConfigError, match="takes a fastcifar.Config"):
+        fastcifar.train({"epochs": 1})
+
+
+def test_from_preset_shortens_like_the_command_line():
+    for epochs in (1, 5, 20):
+        assert from_preset("fast", epochs=epochs) == parse_args(["--epochs", str(epochs)])
+    assert from_preset("fast", epochs=5, warmup_epochs=1.0).warmup_epochs == 1.0
+
+
+def test_predict_and_evaluate_take_a_run_in_memory(tmp_path):
+    """A run from train() (no file needed) goes straight into evaluate and predict."""
+    from fastcifar.api import TrainedRun
+    from fastcifar.checkpoint import ModelInfo
+    from fastcifar.recipe import make_network
+    from fastcifar.norm_act_pool import NormActPool
+    from fastcifar.report import RunResult
+    cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
+    net = make_network(cfg, NormActPool, 10).eval()
+    run = TrainedRun(net, ModelInfo(cfg, tuple("abcdefghij"), (125.0,) * 3, (63.0,) * 3, 0.0), RunResult(1, 0, 0, 0, 0))
+    images = make_images(5, seed=3)[0]
+    preds = fastcifar.predict(run, images, top=2)
+    assert [p.path for p in preds] == [f"[{i}]" for i in range(5)] and all(len(p.top) == 2 for p in preds)
+    assert all(c in "abcdefghij" for p in preds for c, _ in p.top)
+    with pytest.raises(fastcifar.DataError, match="uint8"):
+        fastcifar.predict(run, images.astype(np.float32))
