@@ -27,6 +27,7 @@ evaluation, and report.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ from .data import DataError, load_dataset, shard_indices
 from .graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
 from .loader import EvalSet, TorchLoader
 from .model import norm_factory, resolve_kernels
-from .optim import NesterovSGD, warmup_decay_lr
+from .optim import NesterovSGD
 from .report import EpochRecord, RunLog, RunResult, device_info, process_start_time, versions
 
 PROCESS_START = process_start_time()
@@ -184,11 +185,9 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
     per_rank_batch, steps = train_loader.batch_size, len(train_loader)
     peak = cfg.lr * cfg.batch_size / 512 / per_rank_batch
-    schedule = DeviceSchedule([warmup_decay_lr((i + 1) / steps, cfg.epochs, cfg.warmup_epochs, peak,
-                                               cfg.lr_start, cfg.lr_end)
-                               for i in range(cfg.epochs * steps)], ctx.device)
-    opt = NesterovSGD(recipe.param_groups(model, cfg, per_rank_batch), lr=0.0, momentum=cfg.momentum,
-                      weight_decay=cfg.weight_decay * per_rank_batch, nesterov=cfg.nesterov)
+    schedule = DeviceSchedule(recipe.lr_schedule(cfg, steps, peak), ctx.device)
+    lengths = recipe.epoch_lengths(cfg.epochs, steps)  # a fractional --epochs cuts the last one short
+    opt = recipe.make_optimizer(model, cfg, per_rank_batch, peak, ctx)  # NesterovSGD, or Muon + SGD
     push, pop = profiling.markers(cfg.nvtx)
     step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), buckets)
     train_step = TrainStep(step, StaticBatch(per_rank_batch, dtype, ctx.device), capture=use_graphs)
@@ -219,14 +218,14 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     window = profiling.StepWindow(cfg.profile_steps if run == 1 else "")  # nsys capture range, profiler steps
     total_train_time = 0.0
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
-    for epoch in range(cfg.epochs):
+    for epoch, epoch_steps in enumerate(lengths):
         train_loader.set_epoch(seed, epoch)
         model.train()
         train_step.reset()
         synchronize(ctx.device)
         t0 = time.perf_counter()
         hooks.epoch_start(epoch)  # on the clock: epoch 0's data-dependent init reads training images
-        for images, labels in profiling.ranged(train_loader, "data", push, pop):
+        for images, labels in profiling.ranged(itertools.islice(train_loader, epoch_steps), "data", push, pop):
             push("step")  # a graph replay shows as this one range: its phases were marked at capture
             train_step(images, labels)
             pop()
@@ -241,10 +240,10 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         t1 = time.perf_counter()
         distributed.average_buffers(model, ctx)
         test_loss, test_acc = evaluate(model, eval_step, test_set, ctx)
-        n_train = steps * per_rank_batch * ctx.world_size
+        n_train = epoch_steps * per_rank_batch * ctx.world_size
         train_loss, train_correct = distributed.all_sum(
             [train_step.loss_sum.item(), float(train_step.correct.item())], ctx, ctx.device)
-        record = EpochRecord(run=run, epoch=epoch + 1, lr=schedule.values[(epoch + 1) * steps - 1] * per_rank_batch,
+        record = EpochRecord(run=run, epoch=epoch + 1, lr=schedule.values[sum(lengths[:epoch + 1]) - 1] * per_rank_batch,
                              train_time=epoch_time, train_loss=train_loss / n_train,
                              train_acc=100.0 * train_correct / n_train, test_time=time.perf_counter() - t1,
                              test_loss=test_loss, test_acc=test_acc, total_train_time=total_train_time)
