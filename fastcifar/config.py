@@ -210,6 +210,17 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--lookahead-decay must lie in [0, 1), not {cfg.lookahead_decay}")
     if not 0 < cfg.bn_momentum <= 1:
         raise ConfigError(f"--bn-momentum must lie in (0, 1], not {cfg.bn_momentum}")
+    if not 0 < cfg.bn_eps < 1:
+        raise ConfigError(f"--bn-eps must lie in (0, 1), not {cfg.bn_eps}")
+    if cfg.muon_ns_steps < 1:
+        raise ConfigError(f"--muon-ns-steps must be positive, not {cfg.muon_ns_steps}")
+    for name in ("muon_lr", "logit_scale", "lookahead_start_epoch"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{_flag(name)} must not be negative, not {getattr(cfg, name)}")
+    if cfg.head_lr_scale <= 0:
+        raise ConfigError(f"--head-lr-scale must be positive, not {cfg.head_lr_scale}")
+    if not 0 <= cfg.muon_momentum < 1:
+        raise ConfigError(f"--muon-momentum must lie in [0, 1), not {cfg.muon_momentum}")
     try:
         parse_window(cfg.profile_steps)
     except ValueError as exc:

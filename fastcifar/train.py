@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import comm, distributed, graphs, profiling, recipe
+from . import comm, compiled, distributed, graphs, profiling, recipe
 from .config import Config, ConfigError, parse_args, validate
 from .dali_loader import DaliLoader, dali_decoder, resolve_loader
 from .data import DataError, load_dataset, shard_indices
@@ -132,7 +132,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
 
 def build_model(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    model = recipe.make_network(cfg, norm=norm_factory(resolve_kernels(cfg.kernels, device)))
+    norm = compiled.norm_for(norm_factory(resolve_kernels(cfg.kernels, device)), cfg.compile)  # custom op under --compile
+    model = recipe.make_network(cfg, norm=norm)
     model = model.to(device=device, memory_format=torch.channels_last)
     if dtype == torch.float16:
         model.half()
@@ -182,6 +183,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         buckets = comm.GradBuckets(model.parameters(), cfg.bucket_mb)
         if run == 1:
             log.line(buckets.describe())
+    net = compiled.wrap(net, cfg.compile)  # --compile: torch.compile, compiled in the warm-up steps below
     # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
     per_rank_batch, steps = train_loader.batch_size, len(train_loader)
     peak = cfg.lr * cfg.batch_size / 512 / per_rank_batch
