@@ -143,8 +143,9 @@ PRESETS["fast-departures"] = {**PRESETS["fast"], "epochs": 10, "warmup_epochs": 
 # rates (summed loss): biases 0.053, head 0.67, filters 0.24 (Muon); decay 2e-6 x 2000 per step
 # x the schedule. Here: lr 0.053 x 512 = 27.136 per 512 (= 0.053 per image of summed loss at
 # 2000 on any rank count), head x 12.64, weight decay 0.004 / 0.053 / 2000 = 3.774e-5 per
-# example. Logits / 256 from a unit-std head. One departure: their whitening bias's rate falls
-# to 0 over its 3 epochs; here it follows the global schedule until frozen at epoch 3.
+# example. Logits / 256 from a unit-std head. Two departures: their whitening bias's rate falls
+# to 0 over its 3 epochs (here it follows the global schedule until frozen at epoch 3), and it
+# starts from torch's default conv-bias init (here from 0, as in airbench94).
 PRESETS["fast-muon"] = {**PRESETS["fast"], "epochs": 8, "batch_size": 2000, "lr": 0.053 * 512,
                         "warmup_epochs": 0.0, "lr_start": 1.0, "lr_end": 0.0, "bias_lr_scale": 1.0,
                         "head_lr_scale": 0.67 / 0.053, "weight_decay": 2e-6 * 2000 / 0.053 / 2000,

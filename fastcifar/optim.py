@@ -197,7 +197,7 @@ class Muon:
         orthogonal = self._orthogonalize(updates)
         lr = self.lr_source * self.lr_ratio
         for p, o in zip(self.params, orthogonal):
-            p.sub_(o.view_as(p).to(p.dtype) * lr.to(p.dtype))
+            p.sub_(o.reshape(p.shape).to(p.dtype) * lr.to(p.dtype))
 
     def _orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
         ortho = lambda u: newton_schulz(u.reshape(len(u), -1), self.ns_steps, dtype=self.ns_dtype)  # noqa: E731

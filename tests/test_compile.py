@@ -21,8 +21,7 @@ def nhwc(*shape, seed=0):
     return torch.randn(*shape, generator=g).contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("pool", ["", "before", "after"])
-@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("pool, training", [("before", True), ("after", True), ("", False)])
 def test_custom_op_passes_opcheck(pool, training):
     """Schema (functional: nothing mutated), the fake implementation against the real kernel's
     shapes, dtypes and strides, the autograd registration."""
