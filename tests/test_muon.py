@@ -209,3 +209,52 @@ def test_two_ranks_equal_one_rank(tmp_path):
     proc = run_train([], launcher=launcher, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_muon_step_replays_from_a_cuda_graph():
+    """The optimizer step captured once and replayed with a changing device-side rate equals the
+    eager step (bfloat16 Newton-Schulz on both sides)."""
+    dev = torch.device("cuda")
+    cfg = tiny_muon()
+    results = []
+    for capture in (False, True):
+        torch.manual_seed(0)
+        model = make_network(cfg, NormActPool).to(dev)
+        opt = make_optimizer(model, cfg, 100, peak=0.053)
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [[torch.randn_like(p) for p in params] for _ in range(4)]
+        for p, g in zip(params, grads[0]):
+            p.grad = g.clone()
+        rate = torch.tensor([0.053, 0.04, 0.03, 0.02], device=dev)
+        step_index = torch.zeros((), dtype=torch.int64, device=dev)
+
+        def body():
+            opt.lr.copy_(rate[step_index])
+            opt.step()
+
+        graph = None
+        if capture:
+            initial = [p.detach().clone() for p in params]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                body()  # warm-up on a side stream, as graphs.capture does
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                body()
+            with torch.no_grad():
+                for p, p0 in zip(params, initial):
+                    p.copy_(p0)
+            opt.reset_state()
+        for i in range(4):
+            step_index.fill_(i)
+            for p, g in zip(params, grads[i]):
+                p.grad.copy_(g)
+            graph.replay() if graph is not None else body()
+        torch.cuda.synchronize()
+        results.append([p.detach().float().cpu() for p in params])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
