@@ -19,6 +19,7 @@ on the clock, at the start of epoch 0 (as airbench counts it). It costs one pass
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -99,6 +100,12 @@ def epoch_lengths(epochs: float, steps: int) -> list[int]:
     ``steps`` and a last one cut short when ``epochs`` has a fraction (9.9 x 48: 9 x 48 + 44)."""
     total = math.ceil(round(epochs * steps, 9))  # round: 1.1 x 10 is 11.000000000000002 in floats
     return [min(steps, total - start) for start in range(0, total, steps)]
+
+
+def first_steps(loader, n: int):
+    """The loader's first ``n`` batches: the loader itself for a whole epoch, so its iterator runs
+    to its end (DALI finishes its pass there; a pass left suspended is drained by the next one)."""
+    return loader if n >= len(loader) else itertools.islice(loader, n)
 
 
 def lr_schedule(cfg, steps: int, peak: float) -> list[float]:

@@ -27,7 +27,6 @@ evaluation, and report.
 from __future__ import annotations
 
 import copy
-import itertools
 import os
 import sys
 import time
@@ -227,7 +226,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         synchronize(ctx.device)
         t0 = time.perf_counter()
         hooks.epoch_start(epoch)  # on the clock: epoch 0's data-dependent init reads training images
-        for images, labels in profiling.ranged(itertools.islice(train_loader, epoch_steps), "data", push, pop):
+        for images, labels in profiling.ranged(recipe.first_steps(train_loader, epoch_steps), "data", push, pop):
             push("step")  # a graph replay shows as this one range: its phases were marked at capture
             train_step(images, labels)
             pop()
