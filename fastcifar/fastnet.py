@@ -11,7 +11,7 @@ conv, before the batchnorm (``NormActPool(pool="before")``): the batchnorm and a
 follows the public single-GPU speedrun networks (Page's ResNet-9 descendants, hlb-CIFAR10 and
 airbench); the code and its tests are ours.
 
-The first conv whitens 2x2 patches: its weights are the eigenvectors of the patches' covariance,
+The first conv whitens 2x2 patches: its weights are the eigenvectors of the patches' second moment,
 each scaled by 1/sqrt(eigenvalue + eps), once with each sign (so the GELU after it keeps both
 halves of every direction). The weights come from training images, so ``init_whitening`` runs
 inside the timed region (see ``fastcifar.recipe``), and they are then frozen.
@@ -39,7 +39,8 @@ class FastBlock(nn.Module):
 
 class FastNet(nn.Module):
     def __init__(self, num_classes: int = 10, norm: NormFactory = NormActPool, widths=(64, 256, 256),
-                 act: str = "gelu", whiten_kernel: int = 2, logit_scale: float = 1 / 9):
+                 act: str = "gelu", whiten_kernel: int = 2, logit_scale: float = 1 / 9,
+                 head_unit_init: bool = False):
         super().__init__()
         w0, w1, w2 = widths
         self.act = act
@@ -56,6 +57,8 @@ class FastNet(nn.Module):
             for m in self.blocks.modules():
                 if isinstance(m, nn.Conv2d):
                     nn.init.dirac_(m.weight[:m.in_channels])
+            if head_unit_init:  # airbench94_muon's head: std 1, paired with logits / width
+                self.fc.weight.div_(self.fc.weight.std())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = activation(self.whiten(x), self.act)
@@ -89,15 +92,17 @@ def patch_covariance(images: torch.Tensor, kernel: int, chunk: int = 1000) -> tu
 
 
 def whitening_weights(total: torch.Tensor, outer: torch.Tensor, count: int, kernel: int, channels: int = 3,
-                      eps: float = 5e-4) -> torch.Tensor:
+                      eps: float = 5e-4, centred: bool = False) -> torch.Tensor:
     """Conv weights (2*D, C, k, k), D = C*k*k, that whiten patches: row i is eigenvector v_i of the
-    patch covariance over sqrt(lambda_i + eps), rows D.. the same negated.
+    patches' second moment E[x x^T] (airbench's; ``centred``: their covariance, E[x x^T] - m m^T)
+    over sqrt(lambda_i + eps), rows D.. the same negated. On normalized CIFAR-10 the patch mean is
+    near 0, so the two differ little; the second moment is what the published recipe measured.
 
     ``eps`` (in the normalized data's squared units) keeps the near-zero directions from being
     amplified without bound: a direction with lambda = eps comes out with variance 1/2.
     """
     mean = total / count
-    cov = outer / count - torch.outer(mean, mean)
+    cov = outer / count - torch.outer(mean, mean) if centred else outer / count
     eigenvalues, eigenvectors = torch.linalg.eigh(cov)  # ascending; columns are eigenvectors
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.flip(1)  # strongest direction first
     w = (eigenvectors / torch.sqrt(eigenvalues.clamp_min(0) + eps)).T
@@ -107,7 +112,7 @@ def whitening_weights(total: torch.Tensor, outer: torch.Tensor, count: int, kern
 
 @torch.no_grad()
 def init_whitening(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4,
-                   reduce=None) -> torch.Tensor:
+                   reduce=None, centred: bool = False) -> torch.Tensor:
     """Set ``conv``'s weights to whiten the patches of ``images`` (NCHW, normalized) in place.
 
     ``reduce`` (optional) sums the covariance parts over ranks in place, so that every rank gets
@@ -121,6 +126,6 @@ def init_whitening(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4,
         reduce(parts)
     d = total.numel()
     total, outer, count = parts[:d], parts[d:d + d * d].view(d, d), parts[-1].item()
-    w = whitening_weights(total, outer, count, kernel, conv.in_channels, eps)
+    w = whitening_weights(total, outer, count, kernel, conv.in_channels, eps, centred)
     conv.weight.copy_(w.to(conv.weight.dtype))  # in place: storage a captured graph may hold stays
     return w

@@ -1,4 +1,5 @@
-"""Nesterov SGD whose learning rate lives in a device tensor, and the warm-up/decay schedule.
+"""Nesterov SGD whose learning rate lives in a device tensor, the schedules, and Muon-style
+orthogonalized momentum for conv filters (``Muon``, ``MuonSGD``: the `fast-muon` preset).
 
 ``torch.optim.SGD`` reads a float learning rate on the host (and a tensor one through ``.item()``
 on its foreach path), which a captured CUDA graph cannot replay with a changing rate. This one
@@ -130,3 +131,145 @@ def warmup_decay_lr(progress: float, epochs: float, warmup_epochs: float, peak: 
         return peak
     left = max(0.0, (epochs - progress) / (epochs - warmup_epochs))  # 1 at the peak, 0 at the end
     return peak * (end + (1.0 - end) * left)
+
+
+def stepwise_lr(step: int, total: int, warmup_steps: int, peak: float, start: float = 0.0,
+                end: float = 0.0) -> float:
+    """airbench's step-indexed schedule: linear through (0, start x peak), (warmup_steps, peak),
+    (total, end x peak), read at the step's index (step 0 at exactly ``start``; step total - 1
+    stops one step short of ``end``)."""
+    if step < warmup_steps:
+        return peak * (start + (1.0 - start) * step / warmup_steps)
+    return peak * (1.0 + (end - 1.0) * (step - warmup_steps) / max(total - warmup_steps, 1))
+
+
+# --- orthogonalized momentum (Muon-style) ------------------------------------------------------
+
+# Quintic Newton-Schulz coefficients of the public Muon optimizer (Jordan et al., 2024): chosen for
+# a steep slope at 0, so 3-5 iterations lift every singular value of a normalized matrix into a
+# band around 1 (roughly 0.5-1.5: not exactly 1, which the authors report does not hurt).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 3, eps: float = 1e-7,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An approximate orthogonalization of the 2-D ``g``: U S' V^T for g = U S V^T, S' near 1.
+
+    ``g`` is first scaled to unit Frobenius norm, so every singular value starts in (0, 1]; each
+    iteration maps x -> a x + b x^3 + c x^5 on the singular values (as X X^T products on the
+    shorter side). ``dtype``: the iteration's precision (bfloat16 on CUDA: matmuls at tensor-core
+    rate; the result is an update direction, 3 significant digits suffice); default ``g``'s."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype or g.dtype)
+    x = x / (x.norm() + eps)
+    wide = x.shape[0] <= x.shape[1]
+    if not wide:
+        x = x.T  # X X^T on the shorter side: the cheaper product
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x if wide else x.T
+
+
+class Muon:
+    """Orthogonalized Nesterov momentum for conv filters (each flattened to out x in*k*k):
+
+        buf <- momentum x buf + g;   u <- g + momentum x buf (Nesterov)
+        w <- w x sqrt(out) / |w|     (the filter's norm held fixed: no weight decay needed)
+        w <- w - lr x newton_schulz(u)
+
+    The rate is ``lr_source x lr_ratio``: a device tensor (the trainer's scheduled SGD rate) times
+    a constant, so the filters follow the same schedule and a captured CUDA graph replays it.
+
+    Data-parallel: call ``step`` after the gradients are averaged; every rank then holds the same
+    ``u``. By default every rank orthogonalizes every filter (no communication, identical results);
+    with ``shard=(rank, world_size)`` rank r orthogonalizes filters r, r + world, ... into a zeroed
+    flat buffer and one all-reduce (``reduce``, a sum in place) shares the updates.
+    """
+
+    def __init__(self, params, lr_source: torch.Tensor, lr_ratio: float, momentum: float = 0.6,
+                 nesterov: bool = True, ns_steps: int = 3, ns_dtype: torch.dtype | None = None,
+                 shard: tuple[int, int] = (0, 1), reduce=None):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params or any(p.dim() < 2 for p in self.params):
+            raise ValueError("Muon takes one or more trainable matrices or conv filters")
+        self.lr_source, self.lr_ratio = lr_source, float(lr_ratio)
+        self.momentum, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
+        self.ns_dtype = ns_dtype
+        self.rank, self.world = shard
+        if self.world > 1 and reduce is None:
+            raise ValueError("a sharded Muon needs a reduce (an in-place all-reduce sum)")
+        self.reduce = reduce
+        self.buffers = [torch.zeros_like(p) for p in self.params]
+        self.scales = [float(p.shape[0]) ** 0.5 for p in self.params]
+        if self.world > 1:
+            sizes = [p.numel() for p in self.params]
+            dtype = ns_dtype or self.params[0].dtype
+            self.flat = torch.zeros(sum(sizes), dtype=dtype, device=self.params[0].device)
+            self.views = list(self.flat.split(sizes))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        grads = [p.grad for p in self.params]
+        if any(g is None for g in grads):
+            raise RuntimeError("a filter has no gradient; run backward before step()")
+        torch._foreach_mul_(self.buffers, self.momentum)
+        torch._foreach_add_(self.buffers, grads)
+        updates = torch._foreach_add(grads, self.buffers, alpha=self.momentum) if self.nesterov else self.buffers
+        norms = torch._foreach_norm(self.params)
+        for p, n, s in zip(self.params, norms, self.scales):
+            p.mul_(s / n)
+        orthogonal = self._orthogonalize(updates)
+        lr = self.lr_source * self.lr_ratio
+        for p, o in zip(self.params, orthogonal):
+            p.sub_(o.reshape(p.shape).to(p.dtype) * lr.to(p.dtype))
+
+    def _orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        ortho = lambda u: newton_schulz(u.reshape(len(u), -1), self.ns_steps, dtype=self.ns_dtype)  # noqa: E731
+        if self.world == 1:
+            return [ortho(u) for u in updates]
+        self.flat.zero_()
+        for i in range(self.rank, len(updates), self.world):
+            self.views[i].copy_(ortho(updates[i]).flatten())
+        self.reduce(self.flat)  # each slice is one rank's and zeros elsewhere: the sum is exact
+        return self.views
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        torch._foreach_zero_(self.buffers)
+
+
+class MuonSGD:
+    """Muon on the conv filters and ``NesterovSGD`` on everything else, behind the optimizer
+    interface the trainer uses (``lr``, ``step``, ``zero_grad``, ``reset_state``, ``set_lr_scale``).
+    The filters' rate is the SGD rate tensor x a constant (``Muon.lr_ratio``)."""
+
+    def __init__(self, sgd: NesterovSGD, muon: Muon):
+        if muon.lr_source is not sgd.lr:
+            raise ValueError("Muon must read the SGD optimizer's rate tensor")
+        self.sgd, self.muon = sgd, muon
+        self.lr, self.lr_scales = sgd.lr, sgd.lr_scales
+
+    def set_lr(self, value: float) -> None:
+        self.sgd.set_lr(value)
+
+    def set_lr_scale(self, group: str, value: float) -> None:
+        self.sgd.set_lr_scale(group, value)
+
+    def step(self) -> None:
+        self.sgd.step()
+        self.muon.step()
+
+    def zero_grad(self) -> None:
+        self.sgd.zero_grad()
+        self.muon.zero_grad()
+
+    def reset_state(self) -> None:
+        self.sgd.reset_state()
+        self.muon.reset_state()

@@ -3,8 +3,11 @@
 - ``make_network``: the ``--arch`` network from a ``norm`` block factory (``NormActPool`` or the
   Triton drop-in), batchnorm momentum and frozen scales, a frozen whitening conv;
 - ``param_groups``: the optimizer's groups: weights; batchnorm shifts at ``bias_lr_scale`` x the
-  rate (and weight decay / that, so the decay per step stays); the whitening bias, which
-  ``RunHooks`` freezes after ``whiten_bias_epochs`` by setting its group's rate to 0;
+  rate (and weight decay / that, so the decay per step stays); the head at ``head_lr_scale``; the
+  whitening bias, which ``RunHooks`` freezes after ``whiten_bias_epochs`` by setting its group's
+  rate to 0; with ``--optimizer muon`` the conv filters, which ``make_optimizer`` gives to Muon;
+- ``epoch_lengths`` and ``lr_schedule``: steps per epoch (a fractional epoch count cuts the last
+  one short) and the per-step rates, by epoch progress or by step index (``--lr-at``);
 - ``RunHooks``: what happens at epoch starts and ends and after each step: the data-dependent
   whitening init, the whitening-bias freeze, lookahead.
 
@@ -16,6 +19,7 @@ on the clock, at the start of epoch 0 (as airbench counts it). It costs one pass
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -25,6 +29,7 @@ from .alexnet import AlexNet
 from .averaging import Lookahead
 from .fastnet import FastNet, init_whitening
 from .model import ResNet9
+from .optim import Muon, MuonSGD, NesterovSGD, stepwise_lr, warmup_decay_lr
 
 
 def norm_layers(model: nn.Module) -> list[nn.Module]:
@@ -35,13 +40,14 @@ def norm_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
-    norm = functools.partial(norm, momentum=cfg.bn_momentum)
+    norm = functools.partial(norm, momentum=cfg.bn_momentum, eps=cfg.bn_eps)
     if cfg.arch == "resnet9":
         model = ResNet9(num_classes, widths=cfg.widths, norm=norm)
     elif cfg.arch == "alexnet":
         model = AlexNet(num_classes, widths=cfg.widths, norm=norm)
     elif cfg.arch == "fastnet":
-        model = FastNet(num_classes, widths=cfg.widths, norm=norm, whiten_kernel=cfg.whiten_kernel)
+        model = FastNet(num_classes, widths=cfg.widths, norm=norm, whiten_kernel=cfg.whiten_kernel,
+                        logit_scale=cfg.logit_scale or 1 / 9, head_unit_init=cfg.head_unit_init)
         model.whiten.weight.requires_grad_(not cfg.whiten_frozen)
     else:
         raise ValueError(f"unknown arch {cfg.arch!r}")
@@ -52,16 +58,69 @@ def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
 
 
 def param_groups(model: nn.Module, cfg, per_rank_batch: int) -> list[dict]:
-    """NesterovSGD groups; weight decay per the summed loss (x per-rank batch, see config.py)."""
+    """NesterovSGD groups; weight decay per the summed loss (x per-rank batch, see config.py).
+    With ``--optimizer muon`` the trainable conv filters form a last group, "filters", for Muon."""
     wd = cfg.weight_decay * per_rank_batch
     shifts = [m.bias for m in norm_layers(model)]
     whiten_bias = [model.whiten.bias] if isinstance(model, FastNet) else []
-    special = {id(p) for p in shifts + whiten_bias}
+    head = [model.fc.weight]
+    filters = [p for p in model.parameters() if p.dim() == 4 and p.requires_grad] if cfg.optimizer == "muon" else []
+    special = {id(p) for p in shifts + whiten_bias + head + filters}
     weights = [p for p in model.parameters() if id(p) not in special]
-    return [{"name": "weights", "params": weights, "weight_decay": wd},
-            {"name": "bn_shifts", "params": shifts, "lr_scale": cfg.bias_lr_scale,
-             "weight_decay": wd / cfg.bias_lr_scale},
-            {"name": "whiten_bias", "params": whiten_bias, "weight_decay": wd}]
+    groups = [{"name": "weights", "params": weights, "weight_decay": wd},
+              {"name": "head", "params": head, "lr_scale": cfg.head_lr_scale, "weight_decay": wd / cfg.head_lr_scale},
+              {"name": "bn_shifts", "params": shifts, "lr_scale": cfg.bias_lr_scale,
+               "weight_decay": wd / cfg.bias_lr_scale},
+              {"name": "whiten_bias", "params": whiten_bias, "weight_decay": wd}]
+    if filters:
+        groups.append({"name": "filters", "params": filters})
+    return groups
+
+
+def make_optimizer(model: nn.Module, cfg, per_rank_batch: int, peak: float, ctx=None):
+    """``NesterovSGD`` over ``param_groups`` or, with ``--optimizer muon``, ``MuonSGD``: Muon on
+    the filters at ``muon_lr`` x (the scheduled rate / ``peak``), bfloat16 Newton-Schulz on CUDA
+    (fp32 on the CPU, where bfloat16 matmuls are slow and the tests compare ranks at fp32)."""
+    groups = param_groups(model, cfg, per_rank_batch)
+    filters = [g for g in groups if g["name"] == "filters"]
+    sgd = NesterovSGD([g for g in groups if g["name"] != "filters"], lr=0.0, momentum=cfg.momentum,
+                      weight_decay=cfg.weight_decay * per_rank_batch, nesterov=cfg.nesterov)
+    if not filters:
+        return sgd
+    device = filters[0]["params"][0].device
+    shard, reduce = (0, 1), None
+    if ctx is not None and ctx.distributed and cfg.muon_shard:
+        import torch.distributed as dist
+        shard, reduce = (ctx.rank, ctx.world_size), dist.all_reduce
+    muon = Muon(filters[0]["params"], sgd.lr, cfg.muon_lr / peak, momentum=cfg.muon_momentum,
+                ns_steps=cfg.muon_ns_steps, ns_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                shard=shard, reduce=reduce)
+    return MuonSGD(sgd, muon)
+
+
+def epoch_lengths(epochs: float, steps: int) -> list[int]:
+    """Steps in each epoch: ceil(epochs x steps) in all (airbench's count), whole epochs of
+    ``steps`` and a last one cut short when ``epochs`` has a fraction (9.9 x 48: 9 x 48 + 44)."""
+    total = math.ceil(round(epochs * steps, 9))  # round: 1.1 x 10 is 11.000000000000002 in floats
+    return [min(steps, total - start) for start in range(0, total, steps)]
+
+
+def first_steps(loader, n: int):
+    """The loader's first ``n`` batches: the loader itself for a whole epoch, so its iterator runs
+    to its end (DALI finishes its pass there; a pass left suspended is drained by the next one)."""
+    return loader if n >= len(loader) else itertools.islice(loader, n)
+
+
+def lr_schedule(cfg, steps: int, peak: float) -> list[float]:
+    """The rate of every step of a run. ``lr_at end``: step i of an epoch reads the piecewise-
+    linear schedule at progress (i + 1) / steps epochs; ``start`` (airbench): step i of the run
+    reads it at i, the warm-up floored to whole steps, int(total x warmup_epochs / epochs)."""
+    total = sum(epoch_lengths(cfg.epochs, steps))
+    if cfg.lr_at == "end":
+        return [warmup_decay_lr((i + 1) / steps, cfg.epochs, cfg.warmup_epochs, peak, cfg.lr_start, cfg.lr_end)
+                for i in range(total)]
+    warm = int(round(total * cfg.warmup_epochs / cfg.epochs, 9))
+    return [stepwise_lr(i, total, warm, peak, cfg.lr_start, cfg.lr_end) for i in range(total)]
 
 
 class RunHooks:
@@ -86,12 +145,19 @@ class RunHooks:
             self.lookahead.step()
 
     def epoch_end(self, epoch: int) -> None:
-        if epoch == self.cfg.epochs - 1 and self.lookahead is not None:
+        if self.lookahead is None:
+            return
+        if self.cfg.lookahead_epoch_end == "reset":
+            self.lookahead.reset()
+        elif epoch == len(epoch_lengths(self.cfg.epochs, len(self.loader))) - 1:
             self.lookahead.finish()
 
     def _new_lookahead(self) -> Lookahead:
         cfg = self.cfg
-        return Lookahead(self.model, cfg.lookahead_steps, cfg.lookahead_decay, cfg.epochs * len(self.loader))
+        every, per_epoch = cfg.lookahead_steps, len(self.loader)
+        # the first sync step inside the start epoch (airbench: step 145 = epoch 3's first 5th step)
+        begin = (cfg.lookahead_start_epoch * per_epoch // every + 1) * every if cfg.lookahead_start_epoch else 0
+        return Lookahead(self.model, every, cfg.lookahead_decay, sum(epoch_lengths(cfg.epochs, per_epoch)), begin)
 
     def state_dict(self) -> dict:
         """What the hooks carry between epochs (the lookahead's slow copy): for checkpoints."""
@@ -116,6 +182,6 @@ class RunHooks:
         if ctx.distributed:
             import torch.distributed as dist
             reduce = dist.all_reduce
-        init_whitening(self.model.whiten, images, reduce=reduce)
+        init_whitening(self.model.whiten, images, reduce=reduce, centred=self.cfg.whiten_centred)
         if ctx.distributed:
             torch.distributed.broadcast(self.model.whiten.weight.data, src=0)

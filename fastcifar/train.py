@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import api, checkpoint, comm, compress, distributed, graphs, profiling, recipe, report, signals
+from . import api, checkpoint, comm, compiled, compress, distributed, graphs, profiling, recipe, report, signals
 from .augment import CIFAR10_MEAN, CIFAR10_STD
 from .config import Config, ConfigError, parse_args, validate
 from .dali_loader import DaliLoader, dali_decoder, resolve_loader
@@ -46,7 +46,7 @@ from .graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
 from .guard import LossGuard
 from .loader import EvalSet, TorchLoader
 from .model import norm_factory, resolve_kernels
-from .optim import NesterovSGD, warmup_decay_lr
+from .optim import NesterovSGD
 from .progress import Progress, chunked_decoder
 from .report import EpochRecord, RunLog, RunResult, device_info, process_start_time, versions
 from .sparse.run import SparseRun
@@ -167,7 +167,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
 
 def build_model(cfg: Config, device: torch.device, dtype: torch.dtype, num_classes: int = 10) -> torch.nn.Module:
-    model = recipe.make_network(cfg, norm=norm_factory(resolve_kernels(cfg.kernels, device)), num_classes=num_classes)
+    norm = compiled.norm_for(norm_factory(resolve_kernels(cfg.kernels, device)), cfg.compile)  # custom op under --compile
+    model = recipe.make_network(cfg, norm=norm, num_classes=num_classes)
     model = model.to(device=device, memory_format=torch.channels_last)
     if dtype == torch.float16:
         model.half()
@@ -222,14 +223,13 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
             log.line(buckets.describe())
             if buckets.compression is not None:
                 log.line(buckets.compression.describe())
+    net = compiled.wrap(net, cfg.compile)  # --compile: torch.compile, compiled in the warm-up steps below
     # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
     per_rank_batch, steps = train_loader.batch_size, len(train_loader)
     peak = cfg.lr * cfg.batch_size / 512 / per_rank_batch
-    schedule = DeviceSchedule([warmup_decay_lr((i + 1) / steps, cfg.epochs, cfg.warmup_epochs, peak,
-                                               cfg.lr_start, cfg.lr_end)
-                               for i in range(cfg.epochs * steps)], ctx.device)
-    opt = NesterovSGD(recipe.param_groups(model, cfg, per_rank_batch), lr=0.0, momentum=cfg.momentum,
-                      weight_decay=cfg.weight_decay * per_rank_batch, nesterov=cfg.nesterov)
+    schedule = DeviceSchedule(recipe.lr_schedule(cfg, steps, peak), ctx.device)
+    lengths = recipe.epoch_lengths(cfg.epochs, steps)  # a fractional --epochs cuts the last one short
+    opt = recipe.make_optimizer(model, cfg, per_rank_batch, peak, ctx)  # NesterovSGD, or Muon + SGD
     sparse_run = SparseRun(cfg, model, opt, train_loader, ctx, log, run, seed)  # masks, diffs, local SGD
     opt = sparse_run.optimizer  # masked when --sparse-mask is set
     push, pop = profiling.markers(cfg.nvtx)
@@ -273,7 +273,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         result.epochs = [EpochRecord(**r) for r in records]
         total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
         log.line(f"resumed from {cfg.resume} after epoch {start_epoch}")
-    for epoch in range(start_epoch, cfg.epochs):
+    for epoch in range(start_epoch, len(lengths)):
+        epoch_steps = lengths[epoch]
         train_loader.set_epoch(seed, epoch)
         model.train()
         train_step.reset()
@@ -281,8 +282,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         t0 = time.perf_counter()
         hooks.epoch_start(epoch)  # on the clock: epoch 0's data-dependent init reads training images
         sparse_run.epoch_start(epoch)  # on the clock too: the Fisher mask reads training images
-        for images, labels in progress.steps(profiling.ranged(train_loader, "data", push, pop), steps,
-                                             f"run {run} epoch {epoch + 1}/{cfg.epochs}"):
+        batches = profiling.ranged(recipe.first_steps(train_loader, epoch_steps), "data", push, pop)
+        for images, labels in progress.steps(batches, epoch_steps, f"run {run} epoch {epoch + 1}/{len(lengths)}"):
             push("step")  # a graph replay shows as this one range: its phases were marked at capture
             train_step(images, labels)
             pop()
@@ -299,10 +300,10 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         t1 = time.perf_counter()
         distributed.average_buffers(model, ctx)
         test_loss, test_acc = evaluate(model, eval_step, test_set, ctx)
-        n_train = steps * per_rank_batch * ctx.world_size
+        n_train = epoch_steps * per_rank_batch * ctx.world_size
         train_loss, train_correct = distributed.all_sum(
             [train_step.loss_sum.item(), float(train_step.correct.item())], ctx, ctx.device)
-        record = EpochRecord(run=run, epoch=epoch + 1, lr=schedule.values[(epoch + 1) * steps - 1] * per_rank_batch,
+        record = EpochRecord(run=run, epoch=epoch + 1, lr=schedule.values[sum(lengths[:epoch + 1]) - 1] * per_rank_batch,
                              train_time=epoch_time, train_loss=train_loss / n_train,
                              train_acc=100.0 * train_correct / n_train, test_time=time.perf_counter() - t1,
                              test_loss=test_loss, test_acc=test_acc, total_train_time=total_train_time)
@@ -310,7 +311,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         log.epoch(record)
         sparse_run.epoch_done(epoch, test_acc)  # off the clock: the epoch's sparse diff
         guard.check(record.train_loss, run, epoch + 1)
-        if cfg.checkpoint_every and run and (epoch + 1) % cfg.checkpoint_every == 0 and epoch + 1 < cfg.epochs:
+        if cfg.checkpoint_every and run and (epoch + 1) % cfg.checkpoint_every == 0 and epoch + 1 < len(lengths):
             # off the clock; every rank takes part (its RNGs and lookahead copy), rank 0 writes
             checkpoint.save_state(log.dir and log.dir / checkpoint.STATE_NAME, cfg=cfg, epochs_done=epoch + 1,
                                   records=result.epochs, **parts)

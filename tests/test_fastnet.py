@@ -85,7 +85,7 @@ def test_patches_match_conv_weight_layout():
 def test_whitened_patches_have_identity_covariance(kernel):
     images = data_images()
     conv = torch.nn.Conv2d(3, 2 * 3 * kernel * kernel, kernel, bias=False)
-    init_whitening(conv, images, eps=1e-9)
+    init_whitening(conv, images, eps=1e-9, centred=True)  # the centred option (the second moment: test_recipe_parity)
     d = 3 * kernel * kernel
     out = F.conv2d(images.double(), conv.weight.double())[:, :d]  # the positive half
     flat = out.permute(0, 2, 3, 1).reshape(-1, d)
@@ -102,7 +102,7 @@ def test_whitened_patches_have_identity_covariance(kernel):
 def test_eps_shrinks_weak_directions_only():
     images = data_images()
     total, outer, count = patch_covariance(images, 2)
-    w = whitening_weights(total, outer, count, 2, eps=5e-4)[:12].reshape(12, 12)
+    w = whitening_weights(total, outer, count, 2, eps=5e-4, centred=True)[:12].reshape(12, 12)
     cov = outer / count - torch.outer(total / count, total / count)
     white = w @ cov @ w.T
     eigenvalues = torch.linalg.eigvalsh(cov).flip(0)

@@ -340,7 +340,7 @@ def test_presets():
     assert DEFAULT_PRESET == "fast" and parse_args([]).preset == "fast"
     fast = from_preset("fast")
     assert (fast.arch, fast.widths, fast.epochs, fast.batch_size, fast.tta, fast.flip_mode, fast.cutout) == \
-        ("fastnet", (64, 256, 256), 10, 1024, 2, "alternate", 0)
+        ("fastnet", (64, 256, 256), 9.9, 1024, 2, "alternate", 0)
     validate(fast)
     seed = from_preset("resnet9")
     assert seed == dataclasses.replace(Config(), preset="resnet9"), "the seed preset is the field defaults"

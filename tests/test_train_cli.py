@@ -98,7 +98,7 @@ def test_overrides_and_presets():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--epochs", "x"], "invalid int value"),
+    (["--epochs", "x"], "invalid epoch count"),
     (["--epochs", "0"], "--epochs must be positive"),
     (["--preset", "nope"], "unknown preset"),
     (["--pad-mode", "wrap"], "invalid choice"),

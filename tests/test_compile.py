@@ -1,0 +1,128 @@
+"""``--compile``: the Triton kernel as a custom op (fake implementation, autograd), and the
+compiled training step equal to the eager one, on the CPU (Triton's interpreter)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fastcifar import compiled
+from fastcifar.config import from_preset
+from fastcifar.graphs import DeviceSchedule
+from fastcifar.model import norm_factory
+from fastcifar.recipe import make_network, make_optimizer
+from fastcifar.train import make_step
+
+
+def nhwc(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("pool, training", [("before", True), ("after", True), ("", False)])
+def test_custom_op_passes_opcheck(pool, training):
+    """Schema (functional: nothing mutated), the fake implementation against the real kernel's
+    shapes, dtypes and strides, the autograd registration."""
+    c = 5
+    x = nhwc(3, c, 6, 6).requires_grad_()
+    weight, bias = torch.rand(c) + 0.5, torch.randn(c)
+    weight.requires_grad_(), bias.requires_grad_()
+    args = (x, weight, bias, torch.zeros(c), torch.ones(c), training, 0.4, 1e-12, "gelu", pool)
+    torch.library.opcheck(torch.ops.fastcifar.bn_act_pool_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_custom_op_matches_the_kernel_and_its_gradients():
+    from fastcifar.kernels.bn_act_pool import bn_act_pool_reference
+    c = 6
+    x = nhwc(4, c, 6, 6, seed=1)
+    weight, bias = torch.rand(c) + 0.5, torch.randn(c)
+    for pool in ("", "before", "after"):
+        stats_ours, stats_ref = (torch.zeros(c), torch.ones(c)), (torch.zeros(c), torch.ones(c))
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        refs = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        out = torch.ops.fastcifar.bn_act_pool_fwd(*leaves, *stats_ours, True, 0.4, 1e-5, "gelu", pool)
+        y, stats_ours = out[0], out[5:]
+        want = bn_act_pool_reference(*refs, *stats_ref, True, 0.4, 1e-5, "gelu", pool or None)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+        dy = nhwc(*y.shape, seed=2)
+        (y * dy).sum().backward()
+        (want * dy).sum().backward()
+        for ours, ref, name in zip(leaves, refs, ("x", "weight", "bias")):
+            torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-4, atol=1e-4, msg=f"{pool or 'no pool'}: d{name}")
+        for ours, ref in zip(stats_ours, stats_ref):
+            torch.testing.assert_close(ours, ref)
+
+
+def tiny_step(cfg, norm, compile_backend=None, seed=0):
+    torch.manual_seed(seed)
+    model = make_network(cfg, norm).to(memory_format=torch.channels_last)
+    net = compiled.wrap(model, compile_backend is not None, backend=compile_backend or "inductor", fullgraph=True)
+    opt = make_optimizer(model, cfg, 8, peak=0.01)
+    schedule = DeviceSchedule([0.01, 0.008, 0.006], torch.device("cpu"))
+    return model, make_step(net, opt, schedule, cfg.label_smoothing)
+
+
+@pytest.mark.parametrize("preset", ["fast", "fast-muon"])
+def test_compiled_step_equals_eager_step(preset):
+    """Three steps of the trainer's step function, the Triton kernel as a custom op, compiled whole
+    (fullgraph: no break at the kernels) vs the eager Triton model: same losses, same weights."""
+    cfg = from_preset(preset, widths=(8, 8, 8), kernels="triton", compile=True)
+    triton_norm = norm_factory("triton")
+    eager_model, eager_step = tiny_step(cfg, triton_norm)
+    model, step = tiny_step(cfg, compiled.norm_for(triton_norm, True), compile_backend="aot_eager")
+    assert type(model.blocks[0].conv1.norm).__name__ == "CompiledNormActPool"
+    assert compiled.norm_for(triton_norm, False) is triton_norm
+    for i in range(3):
+        x, y = nhwc(8, 3, 32, 32, seed=10 + i), torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(i))
+        loss_eager, _ = eager_step(x, y)
+        loss, _ = step(x, y)
+        torch.testing.assert_close(loss, loss_eager, rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(model.state_dict().items(), eager_model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    assert not torch.equal(model.fc.weight, make_network(cfg, triton_norm).fc.weight)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_step_around_the_custom_op():
+    """The default backend (inductor, C++ on the CPU) with fullgraph: generated code around the
+    opaque kernel computes the eager step."""
+    cfg = from_preset("fast", widths=(8, 8, 8), kernels="triton", compile=True)
+    eager_model, eager_step = tiny_step(cfg, norm_factory("triton"))
+    model, step = tiny_step(cfg, compiled.norm_for(norm_factory("triton"), True), compile_backend="inductor")
+    for i in range(2):
+        x, y = nhwc(8, 3, 32, 32, seed=20 + i), torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(step(x, y)[0], eager_step(x, y)[0], rtol=1e-4, atol=1e-4)
+    for a, b in zip(model.state_dict().values(), eager_model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_step_in_a_cuda_graph_equals_eager():
+    from fastcifar.graphs import StaticBatch, TrainStep
+    cfg = from_preset("fast", widths=(16, 32, 32), compile=True)
+    dev = torch.device("cuda")
+    runs = []
+    for use_compile in (False, True):
+        torch.manual_seed(0)
+        norm = compiled.norm_for(norm_factory("triton"), use_compile)
+        model = make_network(cfg, norm).to(dev, memory_format=torch.channels_last)
+        opt = make_optimizer(model, cfg, 64, peak=0.01)
+        step = make_step(compiled.wrap(model, use_compile), opt, DeviceSchedule([0.01] * 10, dev), 0.2)
+        initial = copy.deepcopy(model.state_dict())
+        ts = TrainStep(step, StaticBatch(64, torch.float32, dev), capture=True)
+        x = nhwc(64, 3, 32, 32).to(dev)
+        y = torch.randint(0, 10, (64,), device=dev)
+        ts.batch.load(x, y)
+        ts.warm_up_and_capture(3)
+        model.load_state_dict(initial)
+        opt.reset_state()
+        for _ in range(3):
+            ts(x, y)
+        torch.cuda.synchronize()
+        runs.append([t.float().cpu() for t in model.state_dict().values()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)

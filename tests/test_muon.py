@@ -1,0 +1,260 @@
+"""Orthogonalized momentum (`fast-muon`): Newton-Schulz against an SVD reference, the optimizer
+step against a plain reference, a short CPU run that learns, and 2 ranks equal to 1 (gloo)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cli import run_train
+from fastcifar import train as trainer
+from fastcifar.config import ConfigError, from_preset, validate
+from fastcifar.distributed import DistContext
+from fastcifar.model import NormActPool
+from fastcifar.optim import NS_COEFFICIENTS, Muon, MuonSGD, newton_schulz
+from fastcifar.recipe import make_network, make_optimizer, param_groups
+
+CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
+
+
+def quintic_on_singular_values(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """The reference: g = U S V^T, then U p(S / |g|_F) V^T with p the quintic iterated ``steps`` times."""
+    u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    x = s / g.double().norm()
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(steps):
+        x = a * x + b * x ** 3 + c * x ** 5
+    return (u * x) @ vh
+
+
+@pytest.mark.parametrize("shape", [(16, 72), (72, 16), (32, 216), (64, 576)])  # filter-like: out x in*3*3
+def test_newton_schulz_is_the_quintic_on_the_singular_values(shape):
+    torch.manual_seed(0)
+    g = torch.randn(*shape)
+    for steps in (3, 5):
+        out = newton_schulz(g, steps)
+        assert out.shape == g.shape and out.dtype == g.dtype
+        torch.testing.assert_close(out.double(), quintic_on_singular_values(g, steps), rtol=0, atol=2e-5)
+        s = torch.linalg.svdvals(out)
+        # the band: every direction lifted near 1, not exactly 1 (measured 0.68-1.21 on these shapes)
+        assert 0.6 < s.min() and s.max() < 1.25, (steps, s.min().item(), s.max().item())
+    # the same singular vectors as g: U^T out V is diagonal
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    inner = u.T @ newton_schulz(g, 3) @ vh.T
+    off = inner - torch.diag(torch.diagonal(inner))
+    assert off.abs().max() < 1e-4
+
+
+def test_newton_schulz_ill_conditioned_and_low_precision():
+    torch.manual_seed(1)
+    u, _, vh = torch.linalg.svd(torch.randn(32, 64), full_matrices=False)
+    g = u @ torch.diag(torch.logspace(0, -2, 32)) @ vh  # condition number 100
+    s = torch.linalg.svdvals(newton_schulz(g, 5))
+    assert 0.6 < s.min() and s.max() < 1.25
+    assert torch.linalg.svdvals(newton_schulz(g, 3)).min() < 0.5, "3 steps leave the weakest directions short"
+    half = newton_schulz(g, 5, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), newton_schulz(g, 5), rtol=0, atol=0.05)
+
+
+def tiny_muon(**overrides):
+    return from_preset("fast-muon", widths=(8, 16, 16), **overrides)
+
+
+def test_groups_give_the_filters_to_muon_and_the_rest_to_sgd():
+    cfg = tiny_muon()
+    model = make_network(cfg, NormActPool)
+    groups = {g["name"]: g for g in param_groups(model, cfg, 100)}
+    filters = [p for p in model.parameters() if p.dim() == 4 and p.requires_grad]
+    assert len(filters) == 6 and [id(p) for p in groups["filters"]["params"]] == [id(p) for p in filters]
+    # every trainable tensor is a filter, a bias or the head (frozen ones the optimizer skips)
+    assert not [p for p in groups["weights"]["params"] if p.requires_grad]
+    assert groups["head"]["params"] == [model.fc.weight] and groups["head"]["lr_scale"] == pytest.approx(0.67 / 0.053)
+    opt = make_optimizer(model, cfg, 2000, peak=0.053, ctx=CPU)
+    assert isinstance(opt, MuonSGD) and opt.muon.lr_ratio == pytest.approx(0.24 / 0.053)
+    assert opt.muon.ns_dtype == torch.float32  # the CPU; bfloat16 on CUDA
+    assert model.fc.weight.std().item() == pytest.approx(1.0, rel=1e-5) and model.logit_scale == 1 / 256
+    assert make_optimizer(make_network(from_preset("fast"), NormActPool), from_preset("fast"), 10, 0.1).__class__.__name__ \
+        == "NesterovSGD"
+
+
+def test_muon_sgd_step_equals_a_plain_reference():
+    """MuonSGD over 4 steps with a changing rate and a group frozen mid-way, against torch SGD on
+    the non-filter groups and the published Muon update written out per filter."""
+    torch.manual_seed(0)
+    cfg = tiny_muon()
+    model = make_network(cfg, NormActPool)
+    ref = make_network(cfg, NormActPool)
+    ref.load_state_dict(model.state_dict())
+    per_rank, peak = 50, 0.053
+    opt = make_optimizer(model, cfg, per_rank, peak)
+    groups = param_groups(ref, cfg, per_rank)
+    by_name = {g["name"]: g for g in groups}
+    ref_sgd = torch.optim.SGD([{"params": g["params"], "weight_decay": g["weight_decay"]}
+                               for g in groups if g["name"] != "filters" and g["params"]],
+                              lr=1.0, momentum=cfg.momentum, nesterov=True)
+    scales = [g.get("lr_scale", 1.0) for g in groups if g["name"] != "filters" and g["params"]]
+    filters = by_name["filters"]["params"]
+    bufs = [torch.zeros_like(p) for p in filters]
+    ours = [p for p in model.parameters() if p.requires_grad]
+    theirs = [p for p in ref.parameters() if p.requires_grad]
+    for step in range(4):
+        lr = peak * (1 - step / 4)
+        if step == 2:
+            opt.set_lr_scale("whiten_bias", 0.0)
+            scales[[g["name"] for g in groups if g["name"] != "filters" and g["params"]].index("whiten_bias")] = 0.0
+        for p, q in zip(ours, theirs):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.set_lr(lr)
+        opt.step()
+        for group, scale in zip(ref_sgd.param_groups, scales):
+            group["lr"] = lr * scale
+        ref_sgd.step()
+        with torch.no_grad():
+            for p, buf in zip(filters, bufs):
+                buf.mul_(cfg.muon_momentum).add_(p.grad)
+                update = p.grad + cfg.muon_momentum * buf
+                p.mul_(p.shape[0] ** 0.5 / p.norm())
+                o = quintic_on_singular_values(update.reshape(len(update), -1), cfg.muon_ns_steps)
+                p.sub_(cfg.muon_lr * (lr / peak) * o.view_as(p).float())
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    opt.reset_state()
+    assert all(b.abs().sum() == 0 for b in opt.muon.buffers)
+
+
+def test_muon_refuses_what_it_cannot_do():
+    w = torch.zeros(4, 3, requires_grad=True)
+    lr = torch.tensor(0.1)
+    with pytest.raises(ValueError, match="reduce"):
+        Muon([w], lr, 1.0, shard=(0, 2))
+    with pytest.raises(ValueError, match="matrices"):
+        Muon([torch.zeros(3, requires_grad=True)], lr, 1.0)
+    with pytest.raises(RuntimeError, match="no gradient"):
+        Muon([w], lr, 1.0).step()
+    for bad, msg in (({"muon_momentum": 1.0}, "--muon-momentum"), ({"muon_ns_steps": 0}, "--muon-ns-steps"),
+                     ({"optimizer": "adam"}, "--optimizer must be one of")):
+        with pytest.raises(ConfigError, match=msg):
+            validate(tiny_muon(**bad))
+
+
+def test_fast_muon_preset_learns_on_the_cpu(tmp_path, learnable_data):
+    cfg = tiny_muon(data=str(learnable_data), batch_size=100, epochs=3, device="cpu", loader="torch",
+                    kernels="torch", cuda_graphs="off", eval_batch_size=200, warmup_steps=1,
+                    whiten_bias_epochs=1, out_dir=str(tmp_path / "runs"))
+    validate(cfg)
+    (result,) = trainer.train(cfg, CPU)
+    accs = [e.test_acc for e in result.epochs]
+    assert len(accs) == 3 and accs[-1] > 60.0, accs  # 10 classes: chance is 10%
+    assert from_preset("fast-muon").lookahead_steps == 0 and from_preset("fast-muon").batch_size == 2000
+
+
+TWO_RANKS = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from fastcifar import distributed
+    from fastcifar.comm import GradBuckets
+    from fastcifar.config import from_preset
+    from fastcifar.model import NormActPool
+    from fastcifar.recipe import make_network, make_optimizer
+
+    # No batchnorm statistics differ between half and whole batches: evaluation mode throughout,
+    # so each rank's gradient of its half is exactly half the whole batch's.
+    ctx = distributed.setup("cpu")
+    steps, batch, peak = 3, 16, 0.053
+
+    def run(shard, ranks):
+        cfg = from_preset("fast-muon", widths=(8, 16, 16), muon_shard=shard)
+        torch.manual_seed(0)
+        model = make_network(cfg, NormActPool).eval()
+        per_rank = batch // (ctx.world_size if ranks else 1)
+        buckets = GradBuckets(model.parameters(), 0.01) if ranks else None
+        opt = make_optimizer(model, cfg, per_rank, peak * batch / per_rank, ctx if ranks else None)
+        g = torch.Generator().manual_seed(1)
+        for step in range(steps):
+            x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+            if ranks:
+                x, y = x[ctx.rank::ctx.world_size], y[ctx.rank::ctx.world_size]
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            if buckets is not None:
+                buckets.finish()
+            opt.set_lr(peak * batch / per_rank * (1 - step / steps))
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    alone = run(False, ranks=False)
+    for shard in (False, True):
+        mine = run(shard, ranks=True)
+        for a, b in zip(mine, alone):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        flat = torch.cat([p.flatten() for p in mine])
+        other = [torch.empty_like(flat) for _ in range(2)]
+        torch.distributed.all_gather(other, flat)
+        assert torch.equal(other[0], other[1]), "the ranks' weights differ"
+    print(f"rank {ctx.rank} ok")
+    distributed.teardown(ctx)
+""")
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = run_train([], launcher=launcher, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_muon_step_replays_from_a_cuda_graph():
+    """The optimizer step captured once and replayed with a changing device-side rate equals the
+    eager step (bfloat16 Newton-Schulz on both sides)."""
+    dev = torch.device("cuda")
+    cfg = tiny_muon()
+    results = []
+    for capture in (False, True):
+        torch.manual_seed(0)
+        model = make_network(cfg, NormActPool).to(dev)
+        opt = make_optimizer(model, cfg, 100, peak=0.053)
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [[torch.randn_like(p) for p in params] for _ in range(4)]
+        for p, g in zip(params, grads[0]):
+            p.grad = g.clone()
+        rate = torch.tensor([0.053, 0.04, 0.03, 0.02], device=dev)
+        step_index = torch.zeros((), dtype=torch.int64, device=dev)
+
+        def body():
+            opt.lr.copy_(rate[step_index])
+            opt.step()
+
+        graph = None
+        if capture:
+            initial = [p.detach().clone() for p in params]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                body()  # warm-up on a side stream, as graphs.capture does
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                body()
+            with torch.no_grad():
+                for p, p0 in zip(params, initial):
+                    p.copy_(p0)
+            opt.reset_state()
+        for i in range(4):
+            step_index.fill_(i)
+            for p, g in zip(params, grads[i]):
+                p.grad.copy_(g)
+            graph.replay() if graph is not None else body()
+        torch.cuda.synchronize()
+        results.append([p.detach().float().cpu() for p in params])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
