@@ -113,11 +113,7 @@ def _custom_op_norm():
 
     class CompiledNormActPool(TritonNormActPool):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            momentum = 0.0 if self.momentum is None else self.momentum
-            if self.training:
-                self.num_batches_tracked.add_(1)
-                if self.momentum is None:  # cumulative moving average, as nn.BatchNorm2d
-                    momentum = 1.0 / float(self.num_batches_tracked)
+            momentum = self.step_momentum()
             y, _, _, _, _, new_mean, new_var = torch.ops.fastcifar.bn_act_pool_fwd(
                 x, self.weight, self.bias, self.running_mean, self.running_var, self.training, momentum,
                 self.eps, self.act, self.pool or _NO_POOL)
