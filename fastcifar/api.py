@@ -28,6 +28,7 @@ import torch
 
 from .checkpoint import ModelInfo, load_model
 from .config import Config, ConfigError
+from .norm_act_pool import as_plain_torch
 from .report import RunResult
 
 
@@ -70,9 +71,17 @@ def train(config: Config) -> list[TrainedRun]:
     from .augment import CIFAR10_MEAN, CIFAR10_STD
     if not isinstance(config, Config):
         raise ConfigError(f"train() takes a fastcifar.Config, not {type(config).__name__}")
+    from . import report, signals
+    from .data import DataError
     ctx = distributed.setup(config.device, config.dist_timeout_s)
     try:
         results = trainer.run(config, ctx)
+    except (ConfigError, DataError) as exc:  # as the command line does: the run folder says why it stopped
+        report.stop_open_logs("failed", str(exc))
+        raise
+    except signals.StopRun as exc:
+        report.stop_open_logs(type(exc).__name__.lower(), str(exc))
+        raise
     finally:
         distributed.teardown(ctx)
     return [TrainedRun(r.model, ModelInfo(config, r.classes, CIFAR10_MEAN, CIFAR10_STD, r.test_acc), r)
@@ -88,6 +97,8 @@ def resolve_model(model, device="cpu") -> tuple[torch.nn.Module, ModelInfo]:
         first = next(net.parameters())
         if first.dtype != torch.float32 or first.device != device:  # a copy: the run's network stays as it is
             net = copy.deepcopy(net).to(device=device, dtype=torch.float32)
+            if device.type != "cuda":  # compiled Triton kernels take CUDA tensors only
+                as_plain_torch(net)
         return net.eval(), model.info
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[1], ModelInfo):
         return model[0].to(device), model[1]

@@ -51,7 +51,8 @@ STATE_NAME = "checkpoint.pt"
 # Fields a resumed run may change: where things are, what is logged. Every other field shapes the
 # training trajectory, so a checkpoint written under another value is refused.
 RESUME_FREE_FIELDS = ("data", "download", "download_set", "cache_dir", "out_dir", "resume", "checkpoint_every",
-                      "save_model", "nvtx", "profile_steps", "dist_timeout_s", "target_acc", "eval_batch_size")
+                      "save_model", "nvtx", "profile_steps", "dist_timeout_s", "target_acc", "eval_batch_size",
+                      "quiet")
 
 
 class CheckpointError(DataError):
@@ -181,7 +182,8 @@ def model_path(run_dir, run: int, runs: int) -> Path:
 def _rng_state() -> dict:
     keys, pos, has_gauss, gauss = np.random.get_state()[1:]
     return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+            # this rank's own device only: a resume may see another number of GPUs per process
+            "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else [],
             "numpy": (torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
             "python": random.getstate()}
 
@@ -189,7 +191,7 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"][0])  # the current device: train.py set it per rank
     keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(state["python"])

@@ -59,3 +59,13 @@ class NormActPool(nn.BatchNorm2d):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, act={self.act}, pool={self.pool}"
+
+
+def as_plain_torch(model: nn.Module) -> nn.Module:
+    """Turn every NormActPool subclass in ``model`` (the Triton and compiled kernels) back into
+    the plain-torch NormActPool, in place: same state, same maths, and it runs where compiled
+    Triton kernels cannot (CPU tensors on a GPU machine, torch.func transforms)."""
+    for m in model.modules():
+        if isinstance(m, NormActPool) and type(m) is not NormActPool:
+            m.__class__ = NormActPool
+    return model

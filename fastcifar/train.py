@@ -320,6 +320,9 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     watchdog.close()
     compress.log_stats(buckets.compression if buckets is not None else None, log, run)
     sparse_run.finish()
+    if buckets is not None:  # result.model outlives the run: drop its hooks, buckets and residuals
+        buckets.remove()
+    model.zero_grad(set_to_none=True)
     result.test_acc = result.epochs[-1].test_acc
     result.train_time = total_train_time
     result.wall_time = time.time() - PROCESS_START

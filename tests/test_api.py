@@ -95,3 +95,19 @@ def test_predict_and_evaluate_take_a_run_in_memory(tmp_path):
     assert all(c in "abcdefghij" for p in preds for c, _ in p.top)
     with pytest.raises(fastcifar.DataError, match="uint8"):
         fastcifar.predict(run, images.astype(np.float32))
+
+
+def test_an_api_run_that_diverges_closes_its_log_as_the_cli_does(learnable_data, tmp_path):
+    """Diverged is a BaseException: train() must still close the run's log with its status, or a
+    later failure in the same process would write into this run's summary."""
+    import json
+
+    from fastcifar import report, signals
+    out = tmp_path / "runs"
+    cfg = from_preset("resnet9", data=str(learnable_data), out_dir=str(out), device="cpu", widths=(8, 16, 32, 64),
+                      batch_size=100, epochs=1, warmup_steps=1, lr=1e6, save_model=False, quiet=True)
+    with pytest.raises(signals.StopRun):
+        fastcifar.train(cfg)
+    assert not report._OPEN
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "diverged"

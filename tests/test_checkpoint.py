@@ -319,3 +319,12 @@ def test_full_disk_at_the_model_file_is_one_line(learnable_data, tmp_path):
     assert line.startswith("fastcifar: error: cannot write ") and line.endswith("model.safetensors: File too large")
     (run_dir,) = run_dirs(out)
     assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp") or p.name.startswith(".model")]
+
+
+def test_resume_accepts_other_display_and_path_settings_only():
+    """--quiet, paths and logging may differ on resume; a training setting may not."""
+    from fastcifar.checkpoint import _training_config
+    from fastcifar.config import from_preset
+    base = from_preset("resnet9")
+    assert _training_config(base) == _training_config(from_preset("resnet9", quiet=True, out_dir="x", data="y"))
+    assert _training_config(base) != _training_config(from_preset("resnet9", lr=0.5))

@@ -82,3 +82,22 @@ def test_kernel_paths_resolve_and_build(monkeypatch):
     assert set(model.state_dict()) == set(ResNet9(widths=(4, 8, 8, 8)).state_dict())
     with pytest.raises(ValueError):
         resolve_kernels("cuda", torch.device("cpu"))
+
+
+def test_as_plain_torch_turns_kernel_blocks_back_into_the_torch_reference():
+    """A run trained with Triton blocks must evaluate on CPU tensors where Triton is compiled (a GPU
+    machine): the blocks become the plain NormActPool, in place, with the same state and output."""
+    from fastcifar.kernels.bn_act_pool import TritonNormActPool
+    from fastcifar.model import norm_factory
+    from fastcifar.norm_act_pool import as_plain_torch
+    torch.manual_seed(0)
+    model = ResNet9(widths=(4, 8, 8, 8), norm=norm_factory("triton")).eval()
+    x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    before = model(x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert as_plain_torch(model) is model
+    norms = [m for m in model.modules() if isinstance(m, NormActPool)]
+    assert norms and all(type(m) is NormActPool for m in norms)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    torch.testing.assert_close(model(x), before, rtol=1e-4, atol=1e-5)
+    assert not any(isinstance(m, TritonNormActPool) for m in model.modules())

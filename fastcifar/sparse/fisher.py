@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-from ..norm_act_pool import NormActPool
+from ..norm_act_pool import as_plain_torch
 
 VARIANTS = ("squared", "abs", "expected")
 
@@ -76,10 +76,8 @@ def scoring_copy(model: torch.nn.Module, images: torch.Tensor, chunk: int = 256)
     batch statistics of ``images`` in chunks of ``chunk`` (a cumulative average: chunk i enters with
     weight 1/(i+1)); Triton norm blocks become their plain-torch parent (same state, same maths; a
     Triton kernel cannot be vmapped)."""
-    scorer = copy.deepcopy(model).float()
+    scorer = as_plain_torch(copy.deepcopy(model).float())
     for m in scorer.modules():
-        if isinstance(m, NormActPool) and type(m) is not NormActPool:
-            m.__class__ = NormActPool
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             m.reset_running_stats()
     norms = [m for m in scorer.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
