@@ -230,9 +230,28 @@ def save_state(path, *, cfg: Config, ctx, epochs_done: int, model, opt, schedule
     write_atomic(path, buffer.getvalue())
 
 
-def load_state(path, cfg: Config, world_size: int) -> dict:
-    """Read a training-state file and check it belongs to this run's settings and rank count;
-    CheckpointError (one line) otherwise. ``restore`` then puts it into the run's objects."""
+def load_state(path, cfg: Config, ctx) -> dict:
+    """The training state of ``path``, checked against this run's settings and rank count;
+    CheckpointError (one line, on every rank) otherwise. ``restore`` then puts it into the run's
+    objects. Rank 0 reads the file and sends it to the others: rank 0 alone wrote it, into its own
+    node's --out-dir, which ranks on other nodes may not see."""
+    if not ctx.distributed:
+        return _read_state(path, cfg, ctx.world_size)
+    import torch.distributed as dist
+    payload = [None]
+    if ctx.is_main:
+        try:
+            payload = [(_read_state(path, cfg, ctx.world_size), "")]
+        except CheckpointError as exc:
+            payload = [(None, str(exc))]
+    dist.broadcast_object_list(payload, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
+    state, error = payload[0]
+    if error:
+        raise CheckpointError(error)
+    return state
+
+
+def _read_state(path, cfg: Config, world_size: int) -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"--resume {path}: no such checkpoint file")

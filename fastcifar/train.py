@@ -103,7 +103,7 @@ def run(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
 def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> list[RunResult]:
     """``cfg.runs`` runs, logged and summarized; ``warmup_runs`` whole runs before them that are
     neither logged nor returned (bench/bench_train.py: caches, clocks and allocator settle)."""
-    resume = checkpoint.load_state(cfg.resume, cfg, ctx.world_size) if cfg.resume else None  # refused before any write
+    resume = checkpoint.load_state(cfg.resume, cfg, ctx) if cfg.resume else None  # refused before any write
     log = RunLog(cfg, cfg.out_dir, enabled=ctx.is_main)  # checks --out-dir; the folder comes at log.start
     progress = Progress.for_rank(ctx.is_main, cfg.quiet)
     half = cfg.precision == "fp16" or (cfg.precision == "auto" and ctx.device.type == "cuda")

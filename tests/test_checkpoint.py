@@ -254,6 +254,35 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, capsys):
         assert torch.equal(a[name], b[name]), f"{name} differs after a 2-rank resume"
     assert train_main([str(a) for a in [*args, "--out-dir", tmp_path / "c", "--resume", dir_a / "checkpoint.pt"]]) == 2
     assert "written by 2 ranks" in one_line_error(capsys.readouterr().err)
+    # rank 0 alone reads the file and sends it on (ranks on other nodes may not see rank 0's
+    # --out-dir): here rank 1 is handed a path that does not exist and still gets the state; a
+    # refusal reaches every rank the same way, so none is left waiting
+    script = tmp_path / "load_state_ranks.py"
+    script.write_text(LOAD_STATE_RANKS)
+    good = run_train([dir_a / "checkpoint.pt", *args], launcher=[sys.executable, "-m", "torch.distributed.run",
+                                                                 "--standalone", "--nproc_per_node", "2", str(script)])
+    assert good.returncode == 0 and good.stdout.count("epochs_done 1") == 2, good.stdout + good.stderr[-3000:]
+    bad = run_train([dir_a / "checkpoint.pt", *args, "--label-smoothing", "0.1"],
+                    launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              str(script)])
+    assert bad.returncode == 0 and bad.stdout.count("refused: --resume") == 2, bad.stdout + bad.stderr[-3000:]
+    assert "written with --label-smoothing 0.2" in bad.stdout
+
+
+LOAD_STATE_RANKS = """
+import sys
+from fastcifar import checkpoint, distributed
+from fastcifar.config import parse_args
+path, argv = sys.argv[1], sys.argv[2:]
+ctx = distributed.setup("cpu", 60)
+mine = path if ctx.rank == 0 else path + ".not-on-this-node"
+try:
+    state = checkpoint.load_state(mine, parse_args(argv), ctx)
+    print("epochs_done", state["epochs_done"])
+except checkpoint.CheckpointError as exc:
+    print("refused:", exc)
+distributed.teardown(ctx)
+"""
 
 
 # --- evaluate and predict -----------------------------------------------------------------------
