@@ -281,6 +281,10 @@ def restore(state: dict, *, ctx, model, opt, schedule, hooks, loader, source: st
         raise CheckpointError(f"--resume {source}: {state['steps_per_epoch']} steps per epoch, this run's data "
                               f"gives {len(loader)} (a different data set?)")
     _check_shapes(model.state_dict(), state["model"], f"--resume {source}")
+    for name, t in model.state_dict().items():  # fp32 from a CPU run vs fp16 on a GPU (--precision auto)
+        if state["model"][name].dtype != t.dtype:
+            raise CheckpointError(f"--resume {source}: written with {state['model'][name].dtype} weights ({name}), "
+                                  f"this run trains in {t.dtype}; pass the writer's --precision and --device")
     mine = state["ranks"][ctx.rank]
     try:
         with torch.no_grad():

@@ -365,3 +365,15 @@ def test_resume_accepts_other_display_and_path_settings_only():
     base = from_preset("resnet9")
     assert _training_config(base) == _training_config(from_preset("resnet9", quiet=True, out_dir="x", data="y"))
     assert _training_config(base) != _training_config(from_preset("resnet9", lr=0.5))
+
+
+def test_a_checkpoint_of_other_precision_is_refused_by_name(trained, tmp_path, capsys):
+    """--precision auto is fp32 on a CPU and fp16 on a GPU: the same flags, other weights. The
+    refusal names the precision, not an optimizer state that does not fit."""
+    state = torch.load(trained["dir"] / "checkpoint.pt", weights_only=True)
+    state["model"] = {k: v.half() if v.is_floating_point() else v for k, v in state["model"].items()}
+    other = tmp_path / "fp16.pt"
+    torch.save(state, other)
+    argv = ["--data", trained["data"], "--out-dir", tmp_path / "runs", *FAST_TINY, "--resume", other]
+    assert train_main([str(a) for a in argv]) == 2
+    assert "written with torch.float16 weights" in one_line_error(capsys.readouterr().err)
