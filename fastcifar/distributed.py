@@ -122,6 +122,20 @@ def failure_message(exc: BaseException, timeout_s: float) -> str:
             f"--dist-timeout-s {timeout_s:g}): {detail[:300]}")
 
 
+# Held by whichever thread reports this rank's failure first: gloo's timeout (the main thread) and
+# the watchdog (its own thread) share --dist-timeout-s, so both can see a stalled peer in the same
+# second, and the user gets one line, not two.
+_FAILURE_REPORTED = threading.Lock()
+
+
+def report_failure(line: str, stream=None) -> bool:
+    """Print this rank's one failure line; False (nothing printed) if the other thread did first."""
+    if not _FAILURE_REPORTED.acquire(blocking=False):
+        return False
+    print(line, file=stream or sys.stderr, flush=True)
+    return True
+
+
 class ProgressWatchdog:
     """Ends this rank (one line, exit 3) when the training loop makes no progress for ``timeout_s``.
 
@@ -146,9 +160,10 @@ class ProgressWatchdog:
         while not self._stop.wait(1.0):
             idle = time.monotonic() - self.last
             if idle > self.timeout_s:
-                print(f"fastcifar: error: [rank {self.ctx.rank}] lost contact with the other ranks (no "
-                      f"training progress for {idle:.0f} s, past --dist-timeout-s {self.timeout_s:g}: a "
-                      f"peer stalled or died)", file=self.stream, flush=True)
+                if not report_failure(f"fastcifar: error: [rank {self.ctx.rank}] lost contact with the other "
+                                      f"ranks (no training progress for {idle:.0f} s, past --dist-timeout-s "
+                                      f"{self.timeout_s:g}: a peer stalled or died)", self.stream):
+                    return  # the main thread saw it first and is ending the rank (exit 3, logs closed)
                 os._exit(3)  # the main thread is blocked in CUDA or NCCL: nothing else can end it
 
     def close(self) -> None:

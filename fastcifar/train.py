@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         if not distributed.is_comm_failure(exc):
             raise
         # Another rank died or stalled. No teardown: a broken group can block in it; exiting frees it.
-        print(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
-              f"{distributed.failure_message(exc, cfg.dist_timeout_s)}", file=sys.stderr)
+        # one line, also when the watchdog sees the stall in the same second (it then prints it)
+        distributed.report_failure(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
+                                   f"{distributed.failure_message(exc, cfg.dist_timeout_s)}")
         report.stop_open_logs("failed", str(exc))
         ctx = None
         return 3

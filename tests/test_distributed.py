@@ -51,3 +51,22 @@ def test_progress_watchdog_ends_a_stuck_rank_in_one_line():
     assert proc.stdout.strip() == "beating ok"
     line = proc.stderr.strip()
     assert "\n" not in line and "[rank 1] lost contact with the other ranks" in line
+
+
+def test_a_stall_seen_by_both_threads_is_reported_once():
+    """gloo's timeout (main thread) and the watchdog share --dist-timeout-s: whichever reports
+    first speaks; the watchdog, second, leaves the ending to the main thread (CI once saw two
+    lines)."""
+    import subprocess
+    from cli import ROOT, env
+    code = ("import time, torch; from fastcifar.distributed import DistContext, ProgressWatchdog, report_failure\n"
+            "ctx = DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
+            "dog = ProgressWatchdog(1.0, ctx, enabled=True)\n"
+            "assert report_failure('fastcifar: error: [rank 1] lost contact (main thread)')\n"
+            "time.sleep(3.5)\n"  # the watchdog fires meanwhile: it must neither print nor exit
+            "assert not report_failure('a second line')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == "fastcifar: error: [rank 1] lost contact (main thread)"
+
