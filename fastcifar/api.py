@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import ModelInfo, load_model
+from .checkpoint import CheckpointError, ModelInfo, load_model
 from .config import Config, ConfigError
+from .data import DataError
 from .norm_act_pool import as_plain_torch
 from .report import RunResult
 
@@ -37,6 +38,18 @@ class CallableModule(types.ModuleType):
 
     def __call__(self, *args, **kwargs):
         return self.__api_call__(*args, **kwargs)
+
+
+def run_command(body) -> int:
+    """Run a command line's ``body`` (evaluate, predict): its bad input is one line on stderr and
+    exit 2, as the trainer's is."""
+    try:
+        return body()
+    except (ConfigError, DataError, CheckpointError) as exc:
+        print(f"fastcifar: error: {exc}", file=sys.stderr)
+    except RuntimeError as exc:  # e.g. --device cuda without one
+        print(f"fastcifar: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+    return 2
 
 
 def make_callable(module_name: str, function) -> None:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .api import make_callable
-from .checkpoint import CheckpointError, ModelInfo, load_model
+from .api import make_callable, run_command
+from .checkpoint import ModelInfo, load_model
 from .config import CHOICES, ConfigError
 from .data import DataError, Dataset, load_dataset
 from .loader import EvalSet
@@ -106,23 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--cache-dir", default="", help="decoded-image cache, as in training")
     args = parser.parse_args(argv)
-    try:
-        if args.subset is not None and args.subset < 0 or args.batch_size is not None and args.batch_size <= 0:
-            raise ConfigError("--subset must not be negative and --batch-size must be positive")
-        device = torch.device(args.device)
-        net, info = load_model(args.model, device)
-        cfg = info.config
-        recorded = "none recorded" if info.test_acc is None else f"recorded test_acc {info.test_acc:.2f}%"
-        print(f"model: {args.model} ({cfg.arch} {','.join(map(str, cfg.widths))}, {len(info.classes)} classes, "
-              f"{recorded} with TTA {cfg.tta})")
-        result = evaluate((net, info), args.data, tta=args.tta, subset=args.subset, batch_size=args.batch_size,
-                          device=device, cache_dir=args.cache_dir or None, log=print)
-    except (ConfigError, DataError, CheckpointError) as exc:
-        print(f"fastcifar: error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:  # e.g. --device cuda without one
-        print(f"fastcifar: error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+    return run_command(lambda: _report(args))
+
+
+def _report(args) -> int:
+    if args.subset is not None and args.subset < 0 or args.batch_size is not None and args.batch_size <= 0:
+        raise ConfigError("--subset must not be negative and --batch-size must be positive")
+    device = torch.device(args.device)
+    net, info = load_model(args.model, device)
+    cfg = info.config
+    recorded = "none recorded" if info.test_acc is None else f"recorded test_acc {info.test_acc:.2f}%"
+    print(f"model: {args.model} ({cfg.arch} {','.join(map(str, cfg.widths))}, {len(info.classes)} classes, "
+          f"{recorded} with TTA {cfg.tta})")
+    result = evaluate((net, info), args.data, tta=args.tta, subset=args.subset, batch_size=args.batch_size,
+                      device=device, cache_dir=args.cache_dir or None, log=print)
     print(f"test_acc {result.accuracy:.2f}% (TTA {result.tta}, {result.count} images), loss {result.loss:.4f}")
     width = max(len(name) for name in info.classes)
     print("per class:")

@@ -24,8 +24,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from .api import make_callable
-from .checkpoint import CheckpointError
+from .api import make_callable, run_command
 from .config import CHOICES, ConfigError
 from .data import DataError
 from .data.folder import IMAGE_SUFFIXES
@@ -120,17 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     args = parser.parse_args(argv)
+    return run_command(lambda: _report(args))
+
+
+def _report(args) -> int:
     warn = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-    try:
-        results = predict(args.model, args.images, top=args.top, tta=args.tta, device=args.device, warn=warn)
-        if not results:
-            raise DataError(f"no image files in {' '.join(args.images)}")
-    except (ConfigError, DataError, CheckpointError) as exc:
-        print(f"fastcifar: error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:  # e.g. --device cuda without one
-        print(f"fastcifar: error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+    results = predict(args.model, args.images, top=args.top, tta=args.tta, device=args.device, warn=warn)
+    if not results:
+        raise DataError(f"no image files in {' '.join(args.images)}")
     if args.json:
         print(json.dumps({"model": args.model, "predictions": [
             {**asdict(r), "top": [{"class": c, "probability": p} for c, p in r.top]} for r in results]}, indent=2))

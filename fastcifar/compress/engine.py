@@ -30,7 +30,6 @@ kernels run asynchronously on the comm stream).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
