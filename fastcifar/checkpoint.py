@@ -12,8 +12,9 @@ and runs no code when read. Its string metadata makes the file self-sufficient:
                 file was written before any evaluation (a sparse-diff base)
     torch       the torch version that wrote it
 
-``save_model`` / ``load_model`` are the only writer and reader (the trainer, ``evaluate``,
-``predict``, the API and the sparse-diff bases all use them).
+``save_model`` / ``load_model`` (and their halves ``save_weights``, ``read_model_file``,
+``network_from_weights``) are the only writer and reader: the trainer, ``evaluate``, ``predict``,
+the API and the sparse diffs' base and restored files all use them.
 
 Training state (``checkpoint.pt``, format ``fastcifar.state/1``), written at an epoch's end:
 weights and batchnorm statistics, momentum buffers and per-group rate multipliers, the schedule's
@@ -31,16 +32,15 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import os
 import random
 import sys
-import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import report
 from .config import Config
 from .data import DataError
 
@@ -59,31 +59,15 @@ class CheckpointError(DataError):
     """A model or checkpoint file that cannot be used: one line, exit 2."""
 
 
-def _write_bytes(tmp: str, blob: bytes) -> None:
-    with open(tmp, "wb") as f:
-        f.write(blob)
-
-
 def write_atomic(path: str | Path, blob: bytes) -> Path:
-    """``blob`` into a temporary file beside ``path``, then renamed to it. The bytes are built in
-    memory first, so a full disk surfaces here as an OSError: one line (CheckpointError), exit 2."""
+    """``report.write_atomic`` for a model or state file. The bytes are built in memory first, so
+    a full disk surfaces here as an OSError: one line (CheckpointError), exit 2."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
+        return report.write_atomic(path, blob)
     except OSError as exc:
         raise CheckpointError(f"cannot write {path}: {exc.strerror or type(exc).__name__}") from None
-    try:
-        _write_bytes(tmp, blob)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write {path}: {exc.strerror or type(exc).__name__}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def config_from_dict(values: dict) -> Config:
@@ -113,8 +97,12 @@ class ModelInfo:
 def save_model(path, model: torch.nn.Module, cfg: Config, classes, test_acc: float | None, mean, std) -> Path:
     """Write ``model``'s state_dict and its metadata to ``path`` (safetensors), atomically.
     ``test_acc`` None (not evaluated yet) is stored as ""."""
-    tensors = {name: t.detach().cpu().contiguous().clone() for name, t in model.state_dict().items()}
-    return save_weights(path, tensors, cfg, classes, test_acc, mean, std)
+    return save_weights(path, host_state(model), cfg, classes, test_acc, mean, std)
+
+
+def host_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict as contiguous CPU copies (row-major: the order the sparse diffs index)."""
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
 
 
 def save_weights(path, tensors: dict, cfg: Config, classes, test_acc: float | None, mean, std) -> Path:
@@ -131,31 +119,55 @@ def save_weights(path, tensors: dict, cfg: Config, classes, test_acc: float | No
 def load_model(path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelInfo]:
     """The network of a model file, in eval mode, fp32, on ``device``; CheckpointError (one line)
     for a missing, corrupt, truncated or foreign file."""
-    from safetensors import safe_open
+    tensors, meta = read_model_file(path)
+    return network_from_weights(tensors, meta, str(path), device)
 
-    from . import recipe
-    from .model import norm_factory, resolve_kernels
-    path, device = Path(path), torch.device(device)
+
+def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (on the CPU) and string metadata of a safetensors file (``what``, for the
+    error), in one read."""
+    from safetensors import safe_open
+    path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{path}: no such model file")
+        raise CheckpointError(f"{path}: no such {what}")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
     except Exception as exc:  # safetensors reports a damaged header or short file in several types
-        raise CheckpointError(f"{path}: not a readable model file ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {exc})") from None
+
+
+def read_model_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors, meta = read_safetensors(path)
     if meta.get("format") != MODEL_FORMAT:
         raise CheckpointError(f"{path}: not a fastcifar model file (format {meta.get('format')!r}, "
                               f"expected {MODEL_FORMAT!r})")
+    return tensors, meta
+
+
+def model_info(meta: dict[str, str], source: str) -> ModelInfo:
+    """A model file's metadata, parsed; CheckpointError if any of it is missing or malformed."""
     try:
-        cfg = config_from_dict(json.loads(meta["config"]))
-        info = ModelInfo(cfg, tuple(json.loads(meta["classes"])), tuple(json.loads(meta["mean"])),
-                         tuple(json.loads(meta["std"])),
+        return ModelInfo(config_from_dict(json.loads(meta["config"])), tuple(json.loads(meta["classes"])),
+                         tuple(json.loads(meta["mean"])), tuple(json.loads(meta["std"])),
                          float(meta["test_acc"]) if meta.get("test_acc") else None, dict(meta))
-        model = recipe.make_network(cfg, norm_factory(resolve_kernels("auto", device)), len(info.classes))
     except Exception as exc:
-        raise CheckpointError(f"{path}: unusable metadata ({type(exc).__name__}: {exc})") from None
-    _check_shapes(model.state_dict(), tensors, str(path))
+        raise CheckpointError(f"{source}: unusable metadata ({type(exc).__name__}: {exc})") from None
+
+
+def network_from_weights(tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str,
+                         device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelInfo]:
+    """The network a model file's tensors and metadata describe (``load_model`` without the
+    read: a sparse-diff chain restores its tensors in memory)."""
+    from . import recipe
+    from .model import norm_factory, resolve_kernels
+    device = torch.device(device)
+    info = model_info(meta, source)
+    try:
+        model = recipe.make_network(info.config, norm_factory(resolve_kernels("auto", device)), len(info.classes))
+    except Exception as exc:
+        raise CheckpointError(f"{source}: unusable metadata ({type(exc).__name__}: {exc})") from None
+    _check_shapes(model.state_dict(), tensors, source)
     model.load_state_dict(tensors)
     return model.to(device=device, memory_format=torch.channels_last).eval(), info
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from cli import run_dirs, run_train
 from conftest import CLASSES, batch_bytes, make_images, one_line_error
-from fastcifar import checkpoint, recipe
+from fastcifar import recipe, report
 from fastcifar.checkpoint import CheckpointError, load_model, save_model
 from fastcifar.config import from_preset
 from fastcifar.evaluate import evaluate
@@ -110,7 +110,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
         with open(tmp, "wb") as f:
             f.write(blob[:100])
         raise OSError(27, "File too large")
-    monkeypatch.setattr(checkpoint, "_write_bytes", half_then_full)
+    monkeypatch.setattr(report, "_write_file", half_then_full)
     with pytest.raises(CheckpointError, match="cannot write .*m.safetensors: File too large"):
         save_model(path, model, cfg, CLASSES + ("x",), 60.0, (0,) * 3, (1,) * 3)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]

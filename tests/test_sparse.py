@@ -191,3 +191,27 @@ def test_full_mask_of_ones_is_the_dense_optimizer():
     train_steps(b, ob)
     for n in pa:
         torch.testing.assert_close(pa[n], pb[n], rtol=1e-6, atol=1e-7)
+
+
+def test_local_sgd_merges_every_h_steps_counted_from_the_last_merge():
+    """An epoch-end merge restarts the count: with H=3 and 5 steps per epoch the merges fall
+    after steps 3, 5 | 8, 10 (not 3, 5 | 6, 9, 10, as a run-wide step counter would place them)."""
+    from fastcifar.sparse.local_sgd import LocalSGD
+
+    cfg, model = tiny()
+    params = fisher.trainable(model)
+    local = LocalSGD(params, list(model.buffers()), NesterovSGD(param_groups(model, cfg, 8), lr=0.05), every=3)
+    merged_after = []
+    step = 0
+    for _ in range(2):
+        for _ in range(5):
+            step += 1
+            before = local.merges
+            local.after_step()
+            if local.merges > before:
+                merged_after.append(step)
+        before = local.merges
+        local.epoch_end()
+        if local.merges > before:
+            merged_after.append(step)
+    assert merged_after == [3, 5, 8, 10]

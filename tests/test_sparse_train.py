@@ -11,6 +11,7 @@ import torch
 
 from cli import ROOT, SHORT, run_dirs, run_train, summary_of
 from conftest import one_line_error
+from fastcifar.checkpoint import read_safetensors
 from fastcifar.config import ConfigError, from_preset, validate
 from fastcifar.sparse import diffs
 
@@ -53,7 +54,7 @@ def test_diff_chain_restores_each_epoch_exactly(learnable_data, tmp_path, capsys
     assert "sparse diff, epoch 2, parent epoch001.safetensors" in capsys.readouterr().out
     model_file = tmp_path / "m.safetensors"
     assert diffs.main(["restore", str(base), *map(str, epochs[:2]), "--out", str(model_file)]) == 0
-    written, meta = diffs.read(model_file)
+    written, meta = read_safetensors(model_file)
     want, _ = diffs.restore(base, epochs[:2])
     assert meta["format"] == "fastcifar.model/1" and float(meta["test_acc"]) == accs[1]
     assert all(torch.equal(written[k], want[k]) for k in want)

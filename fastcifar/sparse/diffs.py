@@ -22,20 +22,17 @@ the test set as the trainer does (its TTA, on the CPU) and prints the accuracy.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save
 
-from ..data import DataError
+from ..api import run_command
+from ..checkpoint import (MODEL_FORMAT, CheckpointError, host_state, model_info, network_from_weights,
+                          read_model_file, read_safetensors, save_weights, write_atomic)
 
-BASE_FORMAT = "fastcifar.model/1"
 DIFF_FORMAT = "fastcifar.sparse_diff/1"
 
 
@@ -45,25 +42,6 @@ def sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _save_atomic(tensors: dict, metadata: dict, path: Path) -> int:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-    return path.stat().st_size
-
-
-def host_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict as contiguous CPU copies (row-major: the diffs' index order)."""
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-
-
-def write_base(path: str | Path, state: dict[str, torch.Tensor], cfg, classes, mean, std,
-               test_acc: float | None = None) -> int:
-    """A model file (fastcifar.checkpoint's format) of a host state dict; returns its size in bytes."""
-    from ..checkpoint import save_weights  # late: fastcifar.checkpoint may be running as __main__
-    return save_weights(path, state, cfg, classes, test_acc, mean, std).stat().st_size
 
 
 def make_diff(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor],
@@ -113,13 +91,14 @@ class DiffWriter:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.prev = {k: v.to("cpu").contiguous() for k, v in self.prev.items()}
             self.parent = self.folder / "base.safetensors"
-            self.dense_bytes = write_base(self.parent, self.prev, self.cfg, self.classes, self.mean, self.std)
+            self.dense_bytes = save_weights(self.parent, self.prev, self.cfg, self.classes, None, self.mean,
+                                            self.std).stat().st_size
         cur = host_state(self.model)
         tensors = make_diff(self.prev, cur, self.param_names)
         path = self.folder / f"epoch{epoch:03d}.safetensors"
         meta = {"format": DIFF_FORMAT, "epoch": str(epoch), "parent": self.parent.name,
                 "parent_sha256": sha256(self.parent), "test_acc": str(test_acc)}
-        size = _save_atomic(tensors, meta, path)
+        size = write_atomic(path, save(tensors, metadata=meta)).stat().st_size
         entries = sum(t.numel() for k, t in tensors.items() if k.endswith("/idx"))
         self.records.append({"epoch": epoch, "file": path.name, "bytes": size, "dense_bytes": self.dense_bytes,
                              "changed_entries": entries})
@@ -128,24 +107,16 @@ class DiffWriter:
                 f"dense model file {self.dense_bytes:,} bytes ({100.0 * size / self.dense_bytes:.2f}%)")
 
 
-def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    return load_file(str(path)), meta
-
-
-class ChainError(Exception):
-    pass
+class ChainError(CheckpointError):
+    """A diff chain that does not restore: a file out of order, missing, or not a diff."""
 
 
 def restore(base: str | Path, diffs: list[str | Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The state dict after the last of ``diffs`` (in order), and the base file's metadata."""
-    state, meta = read(base)
-    if meta.get("format") != BASE_FORMAT:
-        raise ChainError(f"{base}: not a model file (format {meta.get('format')!r}, expected {BASE_FORMAT})")
+    state, meta = read_model_file(base)
     parent = Path(base)
     for d in diffs:
-        tensors, dmeta = read(d)
+        tensors, dmeta = read_safetensors(d, "sparse diff")
         if dmeta.get("format") != DIFF_FORMAT:
             raise ChainError(f"{d}: not a sparse diff (format {dmeta.get('format')!r})")
         if dmeta.get("parent_sha256") != sha256(parent):
@@ -156,36 +127,19 @@ def restore(base: str | Path, diffs: list[str | Path]) -> tuple[dict[str, torch.
     return state, meta
 
 
-def config_of(meta: dict[str, str]):
-    from ..config import Config
-    raw = json.loads(meta["config"])
-    names = {f.name for f in dataclasses.fields(Config)}
-    raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in names}
-    return Config(**raw)
-
-
 def evaluate_state(state: dict[str, torch.Tensor], meta: dict[str, str], data: str) -> float:
-    """Test accuracy (%) of a restored state, evaluated as the trainer evaluates (fp32, CPU)."""
-    from .. import distributed
-    from ..data import load_dataset
-    from ..graphs import EvalStep, StaticBatch
-    from ..loader import EvalSet
-    from ..train import build_model, evaluate
-    cfg = dataclasses.replace(config_of(meta), kernels="torch", data=data)
-    device = torch.device("cpu")
-    model = build_model(cfg, device, torch.float32)
-    model.load_state_dict(state)
-    ds = load_dataset(data, False, cfg.cache_dir or None).subset(cfg.subset)
-    test_set = EvalSet(ds.test_images, ds.test_labels, cfg.eval_batch_size, dtype=torch.float32, device=device)
-    step = EvalStep(model, StaticBatch(cfg.eval_batch_size, torch.float32, device), cfg.tta, capture=False)
-    ctx = distributed.DistContext(0, 1, 0, device, None)
-    return evaluate(model, step, test_set, ctx)[1]
+    """Test accuracy (%) of a restored state, evaluated as ``python -m fastcifar.evaluate`` does
+    (the run's TTA and test subset, fp32, CPU)."""
+    from ..evaluate import evaluate
+    info = model_info(meta, "restored state")
+    return evaluate(network_from_weights(state, meta, "restored state"), data,
+                    cache_dir=info.config.cache_dir or None).accuracy
 
 
 def inspect_lines(path: str | Path) -> list[str]:
-    tensors, meta = read(path)
+    tensors, meta = read_safetensors(path, "model file or sparse diff")
     size = Path(path).stat().st_size
-    if meta.get("format") == BASE_FORMAT:
+    if meta.get("format") == MODEL_FORMAT:
         n = sum(t.numel() for t in tensors.values())
         return [f"{path}: model file, {len(tensors)} tensors, {n:,} values, {size:,} bytes"]
     lines = [f"{path}: sparse diff, epoch {meta.get('epoch')}, parent {meta.get('parent')}, "
@@ -211,25 +165,28 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.sparse.
     res.add_argument("--out", default="", help="model file to write (the base's format); empty: none")
     res.add_argument("--data", default="", help="evaluate the restored model on this data's test set")
     args = parser.parse_args(argv)
-    try:
-        if args.command == "inspect":
-            for f in args.files:
-                print("\n".join(inspect_lines(f)))
-            return 0
-        state, meta = restore(args.base, args.diffs)
-        if args.out:
-            if Path(args.out).exists():
-                raise ChainError(f"{args.out} exists; not overwriting it")
-            last = read(args.diffs[-1])[1].get("test_acc") if args.diffs else meta.get("test_acc")
-            write_base(args.out, state, config_of(meta), json.loads(meta["classes"]), json.loads(meta["mean"]),
-                       json.loads(meta["std"]), float(last) if last else None)
-            print(f"wrote {args.out}")
-        if args.data:
-            print(f"test_acc {evaluate_state(state, meta, args.data):.4f}")
+    return run_command(lambda: _run(args))
+
+
+def _run(args) -> int:
+    if args.command == "inspect":
+        for f in args.files:
+            print("\n".join(inspect_lines(f)))
         return 0
-    except (ChainError, DataError, SafetensorError, OSError, KeyError, ValueError) as exc:
-        print(f"fastcifar: error: {exc}", file=sys.stderr)
-        return 2
+    state, meta = restore(args.base, args.diffs)
+    if args.out:
+        if Path(args.out).exists():
+            raise ChainError(f"{args.out} exists; not overwriting it")
+        info = model_info(meta, args.base)
+        test_acc = info.test_acc
+        if args.diffs:  # the last diff's epoch is the model written
+            recorded = read_safetensors(args.diffs[-1], "sparse diff")[1].get("test_acc")
+            test_acc = float(recorded) if recorded else None
+        save_weights(args.out, state, info.config, info.classes, test_acc, info.mean, info.std)
+        print(f"wrote {args.out}")
+    if args.data:
+        print(f"test_acc {evaluate_state(state, meta, args.data):.4f}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ class LocalSGD:
         self.params, self.opt, self.every = named_params, opt, every
         self.merge_op, self.momentum, self.world, self.rank = merge, momentum, world_size, rank
         self.buffers = [b for b in buffers if b.is_floating_point()]
-        self.steps = 0
+        self.steps = 0  # local steps since the last merge
         self.merges = 0
         self.set_masks(None)
 
@@ -112,7 +112,12 @@ class LocalSGD:
 
     def after_step(self) -> None:
         self.steps += 1
-        if self.steps % self.every == 0:
+        if self.steps == self.every:
+            self.merge()
+
+    def epoch_end(self) -> None:
+        """Merge unless the last step just did: every rank evaluates (and checkpoints) the same weights."""
+        if self.steps:
             self.merge()
 
     @torch.no_grad()
@@ -142,6 +147,7 @@ class LocalSGD:
             self.opt.reset_state()
         self.rebase()
         self.merges += 1
+        self.steps = 0  # steps since this merge: an epoch-end merge restarts the count of H
 
     def _scatter(self, dtype, new_r: torch.Tensor, new_o: list[torch.Tensor]) -> None:
         start_r, start_o = 0, [0] * len(new_o)

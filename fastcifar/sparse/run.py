@@ -55,8 +55,8 @@ class SparseRun:
             self.local.after_step()
 
     def epoch_end(self, epoch: int) -> None:
-        if self.local is not None and self.local.steps % self.local.every:
-            self.local.merge()  # every rank evaluates (and checkpoints) the same weights
+        if self.local is not None:
+            self.local.epoch_end()
 
     def epoch_done(self, epoch: int, test_acc: float) -> None:
         if self.diffs is not None:
