@@ -63,8 +63,8 @@ def test_importing_kernels_does_not_load_the_model():
 
 
 def test_wheel_installs_kernels_under_fastcifar(tmp_path):
-    """``pip wheel --no-deps`` (no build isolation: no network in CI) holds fastcifar/kernels/*.py
-    and no top-level kernels package. Built from a copy: setuptools leaves build/ and *.egg-info
+    """``pip wheel --no-deps`` (no build isolation: no network in CI) holds every module of
+    fastcifar/, fastcifar/kernels/*.py and no top-level kernels package. Built from a copy: setuptools leaves build/ and *.egg-info
     in the source tree."""
     src = tmp_path / "src"
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -79,6 +79,8 @@ def test_wheel_installs_kernels_under_fastcifar(tmp_path):
     (wheel,) = tmp_path.glob("fastcifar-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     expected = {f"fastcifar/kernels/{p.name}" for p in KERNEL_FILES}
+    # every module of the source tree, subpackages included (fastcifar.compress was once left out)
+    expected |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "fastcifar").rglob("*.py")}
     assert expected <= set(names), f"missing from the wheel: {sorted(expected - set(names))}"
     assert not [n for n in names if n.startswith("kernels/")], "a top-level kernels package is in the wheel"
 
