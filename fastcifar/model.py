@@ -19,15 +19,22 @@ KERNELS = ("auto", "triton", "torch")
 
 
 def resolve_kernels(requested: str, device: torch.device) -> str:
-    """``auto`` is Triton on CUDA and the torch reference on the CPU. Triton without a GPU runs in
-    Triton's interpreter (correct, slow: for tests; see ``kernel_module``)."""
+    """``auto`` is Triton on CUDA and the torch reference on the CPU. Triton on the CPU runs in
+    Triton's interpreter (correct, slow: for tests; see ``kernel_module``), which exists only in a
+    process without a GPU: Triton chooses interpreter or compiler once per process, at import."""
     if requested not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, not {requested!r}")
-    return ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
+    kernels = ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
+    if kernels == "triton" and device.type != "cuda" and torch.cuda.is_available():
+        from .config import ConfigError
+        raise ConfigError("--kernels triton on the CPU needs Triton's interpreter, which a machine with a GPU "
+                          "does not run (Triton compiles for the GPU there): use --kernels torch or --device cuda")
+    return kernels
 
 
 def kernel_module(name: str):
-    """``fastcifar.kernels.<name>``, its kernels interpreted when there is no GPU to compile for.
+    """``fastcifar.kernels.<name>``, its kernels interpreted when there is no GPU to compile for
+    (``resolve_kernels`` refuses Triton on CPU tensors where there is one).
     ``TRITON_INTERPRET`` is set for the import only, never left in the process environment."""
     from .kernels import load
     return load(name, interpret=not torch.cuda.is_available())

@@ -104,9 +104,10 @@ def test_loader_epochs_shapes_and_shuffles():
 def test_loader_with_triton_kernels_equals_the_reference():
     rng = np.random.default_rng(1)
     images = rng.integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)
+    # Triton runs CPU tensors only in a process without a GPU (its interpreter); the GPU where there is one
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     make = lambda kernels: TorchLoader(images, np.arange(6), np.arange(6), 3, 2, pad=4, pad_mode="reflect",  # noqa
-                                       cutout=8, flip=True, dtype=torch.float32, device=torch.device("cpu"),
-                                       kernels=kernels)
+                                       cutout=8, flip=True, dtype=torch.float32, device=device, kernels=kernels)
     fused, ref = make("triton"), make("torch")
     assert fused.fused is not None and ref.fused is None
     for (a, ya), (b, yb) in zip(fused, ref):  # same seed: same order and parameters

@@ -65,6 +65,13 @@ def tiny_step(cfg, norm, compile_backend=None, seed=0):
     return model, make_step(net, opt, schedule, cfg.label_smoothing)
 
 
+# Triton runs CPU tensors only in a process without a GPU (its interpreter): on a GPU machine the
+# CUDA-graph test at the end covers the compiled step instead.
+triton_on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors needs a machine "
+                                   "without a GPU (the CUDA test below runs instead)")
+
+
+@triton_on_cpu
 @pytest.mark.parametrize("preset", ["fast", "fast-muon"])
 def test_compiled_step_equals_eager_step(preset):
     """Three steps of the trainer's step function, the Triton kernel as a custom op, compiled whole
@@ -85,6 +92,7 @@ def test_compiled_step_equals_eager_step(preset):
     assert not torch.equal(model.fc.weight, make_network(cfg, triton_norm).fc.weight)
 
 
+@triton_on_cpu
 @pytest.mark.slow
 def test_inductor_compiles_the_step_around_the_custom_op():
     """The default backend (inductor, C++ on the CPU) with fullgraph: generated code around the

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastcifar.config import ConfigError
 from fastcifar.model import NormActPool, ResNet9
 
 
@@ -75,7 +76,13 @@ def test_kernel_paths_resolve_and_build(monkeypatch):
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
     assert resolve_kernels("auto", torch.device("cpu")) == "torch"
     assert resolve_kernels("auto", torch.device("cuda")) == "triton"
-    assert resolve_kernels("triton", torch.device("cpu")) == "triton"
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: False)
+        assert resolve_kernels("triton", torch.device("cpu")) == "triton"  # Triton's interpreter
+        m.setattr(torch.cuda, "is_available", lambda: True)  # Triton compiles: CPU tensors would fail at launch
+        with pytest.raises(ConfigError, match="--kernels triton on the CPU"):
+            resolve_kernels("triton", torch.device("cpu"))
+        assert resolve_kernels("triton", torch.device("cuda")) == "triton"
     model = ResNet9(widths=(4, 8, 8, 8), norm=norm_factory("triton"))
     norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert norms and all(isinstance(m, TritonNormActPool) for m in norms)
@@ -93,7 +100,9 @@ def test_as_plain_torch_turns_kernel_blocks_back_into_the_torch_reference():
     torch.manual_seed(0)
     model = ResNet9(widths=(4, 8, 8, 8), norm=norm_factory("triton")).eval()
     x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
-    before = model(x)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run where Triton can run them
+    before = model.to(device)(x.to(device)).cpu()
+    model.cpu()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     assert as_plain_torch(model) is model
     norms = [m for m in model.modules() if isinstance(m, NormActPool)]

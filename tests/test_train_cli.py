@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 
 import pytest
+import torch
 
 from cli import FAST_SHORT, SHORT, run_dirs, run_train, summary_of
 from conftest import one_line_error, write_official
@@ -113,6 +114,17 @@ def test_bad_arguments_are_one_line(args, message, tmp_path):
     assert proc.returncode == 2
     assert message in one_line_error(proc.stderr)
     assert not run_dirs(tmp_path / "runs"), "nothing may be written for a refused run"
+
+
+def test_triton_on_the_cpu_of_a_gpu_machine_is_one_line(tmp_path, monkeypatch, capfd):
+    """Triton interprets CPU tensors only in a process without a GPU: where there is one (emulated),
+    ``--device cpu --kernels triton`` is refused before anything is written, not at the first launch."""
+    from fastcifar.train import main as train_main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = ["--data", tmp_path, "--out-dir", tmp_path / "runs", *SHORT, "--device", "cpu", "--kernels", "triton"]
+    assert train_main([str(a) for a in argv]) == 2
+    assert "--kernels triton on the CPU" in one_line_error(capfd.readouterr().err)
+    assert not run_dirs(tmp_path / "runs")
 
 
 def test_bad_data_is_one_line(tmp_path):
