@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .api import make_callable, run_command
+from .api import make_callable, resolve_model, run_command
 from .checkpoint import ModelInfo, load_model
 from .config import CHOICES, ConfigError
 from .data import DataError, Dataset, load_dataset
@@ -41,28 +41,38 @@ class Evaluation:
     predictions: np.ndarray  # (count,) predicted label per test image
 
 
+def resolve_tta(tta: int | None, cfg) -> int:
+    """``None``: the run's own TTA level."""
+    tta = cfg.tta if tta is None else tta
+    if tta not in CHOICES["tta"]:
+        raise ConfigError(f"--tta must be one of 0, 1, 2, not {tta}")
+    return tta
+
+
 @torch.no_grad()
+def logits_of(model: torch.nn.Module, images: np.ndarray, *, mean, std, tta: int, batch_size: int,
+              device="cpu") -> torch.Tensor:
+    """(N, classes) fp32 logits on the CPU of uint8 NHWC ``images``, batched, normalized and laid
+    out as the trainer's evaluation lays them out (channels-last, the model's dtype)."""
+    model.eval()
+    batches = EvalSet(images, np.zeros(len(images), dtype=np.int64), batch_size,
+                      dtype=next(model.parameters()).dtype, device=torch.device(device), mean=mean, std=std)
+    return torch.cat([tta_logits(model, x, tta).float().cpu() for x, _ in batches])
+
+
 def evaluate_arrays(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, classes, *, mean, std,
                     tta: int, batch_size: int = 1000, device="cpu") -> Evaluation:
-    """Accuracy of ``model`` on uint8 NHWC ``images`` with integer ``labels``; the batches are
-    normalized and laid out as the trainer's evaluation lays them out (fp32, channels-last)."""
-    device = torch.device(device)
-    dtype = next(model.parameters()).dtype
-    model.eval()
-    test_set = EvalSet(images, labels, batch_size, dtype=dtype, device=device, mean=mean, std=std)
-    preds, loss_sum = [], 0.0
-    for batch, target in test_set:
-        logits = tta_logits(model, batch.contiguous(memory_format=torch.channels_last), tta)
-        loss_sum += F.cross_entropy(logits, target, reduction="sum").item()
-        preds.append(logits.argmax(1).cpu())
-    pred = torch.cat(preds).numpy()
+    """Accuracy of ``model`` on uint8 NHWC ``images`` with integer ``labels``."""
+    logits = logits_of(model, images, mean=mean, std=std, tta=tta, batch_size=batch_size, device=device)
+    loss = F.cross_entropy(logits, torch.from_numpy(labels).long(), reduction="sum").item()
+    pred = logits.argmax(1).numpy()
     correct = pred == labels
     per_class, per_count = {}, {}
     for k, name in enumerate(classes):
         mine = labels == k
         per_count[name] = int(mine.sum())
         per_class[name] = 100.0 * float(correct[mine].mean()) if mine.any() else float("nan")
-    return Evaluation(100.0 * float(correct.mean()), loss_sum / len(labels), len(labels), tta, per_class,
+    return Evaluation(100.0 * float(correct.mean()), loss / len(labels), len(labels), tta, per_class,
                       per_count, pred)
 
 
@@ -76,7 +86,6 @@ def evaluate(model, data, *, tta: int | None = None, subset: int | None = None, 
              device="cpu", cache_dir=None, log=lambda msg: None) -> Evaluation:
     """``model``: a model file's path, or ``(network, ModelInfo)`` as ``load_model`` returns;
     ``data``: a path in any layout, or a loaded ``Dataset``. ``None`` settings take the run's."""
-    from .api import resolve_model
     net, info = resolve_model(model, device)
     cfg = info.config
     if not isinstance(data, Dataset):
@@ -86,11 +95,8 @@ def evaluate(model, data, *, tta: int | None = None, subset: int | None = None, 
     if subset:
         data = data.subset(subset)
         log(f"note: the test images of --subset {subset}, as in training (--subset 0 for all)")
-    tta = cfg.tta if tta is None else tta
-    if tta not in CHOICES["tta"]:
-        raise ConfigError(f"--tta must be one of 0, 1, 2, not {tta}")
     return evaluate_arrays(net, data.test_images, data.test_labels, info.classes, mean=info.mean, std=info.std,
-                           tta=tta, batch_size=batch_size or cfg.eval_batch_size, device=device)
+                           tta=resolve_tta(tta, cfg), batch_size=batch_size or cfg.eval_batch_size, device=device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,15 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image, UnidentifiedImageError
 
-from .api import make_callable, run_command
+from .api import make_callable, resolve_model, run_command
 from .config import CHOICES, ConfigError
 from .data import DataError
 from .data.folder import IMAGE_SUFFIXES
-from .loader import EvalSet
-from .tta import tta_logits
+from .evaluate import logits_of, resolve_tta
 
 SIZE = 32
 
@@ -63,17 +61,13 @@ def read_image(path: Path) -> tuple[np.ndarray, tuple | None]:
         return np.asarray(img, dtype=np.uint8), (size if size != (SIZE, SIZE) else None)
 
 
-@torch.no_grad()
 def predict(model, images, *, top: int = 3, tta: int | None = None, device="cpu", batch_size: int = 500,
             warn=lambda msg: None) -> list[Prediction]:
     """``model``: a model file's path, ``(network, ModelInfo)`` or a run from ``train()``;
     ``images``: image files and folders, or a uint8 array (N, 32, 32, 3). One Prediction per image,
     in order; unreadable files come back with ``error`` set (and ``warn`` is called with one line)."""
-    from .api import resolve_model
     net, info = resolve_model(model, device)
-    tta = info.config.tta if tta is None else tta
-    if tta not in CHOICES["tta"]:
-        raise ConfigError(f"--tta must be one of 0, 1, 2, not {tta}")
+    tta = resolve_tta(tta, info.config)
     if top <= 0:
         raise ConfigError(f"--top must be positive, not {top}")
     if isinstance(images, np.ndarray):
@@ -95,12 +89,8 @@ def predict(model, images, *, top: int = 3, tta: int | None = None, device="cpu"
             arrays.append(array)
     readable = [r for r in results if not r.error]
     if arrays:
-        stack = np.stack(arrays)
-        dtype = next(net.parameters()).dtype
-        batches = EvalSet(stack, np.zeros(len(stack), dtype=np.int64), batch_size, dtype=dtype,
-                          device=torch.device(device), mean=info.mean, std=info.std)
-        probs = torch.cat([tta_logits(net, x.contiguous(memory_format=torch.channels_last), tta).softmax(1).cpu()
-                           for x, _ in batches])
+        probs = logits_of(net, np.stack(arrays), mean=info.mean, std=info.std, tta=tta, batch_size=batch_size,
+                          device=device).softmax(1)
         k = min(top, probs.shape[1])
         values, indices = probs.topk(k, dim=1)
         for r, v, i in zip(readable, values.tolist(), indices.tolist()):
