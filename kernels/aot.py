@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import io
 import json
 import os
@@ -43,7 +42,7 @@ class Variant:
     kernel: str
     signature: dict
     constexprs: dict
-    attrs: dict
+    attrs: dict  # as Triton's _pack_args returns it: {(arg index,): [[attribute, value], ...]}
     options: dict
     fn: object = field(repr=False, compare=False)
     where: str = ""  # the first launcher call that produced it
@@ -59,7 +58,7 @@ class Variant:
                           for k, v in self.constexprs.items())
         ints = []
         for k, val in self.attrs.items():
-            name = names[int(k.strip("(),"))] if names else k
+            name = names[k[0]] if names else k
             if val and self.signature.get(name, "") not in ("constexpr",) and not self.signature[name].startswith("*"):
                 ints.append(name)
         div16 = f"; {'/'.join(ints)} %16" if ints else ""  # integer arguments Triton specialized as multiples of 16
@@ -88,7 +87,7 @@ def recording(arch: int, out: list):
             binders[self] = jit.create_function_from_signature(self.signature, self.params, backend)
         bound, specialization, options = binders[self](*args, **kwargs)
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
-        out.append(Variant(self.__name__, dict(signature), dict(constexprs), {str(k): v for k, v in attrs.items()},
+        out.append(Variant(self.__name__, dict(signature), dict(constexprs), dict(attrs),
                            {"num_warps": options.num_warps, "num_stages": options.num_stages},
                            self, recording.where))
 
@@ -225,7 +224,7 @@ def compile_variant(v: Variant, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(v.fn, v.signature, v.constexprs, {eval(k): val for k, val in v.attrs.items()})  # noqa: S307 (our own repr of tuples)
+    src = ASTSource(v.fn, v.signature, v.constexprs, v.attrs)
     buf = io.StringIO()
     t0 = time.perf_counter()
     old = triton.knobs.nvidia.dump_ptxas_log
@@ -273,10 +272,18 @@ def table(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def problems(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """What fails a sweep (main's exit status, tests/test_kernel_compile.py): the rows that did not
+    compile, and the compiled rows that spill registers."""
+    failed = [r for r in rows if "error" in r]
+    spilled = [r for r in rows if "error" not in r and (r["spill_store_bytes"] or r["spill_load_bytes"])]
+    return failed, spilled
+
+
 def summary(rows: list[dict]) -> str:
     ok = [r for r in rows if "error" not in r]
-    spills = [r for r in ok if r["spill_store_bytes"] or r["spill_load_bytes"]]
-    out = [f"{len(rows)} variants compiled, {len(rows) - len(ok)} failed, {len(spills)} with spills", ""]
+    failed, spilled = problems(rows)
+    out = [f"{len(rows)} variants compiled, {len(failed)} failed, {len(spilled)} with spills", ""]
     for arch in sorted({r["arch"] for r in ok}):
         for kernel in sorted({r["kernel"] for r in ok if r["arch"] == arch}):
             regs = [r["registers"] for r in ok if r["arch"] == arch and r["kernel"] == kernel]
@@ -296,22 +303,31 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    env = {}
+    if args.out:  # the table joins bench/results/: its rows carry what every row there does (versions, date, commit)
+        try:
+            from bench.common import environment
+        except ImportError:
+            print("fastcifar: error: --out needs bench/common.py importable: run from the repository root",
+                  file=sys.stderr)
+            return 2
+        env = environment()
 
     def on_row(row):
         if args.out:
             with open(args.out + ".jsonl", "a") as f:
-                f.write(json.dumps({"date": stamp, "triton": triton.__version__, "torch": torch.__version__,
-                                    "set": args.set, **row}) + "\n")
+                f.write(json.dumps({**env, "set": args.set, **row}) + "\n")
 
-    with tempfile.TemporaryDirectory() as cache:
+    # scope(): the deleted folder does not stay Triton's cache after main (tests call it in-process)
+    with triton.knobs.cache.scope(), tempfile.TemporaryDirectory() as cache:
         triton.knobs.cache.dir = cache  # a fresh cache: every variant really compiles, and ptxas reports
         rows = sweep([int(a) for a in args.arch.split(",")], args.set, log=lambda m: print(m, file=sys.stderr),
                      on_row=on_row)
     print(summary(rows), file=sys.stderr)
     if args.out:
-        header = (f"### Triton {triton.__version__}, torch {torch.__version__}, compiled on the CPU (no GPU) for "
-                  f"{', '.join('sm_' + a for a in args.arch.split(','))}, set `{args.set}`, {stamp}\n\n"
+        header = (f"### Triton {env['triton']}, torch {env['torch']}, compiled on the CPU (no GPU) for "
+                  f"{', '.join('sm_' + a for a in args.arch.split(','))}, set `{args.set}`, {env['date']}, "
+                  f"commit {env['commit'] or 'unknown'}\n\n"
                   f"{summary(rows)}\n\nregisters per thread, spills and stack from ptxas -v of the real compile; "
                   "shared memory from Triton's metadata; compile s is wall time on this machine "
                   f"({os.cpu_count()} CPUs, possibly shared).")
@@ -319,8 +335,7 @@ def main(argv=None) -> int:
             f.write(table(rows, header) + "\n")
     if args.json:
         print(json.dumps(rows))
-    failed = [r for r in rows if "error" in r]
-    spilled = [r for r in rows if "error" not in r and (r["spill_store_bytes"] or r["spill_load_bytes"])]
+    failed, spilled = problems(rows)
     return 1 if failed or spilled else 0
 
 

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from fastcifar.norm_act_pool import ACTIVATIONS, POOL_PLACES, NormActPool, activation
-from .checks import check_activation, check_device  # noqa: F401  (re-exported for tests)
+from .checks import check_activation
 
 ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2}
 MODE_IDS = {None: 0, "before": 1, "after": 2}
@@ -615,7 +615,7 @@ def bn_act_pool_reference(x, weight, bias, running_mean, running_var, training: 
 
 
 def bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act: str = "relu",
-                                     pool: Optional[str] = None) -> torch.Tensor:
+                                     pool: Optional[str] = None, eps: float = 1e-5) -> torch.Tensor:
     """Training-mode reference whose forward uses the given batch statistics (the kernel's own fp32
     ``mean``/``rstd``, from ``bn_act_pool_forward``'s ``saved``) while its gradient flows through the
     batch mean and variance as batchnorm's does.
@@ -625,12 +625,13 @@ def bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act: str = "re
     rounded activations then land on the other side of a ReLU's zero or of a 2x2 max's tie; each
     such element moves a whole gradient in ``dx``. With the kernel's statistics every rounding
     decision matches, and what remains to compare is the math. Rounds where eager rounds: the BN
-    output and the activation output are cast to ``x``'s dtype."""
+    output and the activation output are cast to ``x``'s dtype. ``eps`` enters only the gradient path
+    (the batch's rstd); give the one that made ``rstd`` (`fast` uses 1e-12)."""
     if pool == "before":
         x = F.max_pool2d(x, 2)
     xf = x.float()
     batch_mean = xf.mean(dim=(0, 2, 3))
-    batch_rstd = torch.rsqrt(xf.var(dim=(0, 2, 3), unbiased=False) + 1e-5)
+    batch_rstd = torch.rsqrt(xf.var(dim=(0, 2, 3), unbiased=False) + eps)
     # the values of the given statistics, the gradient of the batch's (a straight-through swap)
     m = batch_mean + (mean.float() - batch_mean).detach()
     r = batch_rstd + (rstd.float() - batch_rstd).detach()

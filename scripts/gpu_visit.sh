@@ -101,7 +101,8 @@ case "$stage" in
 check)
   step versions 60 bash -c "nvidia-smi; $py -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"cudnn\", torch.backends.cudnn.version()); print(\"triton\", triton.__version__); print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())'"
   step cuda-tests 240 "$py" -m pytest -q -m cuda tests -p no:cacheprovider
-  step kernel-tests 240 "$py" -m pytest -q tests/test_kernel_bn_act_pool.py tests/test_kernel_augment.py \
+  # the cuda-marked kernel cases (full preset sizes) ran in cuda-tests just above: not twice in one budget
+  step kernel-tests 240 "$py" -m pytest -q -m "not cuda" tests/test_kernel_bn_act_pool.py tests/test_kernel_augment.py \
     tests/test_kernel_cutout.py -p no:cacheprovider
   ;;
 engines)
@@ -111,7 +112,8 @@ engines)
       train "k-$kernels-g-$graphs" 150 --subset 10000 --epochs 2 --kernels "$kernels" --cuda-graphs "$graphs" --loader torch
     done
   done
-  step nccl-1rank 150 torchrun --standalone --nproc_per_node 1 -m fastcifar.train --data "$data" \
+  # torchrun through $py: a bare torchrun on PATH may belong to another Python than the other steps
+  step nccl-1rank 150 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 -m fastcifar.train --data "$data" \
     --out-dir "$work/runs/nccl-1rank" --subset 10000 --epochs 2 --comm bucketed --cuda-graphs on --loader torch
   if dali_ok; then
     train "dali-g-on" 150 --subset 10000 --epochs 2 --kernels triton --cuda-graphs on --loader dali

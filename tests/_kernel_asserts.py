@@ -20,10 +20,9 @@ if not torch.cuda.is_available():
 # earlier in this pytest process without the variable, the kernels cannot run on CPU tensors: say so
 # and skip instead of failing with an obscure error deep inside Triton.
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1":
-    import triton.language.standard as _tl_standard
-    from triton.runtime.interpreter import InterpretedFunction as _Interpreted
+    from fastcifar.kernels.checks import interpreted
 
-    if not isinstance(_tl_standard.zeros_like, _Interpreted):
+    if not interpreted():
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run the kernel tests with "
                     "TRITON_INTERPRET=1 in the environment or in their own pytest process",
                     allow_module_level=True)

@@ -61,6 +61,16 @@ def test_engines_stage_covers_every_combination(tmp_path):
     for name in ("k-triton-g-on", "k-triton-g-off", "k-torch-g-on", "k-torch-g-off", "nccl-1rank", "engine-checks"):
         assert f"| {name} |" in table, table
     assert "--nproc_per_node 1" in proc.stdout and "--comm bucketed --cuda-graphs on" in proc.stdout
+    # torchrun of $PYTHON's own torch, as every other step runs $PYTHON
+    assert f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 1" in proc.stdout
+
+
+def test_check_stage_runs_the_cuda_kernel_cases_once(tmp_path):
+    """cuda-tests runs every cuda-marked test, the kernels' full-size cases included; kernel-tests
+    runs the rest of the kernel files, so the stage's budget is not spent on them twice."""
+    proc, _ = visit(tmp_path, "check")
+    assert "pytest -q -m cuda tests" in proc.stdout
+    assert "pytest -q -m not cuda tests/test_kernel_bn_act_pool.py" in proc.stdout
 
 
 def test_accuracy_stage_runs_seeds_in_order_and_says_where_to_go_on(tmp_path):

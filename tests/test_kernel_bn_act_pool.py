@@ -12,6 +12,7 @@ import torch
 import pytest  # noqa: E402
 from _kernel_asserts import DEVICE, assert_close, needs_cuda, needs_triton_backend, poisoned_empty  # noqa: E402
 
+import fastcifar.kernels.aot as aot  # noqa: E402
 import fastcifar.kernels.bn_act_pool as bap  # noqa: E402
 import fastcifar.kernels.checks as checks  # noqa: E402
 from fastcifar.model import NormActPool, ResNet9  # noqa: E402
@@ -51,12 +52,12 @@ def _inputs(shape, dtype, seed=0, out_pool=None):
     return x, weight, bias, rm, rv, dy
 
 
-def _run(fn, x, weight, bias, rm, rv, dy, training, act, pool, momentum=0.1):
+def _run(fn, x, weight, bias, rm, rv, dy, training, act, pool, momentum=0.1, eps=1e-5):
     x = x.clone().requires_grad_()
     weight = weight.clone().requires_grad_()
     bias = bias.clone().requires_grad_()
     rm, rv = rm.clone(), rv.clone()
-    y = fn(x, weight, bias, rm, rv, training, momentum, 1e-5, act, pool)
+    y = fn(x, weight, bias, rm, rv, training, momentum, eps, act, pool)
     y.backward(dy)
     return dict(y=y, dx=x.grad, dweight=weight.grad, dbias=bias.grad, running_mean=rm, running_var=rv)
 
@@ -304,7 +305,7 @@ def _compare_own_stats(shape, dtype, act, pool, seed=0, tol=None):
                                                 act, pool)
 
     def with_stats(x, weight, bias, rm, rv, training, momentum, eps, act, pool):
-        return bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act, pool)
+        return bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act, pool, eps=eps)
 
     ref = _run(with_stats, x, weight, bias, rm, rv, dy, True, act, pool)
     got = _run(bn_act_pool, x, weight, bias, rm, rv, dy, True, act, pool)
@@ -313,20 +314,22 @@ def _compare_own_stats(shape, dtype, act, pool, seed=0, tol=None):
         assert_close(got[k], ref[k], tol or TOL[dtype], f"{k} [{where}]")
 
 
-def test_reference_with_stats_is_batchnorm_when_given_the_batchs_statistics():
+# 1e-12: `fast`'s bn_eps; 0.5: large enough that a gradient path ignoring ``eps`` fails the check
+@pytest.mark.parametrize("eps", [1e-5, 1e-12, 0.5])
+def test_reference_with_stats_is_batchnorm_when_given_the_batchs_statistics(eps):
     """Fed the batch's own fp32 statistics, the straight-through reference is the eager reference,
     forward and backward (fp32, tight): its gradient does flow through the mean and variance."""
     x, weight, bias, rm, rv, dy = _inputs((3, 5, 6, 6), torch.float32, out_pool="after")
     mean = x.float().mean(dim=(0, 2, 3))
-    rstd = torch.rsqrt(x.float().var(dim=(0, 2, 3), unbiased=False) + 1e-5)
+    rstd = torch.rsqrt(x.float().var(dim=(0, 2, 3), unbiased=False) + eps)
 
     def with_stats(x, weight, bias, rm, rv, training, momentum, eps, act, pool):
-        return bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act, pool)
+        return bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act, pool, eps=eps)
 
-    ref = _run(bn_act_pool_reference, x, weight, bias, rm, rv, dy, True, "gelu", "after")
-    got = _run(with_stats, x, weight, bias, rm, rv, dy, True, "gelu", "after")
+    ref = _run(bn_act_pool_reference, x, weight, bias, rm, rv, dy, True, "gelu", "after", eps=eps)
+    got = _run(with_stats, x, weight, bias, rm, rv, dy, True, "gelu", "after", eps=eps)
     for k in ("y", "dx", "dweight", "dbias"):
-        assert_close(got[k], ref[k], 1e-5, f"{k} (straight-through reference)")
+        assert_close(got[k], ref[k], 1e-5, f"{k} (straight-through reference, eps={eps})")
 
 
 @pytest.mark.parametrize("pool", [None, "before", "after"], ids=["nopool", "before", "after"])
@@ -334,11 +337,11 @@ def test_own_stats_reference_odd_shape_fp16(pool):
     _compare_own_stats((3, 24, 7, 7), torch.float16, "relu", pool, seed=5)
 
 
-# The presets' real blocks on one GPU: (batch, channels, map side, activation, pool). resnet9 at 512,
-# fast (FastNet 64/256/256 after the 2x2 whitening conv: 31x31 maps) at 1024.
-PRESET_CUDA_BLOCKS = [(512, 64, 32, "relu", None), (512, 128, 32, "relu", "after"), (512, 512, 8, "relu", "after"),
-                      (1024, 64, 31, "gelu", "before"), (1024, 64, 15, "gelu", None),
-                      (1024, 256, 15, "gelu", "before"), (1024, 256, 3, "gelu", None)]
+# The presets' real blocks on one GPU: (batch, channels, map side, activation, pool), from the list
+# the compile sweep uses (one place to change): resnet9 (ReLU) at 512, fast (GELU; FastNet 64/256/256
+# after the 2x2 whitening conv: 31x31 maps) at 1024.
+PRESET_CUDA_BLOCKS = ([(n, c, side, "relu", pool) for n, c, side, pool in aot.RESNET9_BLOCKS]
+                      + [(n, c, side, "gelu", pool) for n, c, side, pool in aot.FAST_BLOCKS])
 
 
 @needs_cuda

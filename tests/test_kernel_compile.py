@@ -5,6 +5,8 @@ The compile runs in a subprocess with ``TRITON_INTERPRET`` removed: these tests'
 the interpreter on (conftest.py), and the interpreter compiles nothing. The CI set is one of each
 kind the presets launch (about 20 compiles per arch); ``python -m fastcifar.kernels.aot --set full``
 compiles the whole sweep and writes bench/results/kernel_registers.md.
+
+The compiling tests are marked slow (70-110 s on 2 CPU cores); the parsing and refusal tests are not.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend (ptxas) is not installed")
 
+from fastcifar.kernels import aot  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def rows():
@@ -33,9 +37,10 @@ def rows():
     return json.loads(lines[-1]), out
 
 
+@pytest.mark.slow
 def test_every_variant_compiles_to_a_cubin_for_both_archs(rows):
     rows, out = rows
-    failed = [f"{r['arch']} {r['variant']} ({r['from']}): {r['error']}" for r in rows if "error" in r]
+    failed = [f"{r['arch']} {r['variant']} ({r['from']}): {r['error']}" for r in aot.problems(rows)[0]]
     assert not failed, "\n".join(failed)
     archs = {r["arch"] for r in rows}
     assert archs == {"sm_80", "sm_90"}
@@ -46,14 +51,16 @@ def test_every_variant_compiles_to_a_cubin_for_both_archs(rows):
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_no_variant_spills(rows):
     rows, _ = rows
     spilled = [f"{r['arch']} {r['variant']} ({r['from']}): {r['registers']} registers, "
                f"{r['spill_store_bytes']} B spill stores, {r['spill_load_bytes']} B spill loads"
-               for r in rows if "error" not in r and (r["spill_store_bytes"] or r["spill_load_bytes"])]
+               for r in aot.problems(rows)[1]]
     assert not spilled, "register spills:\n" + "\n".join(spilled)
 
 
+@pytest.mark.slow
 def test_the_recorder_sees_the_launchers_choices(rows):
     """The variants are what the launchers pick, not a hand-written list: the pooled `fast` block
     runs the pooling stats kernel, and eval mode's dx kernel is compiled without the batch terms."""
@@ -62,6 +69,38 @@ def test_the_recorder_sees_the_launchers_choices(rows):
     assert any(v.startswith("_stats_kernel[") and "POOL=True,STATS=True" in v for v in variants), variants
     assert any(v.startswith("_stats_kernel[") and "POOL=True,STATS=False" in v for v in variants), variants
     assert any(v.startswith("_bwd_dx_kernel[") and "MODE=2" in v for v in variants), variants
+
+
+def test_problems_are_failures_and_spills():
+    ok = {"arch": "sm_90", "spill_store_bytes": 0, "spill_load_bytes": 0}
+    spills = {"arch": "sm_90", "spill_store_bytes": 0, "spill_load_bytes": 4}
+    failed = {"arch": "sm_80", "error": "CompilationError: x"}
+    assert aot.problems([ok, spills, failed]) == ([failed], [spills])
+    assert aot.problems([ok]) == ([], [])
+
+
+def test_out_files_record_the_commit(tmp_path, monkeypatch, capsys):
+    """The register table and its JSON lines carry bench/common.environment(): versions, date and the
+    git commit, like every other file in bench/results/. The sweep is replaced: nothing compiles."""
+    from bench.common import environment
+
+    row = {"arch": "sm_90", "kernel": "_k", "variant": "_k[fp16]", "from": "call", "registers": 40,
+           "stack_bytes": 0, "spill_store_bytes": 0, "spill_load_bytes": 0, "shared_bytes": 0, "compile_s": 0.1}
+
+    def sweep(archs, which, log, on_row):
+        on_row(row)
+        return [row]
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(aot, "sweep", sweep)
+    out = tmp_path / "regs"
+    assert aot.main(["--set", "ci", "--arch", "90", "--out", str(out)]) == 0
+    commit = environment()["commit"]  # "" outside a git checkout
+    (line,) = (tmp_path / "regs.jsonl").read_text().splitlines()
+    rec = json.loads(line)
+    assert {k: rec.get(k) for k in row} == row and rec["set"] == "ci", rec
+    assert rec["commit"] == commit and all(rec.get(k) for k in ("triton", "torch", "date")), rec
+    assert f"commit {commit or 'unknown'}" in (tmp_path / "regs.md").read_text()
 
 
 def test_ptxas_report_parsing():

@@ -15,6 +15,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_FILES = sorted((ROOT / "kernels").glob("*.py"))
@@ -62,6 +63,7 @@ def test_importing_kernels_does_not_load_the_model():
     assert out.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.slow  # pip builds a wheel from a copy of the sources
 def test_wheel_installs_kernels_under_fastcifar(tmp_path):
     """``pip wheel --no-deps`` (no build isolation: no network in CI) holds every module of
     fastcifar/, fastcifar/kernels/*.py and no top-level kernels package. Built from a copy: setuptools leaves build/ and *.egg-info
