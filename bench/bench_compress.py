@@ -31,18 +31,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, environment, markdown_table  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
+from common import RESULTS_DIR, environment, markdown_table  # noqa: E402
+from fastcifar.compress import make  # noqa: E402
+
 BANDWIDTHS_GBS = (1, 10, 25, 100, 400)
-# which collective carries each method's payload (fastcifar/compress): summable -> all-reduce
-ALL_REDUCE = {"none", "fp16", "bf16", "randomk", "powersgd"}
 
 
 def wire_bytes(method: str, payload: float, n: int) -> float:
-    """Bytes on each rank's link for one step's payload (per rank), ring algorithms."""
-    if method in ALL_REDUCE:
+    """Bytes on each rank's link for one step's payload (per rank), ring algorithms. The collective
+    is the compressor's ``kind`` (summable -> all-reduce, else all-gather), with the trainer's
+    defaults (shared-coordinate RandomK); ``none`` is the plain all-reduce."""
+    if method == "none" or make(method).kind == "sum":
         return 2 * (n - 1) / n * payload
     return (n - 1) * payload
 

@@ -15,18 +15,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .model import NormFactory
+from .model import ConvBlock, NormFactory
 from .norm_act_pool import NormActPool
-
-
-class ConvNormAct(nn.Module):
-    def __init__(self, c_in: int, c_out: int, kernel: int, stride: int, norm: NormFactory, pool):
-        super().__init__()
-        self.conv = nn.Conv2d(c_in, c_out, kernel, stride=stride, padding=kernel // 2, bias=False)
-        self.norm = norm(c_out, act="relu", pool=pool)
-
-    def forward(self, x):
-        return self.norm(self.conv(x))
 
 
 class AlexNet(nn.Module):
@@ -35,11 +25,11 @@ class AlexNet(nn.Module):
         super().__init__()
         w1, w2, w3, w4, w5 = widths
         self.features = nn.Sequential(
-            ConvNormAct(3, w1, 11, 4, norm, "after"),  # 32 -> 8, pool -> 4
-            ConvNormAct(w1, w2, 5, 1, norm, "after"),  # 4, pool -> 2
-            ConvNormAct(w2, w3, 3, 1, norm, None),
-            ConvNormAct(w3, w4, 3, 1, norm, None),
-            ConvNormAct(w4, w5, 3, 1, norm, "after"),  # 2, pool -> 1
+            ConvBlock(3, w1, norm, pool="after", kernel=11, stride=4),  # 32 -> 8, pool -> 4
+            ConvBlock(w1, w2, norm, pool="after", kernel=5),  # 4, pool -> 2
+            ConvBlock(w2, w3, norm),
+            ConvBlock(w3, w4, norm),
+            ConvBlock(w4, w5, norm, pool="after"),  # 2, pool -> 1
         )
         self.fc = nn.Linear(w5, num_classes)
 

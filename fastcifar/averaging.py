@@ -53,10 +53,6 @@ class Lookahead:
     def _snapshot(self) -> None:
         self.slow = [[t.detach().clone() for t in group] for group in self.fast]
 
-    @property
-    def started(self) -> bool:
-        return self.slow is not None
-
     def decay(self, step: int) -> float:
         return self.final_decay * (min(step, self.total_steps) / self.total_steps) ** 3
 

@@ -146,7 +146,7 @@ class GradBuckets:
                     self._ptr[p] = view.data_ptr()
                 b.pending = len(b.params)
         if compression is not None:
-            compression.plan(self.buckets)
+            compression.plan(self.buckets, group, self.device)  # one group and device for both
         if communicate:
             self._broadcast_from_rank0()
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]

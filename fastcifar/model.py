@@ -48,12 +48,13 @@ def norm_factory(kernels: str) -> NormFactory:
 
 
 class ConvBlock(nn.Module):
-    """3x3 conv (no bias: the batchnorm's shift replaces it) followed by NormActPool."""
+    """kernel x kernel conv (3x3 in ResNet-9; AlexNet's 11x11 stride 4 and 5x5 too; "same" padding;
+    no bias: the batchnorm's shift replaces it) followed by NormActPool."""
 
     def __init__(self, c_in: int, c_out: int, norm: NormFactory, act: str = "relu",
-                 pool: Optional[str] = None):
+                 pool: Optional[str] = None, kernel: int = 3, stride: int = 1):
         super().__init__()
-        self.conv = nn.Conv2d(c_in, c_out, kernel_size=3, padding=1, bias=False)
+        self.conv = nn.Conv2d(c_in, c_out, kernel_size=kernel, stride=stride, padding=kernel // 2, bias=False)
         self.norm = norm(c_out, act=act, pool=pool)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

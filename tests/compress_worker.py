@@ -109,6 +109,9 @@ def main(out: Path, quick: bool) -> int:
                     results[(name, scope, transport)] = averaged(method, options, scope, transport, r)
         for scope in ("bucket",) if quick else SCOPES:
             results[("powersgd", scope)] = averaged("powersgd", {"rank": 1}, scope, "sparse", r, steps=3)
+        # one step, so error feedback's residual is still 0: PowerSGD's result against the plain mean
+        results["powersgd_1step"] = averaged("powersgd", {"rank": 2}, "layer", "sparse", r, steps=1)
+        results["mean_1step"] = averaged("none", {}, "layer", "sparse", r, steps=1)
         # an empty selection on every rank, and on some ranks only (rank 0 selects nothing)
         results["empty"] = averaged("threshold", {"threshold": 1e9}, "layer", "sparse", r)
         results["empty_some"] = averaged("threshold", {"threshold": 1e9 if r == 0 else 0.05}, "bucket", "sparse", r)

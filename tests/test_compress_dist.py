@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli import ROOT, SHORT, run_train, summary_of
+from cli import SHORT, run_train, summary_of
 from compress_worker import BOTH, EXACT, LEARN, SCOPES
 from test_comm import start_ranks, wait_all
 
@@ -137,6 +137,23 @@ def test_powersgd_and_randomness_per_rank(two):
     # in where they kept coordinates; shared-coordinate RandomK keeps the same ones on both.
     t0, t1 = r0[("terngrad", "model", "sparse")]["residual"], r1[("terngrad", "model", "sparse")]["residual"]
     assert not torch.equal(t0[0] == 0, t1[0] == 0)
+
+
+@pytest.mark.parametrize("fixture", ["two", "three"])
+def test_powersgd_one_step_is_a_projection_of_the_mean(fixture, request):
+    # One power iteration from Q0: P = orth(M Q0), A = P (M^T P)^T = P P^T M with M the mean
+    # gradient, an orthogonal projection, so <A, M> = <A, A> per parameter (a chunk sent whole has
+    # A = M). A wrong 1/world_size in the Q round scales A by n: <A, M> = <A, A> / n. Agreeing
+    # ranks and a learning toy net do not see that.
+    dot = lambda a, b: float((a.double() * b.double()).sum())  # noqa: E731
+    for rank in request.getfixturevalue(fixture):
+        approx, mean = grads(rank, "powersgd_1step"), grads(rank, "mean_1step")
+        for i, (a, m) in enumerate(zip(approx, mean)):
+            assert dot(a, m) == pytest.approx(dot(a, a), rel=1e-4, abs=1e-12), \
+                f"parameter {i}: <A, M> = {dot(a, m):.6g}, <A, A> = {dot(a, a):.6g}"
+        # rank 2 of the 6x27, 12x54, 12x108 and 5x12 weights drops something: a true projection
+        dropped = [dot(a, a) < 0.99 * dot(m, m) for a, m in zip(approx, mean) if m.dim() > 1]
+        assert sum(dropped) == 4, dropped
 
 
 def test_a_short_training_run_learns_with_each_method(two):

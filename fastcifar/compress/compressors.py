@@ -39,6 +39,10 @@ class Compressor:
     def decompress(self, payload: list, ctx) -> torch.Tensor:
         raise NotImplementedError
 
+    def reset(self, shared) -> None:
+        """State carried across steps back to the first step's (``shared`` already reset to step 0):
+        none here; PowerSGD's warm-start Q."""
+
     def describe(self) -> str:
         return self.name
 
@@ -182,37 +186,27 @@ class TernGrad(Compressor):
 class QSGD(Compressor):
     """s levels: x_i -> ||x||_2 x sign(x_i) x xi_i / s, xi_i the stochastic rounding of
     s |x_i| / ||x||_2 (an integer in 0..s); levels as int8 (s <= 127) or int16, and one fp32 norm
-    per ``chunk`` coordinates (0: one norm for the whole vector)."""
+    per chunk."""
     name, unbiased = "qsgd", True
 
-    def __init__(self, levels: int, chunk: int = 0):
+    def __init__(self, levels: int):
         if not 1 <= levels <= 32767:
             raise ValueError(f"QSGD needs 1..32767 levels, not {levels}")
-        self.levels, self.chunk = levels, chunk
+        self.levels = levels
         self.level_dtype = torch.int8 if levels <= 127 else torch.int16
 
-    def _blocks(self, d: int) -> int:
-        return d if self.chunk <= 0 else min(self.chunk, d)
-
     def compress(self, x, world_size=1, rng=None, shared=None, key=0, rows=None):
-        d = x.numel()
-        block = self._blocks(d)
-        pad = (-d) % block
-        xb = torch.nn.functional.pad(x, (0, pad)).reshape(-1, block)
-        norms = xb.norm(dim=1, keepdim=True)
-        r = self.levels * xb.abs() / torch.where(norms > 0, norms, torch.ones_like(norms))
-        xi = _stochastic_round(r, rng.uniform(r.numel(), key).reshape(r.shape))
-        levels = (xb.sign() * xi).flatten()[:d].to(self.level_dtype)
-        return [levels, norms.flatten()], (d, block)
+        norm = x.norm().reshape(1)
+        r = self.levels * x.abs() / torch.where(norm > 0, norm, torch.ones_like(norm))
+        xi = _stochastic_round(r, rng.uniform(x.numel(), key))
+        return [(x.sign() * xi).to(self.level_dtype), norm], x.numel()
 
     def decompress(self, payload, ctx):
-        levels, norms = payload
-        d, block = ctx
-        scale = (norms / self.levels).repeat_interleave(block)[:d]
-        return levels.float() * scale
+        levels, norm = payload
+        return levels.float() * (norm / self.levels)
 
     def describe(self):
-        return f"qsgd(s={self.levels}" + (f", norm per {self.chunk})" if self.chunk > 0 else ")")
+        return f"qsgd(s={self.levels})"
 
 
 def _orthonormalize(m: torch.Tensor) -> torch.Tensor:
@@ -298,8 +292,7 @@ METHODS = ("none", "fp16", "bf16", "topk", "randomk", "threshold", "terngrad", "
 
 
 def make(method: str, ratio: float = 0.01, threshold: float = 1e-3, levels: int = 127, rank: int = 4,
-         randomk_unbiased: bool = True, randomk_shared: bool = True, terngrad_clip: bool = False,
-         qsgd_chunk: int = 0) -> Compressor | None:
+         randomk_unbiased: bool = True, randomk_shared: bool = True, terngrad_clip: bool = False) -> Compressor | None:
     """The compressor named by ``--compress`` (None for ``none``; ``fp32`` = Identity, for tests)."""
     if method == "none":
         return None
@@ -311,7 +304,7 @@ def make(method: str, ratio: float = 0.01, threshold: float = 1e-3, levels: int 
         "randomk": lambda: RandomK(ratio, randomk_unbiased, randomk_shared),
         "threshold": lambda: Threshold(threshold),
         "terngrad": lambda: TernGrad(terngrad_clip),
-        "qsgd": lambda: QSGD(levels, qsgd_chunk),
+        "qsgd": lambda: QSGD(levels),
         "powersgd": lambda: PowerSGD(rank),
     }
     if method not in table:

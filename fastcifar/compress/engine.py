@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .compressors import Compressor, PowerSGD
+from .compressors import Compressor
 from .memory import ErrorFeedback
 from .rng import SHARED_STREAM, CounterRNG
 
@@ -106,8 +106,7 @@ class Compression:
     """One compressor applied to every bucket of a GradBuckets, with its memory, RNGs and stats."""
 
     def __init__(self, compressor: Compressor, scope: str = "bucket", error_feedback: bool = False,
-                 warmup_steps: int = 0, transport: str = "sparse", seed: int = 0, group=None,
-                 device: torch.device | str = "cpu"):
+                 warmup_steps: int = 0, transport: str = "sparse", seed: int = 0):
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
         if transport not in TRANSPORTS:
@@ -115,12 +114,10 @@ class Compression:
         if transport == "dense" and compressor.rounds > 1:
             raise ValueError(f"{compressor.name} has no dense transport (its two rounds are the method)")
         self.compressor, self.scope, self.transport = compressor, scope, transport
-        self.warmup_steps, self.group = warmup_steps, group
+        self.warmup_steps, self.seed = warmup_steps, seed
         self.memory = ErrorFeedback() if error_feedback else None
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.rng = CounterRNG(seed, rank, device)  # this rank's own draws
-        self.shared = CounterRNG(seed, SHARED_STREAM, device)  # the same draws on every rank
+        self.group, self.world_size = None, 1  # plan() takes GradBuckets' group and device
+        self.rng = self.shared = None
         self.step = 0  # host count of finished steps (dense warm-up)
         self.stats = Stats()
         self._chunks: dict = {}  # bucket index -> [Chunk]
@@ -129,9 +126,15 @@ class Compression:
         self.captured = None  # (payload, dense) of the last step before reset(): a captured step's
 
     # -- set-up --------------------------------------------------------------------------------
-    def plan(self, buckets) -> None:
-        """Chunks of every bucket (GradBuckets calls this once its buckets exist)."""
+    def plan(self, buckets, group=None, device: torch.device | str = "cpu") -> None:
+        """Chunks of every bucket (GradBuckets calls this once its buckets exist, with its own group
+        and device: the ranks to average over and where the RNG counters live are the buckets')."""
         from fastcifar.comm import _span
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.rng = CounterRNG(self.seed, rank, device)  # this rank's own draws
+        self.shared = CounterRNG(self.seed, SHARED_STREAM, device)  # the same draws on every rank
         key = 0
         for b in buckets:
             if self.scope == "layer":
@@ -172,7 +175,7 @@ class Compression:
             payload, ctx = comp.compress(g, scale, self.rng, self.shared, key=c.key, rows=c.rows)
             items.append((c, g, payload, ctx))
         if self.transport == "dense":
-            pending = self._launch_dense(b, items)
+            pending = self._launch_dense(b, items, dense_all_reduce)
         elif comp.kind == "sum":
             pending = self._launch_sum(b, items)
         else:
@@ -203,16 +206,11 @@ class Compression:
         self.shared.reset()
         if self.memory is not None:
             self.memory.reset()
-        if isinstance(self.compressor, PowerSGD):
-            self.compressor.reset(self.shared)
+        self.compressor.reset(self.shared)
 
     # -- transports ----------------------------------------------------------------------------
     def _write(self, b, c: Chunk, mean: torch.Tensor) -> None:
         b.flat[c.start:c.start + c.length].copy_(mean)
-
-    def _feedback(self, c: Chunk, g: torch.Tensor, own: torch.Tensor) -> None:
-        if self.memory is not None:
-            self.memory.update(c.key, g, own)
 
     def _timed(self, fn):
         def run():
@@ -221,15 +219,18 @@ class Compression:
             self.stats.compress_s += time.perf_counter() - t0
         return run
 
-    def _launch_dense(self, b, items):
-        """The seed: write each rank's reconstruction / n into the bucket, all-reduce it whole."""
-        comp, n = self.compressor, self.world_size
+    def _launch_dense(self, b, items, dense_all_reduce):
+        """The seed: write each rank's reconstruction into the bucket and average it whole with
+        GradBuckets' own path (which divides by n before the sum, in the bucket's dtype: an fp16
+        bucket rounds the reconstruction first, and dividing by 2, 4 or 8 after that is exact)."""
+        comp = self.compressor
         for c, g, payload, ctx in items:
             own = comp.decompress(payload, ctx)
-            self._feedback(c, g, own)
-            self._write(b, c, own / n)
+            if self.memory is not None:
+                self.memory.update(c.key, g, own)
+            self._write(b, c, own)
         self._step_bytes[0] += b.flat.numel() * b.flat.element_size()
-        return _Pending([dist.all_reduce(b.flat, group=self.group, async_op=True)], lambda: None)
+        return dense_all_reduce(b.flat)
 
     def _launch_sum(self, b, items):
         comp, n = self.compressor, self.world_size
@@ -267,11 +268,12 @@ class Compression:
                 per_item = [s + s2 for s, s2 in zip(per_item, second)]
             for s, (c, g, payload, ctx) in zip(per_item, items):
                 mean = comp.decompress(s, ctx)
-                if comp.rounds > 1:
-                    own = mean  # PowerSGD's residual is against the shared approximation
-                else:
-                    own = comp.decompress(payload, ctx) * n  # what this rank sent, unscaled
-                self._feedback(c, g, own)
+                if self.memory is not None:  # own payload's decompression: only the residual needs it
+                    if comp.rounds > 1:
+                        own = mean  # PowerSGD's residual is against the shared approximation
+                    else:
+                        own = comp.decompress(payload, ctx) * n  # what this rank sent, unscaled
+                    self.memory.update(c.key, g, own)
                 self._write(b, c, mean)
         return _Pending([work], self._timed(finish))
 
@@ -308,6 +310,7 @@ class Compression:
                         part = [t[:int(counts[r, i])] for t in part]
                     x = comp.decompress(part, ctx) / n
                     mean = x if mean is None else mean.add_(x)
-                self._feedback(c, g, comp.decompress(payload, ctx))
+                if self.memory is not None:  # own payload's decompression: only the residual needs it
+                    self.memory.update(c.key, g, comp.decompress(payload, ctx))
                 self._write(b, c, mean)
         return _Pending([work] if work is not None else [], self._timed(finish))

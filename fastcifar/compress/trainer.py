@@ -22,7 +22,7 @@ def from_config(cfg, ctx, seed: int) -> Compression | None:
                       terngrad_clip=cfg.terngrad_clip)
     return Compression(compressor, scope=cfg.compress_scope, error_feedback=cfg.error_feedback,
                        warmup_steps=cfg.compress_warmup_steps, transport=cfg.compress_transport,
-                       seed=seed, device=ctx.device)
+                       seed=seed)
 
 
 def graph_safe(cfg) -> str:
