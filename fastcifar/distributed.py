@@ -178,15 +178,22 @@ def teardown(ctx: DistContext) -> None:
 
 
 @torch.no_grad()
-def average_buffers(module: torch.nn.Module, ctx: DistContext) -> None:
-    """Average floating-point buffers (batchnorm running statistics) over ranks before evaluation:
-    each rank normalizes with its own batch statistics in training, so their running means drift apart."""
-    if not ctx.distributed:
+def average_buffers(buffers, world_size: int) -> None:
+    """Average floating-point buffers (batchnorm running statistics) over ranks: each rank
+    normalizes with its own batch statistics in training, so their running means drift apart. One
+    all-reduce per dtype (a ResNet-9 has 16 such buffers), not one per buffer."""
+    if world_size == 1:
         return
-    for buf in module.buffers():
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buf in buffers:
         if buf.is_floating_point():
-            dist.all_reduce(buf)
-            buf.div_(ctx.world_size)
+            by_dtype.setdefault(buf.dtype, []).append(buf)
+    for bufs in by_dtype.values():
+        flat = torch.cat([b.reshape(-1) for b in bufs])
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        for b, mean in zip(bufs, flat.split([b.numel() for b in bufs])):
+            b.copy_(mean.view_as(b))
 
 
 def all_sum(values: list[float], ctx: DistContext, device: torch.device) -> list[float]:

@@ -299,7 +299,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
         total_train_time += epoch_time
 
         t1 = time.perf_counter()
-        distributed.average_buffers(model, ctx)
+        distributed.average_buffers(model.buffers(), ctx.world_size)
         test_loss, test_acc = evaluate(model, eval_step, test_set, ctx)
         n_train = epoch_steps * per_rank_batch * ctx.world_size
         train_loss, train_correct = distributed.all_sum(

@@ -32,6 +32,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from .. import distributed
+
 MERGES = ("mean", "sum")
 LAYOUTS = ("shared", "disjoint")
 MOMENTUM = ("keep", "reset")
@@ -41,6 +43,10 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     """A 1-D view of ``t`` in memory order (channels-last weights included): in-place writes land."""
     dims = sorted(range(t.dim()), key=lambda d: -t.stride(d))
     return t.permute(dims).view(-1)
+
+
+def _count(flat: torch.Tensor, idx: torch.Tensor | None) -> int:
+    return flat.numel() if idx is None else idx.numel()
 
 
 def memory_indices(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -65,7 +71,8 @@ class LocalSGD:
     def set_masks(self, rank_masks: list[dict[str, torch.Tensor]] | None, shared: set[str] | None = None) -> None:
         """``None``: dense. One mask: the shared layout. One per rank: disjoint, where ``shared``
         names the parameters every rank trains (the forced ones), all-reduced."""
-        # Per dtype: [(param flat view, reduced idx, [owned idx per rank])]
+        # Per dtype: [(param flat view, reduced idx, [owned idx per rank])]; idx None: the whole
+        # tensor (dense: no index of 8 bytes per entry to store and gather through)
         plan = defaultdict(list)
         self.owned = rank_masks is not None and len(rank_masks) > 1
         for name, p in self.params.items():
@@ -73,7 +80,7 @@ class LocalSGD:
             none = flat.new_zeros(0, dtype=torch.long, device=p.device)
             owned = [none] * self.world if self.owned else []
             if rank_masks is None:
-                reduced = torch.arange(flat.numel(), device=p.device)
+                reduced = None
             elif not self.owned or name in (shared or set()):
                 reduced = memory_indices(rank_masks[0][name], p)
             else:
@@ -89,7 +96,7 @@ class LocalSGD:
 
     def _gather_values(self, dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
         entries = self.plan[dtype]
-        reduced = torch.cat([flat[r] for flat, r, _ in entries])
+        reduced = torch.cat([flat if r is None else flat[r] for flat, r, _ in entries])
         owned = [torch.cat([flat[o[k]] for flat, _, o in entries]) for k in range(self.world)] if self.owned else []
         return reduced, owned
 
@@ -97,7 +104,7 @@ class LocalSGD:
         values = 0
         for dtype, entries in self.plan.items():
             size = torch.empty((), dtype=dtype).element_size()
-            values += size * sum(r.numel() for _, r, _ in entries)
+            values += size * sum(_count(flat, r) for flat, r, _ in entries)
             if self.owned:
                 values += size * max(sum(o[k].numel() for _, _, o in entries) for k in range(self.world))
         buffers = sum(b.numel() * b.element_size() for b in self.buffers)
@@ -123,7 +130,8 @@ class LocalSGD:
     @torch.no_grad()
     def merge(self) -> None:
         if self.world > 1:
-            for dtype, entries in self.plan.items():
+            merged = {}
+            for dtype in self.plan:
                 anchor_r, anchor_o = self.anchor[dtype]
                 now_r, now_o = self._gather_values(dtype)
                 delta = now_r - anchor_r
@@ -140,20 +148,25 @@ class LocalSGD:
                     dist.all_gather(gathered, mine)
                     new_o = [anchor_o[k] + gathered[k][:counts[k]] for k in range(self.world)]
                 self._scatter(dtype, new_r, new_o)
-            for b in self.buffers:
-                dist.all_reduce(b)
-                b /= self.world
+                merged[dtype] = (new_r, new_o)
+            distributed.average_buffers(self.buffers, self.world)
+            self.anchor = merged  # what _scatter just wrote: no gather needed to read it back
+        else:
+            self.rebase()
         if self.momentum == "reset":
             self.opt.reset_state()
-        self.rebase()
         self.merges += 1
         self.steps = 0  # steps since this merge: an epoch-end merge restarts the count of H
 
     def _scatter(self, dtype, new_r: torch.Tensor, new_o: list[torch.Tensor]) -> None:
         start_r, start_o = 0, [0] * len(new_o)
         for flat, r, o in self.plan[dtype]:
-            flat[r] = new_r[start_r:start_r + r.numel()]
-            start_r += r.numel()
+            n = _count(flat, r)
+            if r is None:
+                flat.copy_(new_r[start_r:start_r + n])
+            else:
+                flat[r] = new_r[start_r:start_r + n]
+            start_r += n
             for k, idx in enumerate(o):
                 flat[idx] = new_o[k][start_o[k]:start_o[k] + idx.numel()]
                 start_o[k] += idx.numel()

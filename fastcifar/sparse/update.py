@@ -52,9 +52,9 @@ class MaskedOptimizer:
             grads = [p.grad for p in params]
             if any(g is None for g in grads):
                 raise RuntimeError("a parameter has no gradient; run backward before step()")
+            if wd:  # m * (g + wd * p): the mask is 0 or 1, so one masking covers gradient and decay
+                torch._foreach_add_(grads, params, alpha=wd)
             torch._foreach_mul_(grads, masks)
-            if wd:
-                torch._foreach_addcmul_(grads, params, masks, value=wd)
         self.opt.step()
 
     def zero_grad(self) -> None:
