@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--fractions", default="0.005,0.02,0.1", help="K values, comma-separated")
     p.add_argument("--local-steps", default="1,4,16", help="H values for local SGD, comma-separated")
     p.add_argument("--local-fraction", type=float, default=0.02, help="K of the sparse local SGD rows")
+    p.add_argument("--tables", choices=("both", "masks", "local"), default="both",
+                   help="which table to measure (e.g. table 2 again after a change to local SGD alone)")
     p.add_argument("--smoke", action="store_true", help="tiny synthetic run of every code path; writes nothing")
     args = p.parse_args(argv)
     size = "smoke" if args.smoke else args.size
@@ -135,19 +137,21 @@ def main(argv=None) -> int:
         if size == "full":
             import torch
             ranks = torch.cuda.device_count()
-        rows = mask_rows(base, fractions, not args.smoke, work, ("fisher",) if args.smoke else ("fisher", "random"))
-        lrows = []
-        if ranks >= 2:
+        rows, lrows = [], []
+        if args.tables != "local":
+            rows = mask_rows(base, fractions, not args.smoke, work, ("fisher",) if args.smoke else ("fisher", "random"))
+        if ranks >= 2 and args.tables != "masks":
             lrows = local_rows(base, hs, args.local_fraction, ranks, work)
     print(f"## sparse training ({size})\n")
     print(f"{env['device']} | torch {env['torch']} | {env['date']} | commit {env['commit']}\n")
-    print(markdown_table(rows, ["mask", "K", "mask_every", "trained_params", "test_acc", "train_s",
-                                "diff_bytes_mean", "dense_file_bytes"]))
-    print()
+    if rows:
+        print(markdown_table(rows, ["mask", "K", "mask_every", "trained_params", "test_acc", "train_s",
+                                    "diff_bytes_mean", "dense_file_bytes"]))
+        print()
     if lrows:
         print(markdown_table(lrows, ["mode", "H", "ranks", "test_acc", "merges", "bytes_per_merge",
                                      "run_bytes_per_rank", "dp_run_bytes_per_rank"]))
-    else:
+    elif args.tables != "masks":
         print("local SGD: skipped, it needs at least 2 devices (this machine has 1 GPU)")
     if args.smoke:
         print("\nsmoke run: figures meaningless, nothing written")
