@@ -326,11 +326,6 @@ def _validate_compress(cfg: Config) -> None:
         raise ConfigError(f"--compress {cfg.compress} needs --comm bucketed (it runs inside its buckets)")
     if cfg.compress == "powersgd" and cfg.compress_transport == "dense":
         raise ConfigError("--compress powersgd has no --compress-transport dense (its two all-reduces are the method)")
-    if cfg.cuda_graphs == "on":
-        from .compress import graph_safe  # late: fastcifar.compress imports torch.distributed
-        why = graph_safe(cfg)
-        if why:
-            raise ConfigError(f"--cuda-graphs on cannot capture this step: {why}; use --cuda-graphs off")
 
 
 def _validate_sparse(cfg: Config, world_size: int) -> None:
@@ -400,7 +395,7 @@ def _comments() -> dict[str, str]:
 
 def build_parser(base: Config) -> argparse.ArgumentParser:
     parser = _OneLineParser(
-        prog="python -m fastcifar.train",
+        prog="python -m fastcifar.train", allow_abbrev=False,  # --warmup-epo would pass for --warmup-epochs
         description="Train ResNet-style networks on CIFAR-10, on one device or under torchrun. "
                     "Every field of the run's config has a flag; a preset sets their defaults.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -431,15 +426,14 @@ def build_parser(base: Config) -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> Config:
     argv = sys.argv[1:] if argv is None else list(argv)
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset", default=DEFAULT_PRESET)
     known, _ = pre.parse_known_args(argv)
     if known.preset not in PRESETS:
         build_parser(Config()).error(f"unknown preset {known.preset!r}; choose from {', '.join(PRESETS)}")
-    base = from_preset(known.preset)
-    args = vars(build_parser(base).parse_args(argv))
+    args = vars(build_parser(from_preset(known.preset)).parse_args(argv))
     preset = args.pop("preset")
-    if args["epochs"] != base.epochs and not any(a.startswith("--warmup-epochs") for a in argv):
-        # a shorter (or longer) run keeps the preset's shape: the peak at the same fraction of it
-        args["warmup_epochs"] = base.warmup_epochs * args["epochs"] / base.epochs
-    return dataclasses.replace(base, preset=preset, **args)
+    # no abbreviations (allow_abbrev=False), so the flag is given exactly as --warmup-epochs[=V]
+    if not any(a == "--warmup-epochs" or a.startswith("--warmup-epochs=") for a in argv):
+        del args["warmup_epochs"]  # from_preset scales the preset's warm-up with a changed --epochs
+    return from_preset(preset, **args)

@@ -29,20 +29,28 @@ from .config import ConfigError
 from .tta import tta_logits
 
 
-def resolve(setting: str, device: torch.device, world_size: int = 1, comm: str = "") -> bool:
-    """Whether to capture: ``auto`` means on for CUDA; ``on`` without CUDA is refused."""
+def resolve(setting: str, device: torch.device, world_size: int = 1, comm: str = "",
+            why_not: str = "") -> tuple[bool, str]:
+    """Whether to capture, and a note when ``auto`` turned capture off for a reason worth logging.
+    ``auto`` means on for CUDA; ``on`` where it cannot work is refused. ``why_not``: why the
+    gradient compression cannot be captured (``compress.why_not_capturable``, "" when it can);
+    it counts with several ranks only, since one rank compresses nothing."""
     if setting not in ("auto", "on", "off"):
         raise ConfigError(f"--cuda-graphs must be auto, on or off, not {setting!r}")
     if device.type != "cuda":
         if setting == "on":
             raise ConfigError("--cuda-graphs on needs a CUDA device; this run is on the CPU")
-        return False
+        return False, ""
     if world_size > 1 and comm == "ddp":
         if setting == "on":
             raise ConfigError("--cuda-graphs on needs --comm bucketed with several ranks "
                               "(DistributedDataParallel's reducer cannot be captured)")
-        return False
-    return setting != "off"
+        return False, ""
+    if world_size > 1 and why_not and setting != "off":
+        if setting == "on":
+            raise ConfigError(f"--cuda-graphs on cannot capture this step: {why_not}; use --cuda-graphs off")
+        return False, f"note: CUDA graphs off: {why_not}"
+    return setting != "off", ""
 
 
 class DeviceSchedule:

@@ -216,13 +216,16 @@ class Muon:
         torch._foreach_mul_(self.buffers, self.momentum)
         torch._foreach_add_(self.buffers, grads)
         updates = torch._foreach_add(grads, self.buffers, alpha=self.momentum) if self.nesterov else self.buffers
-        norms = torch._foreach_norm(self.params)
-        for p, n, s in zip(self.params, norms, self.scales):
-            p.mul_(s / n)
+        # w <- w x sqrt(out) / |w| as list ops: no per-filter Python arithmetic or temporaries
+        factors = torch._foreach_norm(self.params)
+        torch._foreach_reciprocal_(factors)
+        torch._foreach_mul_(factors, self.scales)
+        torch._foreach_mul_(self.params, factors)
         orthogonal = self._orthogonalize(updates)
-        lr = self.lr_source * self.lr_ratio
+        rate = self.lr_source * self.lr_ratio
+        lr = {dtype: rate.to(dtype) for dtype in {p.dtype for p in self.params}}  # once per step, not per filter
         for p, o in zip(self.params, orthogonal):
-            p.sub_(o.reshape(p.shape).to(p.dtype) * lr.to(p.dtype))
+            p.sub_(o.view_as(p).to(p.dtype).mul_(lr[p.dtype]))  # o is this step's scratch: scaled in place
 
     def _orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
         ortho = lambda u: newton_schulz(u.reshape(len(u), -1), self.ns_steps, dtype=self.ns_dtype)  # noqa: E731

@@ -105,10 +105,20 @@ class RunResult:
 
 
 def record(r: RunResult) -> dict:
-    """A run's metrics as plain data, without the in-memory model."""
+    """A run's metrics as plain data, without the in-memory model or the class names (summary.json
+    holds those once, as "classes": every run of an invocation trains on the same data)."""
     doc = dataclasses.asdict(dataclasses.replace(r, model=None))
-    del doc["model"]
+    del doc["model"], doc["classes"]
     return doc
+
+
+HEADER_CLASSES = 3  # class names on the header's data line: CIFAR-100's 100 would fill the terminal
+
+
+def class_names(classes, most: int = HEADER_CLASSES) -> str:
+    """``classes`` as "a, b, c, ..." with at most ``most`` names."""
+    names = list(classes)
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
 
 
 def summarize(results: list[RunResult], target_acc: float) -> dict:
@@ -260,8 +270,8 @@ class RunLog:
 
     def start(self, meta: dict) -> None:
         """Make the run folder (data and config are valid by now) and write the header: one line
-        each for the build, the engine actually chosen, and the data; the full config goes to
-        log.txt and summary.json only."""
+        each for the build, the engine actually chosen, and the data (the class count and a few
+        names); the full config and class list go to log.txt and summary.json only."""
         self.meta = meta
         if not self.enabled:
             return
@@ -273,7 +283,10 @@ class RunLog:
         engine = meta.get("engine")
         if engine:
             self.line("engine: " + ", ".join(f"{k} {v}" for k, v in engine.items()))
-        self.line(f"data: {meta['data']}")
+        classes = meta.get("classes") or []
+        self.line(f"data: {meta['data']}" + (f" ({class_names(classes)})" if classes else ""))
+        if len(classes) > HEADER_CLASSES:
+            self.line(f"classes: {class_names(classes, len(classes))}", terminal=False)
         self.line("config: " + json.dumps(dataclasses.asdict(self.cfg)), terminal=False)
         self.line(f"logs: {self.dir}")
 

@@ -97,13 +97,15 @@ def run(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
     # Before validate: ranks launched with different settings all stop here, none validates alone.
     distributed.check_same(distributed.config_digest(cfg), "config", ctx)
     validate(cfg, ctx.world_size)
-    graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)  # refuse "on" before any work
     return train(cfg, ctx)
 
 
 def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> list[RunResult]:
     """``cfg.runs`` runs, logged and summarized; ``warmup_runs`` whole runs before them that are
     neither logged nor returned (bench/bench_train.py: caches, clocks and allocator settle)."""
+    # first: a --cuda-graphs on that cannot work is refused before anything is read or written
+    use_graphs, graphs_note = graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm,
+                                             compress.why_not_capturable(cfg))
     resume = checkpoint.load_state(cfg.resume, cfg, ctx) if cfg.resume else None  # refused before any write
     log = RunLog(cfg, cfg.out_dir, enabled=ctx.is_main)  # checks --out-dir; the folder comes at log.start
     progress = Progress.for_rank(ctx.is_main, cfg.quiet)
@@ -114,8 +116,9 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
     kernels = resolve_kernels(cfg.kernels, ctx.device)
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
-    if notice:
-        log.line(notice)
+    for note in (notice, graphs_note):
+        if note:
+            log.line(note)
 
     # Data: every rank reads the set, keeps its fixed shard on the device, and the same number of steps.
     decode = dali_decoder(ctx.device) if loader_name == "dali" else None  # JPEG folders: DALI decodes once
@@ -138,30 +141,27 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
                                    kernels=kernels, **augment)
     test_set = EvalSet(data.test_images, data.test_labels, cfg.eval_batch_size, dtype=dtype,
                        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size)
-    use_graphs = graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm)
-    if use_graphs and ctx.distributed and compress.graph_safe(cfg):  # "on" was refused in validate
-        use_graphs = False
-        log.line(f"note: CUDA graphs off: {compress.graph_safe(cfg)}")
     engine = {"loader": loader_name, "kernels": kernels, "precision": "fp16" if half else "fp32",
               "cuda graphs": "on" if use_graphs else "off"}
     if ctx.distributed:
         engine["comm"] = cfg.comm
+    # the class names once, as "classes" (the header shows a few; log.txt and summary.json all)
     log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
                "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images, "
-                       f"{len(data.classes)} classes ({', '.join(data.classes)})",
-               "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "loader": loader_name,
-               "kernels": kernels, "engine": engine, "classes": list(data.classes)})
+                       f"{len(data.classes)} classes",
+               "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "engine": engine,
+               "classes": list(data.classes)})
 
     if cfg.nvtx and use_graphs:
         log.line("note: with CUDA graphs --nvtx marks each step as one range; --cuda-graphs off "
                  "shows its forward, backward, comm and optimizer phases")
     for _ in range(warmup_runs):  # seed + runs: a seed no measured run uses
         train_one_run(cfg, ctx, 0, cfg.seed + cfg.runs, dtype, train_loader, test_set, RunLog(cfg, "", False),
-                      use_graphs, data.classes)
+                      Progress(False), use_graphs, data.classes)  # logs nothing, draws nothing
     results = []
     for run in range(1, cfg.runs + 1):
         results.append(train_one_run(cfg, ctx, run, cfg.seed + run - 1, dtype, train_loader, test_set, log,
-                                     use_graphs, data.classes, resume))
+                                     progress, use_graphs, data.classes, resume))
         log.run_done(results[-1], cfg.target_acc)
     log.finish(results)
     return results
@@ -207,7 +207,7 @@ def make_step(net, opt: NesterovSGD, schedule: DeviceSchedule, label_smoothing: 
     return step
 
 
-def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_graphs, classes,
+def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, progress, use_graphs, classes,
                   resume: dict | None = None) -> RunResult:
     torch.manual_seed(seed)  # same seed on every rank: identical initial weights
     model = build_model(cfg, ctx.device, dtype, num_classes=len(classes))
@@ -249,7 +249,6 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, use_g
     if hasattr(train_loader, "quiesce"):  # DALI's threads must make no CUDA calls during capture
         train_loader.quiesce()
     model.train()
-    progress = Progress.for_rank(log.enabled, cfg.quiet)  # bench's warm-up runs log nothing, draw nothing
     with progress.stage(f"run {run}: warm-up" + (" and graph capture" if use_graphs else "")):
         train_step.warm_up_and_capture(cfg.warmup_steps)
     model.load_state_dict(initial)

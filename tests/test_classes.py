@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import hashlib
 import pickle
 import tarfile
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from cli import run_dirs
+from cli import run_dirs, summary_of
 from conftest import one_line_error
 from fastcifar.checkpoint import load_model
+from fastcifar.config import Config
 from fastcifar.data import load_dataset
 from fastcifar.data import official
 from fastcifar.evaluate import evaluate
+from fastcifar.report import RunLog, device_info, versions
 from fastcifar.sparse import diffs
 from fastcifar.train import main as train_main
 
@@ -92,9 +96,30 @@ def test_cifar100_trains_a_100_class_net(tmp_path, capfd):
     out = tmp_path / "runs"
     assert train_main([*TINY, "--data", str(folder), "--out-dir", str(out)]) == 0, capfd.readouterr().err
     (run_dir,) = run_dirs(out)
-    assert "100 classes (fine00, fine01" in (run_dir / "log.txt").read_text()  # the header names them
+    log_text = (run_dir / "log.txt").read_text()
+    assert "100 classes (fine00, fine01" in log_text  # the header names them
+    # the data line (the terminal's too): the count and a few names; log.txt and summary.json: every name, once
+    (data_line,) = [ln for ln in log_text.splitlines() if ln.startswith("data: ")]
+    assert data_line.endswith("100 classes (fine00, fine01, fine02, ...)"), data_line
+    assert f"classes: {', '.join(names)}" in log_text.splitlines()
+    doc = summary_of(out)
+    assert doc["classes"] == list(names) and "fine03" not in doc["data"]
+    assert all("classes" not in r for r in doc["results"])
     model, info = load_model(run_dir / "model.safetensors")
     assert info.classes == tuple(names) and model.fc.weight.shape[0] == 100
+
+
+def test_the_terminal_gets_a_few_class_names_and_log_txt_all(tmp_path):
+    names = [f"fine{k:02d}" for k in range(100)]
+    terminal = io.StringIO()
+    log = RunLog(Config(), str(tmp_path), enabled=True, stream=terminal)
+    log.start({"versions": versions(), "device": device_info(torch.device("cpu"), 1),
+               "data": "d: 300 train, 100 test images, 100 classes", "classes": names})
+    log.stop("failed", "the header is all this test needs")
+    shown = terminal.getvalue()
+    assert "data: d: 300 train, 100 test images, 100 classes (fine00, fine01, fine02, ...)\n" in shown
+    assert "fine03" not in shown and max(map(len, shown.splitlines())) < 200
+    assert f"classes: {', '.join(names)}\n" in (log.dir / "log.txt").read_text()
 
 
 def write_folder(root, train_classes, test_classes, per_class=(6, 2)):

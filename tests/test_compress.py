@@ -159,13 +159,13 @@ def test_config_refuses_settings_that_cannot_work():
              ({"compress_threshold": -1.0}, "--compress-threshold"),
              ({"comm": "ddp"}, "--comm bucketed"),
              ({"compress": "powersgd", "compress_transport": "dense"}, "dense"),
-             ({"compress": "threshold", "cuda_graphs": "on"}, "--cuda-graphs on"),
-             ({"compress_warmup_steps": 5, "cuda_graphs": "on"}, "--cuda-graphs on"),
              ({"compress_scope": "net"}, "--compress-scope")]
     for overrides, words in cases:
         with pytest.raises(ConfigError, match=words.replace("-", r"\-")):
             validate(Config(**{"compress": "topk", **overrides}))
     validate(Config(compress="topk", cuda_graphs="on"))  # fixed-size payloads can be captured
+    # --cuda-graphs on with a payload that cannot be captured: graphs.resolve refuses it, on several
+    # ranks only (tests/test_graphs.py), since one rank compresses nothing
 
 
 def test_alexnet_preset_builds_the_cifar_alexnet():

@@ -267,7 +267,7 @@ class _Tty:
         pass
 
 
-def test_progress_only_on_a_terminal_on_rank_0_and_not_quiet():
+def test_progress_only_on_a_terminal_on_rank_0_and_not_quiet(monkeypatch):
     items = list(range(7))
     for enabled, tty, shown in [(True, True, True), (True, False, False), (False, True, False)]:
         stream = _Tty(tty)
@@ -276,6 +276,9 @@ def test_progress_only_on_a_terminal_on_rank_0_and_not_quiet():
         assert (wrapped is items) != shown
         assert list(wrapped) == items
         assert ("epoch 1/2" in "".join(stream.text)) == shown
+    # for_rank draws on stderr, which is no terminal under pytest: make it one, or nothing here could fail
+    monkeypatch.setattr(sys, "stderr", _Tty(True))
+    assert Progress.for_rank(True, quiet=False).enabled
     assert not Progress.for_rank(True, quiet=True).enabled and not Progress.for_rank(False, quiet=False).enabled
 
 
@@ -319,7 +322,7 @@ def test_a_short_run_gives_the_same_metrics_with_either_loader(small_data, tmp_p
         (run_dir,) = run_dirs(tmp_path / loader)
         assert any(ln.startswith("config: {") for ln in (run_dir / "log.txt").read_text().splitlines())
         doc = _strict((run_dir / "summary.json").read_text())
-        assert doc["loader"] == loader and doc["status"] == "finished"
+        assert doc["engine"]["loader"] == loader and doc["status"] == "finished"
         runs[loader] = [(e["train_loss"], e["train_acc"], e["test_loss"], e["test_acc"])
                         for e in doc["results"][0]["epochs"]]
     assert runs["torch"] == runs["dali"]

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from cli import SHORT, run_dirs, run_train
 from conftest import one_line_error
-from fastcifar.config import ConfigError
+from fastcifar.compress import why_not_capturable
+from fastcifar.config import Config, ConfigError, validate
 from fastcifar.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep, resolve
 from fastcifar.model import ResNet9
 
@@ -17,15 +18,31 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def test_resolve():
-    assert resolve("auto", CPU) is False and resolve("off", CPU) is False
+    assert resolve("auto", CPU) == (False, "") and resolve("off", CPU) == (False, "")
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         resolve("on", CPU)
-    assert resolve("auto", CUDA) is True and resolve("on", CUDA) is True and resolve("off", CUDA) is False
-    assert resolve("auto", CUDA, world_size=2, comm="ddp") is False
+    assert resolve("auto", CUDA) == (True, "") and resolve("on", CUDA) == (True, "")
+    assert resolve("off", CUDA) == (False, "")
+    assert resolve("auto", CUDA, world_size=2, comm="ddp") == (False, "")
     with pytest.raises(ConfigError, match="--comm bucketed"):
         resolve("on", CUDA, world_size=2, comm="ddp")
     with pytest.raises(ConfigError, match="auto, on or off"):
         resolve("yes", CPU)
+
+
+@pytest.mark.parametrize("overrides", [{"compress": "threshold"}, {"compress": "topk", "compress_warmup_steps": 5}])
+def test_resolve_weighs_the_compressions_reason_on_several_ranks(overrides):
+    """One decision for the compressor's veto: ``on`` refused with its reason, ``auto`` off with a
+    note, and one rank (which compresses nothing) captures as usual."""
+    why = why_not_capturable(Config(**overrides))
+    assert why
+    with pytest.raises(ConfigError, match=r"--cuda-graphs on cannot capture this step: .*--cuda-graphs off"):
+        resolve("on", CUDA, world_size=2, comm="bucketed", why_not=why)
+    assert resolve("auto", CUDA, world_size=2, comm="bucketed", why_not=why) == (False, f"note: CUDA graphs off: {why}")
+    assert resolve("off", CUDA, world_size=2, comm="bucketed", why_not=why) == (False, "")
+    assert resolve("on", CUDA, world_size=1, comm="bucketed", why_not=why) == (True, "")
+    validate(Config(cuda_graphs="on", **overrides))  # the settings themselves are fine: resolve decides
+    assert why_not_capturable(Config(compress="topk")) == ""  # fixed-size payloads can be captured
 
 
 def test_device_schedule_steps_on_the_device():

@@ -13,6 +13,7 @@ from cli import run_train
 from fastcifar import train as trainer
 from fastcifar.config import ConfigError, from_preset, validate
 from fastcifar.distributed import DistContext
+from fastcifar.graphs import DeviceSchedule
 from fastcifar.model import NormActPool
 from fastcifar.optim import NS_COEFFICIENTS, Muon, MuonSGD, newton_schulz
 from fastcifar.recipe import make_network, make_optimizer, param_groups
@@ -227,11 +228,12 @@ def test_muon_step_replays_from_a_cuda_graph():
         grads = [[torch.randn_like(p) for p in params] for _ in range(4)]
         for p, g in zip(params, grads[0]):
             p.grad = g.clone()
-        rate = torch.tensor([0.053, 0.04, 0.03, 0.02], device=dev)
-        step_index = torch.zeros((), dtype=torch.int64, device=dev)
+        # the trainer's device-side schedule: indexing a table with a device tensor (rate[i]) reads
+        # the index back to the host, which a capture refuses; DeviceSchedule advances on the device
+        schedule = DeviceSchedule([0.053, 0.04, 0.03, 0.02], dev)
 
         def body():
-            opt.lr.copy_(rate[step_index])
+            schedule.apply(opt.lr)
             opt.step()
 
         graph = None
@@ -249,8 +251,8 @@ def test_muon_step_replays_from_a_cuda_graph():
                 for p, p0 in zip(params, initial):
                     p.copy_(p0)
             opt.reset_state()
+            schedule.reset()  # warm-up advanced the counter (the capture itself ran nothing)
         for i in range(4):
-            step_index.fill_(i)
             for p, g in zip(params, grads[i]):
                 p.grad.copy_(g)
             graph.replay() if graph is not None else body()

@@ -26,7 +26,8 @@ def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path, loader):
     acc = summary["summary"]["acc_mean"]
     assert acc > 60.0, f"a 4-epoch run on learnable data reached only {acc:.1f}% (guessing: 10%)"
     assert summary["config"]["epochs"] == 4 and summary["device"]["type"] == "cpu"
-    assert summary["loader"] == loader
+    assert summary["engine"]["loader"] == loader and summary["engine"]["kernels"] == "torch"
+    assert "loader" not in summary and "kernels" not in summary  # once, under "engine"
     assert summary["versions"]["torch"] and "timing_protocol" in summary
     (result,) = summary["results"]
     assert len(result["epochs"]) == 4 and result["train_time"] > 0 and result["wall_time"] > result["train_time"]
@@ -86,6 +87,18 @@ def test_warmup_scales_with_epochs_unless_given():
     assert parse_args(["--preset", "resnet9", "--epochs", "12"]).warmup_epochs == pytest.approx(2.5)
     assert parse_args(["--preset", "resnet9", "--epochs", "12", "--warmup-epochs", "1"]).warmup_epochs == 1.0
     assert parse_args(["--preset", "resnet9"]).warmup_epochs == 5.0
+    # the user's value survives a changed --epochs in either spelling, on the default preset too
+    assert parse_args(["--epochs", "5", "--warmup-epochs", "1"]).warmup_epochs == 1.0
+    assert parse_args(["--epochs", "5", "--warmup-epochs=1"]).warmup_epochs == 1.0
+
+
+def test_abbreviated_flags_are_refused(capsys):
+    """argparse took --warmup-epo for --warmup-epochs, and the rescaling, looking for the full
+    name, then replaced the user's 1 with the preset's share of 5 epochs (1.15)."""
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--epochs", "5", "--warmup-epo", "1"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --warmup-epo 1" in one_line_error(capsys.readouterr().err)
 
 
 def test_overrides_and_presets():
@@ -104,6 +117,7 @@ def test_overrides_and_presets():
     (["--preset", "nope"], "unknown preset"),
     (["--pad-mode", "wrap"], "invalid choice"),
     (["--warmup-epochs", "30"], "--warmup-epochs must lie in"),
+    (["--warmup-epo", "1"], "unrecognized arguments: --warmup-epo"),  # no abbreviations
     (["--widths", "8,16"], "--widths takes three positive channel counts for --arch fastnet"),
     (["--preset", "resnet9", "--widths", "8,16"], "--widths takes four"),
     pytest.param(["--device", "cuda"], "no CUDA GPU", marks=pytest.mark.skipif(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .compressors import METHODS, Compressor, make
 from .engine import SCOPES, TRANSPORTS, Compression, pack, unpack
-from .trainer import from_config, graph_safe, log_stats
+from .trainer import from_config, log_stats, why_not_capturable
 
-__all__ = ["METHODS", "SCOPES", "TRANSPORTS", "Compression", "Compressor", "from_config", "graph_safe", "log_stats",
-           "make", "pack", "unpack"]
+__all__ = ["METHODS", "SCOPES", "TRANSPORTS", "Compression", "Compressor", "from_config", "log_stats",
+           "make", "pack", "unpack", "why_not_capturable"]

@@ -25,7 +25,7 @@ def from_config(cfg, ctx, seed: int) -> Compression | None:
                        seed=seed)
 
 
-def graph_safe(cfg) -> str:
+def why_not_capturable(cfg) -> str:
     """Why this compression setting cannot be captured as a CUDA graph ("" when it can): Threshold's
     payload size is read back to the host every step, and the dense warm-up switches the path on a
     host step count that graph replays do not advance."""
