@@ -66,7 +66,7 @@ def tiny_step(cfg, norm, compile_backend=None, seed=0):
 
 
 # Triton runs CPU tensors only in a process without a GPU (its interpreter): on a GPU machine the
-# CUDA-graph test at the end covers the compiled step instead.
+# CUDA-graph test at the end covers the compiled step of both presets instead.
 triton_on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors needs a machine "
                                    "without a GPU (the CUDA test below runs instead)")
 
@@ -109,9 +109,10 @@ def test_inductor_compiles_the_step_around_the_custom_op():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_step_in_a_cuda_graph_equals_eager():
+@pytest.mark.parametrize("preset", ["fast", "fast-muon"])  # the CPU tests of both skip where there is a GPU
+def test_compiled_step_in_a_cuda_graph_equals_eager(preset):
     from fastcifar.graphs import StaticBatch, TrainStep
-    cfg = from_preset("fast", widths=(16, 32, 32), compile=True)
+    cfg = from_preset(preset, widths=(16, 32, 32), compile=True)
     dev = torch.device("cuda")
     runs = []
     for use_compile in (False, True):

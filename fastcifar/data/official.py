@@ -160,8 +160,9 @@ def download(root: Path, url: str | None = None, md5: str | None = None, progres
              spec: OfficialSet = CIFAR10) -> Path:
     """Fetch the release archive of ``spec`` into ``root`` and verify its MD5; returns its path.
 
-    torchvision's ``download_url`` fetches (with a progress bar) and checks the MD5. It writes into
-    a temporary folder inside ``root``, renamed into place only once the checksum matched, so an
+    torchvision's ``download_url`` fetches (with a progress bar); the MD5 is checked here, after
+    the fetch. It writes into a temporary folder inside ``root``, renamed into place only once the
+    checksum matched, so an
     interrupted or corrupted download never leaves a file that looks finished. An archive already
     there with the right checksum is kept.
     """

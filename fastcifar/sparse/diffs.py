@@ -131,9 +131,8 @@ def evaluate_state(state: dict[str, torch.Tensor], meta: dict[str, str], data: s
     """Test accuracy (%) of a restored state, evaluated as ``python -m fastcifar.evaluate`` does
     (the run's TTA and test subset, fp32, CPU)."""
     from ..evaluate import evaluate
-    info = model_info(meta, "restored state")
-    return evaluate(network_from_weights(state, meta, "restored state"), data,
-                    cache_dir=info.config.cache_dir or None).accuracy
+    net, info = network_from_weights(state, meta, "restored state")
+    return evaluate((net, info), data, cache_dir=info.config.cache_dir or None).accuracy
 
 
 def inspect_lines(path: str | Path) -> list[str]:

@@ -151,8 +151,6 @@ class LocalSGD:
                 merged[dtype] = (new_r, new_o)
             distributed.average_buffers(self.buffers, self.world)
             self.anchor = merged  # what _scatter just wrote: no gather needed to read it back
-        else:
-            self.rebase()
         if self.momentum == "reset":
             self.opt.reset_state()
         self.merges += 1
