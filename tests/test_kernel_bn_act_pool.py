@@ -152,13 +152,17 @@ def test_running_stats_momentum_and_batches_tracked():
     assert int(mod.num_batches_tracked) == 3
 
 
-def test_momentum_none_is_cumulative_average():
-    mod = TritonNormActPool(5, momentum=None).to(DEVICE)
+@pytest.mark.parametrize("norm", [NormActPool, TritonNormActPool], ids=["torch", "triton"])
+def test_momentum_none_is_cumulative_average(norm):
+    """momentum=None as nn.BatchNorm2d's: both kernel paths (the plain one used to pass None to
+    F.batch_norm and raise a TypeError)."""
+    mod = norm(5, momentum=None).to(DEVICE)
     ref = torch.nn.BatchNorm2d(5, momentum=None).to(DEVICE)
     for _ in range(3):
         x = torch.randn(3, 5, 6, 6, device=DEVICE).contiguous(memory_format=CL)
         mod(x)
         ref(x)
+    assert int(mod.num_batches_tracked) == 3
     assert_close(mod.running_mean, ref.running_mean, 1e-5, "running_mean (cumulative)")
     assert_close(mod.running_var, ref.running_var, 1e-5, "running_var (cumulative)")
 
@@ -292,8 +296,8 @@ def test_resnet9_trains_like_torch_path():
         assert abs(a - b) <= 1e-3 * abs(b), f"loss at step {i}: triton {a:.7f} vs torch {b:.7f}; curves {losses} vs {ref_losses}"
     ref_state = ref_model.state_dict()
     for k, v in model.state_dict().items():
-        if k.endswith("num_batches_tracked"):  # NormActPool calls F.batch_norm, which does not count batches
-            assert int(v) == 4, f"{k} = {int(v)} after 4 steps"
+        if k.endswith("num_batches_tracked"):  # both count in NormActPool.step_momentum
+            assert int(v) == 4 and int(ref_state[k]) == 4, f"{k} = {int(v)} / {int(ref_state[k])} after 4 steps"
             continue
         assert_close(v, ref_state[k], 1e-3, f"{k} after 4 steps")
 
