@@ -138,7 +138,7 @@ def _reflect_index(size: int, pad: int, device) -> torch.Tensor:
 
 
 def normalize(images: torch.Tensor, mean=CIFAR10_MEAN, std=CIFAR10_STD, dtype=torch.float32) -> torch.Tensor:
-    """NHWC uint8 -> NCHW-shaped channels-last ``dtype``, (x - mean) / std computed in fp32."""
+    """NHWC uint8 -> NCHW-shaped channels-last ``dtype``, (x - mean) * (1 / std) computed in fp32."""
     m = torch.as_tensor(mean, dtype=torch.float32, device=images.device)  # no copy when already there
     s = torch.as_tensor(std, dtype=torch.float32, device=images.device)
     # times the fp32 reciprocal, not divided: DALI's crop_mirror_normalize computes it this way, so

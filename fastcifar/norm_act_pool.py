@@ -36,7 +36,7 @@ class NormActPool(nn.BatchNorm2d):
     """
 
     def __init__(self, num_features: int, act: str = "relu", pool: Optional[str] = None,
-                 eps: float = 1e-5, momentum: float = 0.1):
+                 eps: float = 1e-5, momentum: Optional[float] = 0.1):
         if act not in ACTIVATIONS:
             raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
         if pool not in POOL_PLACES:
@@ -45,13 +45,24 @@ class NormActPool(nn.BatchNorm2d):
         self.act = act
         self.pool = pool
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def step_momentum(self) -> float:
+        """Count this batch (in training) and return the running statistics' momentum for it:
+        ``self.momentum``, or with None the cumulative average, as nn.BatchNorm2d does (a host
+        read of the counter: no preset uses it). Every kernel path's forward calls it, so their
+        states agree."""
+        momentum = 0.0 if self.momentum is None else self.momentum
         if self.training:
-            self.num_batches_tracked.add_(1)  # as nn.BatchNorm2d does, so both kernel paths' states agree
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                momentum = 1.0 / float(self.num_batches_tracked)
+        return momentum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        momentum = self.step_momentum()
         if self.pool == "before":
             x = F.max_pool2d(x, 2)
         x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                         self.training, self.momentum, self.eps)
+                         self.training, momentum, self.eps)
         x = activation(x, self.act)
         if self.pool == "after":
             x = F.max_pool2d(x, 2)

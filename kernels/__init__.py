@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from types import ModuleType
 
 
@@ -20,6 +21,12 @@ def load(name: str, interpret: bool) -> ModuleType:
     qualified = f"{__name__}.{name}"
     if not interpret or os.environ.get("TRITON_INTERPRET") == "1":
         return importlib.import_module(qualified)
+    if "triton" in sys.modules:
+        from .checks import interpreted
+
+        if not interpreted():  # its helpers are compiled-mode: the kernels would refuse CPU tensors later
+            raise RuntimeError("fastcifar.kernels.load: triton was imported before its interpreter could be switched "
+                               "on; import fastcifar's kernels first or set TRITON_INTERPRET=1 before starting Python")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         module = importlib.import_module(qualified)

@@ -113,7 +113,9 @@ FAST_BLOCKS = [(1024, 64, 31, "before"), (1024, 64, 15, None), (1024, 256, 15, "
                (1024, 256, 7, None), (1024, 256, 7, "before"), (1024, 256, 3, None)]
 RESNET9_BLOCKS = [(512, 64, 32, None), (512, 128, 32, "after"), (512, 128, 16, None),
                   (512, 256, 16, "after"), (512, 512, 8, "after"), (512, 512, 4, None)]
-ODD_BLOCKS = [(3, 5, 7, None), (3, 5, 7, "before"), (3, 5, 7, "after"), (2, 24, 6, "after"), (1, 3, 9, "before")]
+# odd shapes: two with every pool mode, one more odd map pooled before; each listed once
+ODD_BLOCKS = ([(3, 5, 7, pool) for pool in (None, "before", "after")]
+              + [(2, 24, 6, pool) for pool in (None, "before", "after")] + [(1, 3, 9, "before")])
 
 
 def bn_call(batch, channels, side, pool, dtype, act, training) -> Callable[[], None]:
@@ -177,8 +179,7 @@ def calls(which: str) -> list[Callable[[], None]]:
         for act in ("relu", "gelu", "celu"):
             for training in (True, False):
                 for b, c, s, pool in FAST_BLOCKS + RESNET9_BLOCKS + ODD_BLOCKS:
-                    for p in (None, "before", "after") if (b, c, s) in {(3, 5, 7), (2, 24, 6)} else (pool,):
-                        out.append(bn_call(b, c, s, p, dtype, act, training))
+                    out.append(bn_call(b, c, s, pool, dtype, act, training))
         for indexed in (True, False):
             out += [augment_call(1024, 50000 if indexed else 1024, 2, 0, dtype, indexed),
                     augment_call(512, 50000 if indexed else 512, 4, 8, dtype, indexed),

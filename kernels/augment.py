@@ -99,8 +99,7 @@ def channel_constants(values, channels: int, device) -> torch.Tensor:
 
 
 def augment(data: torch.Tensor, params: AugmentParams, cutout: int, mean=CIFAR10_MEAN, std=CIFAR10_STD,
-            dtype: torch.dtype = torch.float16, size: int = 32, index: Optional[torch.Tensor] = None,
-            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            dtype: torch.dtype = torch.float16, size: int = 32, index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launcher. ``data``: padded NHWC uint8 images, (D, size+2*pad, size+2*pad, C) contiguous -- the
     batch itself, or (better) the whole padded data set with ``index`` (B,) picking the batch.
     Returns (B, C, size, size) ``dtype``, channels-last, equal to ``augment_reference(data[index], ...)``.
@@ -127,9 +126,7 @@ def augment(data: torch.Tensor, params: AugmentParams, cutout: int, mean=CIFAR10
         _check_vector(getattr(params, name), f"params.{name}", b, data.device)
     mean_t = channel_constants(mean, c, data.device)
     std_t = channel_constants(std, c, data.device)
-    y = _empty((b, c, size, size), dtype, data.device) if out is None else out
-    if y.shape != (b, c, size, size) or y.dtype != dtype or not y.is_contiguous(memory_format=torch.channels_last):
-        raise ValueError(f"out must be a channels-last {dtype} tensor of shape {(b, c, size, size)}")
+    y = _empty((b, c, size, size), dtype, data.device)
     if y.numel():
         _augment_kernel[(triton.cdiv(y.numel(), BLOCK),)](
             data, index if index is not None else data, params.dy, params.dx, params.flip, params.cy, params.cx,

@@ -581,17 +581,6 @@ class TritonNormActPool(NormActPool):
     """``NormActPool`` computed by the fused Triton kernels: its constructor, state and math, only
     ``forward`` differs."""
 
-    def step_momentum(self) -> float:
-        """Count this batch (in training) and return the running statistics' momentum for it:
-        ``self.momentum``, or with None the cumulative average, as nn.BatchNorm2d does (a host
-        read of the counter: no preset uses it)."""
-        momentum = 0.0 if self.momentum is None else self.momentum
-        if self.training:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                momentum = 1.0 / float(self.num_batches_tracked)
-        return momentum
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return BnActPoolFunction.apply(x, self.weight, self.bias, self.running_mean, self.running_var,
                                        self.training, self.step_momentum(), self.eps, self.act, self.pool)

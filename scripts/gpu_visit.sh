@@ -101,9 +101,11 @@ case "$stage" in
 check)
   step versions 60 bash -c "nvidia-smi; $py -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"cudnn\", torch.backends.cudnn.version()); print(\"triton\", triton.__version__); print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())'"
   step cuda-tests 240 "$py" -m pytest -q -m cuda tests -p no:cacheprovider
-  # the cuda-marked kernel cases (full preset sizes) ran in cuda-tests just above: not twice in one budget
+  # the cuda-marked kernel cases (full preset sizes) ran in cuda-tests just above: not twice in one budget;
+  # the two loader tests are not cuda-marked but run Triton on CUDA tensors where there is a GPU
   step kernel-tests 240 "$py" -m pytest -q -m "not cuda" tests/test_kernel_bn_act_pool.py tests/test_kernel_augment.py \
-    tests/test_kernel_cutout.py -p no:cacheprovider
+    tests/test_kernel_cutout.py tests/test_layout.py::test_triton_loader_batch_under_cuda_layouts \
+    tests/test_augment.py::test_loader_with_triton_kernels_equals_the_reference -p no:cacheprovider
   ;;
 engines)
   ensure_data

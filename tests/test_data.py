@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pickle
@@ -13,9 +14,15 @@ from PIL import Image
 from conftest import (CLASSES, SHARED_JPEG, sort_by_label, tar_folder,
                       write_image_folder, write_official)
 from fastcifar.data import DataError, load_dataset
-from fastcifar.data.official import ARCHIVE_NAME, download
+from fastcifar.data.official import CIFAR10, download
 
 quiet = lambda msg: None  # noqa: E731
+ARCHIVE = CIFAR10.archive
+
+
+def spec_at(url: str, md5: str):
+    """CIFAR-10's release spec fetched from ``url`` with checksum ``md5`` (a local test server)."""
+    return dataclasses.replace(CIFAR10, url=url, md5=md5)
 
 
 def assert_same(ds, arrays, by_label=False):
@@ -38,7 +45,7 @@ def test_official_batch_folder(official_dir):
 
 def test_official_archive(official_dir, tmp_path):
     folder, arrays = official_dir
-    archive = tar_folder(folder, tmp_path / ARCHIVE_NAME, "cifar-10-batches-py")
+    archive = tar_folder(folder, tmp_path / ARCHIVE, "cifar-10-batches-py")
     ds = load_dataset(archive, cache_dir=tmp_path / "cache", log=quiet)
     assert_same(ds, arrays)
     assert ds.train_images.flags["C_CONTIGUOUS"] and ds.train_images.dtype == np.uint8
@@ -48,7 +55,7 @@ def test_official_archive_in_folder(official_dir, tmp_path):
     folder, arrays = official_dir
     holder = tmp_path / "holder"
     holder.mkdir()
-    tar_folder(folder, holder / ARCHIVE_NAME, "cifar-10-batches-py")
+    tar_folder(folder, holder / ARCHIVE, "cifar-10-batches-py")
     assert_same(load_dataset(holder, cache_dir=tmp_path / "cache", log=quiet), arrays)
 
 
@@ -143,10 +150,10 @@ def test_download_verifies_md5(official_dir, http_folder, tmp_path):
     source = tar_folder(folder, served / "served.tar.gz", "cifar-10-batches-py")
     md5 = hashlib.md5(source.read_bytes()).hexdigest()
     dest = tmp_path / "dl"
-    path = download(dest, url=f"{url}/served.tar.gz", md5=md5, progress=quiet)
-    assert path == dest / ARCHIVE_NAME and path.read_bytes() == source.read_bytes()
+    path = download(dest, progress=quiet, spec=spec_at(f"{url}/served.tar.gz", md5))
+    assert path == dest / ARCHIVE and path.read_bytes() == source.read_bytes()
     assert list(dest.iterdir()) == [path], "the staging folder is gone"
-    assert download(dest, url="http://127.0.0.1:9/none", md5=md5, progress=quiet) == path  # kept, not refetched
+    assert download(dest, progress=quiet, spec=spec_at("http://127.0.0.1:9/none", md5)) == path  # kept, not refetched
 
 
 def test_download_checksum_mismatch_leaves_nothing(official_dir, http_folder, tmp_path):
@@ -155,23 +162,23 @@ def test_download_checksum_mismatch_leaves_nothing(official_dir, http_folder, tm
     tar_folder(folder, served / "served.tar.gz", "cifar-10-batches-py")
     dest = tmp_path / "dl"
     with pytest.raises(DataError, match="checksum mismatch"):
-        download(dest, url=f"{url}/served.tar.gz", md5="0" * 32, progress=quiet)
+        download(dest, progress=quiet, spec=spec_at(f"{url}/served.tar.gz", "0" * 32))
     assert list(dest.iterdir()) == []
 
 
 def test_download_unreachable(http_folder, tmp_path):
     _, url = http_folder
     with pytest.raises(DataError, match="download of .* failed"):
-        download(tmp_path / "dl", url=f"{url}/missing.tar.gz", md5="0" * 32, progress=quiet)
+        download(tmp_path / "dl", progress=quiet, spec=spec_at(f"{url}/missing.tar.gz", "0" * 32))
     assert list((tmp_path / "dl").iterdir()) == []
 
 
 def test_existing_archive_with_wrong_md5_is_reported(tmp_path):
     dest = tmp_path / "dl"
     dest.mkdir()
-    (dest / ARCHIVE_NAME).write_bytes(b"partial")
+    (dest / ARCHIVE).write_bytes(b"partial")
     with pytest.raises(DataError, match="checksum mismatch"):
-        download(dest, url="file:///nonexistent", md5="0" * 32, progress=quiet)
+        download(dest, progress=quiet, spec=spec_at("file:///nonexistent", "0" * 32))
 
 
 # --- bad input ------------------------------------------------------------------------------
@@ -205,7 +212,7 @@ def test_archive_of_neither_layout(tmp_path):
 
 def test_truncated_archive(official_dir, tmp_path):
     folder, _ = official_dir
-    archive = tar_folder(folder, tmp_path / ARCHIVE_NAME, "cifar-10-batches-py")
+    archive = tar_folder(folder, tmp_path / ARCHIVE, "cifar-10-batches-py")
     archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
     with pytest.raises(DataError, match="truncated or corrupt"):
         load_dataset(archive, cache_dir=tmp_path / "cache", log=quiet)

@@ -67,10 +67,18 @@ def test_engines_stage_covers_every_combination(tmp_path):
 
 def test_check_stage_runs_the_cuda_kernel_cases_once(tmp_path):
     """cuda-tests runs every cuda-marked test, the kernels' full-size cases included; kernel-tests
-    runs the rest of the kernel files, so the stage's budget is not spent on them twice."""
+    runs the rest of the kernel files, so the stage's budget is not spent on them twice, and the two
+    loader tests that are not cuda-marked but run the Triton augmentation on CUDA tensors on a GPU."""
     proc, _ = visit(tmp_path, "check")
     assert "pytest -q -m cuda tests" in proc.stdout
     assert "pytest -q -m not cuda tests/test_kernel_bn_act_pool.py" in proc.stdout
+    # the loader tests that run the Triton augmentation on CUDA tensors only on a GPU machine
+    kernel_step = next(line for line in proc.stdout.splitlines() if line.startswith("=== kernel-tests"))
+    for test in ("tests/test_layout.py::test_triton_loader_batch_under_cuda_layouts",
+                 "tests/test_augment.py::test_loader_with_triton_kernels_equals_the_reference"):
+        assert test in kernel_step, kernel_step
+        path, name = test.split("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), f"{test} no longer exists"
 
 
 def test_accuracy_stage_runs_seeds_in_order_and_says_where_to_go_on(tmp_path):

@@ -1,6 +1,7 @@
 """kernels/augment.py against fastcifar.augment.augment_reference: crop, flip, normalize, cutout in
 one pass, from the whole padded data set through an index tensor or from a gathered batch.
-fp32 must be exact (the kernel divides with IEEE rounding like the reference); fp16 within 1 ulp."""
+fp32 must be exact (the kernel multiplies by the IEEE-rounded reciprocal of std, as the reference
+does); fp16 within 1 ulp."""
 
 
 import torch

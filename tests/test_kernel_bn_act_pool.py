@@ -7,6 +7,7 @@ GPU otherwise. Shapes are small so that the whole file takes seconds on 2 CPU co
 
 
 import torch
+import torch.nn.functional as F
 
 
 import pytest  # noqa: E402
@@ -151,13 +152,17 @@ def test_running_stats_momentum_and_batches_tracked():
     assert int(mod.num_batches_tracked) == 3
 
 
-def test_momentum_none_is_cumulative_average():
-    mod = TritonNormActPool(5, momentum=None).to(DEVICE)
+@pytest.mark.parametrize("norm", [NormActPool, TritonNormActPool], ids=["torch", "triton"])
+def test_momentum_none_is_cumulative_average(norm):
+    """momentum=None as nn.BatchNorm2d's: both kernel paths (the plain one used to pass None to
+    F.batch_norm and raise a TypeError)."""
+    mod = norm(5, momentum=None).to(DEVICE)
     ref = torch.nn.BatchNorm2d(5, momentum=None).to(DEVICE)
     for _ in range(3):
         x = torch.randn(3, 5, 6, 6, device=DEVICE).contiguous(memory_format=CL)
         mod(x)
         ref(x)
+    assert int(mod.num_batches_tracked) == 3
     assert_close(mod.running_mean, ref.running_mean, 1e-5, "running_mean (cumulative)")
     assert_close(mod.running_var, ref.running_var, 1e-5, "running_var (cumulative)")
 
@@ -291,27 +296,45 @@ def test_resnet9_trains_like_torch_path():
         assert abs(a - b) <= 1e-3 * abs(b), f"loss at step {i}: triton {a:.7f} vs torch {b:.7f}; curves {losses} vs {ref_losses}"
     ref_state = ref_model.state_dict()
     for k, v in model.state_dict().items():
-        if k.endswith("num_batches_tracked"):  # NormActPool calls F.batch_norm, which does not count batches
-            assert int(v) == 4, f"{k} = {int(v)} after 4 steps"
+        if k.endswith("num_batches_tracked"):  # both count in NormActPool.step_momentum
+            assert int(v) == 4 and int(ref_state[k]) == 4, \
+                f"{k} = {int(v)} (triton) / {int(ref_state[k])} (torch) after 4 steps"
             continue
         assert_close(v, ref_state[k], 1e-3, f"{k} after 4 steps")
 
 
 def _compare_own_stats(shape, dtype, act, pool, seed=0, tol=None):
     """The kernel against ``bn_act_pool_reference_with_stats`` fed the kernel's own mean/rstd: the
-    ReLU masks and 2x2 argmaxes must agree exactly, so ``y`` and every gradient are within ``TOL``."""
+    ReLU masks and 2x2 argmaxes must agree exactly, so ``y`` and every gradient are within ``TOL``.
+    Those statistics are themselves checked against float64 ones of the normalized input (so a wrong
+    batch mean/var cannot pass by being fed to both sides), and so are the running statistics."""
     x, weight, bias, rm, rv, dy = _inputs(shape, dtype, seed, out_pool=pool)
-    _, (_, _, mean, rstd) = bn_act_pool_forward(x, weight, bias, rm.clone(), rv.clone(), True, 0.1, 1e-5,
+    momentum, eps = 0.1, 1e-5
+    _, (_, _, mean, rstd) = bn_act_pool_forward(x, weight, bias, rm.clone(), rv.clone(), True, momentum, eps,
                                                 act, pool)
+    where = f"shape={shape} {dtype} act={act} pool={pool}"
+    # the max-pool is exact in any dtype, so pooling before the float64 cast is the kernel's input
+    normed = (F.max_pool2d(x, 2) if pool == "before" else x).double()
+    count = normed.numel() // normed.shape[1]
+    mean64 = normed.mean(dim=(0, 2, 3))
+    var64 = normed.var(dim=(0, 2, 3), unbiased=False)
+    # fp32 two-stage Welford/Chan over <= 1M values per channel is good to a few 1e-7 relative; 1e-5
+    # keeps a wide margin while a skipped tile or a biased/unbiased mix-up moves them by far more
+    assert_close(mean, mean64, 1e-5, f"batch mean vs float64 [{where}]")
+    assert_close(rstd, torch.rsqrt(var64 + eps), 1e-5, f"batch rstd vs float64 [{where}]")
 
     def with_stats(x, weight, bias, rm, rv, training, momentum, eps, act, pool):
         return bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act, pool, eps=eps)
 
     ref = _run(with_stats, x, weight, bias, rm, rv, dy, True, act, pool)
     got = _run(bn_act_pool, x, weight, bias, rm, rv, dy, True, act, pool)
-    where = f"shape={shape} {dtype} act={act} pool={pool} (kernel's own statistics)"
     for k in ("y", "dx", "dweight", "dbias"):
-        assert_close(got[k], ref[k], tol or TOL[dtype], f"{k} [{where}]")
+        assert_close(got[k], ref[k], tol or TOL[dtype], f"{k} [{where} (kernel's own statistics)]")
+    # running statistics: momentum update with the float64 batch mean and unbiased variance
+    assert_close(got["running_mean"], (1 - momentum) * rm.double() + momentum * mean64, 1e-5,
+                 f"running_mean [{where}]")
+    assert_close(got["running_var"], (1 - momentum) * rv.double() + momentum * var64 * count / (count - 1), 1e-5,
+                 f"running_var [{where}]")
 
 
 # 1e-12: `fast`'s bn_eps; 0.5: large enough that a gradient path ignoring ``eps`` fails the check

@@ -109,3 +109,25 @@ print(tuple(y.shape), interpreted(), "TRITON_INTERPRET" in os.environ)
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["(2,", "8,", "2,", "2)", "True", "False"], out.stdout
+
+
+def test_interpreter_requested_after_triton_was_imported_says_so():
+    """Triton imported (compiled mode) before ``load(..., interpret=True)``: the kernels' helpers are
+    compiled-mode, so a launch would blame the tensor ("x is on cpu"). load refuses in one line instead."""
+    code = """
+import triton
+from fastcifar.kernels import load
+try:
+    load("cutout", interpret=True)
+except RuntimeError as e:
+    print("refused:", e)
+else:
+    print("loaded")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("refused:") and "triton was imported before its interpreter" in out.stdout, out.stdout
+    assert out.stdout.count("\n") == 1, out.stdout

@@ -57,6 +57,17 @@ def test_emulation_reproduces_cudas_layout(cuda_layouts):
     assert not out.permute(0, 2, 3, 1).is_contiguous()  # what the old code handed the loader
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_reflect_pad_of_a_channels_last_view_is_nchw_contiguous():
+    """The emulation's premise, checked where it can be: if a torch release makes CUDA's
+    reflection_pad2d keep channels-last, this fails and ``cuda_layouts`` no longer mirrors CUDA."""
+    view = _images().cuda().permute(0, 3, 1, 2).float()
+    assert view.is_contiguous(memory_format=CL)
+    out = F.pad(view, (2, 2, 2, 2), mode="reflect")
+    assert out.is_contiguous() and not out.is_contiguous(memory_format=CL), out.stride()
+
+
 @pytest.mark.parametrize("mode", ["reflect", "zero"])
 @pytest.mark.parametrize("pad", [0, 1, 2, 4])
 def test_pad_images_is_contiguous_nhwc_under_cuda_layouts(cuda_layouts, mode, pad):

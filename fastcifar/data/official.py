@@ -53,8 +53,6 @@ CIFAR100 = OfficialSet("cifar100", "CIFAR-100", "cifar-100-python.tar.gz",
                        "cifar-100-python", ("train",), "test", "meta", "fine_labels", "fine_label_names")
 OFFICIAL_SETS = {s.name: s for s in (CIFAR10, CIFAR100)}
 
-ARCHIVE_NAME = CIFAR10.archive  # CIFAR-10's, as the tests name it
-
 # What a CIFAR batch pickle may reference: numpy's array reconstruction (and bytes), nothing else.
 _ALLOWED_GLOBALS = {
     ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
@@ -156,8 +154,7 @@ def read_archive(path: Path) -> Dataset:
         raise DataError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from None
 
 
-def download(root: Path, url: str | None = None, md5: str | None = None, progress=print,
-             spec: OfficialSet = CIFAR10) -> Path:
+def download(root: Path, progress=print, spec: OfficialSet = CIFAR10) -> Path:
     """Fetch the release archive of ``spec`` into ``root`` and verify its MD5; returns its path.
 
     torchvision's ``download_url`` fetches (with a progress bar); the MD5 is checked here, after
@@ -167,7 +164,7 @@ def download(root: Path, url: str | None = None, md5: str | None = None, progres
     there with the right checksum is kept.
     """
     from torchvision.datasets.utils import check_integrity, download_url  # late: a second of import
-    url, md5 = url or spec.url, md5 or spec.md5
+    url, md5 = spec.url, spec.md5
     root.mkdir(parents=True, exist_ok=True)
     target = root / spec.archive
     if target.is_file():
