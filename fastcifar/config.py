@@ -285,6 +285,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--head-lr-scale must be positive, not {cfg.head_lr_scale}")
     if not 0 <= cfg.muon_momentum < 1:
         raise ConfigError(f"--muon-momentum must lie in [0, 1), not {cfg.muon_momentum}")
+    if cfg.optimizer == "muon" and cfg.lr == 0:  # Muon's rate is --muon-lr x (the scheduled rate / the peak)
+        raise ConfigError("--optimizer muon needs a positive --lr (Muon's rate follows --lr's schedule), not 0")
     _validate_compress(cfg)
     _validate_sparse(cfg, world_size)
     try:

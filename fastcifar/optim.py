@@ -257,7 +257,7 @@ class MuonSGD:
         if muon.lr_source is not sgd.lr:
             raise ValueError("Muon must read the SGD optimizer's rate tensor")
         self.sgd, self.muon = sgd, muon
-        self.lr, self.lr_scales = sgd.lr, sgd.lr_scales
+        self.lr = sgd.lr
 
     def set_lr(self, value: float) -> None:
         self.sgd.set_lr(value)

@@ -83,8 +83,9 @@ def make_optimizer(model: nn.Module, cfg, per_rank_batch: int, peak: float, ctx=
     (fp32 on the CPU, where bfloat16 matmuls are slow and the tests compare ranks at fp32)."""
     groups = param_groups(model, cfg, per_rank_batch)
     filters = [g for g in groups if g["name"] == "filters"]
+    # no weight_decay argument: every group of param_groups carries its own
     sgd = NesterovSGD([g for g in groups if g["name"] != "filters"], lr=0.0, momentum=cfg.momentum,
-                      weight_decay=cfg.weight_decay * per_rank_batch, nesterov=cfg.nesterov)
+                      nesterov=cfg.nesterov)
     if not filters:
         return sgd
     device = filters[0]["params"][0].device
@@ -149,15 +150,20 @@ class RunHooks:
             return
         if self.cfg.lookahead_epoch_end == "reset":
             self.lookahead.reset()
-        elif epoch == len(epoch_lengths(self.cfg.epochs, len(self.loader))) - 1:
+        elif epoch == len(self.lengths) - 1:
             self.lookahead.finish()
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        """The run's epoch lengths (as the trainer's), built once: epoch_end reads them every epoch."""
+        return epoch_lengths(self.cfg.epochs, len(self.loader))
 
     def _new_lookahead(self) -> Lookahead:
         cfg = self.cfg
         every, per_epoch = cfg.lookahead_steps, len(self.loader)
         # the first sync step inside the start epoch (airbench: step 145 = epoch 3's first 5th step)
         begin = (cfg.lookahead_start_epoch * per_epoch // every + 1) * every if cfg.lookahead_start_epoch else 0
-        return Lookahead(self.model, every, cfg.lookahead_decay, sum(epoch_lengths(cfg.epochs, per_epoch)), begin)
+        return Lookahead(self.model, every, cfg.lookahead_decay, sum(self.lengths), begin)
 
     def state_dict(self) -> dict:
         """What the hooks carry between epochs (the lookahead's slow copy): for checkpoints."""

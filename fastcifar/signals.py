@@ -5,7 +5,8 @@ decode, DALI or the step, and SIGTERM kills the process before any ``finally`` r
 cache's ``.tmp`` file stayed beside the data). ``install`` makes both raise ``Interrupted`` in
 the main thread instead: ``finally`` blocks run (temporary files are removed, logs closed), and
 the trainer's ``main`` prints one line and returns ``exit_code``. A second signal while stopping
-is ignored, so the clean-up is not itself interrupted.
+is ignored, so the clean-up is not itself interrupted. ``restore`` puts the caller's handlers
+back when ``main`` returns.
 """
 
 from __future__ import annotations
@@ -40,12 +41,20 @@ def _handler(signum, frame):
     raise Interrupted(signum)
 
 
-def install() -> None:
+def install() -> dict:
     """Route SIGINT and SIGTERM to ``Interrupted``; a no-op outside the main thread (where Python
-    cannot set handlers, e.g. a test calling ``main`` from a worker thread)."""
+    cannot set handlers, e.g. a test calling ``main`` from a worker thread). Returns the handlers
+    it replaced, for ``restore``: a caller in a longer-lived process (pytest, a notebook) gets its
+    own Ctrl-C back after the run."""
     global _stopping
     if threading.current_thread() is not threading.main_thread():
-        return
+        return {}
     _stopping = False
-    for sig in HANDLED:
-        signal.signal(sig, _handler)
+    return {sig: signal.signal(sig, _handler) for sig in HANDLED}
+
+
+def restore(previous: dict) -> None:
+    """Put back the handlers ``install`` replaced (nothing when it replaced none)."""
+    for sig, handler in previous.items():
+        if handler is not None:  # None: set outside Python, which signal.signal cannot put back
+            signal.signal(sig, handler)

@@ -62,7 +62,7 @@ _DDP_OWN_BUFFERS = ({"forward_sync_buffers": False}
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     ctx = None
-    signals.install()  # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run (signals.py)
+    previous = signals.install()  # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run (signals.py)
     try:
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
         run(cfg, ctx)
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if ctx is not None:
             distributed.teardown(ctx)
+        signals.restore(previous)  # last: the teardown is not interrupted; the caller's Ctrl-C works again
 
 
 def run(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:

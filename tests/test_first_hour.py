@@ -37,15 +37,6 @@ needs_dali = pytest.mark.skipif(not dali_available()[0], reason="DALI does not i
 TINY = [*SHORT, "--epochs", "1", "--loader", "torch"]
 
 
-@pytest.fixture
-def own_signals():
-    """``main`` installs SIGINT/SIGTERM handlers in this (pytest's) process: put pytest's back."""
-    saved = {s: signal.getsignal(s) for s in signals.HANDLED}
-    yield
-    for s, h in saved.items():
-        signal.signal(s, h)
-
-
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory):
     """200 official-format training images (one batch of 40 per file), 50 test images."""
@@ -85,6 +76,7 @@ BAD_INPUTS = [
     ("seed + runs past 2^63", ["--seed", str(2**63 - 2), "--runs", "2"], None, "--seed must lie in"),
     ("lr nan", ["--lr", "nan"], None, "--lr must be a finite number, not nan"),
     ("momentum inf", ["--momentum", "inf"], None, "--momentum must be a finite number"),
+    ("muon with lr 0", ["--optimizer", "muon", "--lr", "0"], None, "--optimizer muon needs a positive --lr"),
     ("subset larger than the data", ["--subset", "5000"], None, "--subset 5000 is larger than the training set"),
     ("batch larger than the data", ["--batch-size", "1000"], None, "larger than the training set"),
     ("missing data", ["--data", "{tmp}/missing"], None, "no such file or folder"),
@@ -96,7 +88,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("case, args, setup, message", BAD_INPUTS, ids=[
     getattr(c, "values", c)[0] for c in BAD_INPUTS])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, args, setup, message, small_data, tmp_path,
-                                                         capsys, own_signals, monkeypatch):
+                                                         capsys, monkeypatch):
     if case.startswith("crop-pad 40 (dali") and not dali_available()[0]:
         pytest.skip("DALI does not import here")
     out = tmp_path / "runs"
@@ -121,6 +113,24 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, args, setup, mess
     line = one_line_error(err)
     assert line.startswith("fastcifar: error: ") and message in line, line
     assert {p: _tree(p) for p in before} == before, "a refused run must write nothing"
+
+
+def test_main_gives_the_caller_its_signal_handlers_back(small_data, tmp_path, capsys):
+    """``main`` routes SIGINT/SIGTERM to ``Interrupted`` while it runs and puts the caller's
+    handlers back when it returns, so Ctrl-C still reaches pytest (or a notebook) afterwards."""
+    def mine(signum, frame):
+        pass
+
+    saved = {s: signal.getsignal(s) for s in signals.HANDLED}
+    try:
+        for s in signals.HANDLED:
+            signal.signal(s, mine)
+        argv = ["--data", str(small_data), "--out-dir", str(tmp_path / "runs"), *TINY, "--lr", "nan"]
+        assert train.main(argv) == 2, capsys.readouterr().err
+        assert {s: signal.getsignal(s) for s in signals.HANDLED} == {s: mine for s in signals.HANDLED}
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
 
 
 def _strict(text: str):
@@ -201,7 +211,7 @@ def test_sigterm_while_decoding_is_one_line_and_leaves_no_temporary_file(tmp_pat
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
 
 
-def test_sigterm_while_the_cache_is_written_leaves_no_tmp(tmp_path, own_signals, monkeypatch):
+def test_sigterm_while_the_cache_is_written_leaves_no_tmp(tmp_path, monkeypatch):
     """A real SIGTERM delivered in the middle of np.savez: the handler's exception unwinds
     save_cache, whose finally removes the temporary file (the default action killed the process
     with the .tmp left beside the data)."""
@@ -216,9 +226,12 @@ def test_sigterm_while_the_cache_is_written_leaves_no_tmp(tmp_path, own_signals,
         time.sleep(1)  # the handler runs at the next bytecode boundary, well within this
         real_savez(f, **arrays)
     monkeypatch.setattr(np, "savez", savez_then_signal)
-    signals.install()
-    with pytest.raises(signals.Interrupted) as info:
-        save_cache(target, ds)
+    previous = signals.install()
+    try:
+        with pytest.raises(signals.Interrupted) as info:
+            save_cache(target, ds)
+    finally:
+        signals.restore(previous)  # pytest's own SIGINT/SIGTERM handling back
     assert info.value.exit_code == 143
     assert list(target.parent.iterdir()) == []
 

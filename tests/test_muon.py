@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cli import run_train
-from fastcifar import train as trainer
+from fastcifar import graphs, train as trainer
 from fastcifar.config import ConfigError, from_preset, validate
 from fastcifar.distributed import DistContext
 from fastcifar.graphs import DeviceSchedule
@@ -239,14 +239,7 @@ def test_muon_step_replays_from_a_cuda_graph():
         graph = None
         if capture:
             initial = [p.detach().clone() for p in params]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                body()  # warm-up on a side stream, as graphs.capture does
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                body()
+            graph = graphs.capture(body, warmup_iters=1)  # the trainer's: one warm-up step on a side stream
             with torch.no_grad():
                 for p, p0 in zip(params, initial):
                     p.copy_(p0)

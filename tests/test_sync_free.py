@@ -5,7 +5,7 @@ A CUDA graph replays device work only: a host read inside the captured region (`
 ``torch.tensor(...)`` of host values) either breaks the capture or is frozen into the graph with
 the value it had at capture. ``SyncFree`` is a dispatch mode that fails on each of those; the real
 training step (model, summed label-smoothed loss, backward, gradient buckets with a 1-rank gloo
-all-reduce, Nesterov SGD with the device-side schedule) and the evaluation step with every TTA
+all-reduce, Nesterov SGD or Muon with the device-side schedule) and the evaluation step with every TTA
 level run under it on the CPU, so such a read fails CI instead of a capture on the GPU.
 
 What this cannot see: host-to-device copies of CPU tensors (everything is on the CPU here), and
@@ -22,7 +22,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastcifar import comm, recipe
 from fastcifar.config import from_preset
 from fastcifar.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
-from fastcifar.optim import NesterovSGD, warmup_decay_lr
 from fastcifar.train import build_model, make_step
 
 aten = torch.ops.aten
@@ -96,11 +95,8 @@ def _setup(preset: str, widths, buckets: bool, batch: int = 16):
     torch.manual_seed(0)
     model = build_model(cfg, CPU, torch.float32)
     grad_buckets = comm.GradBuckets(model.parameters(), bucket_mb=0.01) if buckets else None
-    steps = 4
-    schedule = DeviceSchedule([warmup_decay_lr((i + 1) / steps, cfg.epochs, cfg.warmup_epochs, 0.01,
-                                               cfg.lr_start, cfg.lr_end) for i in range(cfg.epochs * steps)], CPU)
-    opt = NesterovSGD(recipe.param_groups(model, cfg, batch), lr=0.0, momentum=cfg.momentum,
-                      weight_decay=cfg.weight_decay * batch, nesterov=cfg.nesterov)
+    schedule = DeviceSchedule(recipe.lr_schedule(cfg, steps=4, peak=0.01), CPU)  # the trainer's, 8 steps
+    opt = recipe.make_optimizer(model, cfg, batch, peak=0.01)  # NesterovSGD, or Muon + SGD with fast-muon
     step = TrainStep(make_step(model, opt, schedule, cfg.label_smoothing, buckets=grad_buckets),
                      StaticBatch(batch, torch.float32, CPU), capture=False)
     g = torch.Generator().manual_seed(1)
@@ -109,7 +105,8 @@ def _setup(preset: str, widths, buckets: bool, batch: int = 16):
     return cfg, model, step, schedule, grad_buckets
 
 
-@pytest.mark.parametrize("preset, widths", [("fast", (8, 16, 16)), ("resnet9", (8, 16, 16, 32))])
+@pytest.mark.parametrize("preset, widths", [("fast", (8, 16, 16)), ("fast-muon", (8, 16, 16)),
+                                            ("resnet9", (8, 16, 16, 32))])
 def test_training_step_is_sync_free(one_rank_group, preset, widths):
     cfg, model, step, schedule, buckets = _setup(preset, widths, buckets=True)
     model.train()
