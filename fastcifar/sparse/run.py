@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .. import distributed
 from ..augment import CIFAR10_MEAN, CIFAR10_STD
 from . import fisher, masks
 from .diffs import DiffWriter
@@ -94,6 +95,12 @@ class SparseRun:
         self.optimizer.set_masks(mine)
         if self.local is not None:
             self.local.set_masks(dealt, shared=self.forced)
+            if epoch > 0 and cfg.sparse_update == "grad":
+                # grad mode moves entries outside the mask too (decay, momentum), and the merges now
+                # cover only the new mask: an entry leaving it would go on with this rank's own
+                # momentum, never merged again. The weights are equal on every rank here (just after
+                # the epoch-end merge), so equal momentum keeps every such entry equal.
+                distributed.average_buffers([b for bufs in self.optimizer.buffers for b in bufs], ctx.world_size)
         line = f"mask ({cfg.sparse_mask}, epoch {epoch}): {masks.describe(mine, self.total)}"
         if disjoint:
             line += f" on each of {ctx.world_size} ranks, disjoint but for the classifier/BN shifts"
