@@ -59,9 +59,10 @@ class CheckpointError(DataError):
     """A model or checkpoint file that cannot be used: one line, exit 2."""
 
 
-def write_atomic(path: str | Path, blob: bytes) -> Path:
-    """``report.write_atomic`` for a model or state file. The bytes are built in memory first, so
-    a full disk surfaces here as an OSError: one line (CheckpointError), exit 2."""
+def write_atomic(path: str | Path, blob: str | bytes) -> Path:
+    """``report.write_atomic`` for a model, state or sparse-record file (bytes or text). The content
+    is built in memory first, so a full disk surfaces here as an OSError: one line
+    (CheckpointError), exit 2."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import torch
 
 from .. import distributed
 from ..augment import CIFAR10_MEAN, CIFAR10_STD
+from ..checkpoint import write_atomic
 from . import fisher, masks
 from .diffs import DiffWriter
 from .local_sgd import LocalSGD
@@ -69,7 +70,8 @@ class SparseRun:
         if self.diffs is not None:
             self.record["diffs"] = self.diffs.records
         if self.log.dir is not None and (self.masked or self.local or self.diffs):
-            (Path(self.log.dir) / f"sparse-run{self.run}.json").write_text(json.dumps(self.record, indent=1))
+            # atomic, and a full disk is one line (CheckpointError), exit 2, as for the model file
+            write_atomic(Path(self.log.dir) / f"sparse-run{self.run}.json", json.dumps(self.record, indent=1))
 
     # --- masks -----------------------------------------------------------------------------
 
