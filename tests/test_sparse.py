@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastcifar.config import from_preset
+from fastcifar.config import CHOICES, from_preset
 from fastcifar.model import NormActPool
 from fastcifar.optim import NesterovSGD
 from fastcifar.recipe import make_network, param_groups
@@ -50,7 +50,7 @@ def loop_scores(model, x, y, variant):
     return out
 
 
-@pytest.mark.parametrize("variant", fisher.VARIANTS)
+@pytest.mark.parametrize("variant", CHOICES["mask_score"])
 def test_fisher_scores_match_a_per_sample_loop(variant):
     _, model = tiny()
     x, y = batch()
