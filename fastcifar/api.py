@@ -102,17 +102,21 @@ def train(config: Config) -> list[TrainedRun]:
 
 
 def resolve_model(model, device="cpu") -> tuple[torch.nn.Module, ModelInfo]:
-    """A model file's path, ``(network, ModelInfo)``, or a ``TrainedRun`` -> (network, info)."""
+    """A model file's path, ``(network, ModelInfo)``, or a ``TrainedRun`` -> (network, info).
+    The network comes back in eval mode, fp32, on ``device``; the caller's is never moved or cast:
+    when it is not fp32 on ``device``, a copy is."""
     if isinstance(model, (str, Path)):
         return load_model(model, device)
     if isinstance(model, TrainedRun):
-        net, device = model.model, torch.device(device)
-        first = next(net.parameters())
-        if first.dtype != torch.float32 or first.device != device:  # a copy: the run's network stays as it is
-            net = copy.deepcopy(net).to(device=device, dtype=torch.float32)
-            if device.type != "cuda":  # compiled Triton kernels take CUDA tensors only
-                as_plain_torch(net)
-        return net.eval(), model.info
-    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[1], ModelInfo):
-        return model[0].to(device), model[1]
-    raise TypeError("expected a model file path, (model, ModelInfo) from load_model, or a run from train()")
+        net, info = model.model, model.info
+    elif isinstance(model, tuple) and len(model) == 2 and isinstance(model[1], ModelInfo):
+        net, info = model
+    else:
+        raise TypeError("expected a model file path, (model, ModelInfo) from load_model, or a run from train()")
+    device = torch.device(device)
+    first = next(net.parameters())
+    if first.dtype != torch.float32 or first.device != device:  # a copy: the caller's network stays as it is
+        net = copy.deepcopy(net).to(device=device, dtype=torch.float32)
+        if device.type != "cuda":  # compiled Triton kernels take CUDA tensors only (load_model(p, "cuda")'s net)
+            as_plain_torch(net)
+    return net.eval(), info

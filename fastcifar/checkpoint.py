@@ -34,7 +34,7 @@ import io
 import json
 import random
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -59,9 +59,10 @@ class CheckpointError(DataError):
     """A model or checkpoint file that cannot be used: one line, exit 2."""
 
 
-def write_atomic(path: str | Path, blob: bytes) -> Path:
-    """``report.write_atomic`` for a model or state file. The bytes are built in memory first, so
-    a full disk surfaces here as an OSError: one line (CheckpointError), exit 2."""
+def write_atomic(path: str | Path, blob: str | bytes) -> Path:
+    """``report.write_atomic`` for a model, state or sparse-record file (bytes or text). The content
+    is built in memory first, so a full disk surfaces here as an OSError: one line
+    (CheckpointError), exit 2."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +92,6 @@ class ModelInfo:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     test_acc: float | None  # None: written before any evaluation
-    metadata: dict = field(default_factory=dict, repr=False)  # every key of the file, as stored
 
 
 def save_model(path, model: torch.nn.Module, cfg: Config, classes, test_acc: float | None, mean, std) -> Path:
@@ -150,7 +150,7 @@ def model_info(meta: dict[str, str], source: str) -> ModelInfo:
     try:
         return ModelInfo(config_from_dict(json.loads(meta["config"])), tuple(json.loads(meta["classes"])),
                          tuple(json.loads(meta["mean"])), tuple(json.loads(meta["std"])),
-                         float(meta["test_acc"]) if meta.get("test_acc") else None, dict(meta))
+                         float(meta["test_acc"]) if meta.get("test_acc") else None)
     except Exception as exc:
         raise CheckpointError(f"{source}: unusable metadata ({type(exc).__name__}: {exc})") from None
 
@@ -223,7 +223,7 @@ def _training_config(cfg: Config) -> dict:
 def save_state(path, *, cfg: Config, ctx, epochs_done: int, model, opt, schedule, hooks, loader, records) -> None:
     """Every rank calls this after epoch ``epochs_done`` (its evaluation included); rank 0 writes."""
     mine = {"rng": _rng_state(), "hooks": hooks.state_dict(),
-            "loader": {"seed": int(getattr(loader, "run_seed", getattr(loader, "_run_seed", 0))),
+            "loader": {"seed": int(loader.run_seed),
                        "epoch": int(loader.epoch)}}
     ranks = [mine]
     if ctx.distributed:
@@ -234,7 +234,7 @@ def save_state(path, *, cfg: Config, ctx, epochs_done: int, model, opt, schedule
         return
     state = {"format": STATE_FORMAT, "config": json.dumps(_training_config(cfg), sort_keys=True),
              "world_size": ctx.world_size, "epochs_done": epochs_done, "steps_per_epoch": len(loader),
-             "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+             "model": host_state(model),
              "optimizer": opt.state_dict(), "schedule_step": int(schedule.counter.item()),
              "records": [dataclasses.asdict(r) for r in records], "ranks": ranks, "torch": str(torch.__version__)}
     buffer = io.BytesIO()

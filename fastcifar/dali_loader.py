@@ -32,7 +32,7 @@ import torch
 
 from .config import ConfigError
 from .augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, normalize, pad_images
-from .loader import epoch_plan
+from .loader import PARAM_FIELDS, epoch_plan
 
 LOADERS = ("auto", "dali", "torch")
 # What "auto" picks per device type: the faster in bench/bench_loader.py. CPU, measured (2 shared
@@ -220,10 +220,10 @@ class DaliLoader:
         self.shard_index = shard_t.cpu()  # data-set index of each slot: alternating flips hash it
         # gather the shard first (the shard is 1/world of the set), pad once: every batch is a gather
         shard_t = shard_t.to(images.device)
-        self.images = pad_images(images[shard_t].to(self.device), pad, pad_mode).contiguous()
+        self.images = pad_images(images[shard_t].to(self.device), pad, pad_mode)  # contiguous NHWC
         self.labels = labels[shard_t].to(self.device)
         self._host_images = self.images.numpy() if self.device.type == "cpu" else None
-        self._run_seed, self.epoch = seed, 0
+        self.run_seed, self.epoch = seed, 0
         self._static: tuple[torch.Tensor, torch.Tensor] | None = None
         self._feed_stream = torch.cuda.Stream(self.device) if device_id is not None else None
 
@@ -264,7 +264,7 @@ class DaliLoader:
 
     def set_epoch(self, run_seed: int, epoch: int) -> None:
         """Select the shuffle and augmentation draws of ``epoch`` of the run seeded ``run_seed``."""
-        self._run_seed, self.epoch = run_seed, epoch
+        self.run_seed, self.epoch = run_seed, epoch
 
     def bind_static(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         """Copy every batch into these buffers (the CUDA-graph step's inputs) and yield them.
@@ -285,12 +285,12 @@ class DaliLoader:
     def _epoch_plan(self) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """This epoch's batch order (indices into the shard) and DALI's argument inputs, all batches."""
         n = self.steps * self.batch_size
-        order, p = epoch_plan(self._run_seed, self.rank, self.epoch, len(self.labels), n, pad=self.pad,
+        order, p = epoch_plan(self.run_seed, self.rank, self.epoch, len(self.labels), n, pad=self.pad,
                               cutout=self.cutout, flip=self.flip, flip_mode=self.flip_mode,
                               shard_index=self.shard_index, size=self.size)  # the torch loader's too
         if self.params_fn is not None:
             batches = [self._checked(self.params_fn(self.epoch, s, self.batch_size)) for s in range(self.steps)]
-            p = AugmentParams(*(torch.cat([getattr(b, f) for b in batches]) for f in ("dy", "dx", "flip", "cy", "cx")))
+            p = AugmentParams(*(torch.cat([getattr(b, f) for b in batches]) for f in PARAM_FIELDS))
         args = {}
         if self.pad:
             args["crop_y"] = (p.dy.double() / (2 * self.pad)).float().numpy()
@@ -303,7 +303,7 @@ class DaliLoader:
 
     def _checked(self, p: AugmentParams) -> AugmentParams:
         """Pinned parameters as CPU int64, each inside its range (DALI would clamp, not fail)."""
-        p = AugmentParams(*(torch.as_tensor(getattr(p, f)).cpu().long() for f in ("dy", "dx", "flip", "cy", "cx")))
+        p = AugmentParams(*(torch.as_tensor(getattr(p, f)).cpu().long() for f in PARAM_FIELDS))
         limits = {"dy": 2 * self.pad, "dx": 2 * self.pad, "flip": int(self.flip), "cy": self.size - self.cutout,
                   "cx": self.size - self.cutout}
         for name, high in limits.items():

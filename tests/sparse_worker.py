@@ -1,8 +1,10 @@
 """One rank of the local SGD tests; test_sparse_train.py starts two with torchrun (gloo, CPU).
 
-    python tests/sparse_worker.py equivalence disjoint
+    python tests/sparse_worker.py equivalence disjoint grad_mask_change
         equivalence: H=1, a full mask, mean merge == dense data parallel (bucketed gradient averaging)
         disjoint: disjoint masks, H=2, sum merge, momentum reset: what each merge must leave
+        grad_mask_change: SparseRun as the trainer drives it, --sparse-update grad, a new mask every
+            epoch, H=2, momentum kept: the ranks hold the same weights after each epoch's last merge
 
 The trainer's conventions: loss summed over the rank's batch, NesterovSGD with the recipe's groups.
 """
@@ -10,6 +12,7 @@ The trainer's conventions: loss summed over the rank's batch, NesterovSGD with t
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,7 @@ from fastcifar.recipe import make_network, param_groups
 from fastcifar.sparse import masks
 from fastcifar.sparse.fisher import trainable
 from fastcifar.sparse.local_sgd import LocalSGD
+from fastcifar.sparse.run import SparseRun
 from fastcifar.sparse.update import MaskedOptimizer
 
 PER_RANK, STEPS = 4, 4
@@ -117,12 +121,39 @@ def disjoint(ctx):
     print(f"rank {ctx.rank} disjoint ok, {local.describe()}")
 
 
+def grad_mask_change(ctx):
+    """An entry that leaves the mask keeps moving under --sparse-update grad (decay and momentum)
+    and the merges no longer cover it: it stays equal on every rank only if its momentum does."""
+    model, opt = setup()
+    cfg = from_preset("resnet9", widths=(4, 8, 8, 8), sparse_mask="random", sparse_fraction=0.05,
+                      sparse_update="grad", mask_every=1, local_steps=2, merge="mean", local_momentum="keep")
+    log = SimpleNamespace(dir=None, meta={}, line=lambda text: None)
+    run = SparseRun(cfg, model, opt, None, ctx, log, run=1, seed=0)  # random masks: no loader read
+    start = {n: p.detach().clone() for n, p in run.params.items()}
+    for epoch in range(3):
+        run.epoch_start(epoch)  # a new random mask every epoch (seed * 1000 + epoch)
+        for x, y in batches(ctx.rank):
+            step(model, run.optimizer, x, y)
+            run.after_step()
+        run.epoch_end(epoch)
+        for n, p in run.params.items():
+            p = p.detach().contiguous()
+            every = [torch.zeros_like(p) for _ in range(ctx.world_size)]
+            dist.all_gather(every, p)
+            worst = max(float((every[0] - q).abs().max()) for q in every)
+            assert worst == 0, f"epoch {epoch}: ranks differ after the merge in {n} by up to {worst:.3e}"
+    assert len(run.record["masks"]) == 3 and run.local.merges == 6  # 2 per epoch: after steps 2 and 4
+    moved = sum(float((p.detach() - start[n]).abs().sum()) for n, p in run.params.items())
+    assert moved > 1e-2, "training did not move the weights: the comparison would prove nothing"
+    print(f"rank {ctx.rank} grad_mask_change ok")
+
+
 def main(argv):
     torch.set_num_threads(1)
     ctx = distributed.setup("cpu", timeout_s=60.0)
     try:
         for mode in argv:
-            {"equivalence": equivalence, "disjoint": disjoint}[mode](ctx)
+            {"equivalence": equivalence, "disjoint": disjoint, "grad_mask_change": grad_mask_change}[mode](ctx)
         return 0
     finally:
         distributed.teardown(ctx)

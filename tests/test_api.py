@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import fastcifar
@@ -95,6 +96,49 @@ def test_predict_and_evaluate_take_a_run_in_memory(tmp_path):
     assert all(c in "abcdefghij" for p in preds for c, _ in p.top)
     with pytest.raises(fastcifar.DataError, match="uint8"):
         fastcifar.predict(run, images.astype(np.float32))
+
+
+@pytest.mark.parametrize("wrap", ["tuple", "run"])
+def test_resolve_model_leaves_the_callers_network_as_it_is(wrap):
+    """(network, info) and a TrainedRun take one path: a network not fp32 on the target device is
+    copied, never cast or moved in place (a CUDA network of Triton blocks would otherwise run them
+    on CPU tensors)."""
+    from fastcifar.api import TrainedRun, resolve_model
+    from fastcifar.checkpoint import ModelInfo
+    from fastcifar.recipe import make_network
+    from fastcifar.norm_act_pool import NormActPool
+    from fastcifar.report import RunResult
+    cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
+    net = make_network(cfg, NormActPool, 10).half()  # in train mode, as a run leaves it mid-training
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    info = ModelInfo(cfg, tuple("abcdefghij"), (125.0,) * 3, (63.0,) * 3, 0.0)
+    given = (net, info) if wrap == "tuple" else TrainedRun(net, info, RunResult(1, 0, 0, 0, 0))
+    got, got_info = resolve_model(given, "cpu")
+    assert got is not net and got_info is info
+    assert all(t.dtype == torch.float16 for t in net.parameters()) and net.training
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert all(t.dtype == torch.float32 for t in got.parameters()) and not got.training
+    assert all(torch.equal(before[k].float(), v.float()) for k, v in got.state_dict().items())
+    same, _ = resolve_model((got, info), "cpu")  # already fp32 on the device: no copy
+    assert same is got
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a network of Triton blocks needs CUDA")
+def test_a_cuda_network_of_triton_blocks_evaluates_on_the_cpu():
+    from fastcifar.api import resolve_model
+    from fastcifar.checkpoint import ModelInfo
+    from fastcifar.model import norm_factory
+    from fastcifar.norm_act_pool import NormActPool
+    from fastcifar.recipe import make_network
+    cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
+    net = make_network(cfg, norm_factory("triton"), 10).cuda().eval()
+    info = ModelInfo(cfg, tuple("abcdefghij"), (125.0,) * 3, (63.0,) * 3, 0.0)
+    got, _ = resolve_model((net, info), "cpu")
+    assert next(net.parameters()).is_cuda and any(type(m) is not NormActPool for m in net.modules()
+                                                  if isinstance(m, NormActPool))
+    assert all(type(m) is NormActPool for m in got.modules() if isinstance(m, NormActPool))
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(got(x), net(x.cuda()).cpu(), rtol=1e-3, atol=1e-3)
 
 
 def test_an_api_run_that_diverges_closes_its_log_as_the_cli_does(learnable_data, tmp_path):

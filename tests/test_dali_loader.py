@@ -236,6 +236,8 @@ def test_same_seed_same_batches_and_epochs_differ():
     b = DaliLoader(images, np.arange(64), None, 16, seed=7)
     first = [(x.clone(), y.clone()) for x, y in a]
     assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(first, b))
+    assert a.run_seed == 7 and a.epoch == 0  # what a training checkpoint records (checkpoint.save_state)
+    assert a.images.is_contiguous()  # pad_images returns contiguous NHWC: DALI gathers rows of it
     a.set_epoch(7, 1)
     assert not torch.equal(torch.cat([y for _, y in a]), torch.cat([y for _, y in first]))
 

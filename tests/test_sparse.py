@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fastcifar.config import from_preset
+from fastcifar.config import CHOICES, from_preset
 from fastcifar.model import NormActPool
 from fastcifar.optim import NesterovSGD
 from fastcifar.recipe import make_network, param_groups
@@ -48,7 +50,7 @@ def loop_scores(model, x, y, variant):
     return out
 
 
-@pytest.mark.parametrize("variant", fisher.VARIANTS)
+@pytest.mark.parametrize("variant", CHOICES["mask_score"])
 def test_fisher_scores_match_a_per_sample_loop(variant):
     _, model = tiny()
     x, y = batch()
@@ -215,3 +217,26 @@ def test_local_sgd_merges_every_h_steps_counted_from_the_last_merge():
         if local.merges > before:
             merged_after.append(step)
     assert merged_after == [3, 5, 8, 10]
+
+
+def test_sparse_record_is_written_atomically_and_a_write_failure_is_a_checkpoint_error(tmp_path):
+    from types import SimpleNamespace
+
+    from fastcifar.checkpoint import CheckpointError
+    from fastcifar.sparse.run import SparseRun
+
+    _, model = tiny()
+    cfg = from_preset("resnet9", widths=(4, 8, 8, 8), sparse_mask="random", sparse_fraction=0.1)
+    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.05)
+    ctx = SimpleNamespace(distributed=False, world_size=1, rank=0, is_main=True)
+    log = SimpleNamespace(dir=tmp_path, meta={}, line=lambda text: None)
+    run = SparseRun(cfg, model, opt, None, ctx, log, run=1, seed=0)
+    run.epoch_start(0)
+    run.finish()
+    record = json.loads((tmp_path / "sparse-run1.json").read_text())
+    assert record["masks"] == [{"epoch": 0, "count": masks.count(run.optimizer.masks)}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sparse-run1.json"]  # no temporary left behind
+    (tmp_path / "not-a-folder").write_text("")
+    log.dir = tmp_path / "not-a-folder"  # a folder that cannot be made: as a full or read-only disk fails
+    with pytest.raises(CheckpointError, match="cannot write"):
+        run.finish()

@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
+from ..config import CHOICES
 from ..norm_act_pool import as_plain_torch
-
-VARIANTS = ("squared", "abs", "expected")
 
 
 def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -47,8 +46,8 @@ def fisher_scores(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
     """Scores (fp32, each parameter's shape) of the trainable parameters over ``images``/``labels``.
     The model is used as it is (put it in eval mode first); ``chunk`` samples' gradients are held
     at once (memory: chunk x the parameters)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"fisher variant must be one of {VARIANTS}, not {variant!r}")
+    if variant not in CHOICES["mask_score"]:
+        raise ValueError(f"fisher variant must be one of {CHOICES['mask_score']}, not {variant!r}")
     params = {n: p.detach() for n, p in trainable(model).items()}
     others = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
     buffers = dict(model.named_buffers())

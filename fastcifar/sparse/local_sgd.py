@@ -33,10 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed
-
-MERGES = ("mean", "sum")
-LAYOUTS = ("shared", "disjoint")
-MOMENTUM = ("keep", "reset")
+from ..config import CHOICES
 
 
 def flat_view(t: torch.Tensor) -> torch.Tensor:
@@ -59,8 +56,8 @@ class LocalSGD:
                  merge: str = "mean", momentum: str = "keep", world_size: int = 1, rank: int = 0):
         if every <= 0:
             raise ValueError(f"local SGD merges every H >= 1 steps, not {every}")
-        if merge not in MERGES or momentum not in MOMENTUM:
-            raise ValueError(f"merge must be one of {MERGES} and momentum one of {MOMENTUM}")
+        if merge not in CHOICES["merge"] or momentum not in CHOICES["local_momentum"]:
+            raise ValueError(f"merge must be one of {CHOICES['merge']} and momentum one of {CHOICES['local_momentum']}")
         self.params, self.opt, self.every = named_params, opt, every
         self.merge_op, self.momentum, self.world, self.rank = merge, momentum, world_size, rank
         self.buffers = [b for b in buffers if b.is_floating_point()]
@@ -94,10 +91,13 @@ class LocalSGD:
         (the data-dependent init at epoch 0), which a sum merge would otherwise count W times."""
         self.anchor = {dt: self._gather_values(dt) for dt in self.plan}
 
-    def _gather_values(self, dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _gather_values(self, dtype, owners=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The reduced entries' values, and the owned entries' values of each rank in ``owners``
+        (default: every rank, as the anchor needs; a merge sends only this rank's own)."""
         entries = self.plan[dtype]
         reduced = torch.cat([flat if r is None else flat[r] for flat, r, _ in entries])
-        owned = [torch.cat([flat[o[k]] for flat, _, o in entries]) for k in range(self.world)] if self.owned else []
+        owners = range(self.world) if owners is None else owners
+        owned = [torch.cat([flat[o[k]] for flat, _, o in entries]) for k in owners] if self.owned else []
         return reduced, owned
 
     def bytes_per_merge(self) -> dict[str, int]:
@@ -133,7 +133,7 @@ class LocalSGD:
             merged = {}
             for dtype in self.plan:
                 anchor_r, anchor_o = self.anchor[dtype]
-                now_r, now_o = self._gather_values(dtype)
+                now_r, now_o = self._gather_values(dtype, owners=[self.rank])
                 delta = now_r - anchor_r
                 dist.all_reduce(delta)
                 if self.merge_op == "mean":
@@ -143,7 +143,7 @@ class LocalSGD:
                 if self.owned:
                     counts = [a.numel() for a in anchor_o]
                     mine = torch.zeros(max(counts), dtype=dtype, device=delta.device)
-                    mine[:counts[self.rank]] = now_o[self.rank] - anchor_o[self.rank]
+                    mine[:counts[self.rank]] = now_o[0] - anchor_o[self.rank]
                     gathered = [torch.empty_like(mine) for _ in range(self.world)]
                     dist.all_gather(gathered, mine)
                     new_o = [anchor_o[k] + gathered[k][:counts[k]] for k in range(self.world)]

@@ -20,8 +20,6 @@ from torch import nn
 
 from ..recipe import norm_layers
 
-KINDS = ("none", "fisher", "random")
-
 
 def forced_names(model: nn.Module, bn_shifts: bool) -> set[str]:
     """The always-trainable parameters: the classifier's, and the batchnorm shifts if ``bn_shifts``."""

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from .. import distributed
 from ..augment import CIFAR10_MEAN, CIFAR10_STD
+from ..checkpoint import write_atomic
 from . import fisher, masks
 from .diffs import DiffWriter
 from .local_sgd import LocalSGD
@@ -68,7 +70,8 @@ class SparseRun:
         if self.diffs is not None:
             self.record["diffs"] = self.diffs.records
         if self.log.dir is not None and (self.masked or self.local or self.diffs):
-            (Path(self.log.dir) / f"sparse-run{self.run}.json").write_text(json.dumps(self.record, indent=1))
+            # atomic, and a full disk is one line (CheckpointError), exit 2, as for the model file
+            write_atomic(Path(self.log.dir) / f"sparse-run{self.run}.json", json.dumps(self.record, indent=1))
 
     # --- masks -----------------------------------------------------------------------------
 
@@ -94,6 +97,12 @@ class SparseRun:
         self.optimizer.set_masks(mine)
         if self.local is not None:
             self.local.set_masks(dealt, shared=self.forced)
+            if epoch > 0 and cfg.sparse_update == "grad":
+                # grad mode moves entries outside the mask too (decay, momentum), and the merges now
+                # cover only the new mask: an entry leaving it would go on with this rank's own
+                # momentum, never merged again. The weights are equal on every rank here (just after
+                # the epoch-end merge), so equal momentum keeps every such entry equal.
+                distributed.average_buffers([b for bufs in self.optimizer.buffers for b in bufs], ctx.world_size)
         line = f"mask ({cfg.sparse_mask}, epoch {epoch}): {masks.describe(mine, self.total)}"
         if disjoint:
             line += f" on each of {ctx.world_size} ranks, disjoint but for the classifier/BN shifts"

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-MODES = ("full", "grad")
+from ..config import CHOICES
 
 
 class MaskedOptimizer:
     def __init__(self, opt, named_params: dict[str, torch.Tensor], mode: str = "full"):
-        if mode not in MODES:
-            raise ValueError(f"sparse update mode must be one of {MODES}, not {mode!r}")
+        if mode not in CHOICES["sparse_update"]:
+            raise ValueError(f"sparse update mode must be one of {CHOICES['sparse_update']}, not {mode!r}")
         self.opt, self.mode = opt, mode
         name_of = {id(p): n for n, p in named_params.items()}
         # Start dense (all ones): warm-up steps before the first mask train like the dense run.
