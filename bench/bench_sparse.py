@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from common import RESULTS_DIR, environment, markdown_table  # noqa: E402
+from common import RESULTS_DIR, environment, markdown_table, run_trainer  # noqa: E402
 
 SIZES = {
     "smoke": ["--preset", "resnet9", "--device", "cpu", "--widths", "8,16,32,64", "--batch-size", "100",
@@ -44,18 +42,7 @@ SIZES = {
 
 
 def run(args: list[str], out: Path, ranks: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
-    launcher = [sys.executable, "-m", "fastcifar.train"]
-    if ranks > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-                    "-m", "fastcifar.train"]
-    proc = subprocess.run([*launcher, *args, "--out-dir", str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        sys.exit(f"bench_sparse: a run failed ({' '.join(args)}):\n{proc.stderr[-2000:]}")
-    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    run_dir = run_trainer(args, out, ranks, "bench_sparse")
     summary = json.loads((run_dir / "summary.json").read_text())
     sparse_file = run_dir / "sparse-run1.json"
     sparse = json.loads(sparse_file.read_text()) if sparse_file.exists() else {}

@@ -100,6 +100,26 @@ def print_header(title: str, env: Dict[str, str], copy_gbs: float) -> None:
     print(f"measured device-to-device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)\n")
 
 
+def run_trainer(args: Sequence[str], out: Path, ranks: int = 1, name: str = "bench") -> Path:
+    """One ``fastcifar.train`` run in a subprocess (under torchrun on ``ranks`` processes when there
+    are several), writing under ``out``; returns the run's folder (summary.json and the rest). A
+    failed run ends the bench with the tail of its stderr."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop("WORLD_SIZE", None)  # a bench started under torchrun must not make its runs think they are ranks
+    env.pop("RANK", None)
+    launcher = [sys.executable, "-m", "fastcifar.train"]
+    if ranks > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                    "-m", "fastcifar.train"]
+    proc = subprocess.run([*launcher, *map(str, args), "--out-dir", str(out)], cwd=root, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{name}: a run failed ({' '.join(map(str, args))}):\n{proc.stderr[-2000:]}")
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    return run_dir
+
+
 def markdown_table(rows: List[Dict[str, object]], columns: Sequence[str]) -> str:
     def fmt(v):
         if isinstance(v, float):

@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from . import compress as _compress  # CHOICES reads its lists (compress never imports config)
 from .profiling import parse_window
 
 
@@ -198,10 +199,10 @@ CHOICES = {
     "precision": ("auto", "fp16", "fp32"),
     "comm": ("bucketed", "ddp"),
     "cuda_graphs": ("auto", "on", "off"),
-    "kernels": ("auto", "triton", "torch"),
-    "compress": ("none", "fp16", "bf16", "topk", "randomk", "threshold", "terngrad", "qsgd", "powersgd"),
-    "compress_scope": ("layer", "bucket", "model"),
-    "compress_transport": ("sparse", "dense"),
+    "kernels": ("auto", "triton", "torch"),  # fastcifar.model.KERNELS reads this one
+    "compress": _compress.METHODS,  # fastcifar.compress's own lists: one source, no copy to keep in step
+    "compress_scope": _compress.SCOPES,
+    "compress_transport": _compress.TRANSPORTS,
     "sparse_mask": ("none", "fisher", "random"),
     "mask_score": ("squared", "abs", "expected"),
     "sparse_update": ("full", "grad"),

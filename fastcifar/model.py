@@ -12,10 +12,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .config import CHOICES
 from .norm_act_pool import ACTIVATIONS, POOL_PLACES, NormActPool, activation  # noqa: F401  (re-exported)
 
 NormFactory = Callable[..., nn.Module]
-KERNELS = ("auto", "triton", "torch")
+KERNELS = CHOICES["kernels"]  # --kernels' choices: one list, in fastcifar.config
 
 
 def resolve_kernels(requested: str, device: torch.device) -> str:

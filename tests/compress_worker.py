@@ -18,10 +18,9 @@ import torch.nn.functional as F
 from comm_worker import make_model
 from fastcifar import distributed
 from fastcifar.comm import GradBuckets
-from fastcifar.compress import Compression, make
+from fastcifar.compress import SCOPES, Compression, make
 
 BUCKET_MB = 0.004  # SmallNet's 9.4 KB of gradients in 3 buckets: more than one collective per step
-SCOPES = ("layer", "bucket", "model")
 # (name, method, options): K=1, V=0 and fp32 must give the uncompressed average bit for bit
 EXACT = [("fp32", "fp32", {}), ("topk1", "topk", {"ratio": 1.0}), ("threshold0", "threshold", {"threshold": 0.0}),
          ("randomk1", "randomk", {"ratio": 1.0})]
@@ -60,7 +59,7 @@ def averaged(method, options, scope, transport, rank, steps=2, ef=True):
         buckets.finish()
     out = {"grads": [p.grad.clone() for p in model.parameters()], "n_buckets": len(buckets)}
     if compression is not None:
-        out["stats"] = compression.stats.as_dict()
+        out["stats"] = compression.summary()
         out["residual"] = {k: v.clone() for k, v in (compression.memory.residual.items()
                                                      if compression.memory is not None else [])}
         out["chunks"] = {i: [(c.start, c.length) for c in cs] for i, cs in compression._chunks.items()}

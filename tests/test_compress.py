@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import math
 
+import types
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from fastcifar.alexnet import AlexNet
-from fastcifar.compress import make, pack, unpack
+from fastcifar.comm import GradBuckets
+from fastcifar.compress import Compression, engine, log_stats, make, pack, unpack
 from fastcifar.compress.compressors import PowerSGD, _orthonormalize
 from fastcifar.compress.memory import ErrorFeedback
-from fastcifar.compress.rng import SHARED_STREAM, CounterRNG
+from fastcifar.compress.rng import MASK32, SHARED_STREAM, CounterRNG, _mix
 from fastcifar.config import Config, ConfigError, from_preset, validate
 
 DRAWS = 2000
@@ -106,7 +110,7 @@ def test_error_feedback_conserves_the_gradient(method):
         payload, ctx = comp.compress(compensated, 1, rng, rng, key=0, rows=6)
         if comp.rounds > 1:  # one rank: the sums are the payloads themselves
             second = comp.next_round(payload, ctx)  # orthonormalizes payload[0] in place
-            comp.finish_round(payload, second, ctx)
+            comp.finish_round(second, ctx)
             payload = payload + second
         sent = comp.decompress(payload, ctx)
         memory.update(0, compensated, sent)
@@ -123,10 +127,11 @@ def test_powersgd_recovers_a_low_rank_matrix():
     for _ in range(3):  # warm start: each step one more power iteration
         payload, ctx = comp.compress(m.flatten(), 1, rng, rng, key=5, rows=12)
         second = comp.next_round([payload[0].clone()], ctx)
-        comp.finish_round(payload, second, ctx)
+        comp.finish_round(second, ctx)
         approx = comp.decompress([_orthonormalize(payload[0]), second[0]], ctx)
+        # P (12 x 2) and Q (9 x 2) went out, not the matrix: 42 numbers of 108
+        assert not ctx[3] and [t.shape for t in payload + second] == [(12, 2), (9, 2)], ctx[3]
     torch.testing.assert_close(approx.reshape(12, 9), m, atol=1e-4, rtol=1e-4)
-    assert 2 * (12 + 9) < 12 * 9, "the payload is smaller than the matrix"
 
 
 def test_counter_rng_is_uniform_reproducible_and_separates_streams():
@@ -140,6 +145,17 @@ def test_counter_rng_is_uniform_reproducible_and_separates_streams():
     assert not torch.equal(first, shared.uniform(100)), "each step draws anew"
     shared.reset()
     assert torch.equal(first, shared.uniform(100)) and torch.equal(first, CounterRNG(1, SHARED_STREAM).uniform(100))
+
+
+def test_counter_rng_draws_the_numbers_it_always_drew():
+    """Pinned draws (x 2^24): the hash's constants and the int and tensor mixers cannot drift."""
+    rng = CounterRNG(7, 3)
+    rng.advance()
+    rng.advance()
+    assert (rng.uniform(4, key=5) * 2**24).long().tolist() == [12107201, 4468790, 4386286, 10626041]
+    assert (CounterRNG(0, SHARED_STREAM).uniform(3) * 2**24).long().tolist() == [1928145, 8382159, 7098216]
+    for x in (0, 1, 0x9E3779B1, MASK32):  # the one mixer, on a host int and on a device tensor alike
+        assert _mix(x) == int(_mix(torch.tensor(x, dtype=torch.int64)))
 
 
 def test_pack_unpack_roundtrip_mixed_dtypes():
@@ -175,3 +191,94 @@ def test_alexnet_preset_builds_the_cifar_alexnet():
     assert sum(p.numel() for p in model.parameters()) == 2473418
     with pytest.raises(ConfigError, match="five"):
         validate(Config(arch="alexnet"))
+
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-rank gloo group: GradBuckets and the compression's collectives really run, in this process."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _compressed_step(method, warmup_steps=0, **options):
+    """A small net whose gradients go through GradBuckets with ``method``: (compression, step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    compression = Compression(make(method, **options), scope="layer", error_feedback=True,
+                              warmup_steps=warmup_steps, seed=1)
+    buckets = GradBuckets(model.parameters(), bucket_mb=1.0, compression=compression)
+    x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+
+    def step():
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        buckets.finish()
+        buckets.zero_grad()
+    return compression, step
+
+
+@pytest.mark.parametrize("method, options", [("powersgd", {"rank": 1}), ("threshold", {"threshold": 0.01}),
+                                             ("topk", {"ratio": 0.25})])
+def test_compress_time_leaves_out_the_blocking_collectives(one_rank_group, monkeypatch, method, options):
+    """A peer 1 s late on every collective, on a fake clock that moves only then: compress_s stays 0.
+    Counted, PowerSGD's second all-reduce and Threshold's count all-gather added 1 s a step."""
+    clock = types.SimpleNamespace(t=0.0)
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: clock.t))
+    waited = []
+
+    class LateWork:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            clock.t += 1.0
+            waited.append("async")
+            return self.work.wait()
+
+    def late(real):
+        def collective(*args, **kwargs):
+            if kwargs.get("async_op"):
+                return LateWork(real(*args, **kwargs))
+            clock.t += 1.0  # blocking: this rank waits for the late peer here
+            waited.append("blocking")
+            return real(*args, **kwargs)
+        return collective
+
+    monkeypatch.setattr(dist, "all_reduce", late(dist.all_reduce))
+    monkeypatch.setattr(dist, "all_gather", late(dist.all_gather))
+    compression, step = _compressed_step(method, **options)
+    for _ in range(3):
+        step()
+    assert ("blocking" in waited) == (method != "topk") and "async" in waited, waited  # the check saw them
+    assert compression.stats.compress_s == 0.0, compression.stats.compress_s
+
+
+def test_steps_are_counted_on_the_device_so_graph_replays_count(one_rank_group):
+    """Graph replays run a step's device ops and none of its Python: after reset() (as after the
+    trainer's capture) only end_step's RNG advances run, as in a replay. The summary still counts
+    every step; bytes come from the captured step, and no host compress time is claimed."""
+    compression, step = _compressed_step("topk", ratio=0.25)
+    step()  # eager, as the capture is
+    step_bytes = log_stats(compression, _Log(), run=1)["bytes_per_step"]
+    compression.reset()
+    for _ in range(5):  # five replays
+        compression.rng.advance()
+        compression.shared.advance()
+    record = log_stats(compression, _Log(), run=1)
+    assert record["steps"] == 5 and record["compressed_steps"] == 5, record
+    assert record["bytes_per_step"] == step_bytes and record["compress_ms_per_step"] is None, record
+    # steps whose Python runs are counted alike, the dense warm-up ones apart
+    compression, step = _compressed_step("topk", warmup_steps=2, ratio=0.25)
+    for _ in range(3):
+        step()
+    record = log_stats(compression, _Log(), run=1)
+    assert record["steps"] == 3 and record["compressed_steps"] == 1 and record["compress_ms_per_step"] > 0, record
+
+
+class _Log:
+    def __init__(self):
+        self.meta, self.lines = {}, []
+
+    def line(self, text):
+        self.lines.append(text)

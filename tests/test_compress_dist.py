@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cli import SHORT, run_train, summary_of
-from compress_worker import BOTH, EXACT, LEARN, SCOPES
+from compress_worker import BOTH, EXACT, LEARN
+from fastcifar.compress import SCOPES
 from test_comm import start_ranks, wait_all
 
 pytestmark = pytest.mark.slow
@@ -82,6 +83,10 @@ def test_sparse_and_dense_transports_agree(fixture, request):
                         torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
                 elif fixture == "two":
                     assert all(torch.equal(a, b) for a, b in zip(sparse, dense)), f"{name} {scope}"
+                    # error feedback's residual too: what this rank sent, however it travelled
+                    res_s, res_d = rank[(name, scope, "sparse")]["residual"], rank[(name, scope, "dense")]["residual"]
+                    assert res_s.keys() == res_d.keys() and all(torch.equal(res_s[c], res_d[c]) for c in res_s), \
+                        f"{name} {scope}: residuals differ"
                 else:
                     for a, b in zip(sparse, dense):
                         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -137,6 +142,15 @@ def test_powersgd_and_randomness_per_rank(two):
     # in where they kept coordinates; shared-coordinate RandomK keeps the same ones on both.
     t0, t1 = r0[("terngrad", "model", "sparse")]["residual"], r1[("terngrad", "model", "sparse")]["residual"]
     assert not torch.equal(t0[0] == 0, t1[0] == 0)
+    # The average is nonzero only where some rank kept a coordinate: at most k per chunk when both
+    # kept the same ones (shared), up to about twice that when each drew its own (fewer where a
+    # kept gradient is exactly 0: dead ReLUs here, so the counts sit below k and 2k).
+    for scope in SCOPES:
+        k = sum(math.ceil(0.1 * length) for chunks in r0[("randomk", scope, "sparse")]["chunks"].values()
+                for _, length in chunks)
+        nonzero = {name: sum(int((g != 0).sum()) for g in grads(r0, (name, scope, "sparse")))
+                   for name in ("randomk", "randomk_rank")}
+        assert 0.5 * k < nonzero["randomk"] <= k < nonzero["randomk_rank"], (scope, k, nonzero)
 
 
 @pytest.mark.parametrize("fixture", ["two", "three"])

@@ -266,7 +266,7 @@ class PowerSGD(Compressor):
     def _initial_q(shared, m: int, r: int, key: int) -> torch.Tensor:
         return _orthonormalize(shared.normal(m * r, key).reshape(m, r))  # shared: alike on every rank
 
-    def finish_round(self, first: list, second: list, ctx) -> None:
+    def finish_round(self, second: list, ctx) -> None:
         """Keep the mean Q as next step's warm start (in place: a captured graph keeps its storage)."""
         d, mat, key, dense = ctx
         if not dense:

@@ -25,11 +25,18 @@ dense baseline is the bucket's size (what ``--compress none`` all-reduces): the 
 reduction in what each rank puts on the wire. A ring all-reduce moves ~2(n-1)/n of its buffer
 per rank and an all-gather (n-1) times the payload: bench/bench_compress.py models both.
 Compress time is host time around compress + decompress (on the GPU: launch time only, the
-kernels run asynchronously on the comm stream).
+kernels run asynchronously on the comm stream), without the blocking collectives inside it
+(Threshold's count all-gather, PowerSGD's second all-reduce): their time is waiting for peers and
+the wire, which bench/bench_compress.py models apart (counting it here would count it twice).
+
+Steps are counted on the device: ``end_step`` advances the RNGs' step counter with a device op, so
+a captured CUDA graph's replays count too (they run no Python); ``summary()`` reads it once, at
+the end of a run. Bytes and compress time are summed by the host over the steps whose Python ran.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -54,18 +61,10 @@ class Chunk:
 
 @dataclass
 class Stats:
-    steps: int = 0  # steps averaged (dense warm-up steps included)
-    compressed_steps: int = 0
-    payload_bytes: int = 0  # summed over steps: bytes this rank sent
-    dense_bytes: int = 0  # summed over steps: bytes --compress none would have sent
-    compress_s: float = 0.0  # host seconds in compress + decompress (+ error feedback)
-
-    def as_dict(self) -> dict:
-        steps = max(self.steps, 1)
-        return {"steps": self.steps, "compressed_steps": self.compressed_steps,
-                "bytes_per_step": self.payload_bytes / steps, "dense_bytes_per_step": self.dense_bytes / steps,
-                "ratio": self.dense_bytes / self.payload_bytes if self.payload_bytes else float("inf"),
-                "compress_ms_per_step": 1e3 * self.compress_s / steps}
+    """Sums over the steps whose Python ran (``Compression.step`` of them; graph replays add none)."""
+    payload_bytes: int = 0  # bytes this rank sent
+    dense_bytes: int = 0  # bytes --compress none would have sent
+    compress_s: float = 0.0  # host seconds in compress + decompress (+ error feedback), collectives excluded
 
 
 def _aligned(nbytes: int) -> int:
@@ -88,6 +87,23 @@ def pack(tensors: list) -> tuple[torch.Tensor, list]:
 
 def unpack(buf: torch.Tensor, layout: list) -> list:
     return [buf[o:o + nb].view(dtype).reshape(shape) for o, dtype, shape, nb in layout]
+
+
+def _flatten(groups: list) -> torch.Tensor:
+    """The tensors of ``groups`` (a list of lists, one per chunk) in one flat vector, for one all-reduce."""
+    return torch.cat([t.reshape(-1) for group in groups for t in group])
+
+
+def _unflatten(flat: torch.Tensor, groups: list) -> list:
+    """Views of ``flat`` shaped like the tensors of ``groups`` and grouped the same way (``_flatten``'s inverse)."""
+    out, o = [], 0
+    for group in groups:
+        views = []
+        for t in group:
+            views.append(flat[o:o + t.numel()].reshape(t.shape))
+            o += t.numel()
+        out.append(views)
+    return out
 
 
 class _Pending:
@@ -116,9 +132,11 @@ class Compression:
         self.compressor, self.scope, self.transport = compressor, scope, transport
         self.warmup_steps, self.seed = warmup_steps, seed
         self.memory = ErrorFeedback() if error_feedback else None
-        self.group, self.world_size = None, 1  # plan() takes GradBuckets' group and device
+        self.group, self.world_size, self.rank = None, 1, 0  # plan() takes GradBuckets' group and device
         self.rng = self.shared = None
-        self.step = 0  # host count of finished steps (dense warm-up)
+        # Host count of the steps whose Python ran since reset(): the dense warm-up's switch and the
+        # divisor of Stats' sums. The steps averaged, replays included, are the RNG's device counter.
+        self.step = 0
         self.stats = Stats()
         self._chunks: dict = {}  # bucket index -> [Chunk]
         self._step_bytes = [0, 0]  # this step: payload, dense
@@ -132,8 +150,8 @@ class Compression:
         from fastcifar.comm import _span
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.rng = CounterRNG(self.seed, rank, device)  # this rank's own draws
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.rng = CounterRNG(self.seed, self.rank, device)  # this rank's own draws
         self.shared = CounterRNG(self.seed, SHARED_STREAM, device)  # the same draws on every rank
         key = 0
         for b in buckets:
@@ -185,16 +203,34 @@ class Compression:
 
     def end_step(self) -> None:
         """After every bucket of a step was waited for (GradBuckets.finish)."""
-        if self.step >= self.warmup_steps:
-            self.stats.compressed_steps += 1
         self.step += 1
-        self.stats.steps += 1
         self.stats.payload_bytes += self._step_bytes[0]
         self.stats.dense_bytes += self._step_bytes[1]
         self._last_bytes = tuple(self._step_bytes)
         self._step_bytes = [0, 0]
-        self.rng.advance()
+        self.rng.advance()  # a device op: a captured step's replays advance (and count) it too
         self.shared.advance()
+
+    def steps_run(self) -> int:
+        """Steps averaged since reset(), graph replays included: the RNG's device step counter.
+        A host read (a sync on the GPU): for the end of a run, never inside a step."""
+        return int(self.rng.step)
+
+    def summary(self) -> dict:
+        """The run's record: steps (dense warm-up included), bytes per step, ratio, compress time."""
+        steps = self.steps_run()
+        out = {"steps": steps, "compressed_steps": max(0, steps - self.warmup_steps)}
+        if self.step == 0 and steps and self.captured is not None:
+            # Graph replays run no Python: the captured step's byte counts are every step's (fixed
+            # sizes), and no host time was measured.
+            payload, dense = self.captured
+            return {**out, "bytes_per_step": payload, "dense_bytes_per_step": dense,
+                    "ratio": dense / payload if payload else float("inf"), "compress_ms_per_step": None,
+                    "source": "the captured step (graph replays are not counted one by one)"}
+        s, host = self.stats, max(self.step, 1)
+        return {**out, "bytes_per_step": s.payload_bytes / host, "dense_bytes_per_step": s.dense_bytes / host,
+                "ratio": s.dense_bytes / s.payload_bytes if s.payload_bytes else float("inf"),
+                "compress_ms_per_step": 1e3 * s.compress_s / host}
 
     def reset(self) -> None:
         """Back to the state before the first step (after the trainer's untimed warm-up steps)."""
@@ -219,6 +255,17 @@ class Compression:
             self.stats.compress_s += time.perf_counter() - t0
         return run
 
+    @contextlib.contextmanager
+    def _off_clock(self):
+        """Around a blocking collective inside a timed section: its time (waiting for the slowest
+        peer, then the wire) is taken back out of compress_s. With a peer 50 ms late, PowerSGD's
+        and Threshold's compress time read ~50 ms a step when it was counted."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.compress_s -= time.perf_counter() - t0
+
     def _launch_dense(self, b, items):
         """The seed: write each rank's reconstruction / n into the bucket, all-reduce it whole.
         Divided in fp32 before the bucket's dtype rounds it, not through GradBuckets' path (which
@@ -235,37 +282,23 @@ class Compression:
 
     def _launch_sum(self, b, items):
         comp, n = self.compressor, self.world_size
-        first = [t for _, _, payload, _ in items for t in payload]
-        buf = torch.cat([t.reshape(-1) for t in first])
+        payloads = [payload for _, _, payload, _ in items]
+        buf = _flatten(payloads)
         self._step_bytes[0] += buf.numel() * buf.element_size()
         work = dist.all_reduce(buf, group=self.group, async_op=True)
 
-        def split(flat, like):
-            out, o = [], 0
-            for t in like:
-                out.append(flat[o:o + t.numel()].reshape(t.shape))
-                o += t.numel()
-            return out
-
         def finish():
-            summed = split(buf, first)
-            per_item, o = [], 0
-            for _, _, payload, _ in items:
-                per_item.append(summed[o:o + len(payload)])
-                o += len(payload)
+            per_item = _unflatten(buf, payloads)
             if comp.rounds > 1:  # PowerSGD: the second collective (Q) needs the first's result (P)
                 second = [comp.next_round(s, ctx, n) for s, (_, _, _, ctx) in zip(per_item, items)]
-                flat2 = [t for s in second for t in s]
-                if flat2:
-                    buf2 = torch.cat([t.reshape(-1) for t in flat2])
+                if any(second):  # chunks sent whole have no second round
+                    buf2 = _flatten(second)
                     self._step_bytes[0] += buf2.numel() * buf2.element_size()
-                    dist.all_reduce(buf2, group=self.group)
-                    summed2, o = split(buf2, flat2), 0
-                    for i, s in enumerate(second):
-                        second[i] = summed2[o:o + len(s)]
-                        o += len(s)
-                for s, s2, (_, _, _, ctx) in zip(per_item, second, items):
-                    comp.finish_round(s, s2, ctx)
+                    with self._off_clock():
+                        dist.all_reduce(buf2, group=self.group)
+                    second = _unflatten(buf2, second)
+                for s2, (_, _, _, ctx) in zip(second, items):
+                    comp.finish_round(s2, ctx)
                 per_item = [s + s2 for s, s2 in zip(per_item, second)]
             for s, (c, g, payload, ctx) in zip(per_item, items):
                 mean = comp.decompress(s, ctx)
@@ -286,9 +319,10 @@ class Compression:
             # Variable sizes: every rank learns every chunk's count, then pads to the largest.
             mine = torch.tensor([p[0].numel() for p in payloads], dtype=torch.int64, device=b.flat.device)
             gathered = [torch.empty_like(mine) for _ in range(n)]
-            dist.all_gather(gathered, mine, group=self.group)
+            with self._off_clock():  # blocking, and .cpu() waits for it on the GPU
+                dist.all_gather(gathered, mine, group=self.group)
+                counts = torch.stack(gathered).cpu()  # (ranks, chunks): the host needs the sizes
             self._step_bytes[0] += mine.numel() * mine.element_size()
-            counts = torch.stack(gathered).cpu()  # (ranks, chunks): the host needs the sizes
             largest = counts.amax(0).tolist()
             payloads = [[torch.nn.functional.pad(t, (0, k - t.numel())) for t in p]
                         for p, k in zip(payloads, largest)]
@@ -309,9 +343,11 @@ class Compression:
                     part = per_rank[r][i * k:(i + 1) * k]
                     if counts is not None:
                         part = [t[:int(counts[r, i])] for t in part]
-                    x = comp.decompress(part, ctx) / n
+                    x = comp.decompress(part, ctx)
+                    if r == self.rank and self.memory is not None:
+                        # this rank's own part came back bit for bit: its decompression is what was sent
+                        self.memory.update(c.key, g, x)
+                    x = x / n
                     mean = x if mean is None else mean.add_(x)
-                if self.memory is not None:  # own payload's decompression: only the residual needs it
-                    self.memory.update(c.key, g, comp.decompress(payload, ctx))
                 self._write(b, c, mean)
         return _Pending([work] if work is not None else [], self._timed(finish))

@@ -19,13 +19,8 @@ GOLDEN = 0x9E3779B1  # spreads consecutive steps and keys over the 32-bit space
 SHARED_STREAM = 2**20  # any stream number no rank uses
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    for _ in range(2):
-        x = (((x >> 16) ^ x) * MIX) & MASK32
-    return (x >> 16) ^ x
-
-
-def _mix_int(x: int) -> int:
+def _mix(x):
+    """The mixer on an int64 tensor or a Python int (operators only: the same numbers on both)."""
     for _ in range(2):
         x = (((x >> 16) ^ x) * MIX) & MASK32
     return (x >> 16) ^ x
@@ -38,7 +33,7 @@ class CounterRNG:
 
     def uniform(self, n: int, key: int = 0) -> torch.Tensor:
         """n float32 numbers in [0, 1) (24 random bits each) for chunk ``key`` at the current step."""
-        base = _mix_int((self.seed * GOLDEN + self.stream * MIX + key * 0x632BE5AB) & MASK32)
+        base = _mix((self.seed * GOLDEN + self.stream * MIX + key * 0x632BE5AB) & MASK32)
         idx = torch.arange(n, dtype=torch.int64, device=self.step.device)
         x = _mix((idx + base + self.step * GOLDEN) & MASK32)
         return (x >> 8).to(torch.float32) * (1.0 / 2**24)

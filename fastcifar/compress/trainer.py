@@ -40,13 +40,7 @@ def log_stats(compression: Compression | None, log, run: int) -> dict | None:
     """One line per run in the log and a record in summary.json's "compression" list."""
     if compression is None:
         return None
-    stats = compression.stats.as_dict()
-    if compression.stats.steps == 0 and compression.captured is not None:
-        # Graph replays run no Python: the captured step's byte counts are every step's (fixed sizes).
-        payload, dense = compression.captured
-        stats.update(bytes_per_step=payload, dense_bytes_per_step=dense,
-                     ratio=dense / payload if payload else float("inf"), compress_ms_per_step=None,
-                     source="the captured step (graph replays are not counted one by one)")
+    stats = compression.summary()  # steps from the device counter: graph replays count
     record = {"run": run, "method": compression.describe(), **stats}
     log.meta.setdefault("compression", []).append(record)
     ms = stats["compress_ms_per_step"]
