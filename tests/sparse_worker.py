@@ -132,6 +132,18 @@ def grad_mask_change(ctx):
     start = {n: p.detach().clone() for n, p in run.params.items()}
     for epoch in range(3):
         run.epoch_start(epoch)  # a new random mask every epoch (seed * 1000 + epoch)
+        if epoch > 0:  # the mask changed: momentum is equal outside it, each rank's own inside it
+            bufs = [b for group in run.optimizer.buffers for b in group]
+            inside = outside = 0.0
+            for name, b in zip(run.optimizer.buffer_names, bufs):
+                every = [torch.zeros_like(b) for _ in range(ctx.world_size)]
+                dist.all_gather(every, b.contiguous())
+                gap = (every[0] - every[1]).abs()
+                m = run.optimizer.masks[name].bool()
+                inside = max(inside, float(torch.where(m, gap, 0).max()))
+                outside = max(outside, float(torch.where(m, 0, gap).max()))
+            assert outside == 0, f"epoch {epoch}: momentum outside the mask differs by {outside:.3e}"
+            assert inside > 0, f"epoch {epoch}: momentum inside the mask was averaged (--local-momentum keep)"
         for x, y in batches(ctx.rank):
             step(model, run.optimizer, x, y)
             run.after_step()

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
 from ..augment import CIFAR10_MEAN, CIFAR10_STD
 from ..checkpoint import write_atomic
 from . import fisher, masks
@@ -99,10 +98,14 @@ class SparseRun:
             self.local.set_masks(dealt, shared=self.forced)
             if epoch > 0 and cfg.sparse_update == "grad":
                 # grad mode moves entries outside the mask too (decay, momentum), and the merges now
-                # cover only the new mask: an entry leaving it would go on with this rank's own
-                # momentum, never merged again. The weights are equal on every rank here (just after
-                # the epoch-end merge), so equal momentum keeps every such entry equal.
-                distributed.average_buffers([b for bufs in self.optimizer.buffers for b in bufs], ctx.world_size)
+                # cover only the new masks (every rank's, in the disjoint layout): an entry outside them
+                # would go on with this rank's own momentum, never merged again. The weights are equal
+                # on every rank here (just after the epoch-end merge), so equal momentum keeps every
+                # such entry equal. Merged entries keep their own: averaging them too would shrink an
+                # owner's momentum ~world_size-fold (the others' is decay only) at every mask change.
+                covered = {n: torch.stack([d[n] for d in dealt if n in d]).any(0)
+                           for n in self.params if any(n in d for d in dealt)}
+                self.optimizer.average_momentum_outside(covered, ctx.world_size)
         line = f"mask ({cfg.sparse_mask}, epoch {epoch}): {masks.describe(mine, self.total)}"
         if disjoint:
             line += f" on each of {ctx.world_size} ranks, disjoint but for the classifier/BN shifts"

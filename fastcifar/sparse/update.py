@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import distributed
 from ..config import CHOICES
 
 
@@ -29,6 +30,7 @@ class MaskedOptimizer:
         # Start dense (all ones): warm-up steps before the first mask train like the dense run.
         self.masks = {name_of[id(p)]: torch.ones_like(p) for p in opt.params}
         self.group_masks = [[self.masks[name_of[id(p)]] for p in group] for group in opt.groups]
+        self.buffer_names = [name_of[id(p)] for group in opt.groups for p in group]  # opt.buffers' order, flat
         self.decays = opt.take_weight_decay() if mode == "full" else [0.0] * len(opt.groups)
 
     def __getattr__(self, name):  # lr, param_groups, set_lr_scale, reset_state, ... are the optimizer's
@@ -45,6 +47,17 @@ class MaskedOptimizer:
         if self.mode == "full":
             for bufs, group_masks in zip(self.opt.buffers, self.group_masks):
                 torch._foreach_mul_(bufs, group_masks)
+
+    @torch.no_grad()
+    def average_momentum_outside(self, covered: dict[str, torch.Tensor], world_size: int) -> None:
+        """Average over ranks the momentum of the entries outside ``covered`` (boolean masks by name;
+        a missing name: all outside). Entries inside keep this rank's own (``--local-momentum``'s rule)."""
+        bufs = [b for group in self.opt.buffers for b in group]
+        means = [b.clone() for b in bufs]
+        distributed.average_buffers(means, world_size)
+        for name, buf, mean in zip(self.buffer_names, bufs, means):
+            inside = covered.get(name)
+            buf.copy_(mean if inside is None else torch.where(inside, buf, mean))
 
     @torch.no_grad()
     def step(self) -> None:
