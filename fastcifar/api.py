@@ -114,6 +114,8 @@ def resolve_model(model, device="cpu") -> tuple[torch.nn.Module, ModelInfo]:
     else:
         raise TypeError("expected a model file path, (model, ModelInfo) from load_model, or a run from train()")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current device ("cuda" != "cuda:0")
+        device = torch.device("cuda", torch.cuda.current_device())
     first = next(net.parameters())
     if first.dtype != torch.float32 or first.device != device:  # a copy: the caller's network stays as it is
         net = copy.deepcopy(net).to(device=device, dtype=torch.float32)

@@ -88,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         ctx = None
         return 3
     finally:
-        if ctx is not None:
-            distributed.teardown(ctx)
-        signals.restore(previous)  # last: the teardown is not interrupted; the caller's Ctrl-C works again
+        try:
+            if ctx is not None:
+                distributed.teardown(ctx)
+        finally:  # last, so the teardown is not interrupted; also when it raises (a Ctrl-C during it)
+            signals.restore(previous)  # the caller's Ctrl-C works again
 
 
 def run(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:

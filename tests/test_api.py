@@ -123,7 +123,8 @@ def test_resolve_model_leaves_the_callers_network_as_it_is(wrap):
     assert same is got
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a network of Triton blocks needs CUDA")
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cuda_network_of_triton_blocks_evaluates_on_the_cpu():
     from fastcifar.api import resolve_model
     from fastcifar.checkpoint import ModelInfo
@@ -131,14 +132,18 @@ def test_a_cuda_network_of_triton_blocks_evaluates_on_the_cpu():
     from fastcifar.norm_act_pool import NormActPool
     from fastcifar.recipe import make_network
     cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
-    net = make_network(cfg, norm_factory("triton"), 10).cuda().eval()
+    # channels-last, as build_model and load_model leave it: the Triton kernels take no other layout
+    net = make_network(cfg, norm_factory("triton"), 10).to("cuda", memory_format=torch.channels_last).eval()
     info = ModelInfo(cfg, tuple("abcdefghij"), (125.0,) * 3, (63.0,) * 3, 0.0)
     got, _ = resolve_model((net, info), "cpu")
     assert next(net.parameters()).is_cuda and any(type(m) is not NormActPool for m in net.modules()
                                                   if isinstance(m, NormActPool))
     assert all(type(m) is NormActPool for m in got.modules() if isinstance(m, NormActPool))
     x = torch.randn(2, 3, 32, 32)
-    torch.testing.assert_close(got(x), net(x.cuda()).cpu(), rtol=1e-3, atol=1e-3)
+    want = net(x.cuda().contiguous(memory_format=torch.channels_last)).cpu()
+    torch.testing.assert_close(got(x), want, rtol=1e-3, atol=1e-3)
+    same, _ = resolve_model((net, info), "cuda")  # "cuda" names the device the net is on: no copy
+    assert same is net
 
 
 def test_an_api_run_that_diverges_closes_its_log_as_the_cli_does(learnable_data, tmp_path):

@@ -115,18 +115,28 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, args, setup, mess
     assert {p: _tree(p) for p in before} == before, "a refused run must write nothing"
 
 
-def test_main_gives_the_caller_its_signal_handlers_back(small_data, tmp_path, capsys):
+@pytest.mark.parametrize("teardown", ["returns", "raises"])
+def test_main_gives_the_caller_its_signal_handlers_back(small_data, tmp_path, capsys, monkeypatch, teardown):
     """``main`` routes SIGINT/SIGTERM to ``Interrupted`` while it runs and puts the caller's
-    handlers back when it returns, so Ctrl-C still reaches pytest (or a notebook) afterwards."""
+    handlers back when it returns, so Ctrl-C still reaches pytest (or a notebook) afterwards; also
+    when the distributed teardown raises (a Ctrl-C during a slow NCCL teardown)."""
     def mine(signum, frame):
         pass
+
+    def stuck(ctx):
+        raise signals.Interrupted(signal.SIGINT)  # a Ctrl-C during the teardown
 
     saved = {s: signal.getsignal(s) for s in signals.HANDLED}
     try:
         for s in signals.HANDLED:
             signal.signal(s, mine)
         argv = ["--data", str(small_data), "--out-dir", str(tmp_path / "runs"), *TINY, "--lr", "nan"]
-        assert train.main(argv) == 2, capsys.readouterr().err
+        if teardown == "raises":
+            monkeypatch.setattr(train.distributed, "teardown", stuck)
+            with pytest.raises(signals.Interrupted):
+                train.main(argv)
+        else:
+            assert train.main(argv) == 2, capsys.readouterr().err
         assert {s: signal.getsignal(s) for s in signals.HANDLED} == {s: mine for s in signals.HANDLED}
     finally:
         for s, h in saved.items():
