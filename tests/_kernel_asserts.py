@@ -75,3 +75,29 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str, rt
             f"got {float(got.flatten()[i]):.6g}, reference {float(ref.flatten()[i]):.6g}, "
             f"|diff| {float(err.flatten()[i]):.3g} > {atol:.3g} + {rtol:.3g}*|ref|"
         )
+
+
+def near_tie_windows(a: torch.Tensor) -> torch.Tensor:
+    """Boolean mask over ``a`` (N, C, H, W): the elements of every 2x2 max-pool window whose two
+    largest values are equal or at most one step of ``a``'s dtype apart (the row/column a 2x2 pool
+    drops is never marked).
+
+    Why: on a GPU ptxas contracts the kernel's ``x * scale + shift`` into one fused multiply-add
+    (rounded once) where eager rounds the product and the sum apart, so now and then an fp32 value
+    differs in its last bit; when that crosses an fp16 rounding boundary in a window whose top two
+    are that close, the argmax moves, and a whole gradient moves with it in ``dx``: 5 of 33.5M
+    elements at 512x256x16x16 fp16 (H100, 2026-11-22). Either argmax is a correct subgradient, and
+    the interpreter (numpy, no contraction) matches eager exactly, so only CUDA checks exempt them.
+    """
+    n, c, h, w = a.shape
+    ho, wo = h // 2, w // 2
+    win = a[:, :, :2 * ho, :2 * wo].reshape(n, c, ho, 2, wo, 2).permute(0, 1, 2, 4, 3, 5).reshape(n, c, ho, wo, 4)
+    top = win.float().topk(2, dim=-1).values
+    finfo = torch.finfo(a.dtype)
+    _, exponent = torch.frexp(top[..., 0])
+    step = torch.clamp(torch.ldexp(torch.full_like(top[..., 0], finfo.eps), exponent - 1),
+                       min=finfo.tiny * finfo.eps)  # one unit in the last place of the largest
+    near = (top[..., 0] - top[..., 1]) <= step
+    mask = torch.zeros(a.shape, dtype=torch.bool, device=a.device)
+    mask[:, :, :2 * ho, :2 * wo] = near[:, :, :, None, :, None].expand(n, c, ho, 2, wo, 2).reshape(n, c, 2 * ho, 2 * wo)
+    return mask
