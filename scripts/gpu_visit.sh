@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # One GPU visit, in stages that each fit one command on the GPU machine: at most 10 minutes, and at
 # most 8 result files back from $OUT, two folders deep. Each stage leaves exactly three files in
-# $OUT: STAGE-table.md (what passed, how long, the key figures), STAGE-logs.tar.gz (every log) and
-# STAGE-results.tar.gz (bench/results/ as the stage left it). The table prints even when a step
-# fails or the stage is cut short; the stage exits 1 if any step failed.
+# $OUT: STAGE-table.md (what passed, how long, the key figures), STAGE-logs.tar.gz (every log; no
+# weights or data, which would pass the 16 MiB a file) and STAGE-results.tar.gz (bench/results/ as
+# the stage left it). An accuracy stage is named accuracy-PRESET, so two in one call keep both.
+# The table prints even when a step fails or the stage is cut short; the stage exits 1 if any step
+# failed.
 #
 #   bash scripts/gpu_visit.sh check                    # (a) versions, CUDA tests, kernels at the presets' shapes
 #   bash scripts/gpu_visit.sh engines                  # (b) ~1 epoch per engine combination + 1-rank NCCL
 #   bash scripts/gpu_visit.sh bench                    # (c) kernel, augmentation, step and loader benchmarks
 #   bash scripts/gpu_visit.sh accuracy PRESET [SEED]   # (d) runs of PRESET from SEED until the stage budget
+#   bash scripts/gpu_visit.sh race [AIRBENCH94_PY]     # (e) fast x25, resnet9 and the public airbench94 script
 #   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
 #
+# Race: AIRBENCH94_PY (default .stage/airbench/airbench94.py) is a copy of the public script kept in
+# an ignored folder, unchanged; scripts/export_tensors.py writes our images where its loader reads
+# them (cifar10/{train,test}.pt under its working folder). RACE_RUNS (25) and BAR_RUNS (3) set the
+# run counts of fast and resnet9.
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines and bench stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -20,9 +27,11 @@
 set -uo pipefail
 stage=${1:-}
 case "$stage" in
-  check|engines|bench|accuracy|dali) ;;
-  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|accuracy PRESET [SEED]|dali" >&2; exit 2 ;;
+  check|engines|bench|accuracy|race|dali) ;;
+  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|accuracy PRESET [SEED]|race [AIRBENCH94_PY]|dali" >&2; exit 2 ;;
 esac
+tag=$stage
+[ "$stage" = accuracy ] && tag="accuracy-${2:-}"
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 out=${OUT:-gpu-visit}
@@ -63,18 +72,18 @@ step() {  # step NAME TIMEOUT_S COMMAND...: log to $work/NAME.log, one table row
 
 finish() {  # always: the table, the bundles, the exit status
   {
-    echo "## gpu_visit $stage: $(date -u +%Y-%m-%dT%H:%M:%SZ), ${SECONDS}s of ${budget}s"
+    echo "## gpu_visit $tag: $(date -u +%Y-%m-%dT%H:%M:%SZ), ${SECONDS}s of ${budget}s"
     echo
     echo "| step | result | seconds |"
     echo "|---|---|---|"
     printf '%s\n' "${rows[@]}"
     [ -f "$work/figures.md" ] && { echo; cat "$work/figures.md"; }
-  } >"$out/$stage-table.md"
-  tar -czf "$out/$stage-logs.tar.gz" -C "$work" . 2>/dev/null
-  tar -czf "$out/$stage-results.tar.gz" -C "$root/bench" results 2>/dev/null
+  } >"$out/$tag-table.md"
+  tar -czf "$out/$tag-logs.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.npz' -C "$work" . 2>/dev/null
+  tar -czf "$out/$tag-results.tar.gz" -C "$root/bench" results 2>/dev/null
   rm -rf "$work"
   echo
-  cat "$out/$stage-table.md"
+  cat "$out/$tag-table.md"
   exit $failed
 }
 trap finish EXIT
@@ -146,6 +155,20 @@ accuracy)
   done
   note "next chunk: bash scripts/gpu_visit.sh accuracy $preset $seed"
   step accuracy-table 60 "$py" scripts/gpu_visit_report.py accuracy "$work/runs" --out "$work/figures.md"
+  ;;
+race)
+  airbench=${2:-.stage/airbench/airbench94.py}
+  [ -e "$data" ] || { note "the race needs real data: \$DATA or .stage/data/cifar10-jpeg.tar.gz"; failed=1; exit; }
+  [ -f "$airbench" ] || { note "no airbench94 script at $airbench (a copy of the public one, kept in an ignored folder)"; failed=1; exit; }
+  airbench=$(cd "$(dirname "$airbench")" && pwd)/$(basename "$airbench")
+  mkdir -p "$work/airbench"
+  step export-tensors 120 "$py" scripts/export_tensors.py --data "$data" --out "$work/airbench/cifar10"
+  # its loader reads cifar10/{train,test}.pt under its working folder; it runs 25 seeds and prints each
+  step airbench94 240 bash -c "cd '$work/airbench' && '$py' '$airbench'"
+  train fast-runs 200 --preset fast --seed 0 --runs "${RACE_RUNS:-25}"
+  train resnet9-runs 120 --preset resnet9 --seed 0 --runs "${BAR_RUNS:-3}"
+  step race-table 60 "$py" scripts/gpu_visit_report.py race "$work/runs" --airbench-log "$work/airbench94.log" \
+    --out "$work/figures.md"
   ;;
 dali)
   if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi

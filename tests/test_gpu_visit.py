@@ -19,7 +19,7 @@ from fastcifar.report import EpochRecord, RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_visit.sh"
-STAGES = [["check"], ["engines"], ["bench"], ["accuracy", "resnet9", "3"], ["dali"]]
+STAGES = [["check"], ["engines"], ["bench"], ["accuracy", "resnet9", "3"], ["dali"], ["race"]]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 
 
@@ -27,6 +27,9 @@ def visit(tmp_path, *args, **env):
     out = tmp_path / "out"
     data = tmp_path / "cifar.tar.gz"
     data.write_bytes(b"")  # the dry run only checks that it exists
+    if args[:1] == ("race",) and len(args) == 1:  # the public script's copy: the dry run checks it exists
+        (tmp_path / "airbench94.py").write_text("")
+        args = (*args, str(tmp_path / "airbench94.py"))
     e = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "DATA": str(data), "PYTHON": sys.executable, **env}
     proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=e, capture_output=True, text=True,
                           timeout=120)
@@ -44,7 +47,7 @@ def test_stage_dry_run_fits_the_machines_limits(tmp_path, args):
     files = [p for p in tree(out) if p.is_file()]
     assert 0 < len(files) <= MAX_FILES, files
     assert all(len(p.relative_to(out).parts) <= MAX_DEPTH for p in tree(out))
-    stage = args[0]
+    stage = "-".join(args[:2]) if args[0] == "accuracy" else args[0]  # accuracy-PRESET: two in one call
     assert {p.name for p in files} == {f"{stage}-table.md", f"{stage}-logs.tar.gz", f"{stage}-results.tar.gz"}
     table = (out / f"{stage}-table.md").read_text()
     assert "| step | result | seconds |" in table and table in proc.stdout
@@ -83,9 +86,41 @@ def test_check_stage_runs_the_cuda_kernel_cases_once(tmp_path):
 
 def test_accuracy_stage_runs_seeds_in_order_and_says_where_to_go_on(tmp_path):
     proc, out = visit(tmp_path, "accuracy", "fast", "7")
-    table = (out / "accuracy-table.md").read_text()
+    table = (out / "accuracy-fast-table.md").read_text()
     assert "| fast-seed7 |" in table and "| fast-seed8 |" in table
     assert "next chunk: bash scripts/gpu_visit.sh accuracy fast 10" in proc.stdout
+
+
+def test_two_accuracy_stages_in_one_call_keep_both_tables(tmp_path):
+    """The first GPU visit ran `accuracy resnet9` then `accuracy fast` in one call, and the second
+    stage's files replaced the first's: the resnet9 table was lost."""
+    _, out = visit(tmp_path, "accuracy", "resnet9", "0")
+    _, out = visit(tmp_path, "accuracy", "fast", "0")
+    assert "| resnet9-seed0 |" in (out / "accuracy-resnet9-table.md").read_text()
+    assert "| fast-seed0 |" in (out / "accuracy-fast-table.md").read_text()
+    assert len([p for p in tree(out) if p.is_file()]) <= MAX_FILES
+
+
+def test_race_stage_runs_the_public_script_in_the_folder_its_loader_reads(tmp_path):
+    proc, out = visit(tmp_path, "race", RACE_RUNS="25", BAR_RUNS="4")
+    table = (out / "race-table.md").read_text()
+    for name in ("export-tensors", "airbench94", "fast-runs", "resnet9-runs", "race-table"):
+        assert f"| {name} |" in table, table
+    lines = proc.stdout.splitlines()
+    export = next(line for line in lines if line.startswith("dry run:") and "export_tensors.py" in line)
+    folder = export.split("--out ")[1].strip()
+    assert folder.endswith("/airbench/cifar10")  # airbench94 reads cifar10/{train,test}.pt under its cwd
+    airbench = next(line for line in lines if line.startswith("dry run:") and "airbench94.py" in line)
+    assert f"cd '{folder[:-len('/cifar10')]}'" in airbench and str(tmp_path / "airbench94.py") in airbench
+    assert any("--preset fast --seed 0 --runs 25" in line for line in lines)
+    assert any("--preset resnet9 --seed 0 --runs 4" in line for line in lines)
+
+
+def test_race_stage_without_the_public_script_says_so(tmp_path):
+    proc, out = visit(tmp_path, "race", str(tmp_path / "missing.py"))
+    assert proc.returncode == 1
+    assert "no airbench94 script at" in proc.stdout
+    assert (out / "race-table.md").is_file()
 
 
 def test_a_failing_step_still_prints_the_table_and_bundles(tmp_path):
@@ -153,3 +188,74 @@ def test_accuracy_report_combines_chunks(tmp_path):
     proc = report("accuracy", tmp_path / "a", tmp_path / "b")
     assert proc.returncode == 0, proc.stdout
     assert "fast: 2 runs, test acc mean 94.00 ± 1.41 (min 93.00)" in proc.stdout
+
+
+AIRBENCH_LOG = """\
+----------------------------------------------------------------------------------------------
+|  run     |  epoch  |  train_loss  |  train_acc  |  val_acc  |  tta_val_acc  |  total_time_seconds  |
+----------------------------------------------------------------------------------------------
+|       0  |      0  |      1.5176  |     0.6475  |   0.6483  |               |              0.2351  |
+|          |   eval  |      0.9761  |     0.9697  |   0.8951  |       0.9039  |              2.4102  |
+----------------------------------------------------------------------------------------------
+|       1  |      0  |      1.5100  |     0.6400  |   0.6500  |               |              0.2300  |
+|          |   eval  |      0.9700  |     0.9700  |   0.9000  |       0.9101  |              2.6000  |
+----------------------------------------------------------------------------------------------
+Mean: 0.9070    Std: 0.0044
+"""
+
+
+def test_race_report_sets_both_trainers_side_by_side(tmp_path):
+    runs = tmp_path / "runs"
+    write_run(runs, "fast-runs", [1.2, 1.0], preset="fast", acc=90.5)  # train 2.0 s, last epoch's test 0.1 s
+    write_run(runs, "resnet9-runs", [1.0], preset="resnet9", seed=0, acc=91.0)
+    log = tmp_path / "airbench94.log"
+    log.write_text(AIRBENCH_LOG)
+    proc = report("race", runs, "--airbench-log", log)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bar: 91.00% (the resnet9 mean in this call)" in proc.stdout
+    assert "| airbench94 (train + eval) | 2 | 90.70 | 0.44 | 90.39 | 1 | 2.505 | 2.600 |" in proc.stdout
+    assert "| fastcifar fast | 1 | 90.50 | 0.00 | 90.50 | 1 | 2.000 | 2.000 |" in proc.stdout
+    assert "| fastcifar fast + eval | 1 | 90.50 | 0.00 | 90.50 | 1 | 2.100 | 2.100 |" in proc.stdout
+    assert "fastcifar fast / airbench94: 0.798 (train only), 0.838 (+ eval" in proc.stdout
+
+    proc = report("race", runs, "--airbench-log", log, "--bar", "91.05")  # given: over the resnet9 mean
+    assert "bar: 91.05% (given)" in proc.stdout and "| airbench94 (train + eval) | 2 | 90.70 | 0.44 | 90.39 | 2 |" in proc.stdout
+
+
+def test_race_report_fails_without_airbench_runs(tmp_path):
+    write_run(tmp_path / "runs", "fast-runs", [1.2, 1.0])
+    (tmp_path / "empty.log").write_text("Traceback (most recent call last):\n")
+    proc = report("race", tmp_path / "runs", "--airbench-log", tmp_path / "empty.log")
+    assert proc.returncode == 1 and "PROBLEM: no airbench94 runs in" in proc.stdout
+
+
+# --- export_tensors: our images where the public script's loader reads them ----------------------
+
+
+def test_export_tensors_writes_what_the_public_loader_reads(tmp_path):
+    import numpy as np
+    import torch
+    from conftest import write_official
+
+    folder, arrays = write_official(tmp_path / "data", per_batch=4, n_test=6)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_tensors.py"), "--data", str(folder),
+                           "--out", str(tmp_path / "cifar10")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for split, n in (("train", 20), ("test", 6)):
+        doc = torch.load(tmp_path / "cifar10" / f"{split}.pt", weights_only=True)  # as torch.load defaults now
+        assert doc["images"].dtype == torch.uint8 and tuple(doc["images"].shape) == (n, 32, 32, 3)
+        assert doc["labels"].dtype == torch.int64
+        x, y = arrays[split]
+        np.testing.assert_array_equal(doc["images"].numpy(), x)
+        np.testing.assert_array_equal(doc["labels"].numpy(), y)
+        assert len(doc["classes"]) == 10
+    assert not list((tmp_path / "cifar10").glob("*.tmp"))
+
+
+def test_export_tensors_refuses_bad_input_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_tensors.py"), "--data",
+                           str(tmp_path / "nothing"), "--out", str(tmp_path / "cifar10")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("export_tensors: ")
+    assert not (tmp_path / "cifar10").exists()
