@@ -4,9 +4,12 @@ For each combination: median step time (CUDA events over a window of replays, re
 the floor that the convolutions' FLOPs set at the device's measured fp16 matmul rate, and the GPU's
 idle share of the step: 1 - (union of kernel intervals) / (first kernel start to last kernel end),
 read from a torch.profiler trace of a few steps. Launch gaps show up as idle time; a graphed step
-should leave the GPU idle for less than 5% of it.
+should leave the GPU idle for less than 5% of it. The same trace splits the step by kernel name into
+convs, BN/act/pool, augmentation, optimizer, other and idle (ms per step), with the top 5 kernels.
+``--preset fast`` times that preset's network (FastNet) instead of the default ResNet-9.
 
     python bench/bench_step.py                      # on a GPU: the full table, rows to bench/results/step.jsonl
+    python bench/bench_step.py --preset fast --batches 1024    # the default preset's network and batch
     python bench/bench_step.py --smoke              # the script's logic on the CPU, tiny, nothing written
 
 The step is the trainer's own (``fastcifar.train.make_step`` inside ``fastcifar.graphs.TrainStep``),
@@ -30,7 +33,7 @@ SMOKE = smoke_mode()
 
 import torch  # noqa: E402
 
-from fastcifar.config import Config  # noqa: E402
+from fastcifar.config import Config, from_preset  # noqa: E402
 from fastcifar.graphs import DeviceSchedule, StaticBatch, TrainStep  # noqa: E402
 from fastcifar.optim import NesterovSGD  # noqa: E402
 from fastcifar.train import build_model, make_step  # noqa: E402
@@ -95,35 +98,79 @@ def time_steps(step, images, labels, device, window: int, repeats: int) -> float
     return statistics.median(samples)
 
 
-def idle_share(step, images, labels, steps: int = 10) -> float | None:
-    """GPU idle share over ``steps`` steps from a torch.profiler trace (None without CUDA)."""
+# Phases of a step by CUDA kernel name. Triton kernels are named exactly as their functions in
+# kernels/*.py; the library ones by substrings of the names cuDNN/cuBLAS/PyTorch use on sm_80/sm_90,
+# tried in this order (batchnorm before convs: cuDNN names both "cudnn..."; convs before activations:
+# a conv with a fused ReLU epilogue is a conv; "_apply_kernel" is exact because PyTorch's optimizer
+# kernels are "multi_tensor_apply_kernel"). What matches none is "other"; the top-kernel list printed
+# beside the breakdown shows what a new library version calls its kernels.
+TRITON_PHASES = {"_stats_kernel": "bn_act_pool", "_stats_finalize_kernel": "bn_act_pool",
+                 "_apply_kernel": "bn_act_pool", "_bwd_reduce_kernel": "bn_act_pool",
+                 "_bwd_finalize_kernel": "bn_act_pool", "_bwd_dx_kernel": "bn_act_pool",
+                 "_augment_kernel": "augment", "_cutout_kernel": "augment"}
+PHASE_SUBSTRINGS = (
+    ("bn_act_pool", ("bn_fw", "bn_bw", "batch_norm", "batchnorm")),
+    ("convs", ("conv", "gemm", "xmma", "cutlass", "fprop", "dgrad", "wgrad")),
+    ("bn_act_pool", ("max_pool", "gelu", "relu")),
+    ("optimizer", ("foreach", "multi_tensor")),
+)
+PHASES = ("convs", "bn_act_pool", "augment", "optimizer", "other")
+
+
+def phase_of(name: str) -> str:
+    if name in TRITON_PHASES:
+        return TRITON_PHASES[name]
+    low = name.lower()
+    return next((phase for phase, keys in PHASE_SUBSTRINGS if any(k in low for k in keys)), "other")
+
+
+def breakdown(kernels: list[tuple[str, float, float]], steps: int) -> dict:
+    """Per-step milliseconds by phase, plus idle, from (name, start_us, end_us) kernel intervals:
+    busy time is attributed by kernel, idle is the span minus the union of the intervals (launch
+    gaps, syncs). ``top`` names the 5 kernels that took the most time, with their per-step ms."""
+    kernels = sorted((k for k in kernels if k[2] > k[1]), key=lambda k: k[1])  # by start time
+    if not kernels:
+        return {}
+    per_phase = dict.fromkeys(PHASES, 0.0)
+    per_name: dict[str, float] = {}
+    busy, cur_start, cur_end = 0.0, kernels[0][1], kernels[0][2]
+    for name, start, end in kernels:
+        per_phase[phase_of(name)] += end - start
+        per_name[name] = per_name.get(name, 0.0) + end - start
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = max(end for _, _, end in kernels) - kernels[0][1]
+    ms = 1e-3 / steps  # microseconds over all steps -> milliseconds per step
+    out = {f"{phase}_ms": v * ms for phase, v in per_phase.items()}
+    out["idle_ms"] = (span - busy) * ms
+    out["idle_share"] = 1.0 - busy / span
+    out["top"] = [(name, v * ms) for name, v in sorted(per_name.items(), key=lambda kv: -kv[1])[:5]]
+    return out
+
+
+def profile_steps(step, images, labels, steps: int = 10) -> dict:
+    """``breakdown`` of ``steps`` steps from a torch.profiler trace ({} without CUDA)."""
     if not torch.cuda.is_available():
-        return None
+        return {}
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step(images, labels)
         torch.cuda.synchronize()
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
-    if not intervals:
-        return None
-    busy, cur_start, cur_end = 0.0, *intervals[0]
-    for s, e in intervals[1:]:
-        if s > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = s, e
-        else:
-            cur_end = max(cur_end, e)
-    busy += cur_end - cur_start
-    span = max(e for _, e in intervals) - intervals[0][0]
-    return 1.0 - busy / span
+    return breakdown([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                      if e.device_type.name == "CUDA"], steps)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 512], help="images per GPU per step")
+    parser.add_argument("--preset", help="the network of this preset (e.g. fast: FastNet 64/256/256, GELU); "
+                        "default the ResNet-9 of the config's defaults")
     parser.add_argument("--kernels", nargs="+", default=["torch", "triton"], choices=["torch", "triton"])
     parser.add_argument("--graphs", nargs="+", default=["off", "on"], choices=["off", "on"])
     parser.add_argument("--window", type=int, default=20, help="steps per timed window")
@@ -134,34 +181,45 @@ def main() -> int:
     if SMOKE:
         device, dtype = torch.device("cpu"), torch.float32
         args.batches, args.kernels, args.graphs, args.window, args.repeats = [4], ["torch"], ["off"], 2, 1
-        widths = (8, 16, 32, 64)
+        widths = (8, 16, 32) if args.preset and from_preset(args.preset).arch == "fastnet" else (8, 16, 32, 64)
     else:
         require_cuda("bench_step")
         device, dtype = torch.device("cuda"), torch.float16
         torch.backends.cudnn.benchmark = True
-        widths = Config().widths
+        widths = (from_preset(args.preset) if args.preset else Config()).widths
     env = environment()
     copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)
     tflops = matmul_tflops(smoke=SMOKE)
     print_header("Training step: eager vs CUDA graph, torch vs Triton kernels", env, copy_gbs)
     print(f"measured fp16 matmul rate: {tflops:.0f} TFLOP/s (the floor column divides the step's FLOPs by it)\n")
 
+    net = f"{from_preset(args.preset).arch} ({args.preset})" if args.preset else Config().arch
     rows = []
     for batch in args.batches:
         for kernels in args.kernels:
-            cfg = Config(widths=widths, kernels=kernels)
+            cfg = (from_preset(args.preset, widths=widths, kernels=kernels) if args.preset
+                   else Config(widths=widths, kernels=kernels))
             for graphs in args.graphs:
                 model, step, images, labels = build_step(cfg, batch, graphs == "on", device, dtype)
                 flops = 3 * conv_flops_per_image(model, device, dtype) * batch
                 model.train()
                 ms = time_steps(step, images, labels, device, args.window, args.repeats)
-                idle = idle_share(step, images, labels)
-                rows.append({"batch": batch, "kernels": kernels, "graphs": graphs, "step_ms": ms,
+                parts = profile_steps(step, images, labels)
+                rows.append({"net": net, "batch": batch, "kernels": kernels, "graphs": graphs, "step_ms": ms,
                              "images_per_s": batch / ms * 1e3, "floor_ms": flops / (tflops * 1e12) * 1e3,
-                             "gpu_idle_pct": None if idle is None else 100 * idle})
+                             "gpu_idle_pct": 100 * parts["idle_share"] if parts else None,
+                             **{k: v for k, v in parts.items() if k != "idle_share"}})
                 del model, step
-    columns = ["batch", "kernels", "graphs", "step_ms", "images_per_s", "floor_ms", "gpu_idle_pct"]
+    columns = ["net", "batch", "kernels", "graphs", "step_ms", "images_per_s", "floor_ms", "gpu_idle_pct"]
     print(markdown_table(rows, columns))
+    parts = [f"{p}_ms" for p in PHASES] + ["idle_ms"]
+    if any("idle_ms" in r for r in rows):
+        print("\n### Where a step's time goes (ms per step, from the trace; data loading: bench_loader.py)\n")
+        print(markdown_table([r for r in rows if "idle_ms" in r], ["net", "batch", "kernels", "graphs"] + parts))
+        for r in rows:
+            if r.get("top"):
+                top = ", ".join(f"{name[:60]} {v:.3f}" for name, v in r["top"])
+                print(f"- {r['batch']} {r['kernels']} graphs {r['graphs']}: top kernels {top}")
     if SMOKE:
         print("\n(smoke run on the CPU: timings meaningless, nothing written)")
     else:

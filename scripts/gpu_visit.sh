@@ -136,6 +136,7 @@ bench)
   step bench-bn 150 "$py" bench/bench_bn_act_pool.py
   step bench-augment 120 "$py" bench/bench_augment.py
   step bench-step 150 "$py" bench/bench_step.py
+  step bench-step-fast 100 "$py" bench/bench_step.py --preset fast --batches 1024  # the default preset's step
   loaders=torch; dali_ok && loaders="dali torch"
   [ -f "$data" ] && step bench-loader 100 "$py" bench/bench_loader.py --device cuda --data "$data" --loaders $loaders
   ;;

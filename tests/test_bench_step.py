@@ -1,0 +1,70 @@
+"""bench_step's breakdown of a traced step: kernels sorted into phases by name, launch gaps as idle,
+and its --preset form (the default preset's FastNet) on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from cli import ROOT, env
+
+
+def load_bench_step():
+    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "bench" / "bench_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench_step():
+    return load_bench_step()
+
+
+@pytest.mark.parametrize("name, phase", [
+    ("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroupsize1x1x1", "convs"),
+    ("sm90_xmma_dgrad_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_relu", "convs"),  # fused epilogue: a conv
+    ("cudnn::bn_fw_tr_1C11_kernel_NCHW<__half, float, int, 512, true, 1, true>", "bn_act_pool"),
+    ("_bwd_dx_kernel", "bn_act_pool"),
+    ("_apply_kernel", "bn_act_pool"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),  # not _apply_kernel
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "bn_act_pool"),
+    ("_cutout_kernel", "augment"),
+    ("void at::native::reduce_kernel<512, 1>", "other"),
+])
+def test_kernels_fall_into_their_phase(bench_step, name, phase):
+    assert bench_step.phase_of(name) == phase
+
+
+def test_breakdown_attributes_busy_time_and_counts_gaps_as_idle(bench_step):
+    kernels = [  # microseconds, over 2 steps
+        ("sm90_xmma_fprop_implicit_gemm", 0.0, 10.0),
+        ("_apply_kernel", 10.0, 14.0),
+        ("multi_tensor_apply_kernel", 20.0, 22.0),  # after a 6 us gap
+        ("reduce_kernel", 21.0, 23.0),  # overlaps the previous: no idle between them
+        ("empty", 30.0, 30.0),  # zero-length events are dropped
+    ]
+    parts = bench_step.breakdown(kernels, steps=2)
+    ms = 1e-3 / 2
+    assert parts["convs_ms"] == pytest.approx(10 * ms)
+    assert parts["bn_act_pool_ms"] == pytest.approx(4 * ms)
+    assert parts["optimizer_ms"] == pytest.approx(2 * ms)
+    assert parts["other_ms"] == pytest.approx(2 * ms)
+    assert parts["augment_ms"] == 0.0
+    assert parts["idle_ms"] == pytest.approx(6 * ms)
+    assert parts["idle_share"] == pytest.approx(6 / 23)
+    assert parts["top"][0] == ("sm90_xmma_fprop_implicit_gemm", pytest.approx(10 * ms))
+    assert bench_step.breakdown([], steps=1) == {}
+
+
+@pytest.mark.slow
+def test_smoke_run_of_the_default_presets_network():
+    before = sorted((ROOT / "bench" / "results").iterdir())
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py"), "--smoke", "--preset", "fast"],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| fastnet (fast) | 4 | torch | off |" in proc.stdout
+    assert sorted((ROOT / "bench" / "results").iterdir()) == before
