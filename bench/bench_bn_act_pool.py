@@ -1,20 +1,33 @@
 """Benchmark the fused batchnorm + activation + pool kernels at the presets' shapes (fp16, channels-last).
 
     python bench/bench_bn_act_pool.py            # on a CUDA machine; --no-compile skips torch.compile
-    python bench/bench_bn_act_pool.py --smoke    # CPU check of this script (interpreter, tiny shapes)
+    python bench/bench_bn_act_pool.py --smoke    # CPU check of this script (interpreter, tiny shapes);
+                                                 # with --compile it runs torch.compile there too
 
 Per block of the `resnet9` (ReLU, pool after, 512 images per GPU) and `fast` (GELU, pool before BN on
 31/15/7/3 maps, 1024 per GPU) presets, as kernels/aot.py lists them: Triton vs eager PyTorch
 (``NormActPool``: cuDNN batchnorm + activation + max-pool) vs ``torch.compile`` of ``bn_act_pool_reference``;
-forward, backward and both; do_bench median with 20th/80th percentiles. GB/s are computed from the
-*minimal* bytes (read the input once, write the output once; backward: read x and dy, write dx), and,
-for Triton, also from the bytes its kernels actually move (the table in kernels/bn_act_pool.py's
-docstring), both beside the copy bandwidth measured in the same run. Then a ResNet-9 forward+backward
-(no optimizer) with each norm. Rows are appended to bench/results/bn_act_pool.jsonl.
+forward, backward (alone, through one retained forward) and both; do_bench median with 20th/80th
+percentiles.
+
+What is timed: on CUDA, replays of each direction captured as a CUDA graph (``timing`` = graph), as
+the trainer runs these kernels inside a captured step. Timed as eager calls of a Python closure, the
+Triton rows measured the CPU's launch cost, not the GPU (H100, c256 16x16 relu pool=after: fwd 0.132
+ms, bwd 0.191 ms, both 0.820 ms; while a graphed train step took 4.16 ms with these kernels, 5.38 ms
+with torch's). That eager, launch-inclusive median is kept as ``launch_ms``; median, percentiles,
+GB/s and % copy are the graph replays'. On the CPU (--smoke) there are no graphs: every figure is the
+eager one (``timing`` = launch).
+
+GB/s are computed from the *minimal* bytes (read the input once, write the output once; backward:
+read x and dy, write dx), and, for Triton, also from the bytes its kernels actually move (the table in
+kernels/bn_act_pool.py's docstring), both beside the copy bandwidth measured in the same run. Then a
+ResNet-9 forward+backward (no optimizer) with each norm, timed the same way. Rows are appended to
+bench/results/bn_act_pool.jsonl.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -42,6 +55,8 @@ BLOCKS = ([(n, c, side, "relu", pool) for n, c, side, pool in aot.RESNET9_BLOCKS
 MODEL_BATCH = aot.RESNET9_BLOCKS[0][0]  # the ResNet-9 forward+backward at its preset's batch
 # --smoke: one block of each kind (no pool, pool after, pool before on an odd map) at batch 2
 SMOKE_BLOCKS = [(2, c, side, act, pool) for _, c, side, act, pool in (BLOCKS[0], BLOCKS[1], BLOCKS[6])]
+LAUNCH_REP_MS = 50  # do_bench repetitions of the eager launch_ms column, a side figure (graph replays: 200)
+GRAPH_WARMUP = 3  # eager runs on the capture stream before each capture
 
 
 def traffic_bytes(n, c, h, w, pool, elem=2):
@@ -68,7 +83,15 @@ def block_impls(c, act, pool, device, compile_ref):
     impls = {"eager": (eager, [eager.weight, eager.bias]), "triton": (tri, [tri.weight, tri.bias])}
     if compile_ref:
         mod = NormActPool(c, act=act, pool=pool).to(device)
-        ref = torch.compile(bn_act_pool_reference)
+        # Dynamo caches compiled code on the function's code object, which every torch.compile
+        # wrapper of bn_act_pool_reference shares: a new wrapper per block still recompiled at each
+        # new shape (dynamic shapes from the second on) and, past its recompile limit (8), ran the
+        # rest eagerly. A reset per block and static shapes: each block gets its own compile, for
+        # its shape alone, as each of the trainer's layers does (compile_settings: no recompiles).
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        ref = torch.compile(bn_act_pool_reference, dynamic=False)
 
         def compiled(x, m=mod):
             return ref(x, m.weight, m.bias, m.running_mean, m.running_var, True, m.momentum, m.eps, m.act, m.pool)
@@ -77,7 +100,91 @@ def block_impls(c, act, pool, device, compile_ref):
     return impls
 
 
-def bench_blocks(device, blocks, compile_ref, copy_gbs):
+def compile_settings(enabled: bool):
+    """torch.compile settings while the blocks run (the ResNet-9 rows keep the defaults):
+    - no donated buffers: "bwd" runs backward again and again through one retained forward
+      (retain_graph=True, eagerly, or once into a graph), which a backward compiled with donated
+      buffers refuses on torch 2.11 ("This backward function was compiled with non-empty donated
+      buffers which requires create_graph=False and retain_graph=False"). Donation lets a backward
+      reuse its saved buffers' memory: it saves memory, not traffic, so the timing is the same.
+    - error_on_recompile: each block compiles once (block_impls); a recompile within one would time
+      something else than that compile, so its row reports the error instead."""
+    stack = contextlib.ExitStack()
+    if enabled:
+        import torch._dynamo.config
+        import torch._functorch.config
+
+        stack.enter_context(torch._dynamo.config.patch(error_on_recompile=True))
+        if hasattr(torch._functorch.config, "donated_buffer"):  # torch >= 2.6
+            stack.enter_context(torch._functorch.config.patch(donated_buffer=False))
+    return stack
+
+
+def direction_bodies(fn, x, dy, inputs):
+    """What "fwd", "bwd" and "both" run: the forward; the backward alone, through the latest forward
+    (retained); forward and backward. Gradients by autograd.grad, none accumulated into a .grad."""
+    held = {}
+
+    def fwd():
+        held["y"] = fn(x)
+
+    def bwd():
+        torch.autograd.grad(held["y"], inputs, dy, retain_graph=True)
+
+    def both():
+        torch.autograd.grad(fn(x), inputs, dy)
+
+    return {"fwd": fwd, "bwd": bwd, "both": both}
+
+
+def graph_timings(bodies):
+    """CUDA only. Capture each body as a CUDA graph, in order, after GRAPH_WARMUP eager runs on the
+    capture stream (a side stream: compilation, autotuning and allocator growth happen outside the
+    capture, as torch's docs require), and time the graphs' replays. One stream for all: autograd
+    runs a backward op on its forward op's stream, and "bwd" backprops through the forward captured
+    as "fwd"."""
+    stream = torch.cuda.Stream()
+    graphs = {}
+    for name, body in bodies.items():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(GRAPH_WARMUP):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name], stream=stream):
+            body()
+        graphs[name].replay()  # a capture records, it runs nothing: give a later body real inputs
+    torch.cuda.synchronize()
+    return {name: time_ms(g.replay) for name, g in graphs.items()}
+
+
+def timed(bodies, graphs: bool):
+    """(timings, launch timings, timing label, error) of each body: graph replays when ``graphs``
+    (CUDA), else the eager calls themselves. An eager failure raises; a capture failure is returned
+    as the error, with the eager figures."""
+    for body in bodies.values():
+        body()  # warm up / compile
+    launch = {name: time_ms(body, SMOKE, rep=LAUNCH_REP_MS) for name, body in bodies.items()}
+    if not graphs:
+        return launch, launch, "launch", None
+    try:
+        return graph_timings(bodies), launch, "graph", None
+    except Exception as e:
+        return {}, launch, "graph", f"CUDA graph capture: {_error(e)}"
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e)[:120]}"
+
+
+def _timing_cells(t, launch, timing):
+    """A row's timing cells: median and percentiles (of what ``timing`` names), and launch_ms."""
+    return {"timing": timing, **{k: round(v, 4) for k, v in (t or {}).items()},
+            "launch_ms": round(launch["median_ms"], 4)}
+
+
+def bench_blocks(device, blocks, compile_ref, copy_gbs, graphs):
     rows = []
     for n, c, hw, act, pool in blocks:
         block = f"c{c} {hw}x{hw} {act} pool={pool}"
@@ -86,24 +193,20 @@ def bench_blocks(device, blocks, compile_ref, copy_gbs):
         dy = torch.randn(n, c, oh, oh, device=device).half().contiguous(memory_format=CL)
         minimal, tri_bytes = traffic_bytes(n, c, hw, hw, pool)
         for name, (fn, params) in block_impls(c, act, pool, device, compile_ref).items():
-            to_none = [x, *params]
+            base = {"batch": n, "block": block, "impl": name}
             try:
-                y = fn(x)
-                y.backward(dy, retain_graph=True)  # warm up / compile both directions
-                timings = {
-                    "fwd": time_ms(lambda: fn(x), SMOKE),
-                    "bwd": time_ms(lambda: y.backward(dy, retain_graph=True), SMOKE, grad_to_none=to_none),
-                    "both": time_ms(lambda: fn(x).backward(dy), SMOKE, grad_to_none=to_none),
-                }
+                timings, launch, timing, error = timed(direction_bodies(fn, x, dy, [x, *params]), graphs)
             except Exception as e:  # a baseline that fails is reported, not fatal
-                rows.append({"batch": n, "block": block, "impl": name,
-                             "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                rows.append({**base, "error": _error(e)})
                 continue
-            for direction, t in timings.items():
+            for direction in launch:
+                row = {**base, "dir": direction, **_timing_cells(timings.get(direction), launch[direction], timing)}
+                t = timings.get(direction)
+                if t is None:
+                    rows.append({**row, "error": error})
+                    continue
                 gbs = minimal[direction] / (t["median_ms"] * 1e-3) / 1e9
-                row = {"batch": n, "block": block, "impl": name, "dir": direction,
-                       **{k: round(v, 4) for k, v in t.items()}, "GB/s (min bytes)": round(gbs, 1),
-                       "% copy": round(100 * gbs / copy_gbs, 1)}
+                row.update({"GB/s (min bytes)": round(gbs, 1), "% copy": round(100 * gbs / copy_gbs, 1)})
                 if name == "triton":
                     own = tri_bytes[direction] / (t["median_ms"] * 1e-3) / 1e9
                     row["GB/s (own bytes)"] = round(own, 1)
@@ -120,7 +223,7 @@ def _resnet9(norm, device, widths):
     return model
 
 
-def bench_model(device, batches, widths, compile_model):
+def bench_model(device, batches, widths, compile_model, graphs):
     rows = []
     for n in batches:
         x = torch.randn(n, 3, 32, 32, device=device).half().contiguous(memory_format=CL)
@@ -129,16 +232,18 @@ def bench_model(device, batches, widths, compile_model):
         if compile_model:
             variants["compile"] = torch.compile(_resnet9(NormActPool, device, widths))
         for name, model in variants.items():
-            def step(model=model):
-                F.cross_entropy(model(x).float(), labels).backward()
+            params = list(model.parameters())
+
+            def step(model=model, params=params):
+                torch.autograd.grad(F.cross_entropy(model(x).float(), labels), params)
 
             try:
-                step()
-                t = time_ms(step, SMOKE, grad_to_none=list(model.parameters()))
+                timings, launch, timing, error = timed({"step": step}, graphs)
             except Exception as e:
-                rows.append({"batch": n, "impl": name, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                rows.append({"batch": n, "impl": name, "error": _error(e)})
                 continue
-            rows.append({"batch": n, "impl": name, **{k: round(v, 4) for k, v in t.items()}})
+            row = {"batch": n, "impl": name, **_timing_cells(timings.get("step"), launch["step"], timing)}
+            rows.append({**row, "error": error} if error else row)
     return rows
 
 
@@ -147,19 +252,24 @@ def main():
     if not SMOKE:
         require_cuda("bench_bn_act_pool")
     device = "cpu" if SMOKE else "cuda"
-    compile_ref = not SMOKE and "--no-compile" not in args
+    # --smoke leaves torch.compile out unless asked (--compile): on the CPU it needs a C++ compiler
+    compile_ref = "--compile" in args if SMOKE else "--no-compile" not in args
+    graphs = device == "cuda"  # no CUDA graphs on the CPU: the eager calls are timed there
     blocks = SMOKE_BLOCKS if SMOKE else BLOCKS
     widths = (8, 16, 16, 32) if SMOKE else (64, 128, 256, 512)
     env = environment()
     copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)
     print_header("bn_act_pool: fused batchnorm + ReLU/GELU (+ 2x2 max-pool), fp16 channels-last, training mode",
                  env, copy_gbs)
-    rows = bench_blocks(device, blocks, compile_ref, copy_gbs)
-    print(markdown_table(rows, ["batch", "block", "impl", "dir", "median_ms", "p20_ms", "p80_ms",
-                                "GB/s (min bytes)", "% copy", "GB/s (own bytes)", "% copy (own)", "error"]))
-    model_rows = bench_model(device, (2,) if SMOKE else (MODEL_BATCH,), widths, compile_ref)
+    with compile_settings(compile_ref):
+        rows = bench_blocks(device, blocks, compile_ref, copy_gbs, graphs)
+    print(markdown_table(rows, ["batch", "block", "impl", "dir", "timing", "median_ms", "p20_ms", "p80_ms",
+                                "launch_ms", "GB/s (min bytes)", "% copy", "GB/s (own bytes)", "% copy (own)",
+                                "error"]))
+    model_rows = bench_model(device, (2,) if SMOKE else (MODEL_BATCH,), widths, compile_ref, graphs)
     print("\n### ResNet-9 forward + backward (no optimizer), fp16 activations\n")
-    print(markdown_table(model_rows, ["batch", "impl", "median_ms", "p20_ms", "p80_ms", "error"]))
+    print(markdown_table(model_rows, ["batch", "impl", "timing", "median_ms", "p20_ms", "p80_ms", "launch_ms",
+                                      "error"]))
     if SMOKE:
         print("\n(smoke run on CPU under the Triton interpreter: timings meaningless, nothing written)")
         return

@@ -43,8 +43,9 @@ def require_cuda(name: str) -> None:
         sys.exit(2)
 
 
-def time_ms(fn: Callable[[], object], smoke: bool = False, grad_to_none=None) -> Dict[str, float]:
-    """Median, 20th and 80th percentile milliseconds of fn() (triton.testing.do_bench on CUDA)."""
+def time_ms(fn: Callable[[], object], smoke: bool = False, grad_to_none=None, rep: int = 200) -> Dict[str, float]:
+    """Median, 20th and 80th percentile milliseconds of fn() (triton.testing.do_bench on CUDA, about
+    ``rep`` ms of repetitions)."""
     if smoke:
         samples = []
         for _ in range(3):
@@ -55,7 +56,7 @@ def time_ms(fn: Callable[[], object], smoke: bool = False, grad_to_none=None) ->
         return {"median_ms": statistics.median(samples), "p20_ms": samples[0], "p80_ms": samples[-1]}
     import triton
 
-    med, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none,
+    med, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none,
                                             quantiles=[0.5, 0.2, 0.8])
     return {"median_ms": med, "p20_ms": p20, "p80_ms": p80}
 

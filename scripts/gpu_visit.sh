@@ -9,7 +9,8 @@
 #
 #   bash scripts/gpu_visit.sh check                    # (a) versions, CUDA tests, kernels at the presets' shapes
 #   bash scripts/gpu_visit.sh engines                  # (b) ~1 epoch per engine combination + 1-rank NCCL
-#   bash scripts/gpu_visit.sh bench                    # (c) kernel, augmentation, step and loader benchmarks
+#   bash scripts/gpu_visit.sh bench                    # (c) step (fast, resnet9), augmentation and loader benchmarks
+#   bash scripts/gpu_visit.sh kernels                  # (c') the fused bn/act/pool kernel vs eager and torch.compile
 #   bash scripts/gpu_visit.sh accuracy PRESET [SEED]   # (d) runs of PRESET from SEED until the stage budget
 #   bash scripts/gpu_visit.sh race [AIRBENCH94_PY]     # (e) fast x25, resnet9 and the public airbench94 script
 #   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
@@ -27,8 +28,8 @@
 set -uo pipefail
 stage=${1:-}
 case "$stage" in
-  check|engines|bench|accuracy|race|dali) ;;
-  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|accuracy PRESET [SEED]|race [AIRBENCH94_PY]|dali" >&2; exit 2 ;;
+  check|engines|bench|kernels|accuracy|race|dali) ;;
+  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race [AIRBENCH94_PY]|dali" >&2; exit 2 ;;
 esac
 tag=$stage
 [ "$stage" = accuracy ] && tag="accuracy-${2:-}"
@@ -133,12 +134,15 @@ engines)
   ;;
 bench)
   ensure_data
-  step bench-bn 150 "$py" bench/bench_bn_act_pool.py
-  step bench-augment 120 "$py" bench/bench_augment.py
-  step bench-step 150 "$py" bench/bench_step.py
   step bench-step-fast 100 "$py" bench/bench_step.py --preset fast --batches 1024  # the default preset's step
+  step bench-step 150 "$py" bench/bench_step.py
+  step bench-augment 120 "$py" bench/bench_augment.py
   loaders=torch; dali_ok && loaders="dali torch"
   [ -f "$data" ] && step bench-loader 100 "$py" bench/bench_loader.py --device cuda --data "$data" --loaders $loaders
+  ;;
+kernels)
+  # alone: eager and graph-replay timings of 11 blocks x 3 impls x 3 directions and a compile per block
+  step bench-bn 500 "$py" bench/bench_bn_act_pool.py
   ;;
 accuracy)
   preset=${2:?usage: gpu_visit.sh accuracy PRESET [SEED]}

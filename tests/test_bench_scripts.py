@@ -3,6 +3,8 @@ so a change to the trainer's API cannot silently break them."""
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
 import subprocess
 import sys
 
@@ -37,3 +39,121 @@ def test_gpu_bench_without_gpu_refuses_in_one_line():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "no CUDA device here" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def _tables(stdout):
+    """The markdown tables of a bench's output: one list of {column: cell} rows each."""
+    tables, header = [], None
+    for line in stdout.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+            tables.append([])
+        elif not all(set(c) <= {"-"} for c in cells):
+            tables[-1].append(dict(zip(header, cells)))
+    return tables
+
+
+def _load_bn_bench():
+    spec = importlib.util.spec_from_file_location("bench_bn_act_pool", ROOT / "bench" / "bench_bn_act_pool.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bn_act_pool_bench_on_cpu_labels_its_timing():
+    """On the CPU there are no CUDA graphs: every row says its figures are eager launches
+    ("launch"), with launch_ms beside them; torch.compile (--compile, when a C++ compiler is here)
+    compiles each block once, so no row of it fails on a recompile."""
+    compiles = shutil.which("g++") is not None or shutil.which("clang++") is not None
+    args = ["--smoke", "--compile"] if compiles else ["--smoke"]
+    before = sorted((ROOT / "bench" / "results").iterdir())
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_bn_act_pool.py"), *args], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted((ROOT / "bench" / "results").iterdir()) == before, "a CPU form must not write results"
+    assert "measured device-to-device copy bandwidth" in proc.stdout
+    blocks, model = _tables(proc.stdout)
+    impls = {"eager", "triton", "compile"} if compiles else {"eager", "triton"}
+    assert {r["impl"] for r in blocks} == impls and {r["impl"] for r in model} == impls
+    assert len(blocks) == 3 * len(impls) * 3  # 3 smoke blocks x impls x fwd/bwd/both
+    for r in blocks + model:
+        assert r["error"] == "", r
+        assert r["timing"] == "launch", r
+        assert r["launch_ms"] != "" and r["launch_ms"] == r["median_ms"], r  # one and the same figure
+        assert all(c.lower() not in ("nan", "inf") for c in r.values()), r
+    assert all(r["GB/s (min bytes)"] != "" for r in blocks)
+
+
+def test_bn_act_pool_directions_take_gradients_without_accumulating():
+    """bwd runs again and again through the latest forward (retained); no direction leaves a .grad
+    (autograd.grad: no accumulation into x.grad, which a conv's output would not have)."""
+    import torch
+
+    from fastcifar.model import NormActPool
+
+    bench = _load_bn_bench()
+    bench.SMOKE = True  # as --smoke sets it: CPU timing (perf_counter), not do_bench
+    norm = NormActPool(8, act="relu", pool="after")
+    x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last).requires_grad_()
+    dy = torch.randn(2, 8, 3, 3).contiguous(memory_format=torch.channels_last)
+    bodies = bench.direction_bodies(norm, x, dy, [x, norm.weight, norm.bias])
+    assert list(bodies) == ["fwd", "bwd", "both"]
+    for name in ("fwd", "bwd", "bwd", "both", "fwd", "bwd"):
+        bodies[name]()
+    assert x.grad is None and norm.weight.grad is None and norm.bias.grad is None
+    timings, launch, timing, error = bench.timed(bodies, graphs=False)
+    assert timing == "launch" and error is None and timings is launch and set(launch) == {"fwd", "bwd", "both"}
+
+
+def test_bn_act_pool_compile_settings_scoped():
+    """While the blocks run: a recompile is an error (each block compiles once), and no donated
+    buffers (they forbid the retained backward "bwd" times, on torch 2.11); afterwards the defaults."""
+    import torch._dynamo.config
+    import torch._functorch.config
+
+    bench = _load_bn_bench()
+    dynamo, functorch = torch._dynamo.config, torch._functorch.config
+    before = (dynamo.error_on_recompile, getattr(functorch, "donated_buffer", None))
+    with bench.compile_settings(False):
+        assert (dynamo.error_on_recompile, getattr(functorch, "donated_buffer", None)) == before
+    with bench.compile_settings(True):
+        assert dynamo.error_on_recompile is True
+        if hasattr(functorch, "donated_buffer"):
+            assert functorch.donated_buffer is False
+    assert (dynamo.error_on_recompile, getattr(functorch, "donated_buffer", None)) == before
+
+
+@pytest.mark.parametrize("capture_fails", [False, True])
+def test_bn_act_pool_graph_rows(monkeypatch, capture_fails):
+    """With graphs (CUDA), median, percentiles, GB/s and % copy are the graph replays' and launch_ms
+    the eager figure; an impl that cannot be captured gets the error in its rows, no GB/s. The
+    capture itself needs CUDA: a stand-in returns fixed figures (or raises) here."""
+    bench = _load_bn_bench()
+    bench.SMOKE = True  # the eager launch_ms by perf_counter, as --smoke times it
+    all_impls = bench.block_impls
+    monkeypatch.setattr(bench, "block_impls", lambda *a: {"eager": all_impls(*a)["eager"]})  # no interpreter
+
+    def fake_graph_timings(bodies):
+        if capture_fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return {name: {"median_ms": 2.0, "p20_ms": 1.5, "p80_ms": 2.5} for name in bodies}
+
+    monkeypatch.setattr(bench, "graph_timings", fake_graph_timings)
+    n, c, hw, pool = 2, 8, 6, "after"
+    rows = bench.bench_blocks("cpu", [(n, c, hw, "relu", pool)], False, 100.0, graphs=True)
+    assert [r["dir"] for r in rows] == ["fwd", "bwd", "both"]
+    minimal, _ = bench.traffic_bytes(n, c, hw, hw, pool)
+    for r in rows:
+        assert r["timing"] == "graph" and r["launch_ms"] > 0
+        if capture_fails:
+            assert r["error"] == "CUDA graph capture: RuntimeError: operation not permitted when stream is capturing"
+            assert "median_ms" not in r and "GB/s (min bytes)" not in r
+        else:
+            assert "error" not in r
+            assert (r["median_ms"], r["p20_ms"], r["p80_ms"]) == (2.0, 1.5, 2.5)
+            assert r["GB/s (min bytes)"] == round(minimal[r["dir"]] / 2e-3 / 1e9, 1)
+            assert r["% copy"] == round(100 * r["GB/s (min bytes)"] / 100.0, 1)

@@ -19,7 +19,7 @@ from fastcifar.report import EpochRecord, RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_visit.sh"
-STAGES = [["check"], ["engines"], ["bench"], ["accuracy", "resnet9", "3"], ["dali"], ["race"]]
+STAGES = [["check"], ["engines"], ["bench"], ["kernels"], ["accuracy", "resnet9", "3"], ["dali"], ["race"]]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 
 
@@ -121,6 +121,18 @@ def test_race_stage_without_the_public_script_says_so(tmp_path):
     assert proc.returncode == 1
     assert "no airbench94 script at" in proc.stdout
     assert (out / "race-table.md").is_file()
+
+
+def test_bench_stage_times_the_default_presets_step_first(tmp_path):
+    """The race timed `fast` (FastNet at 1024), so its step breakdown comes first, before the budget
+    can run out; the kernel benchmark, graph-replay timed and slow to compile, is a stage of its own."""
+    proc, out = visit(tmp_path, "bench")
+    steps = [line.split("|")[1].strip() for line in (out / "bench-table.md").read_text().splitlines()
+             if line.startswith("| bench-")]
+    assert steps[0] == "bench-step-fast" and "bench-bn" not in steps, steps
+    assert "bench_step.py --preset fast --batches 1024" in proc.stdout
+    proc, out = visit(tmp_path, "kernels")
+    assert "| bench-bn | ok |" in (out / "kernels-table.md").read_text()
 
 
 def test_a_failing_step_still_prints_the_table_and_bundles(tmp_path):
