@@ -184,9 +184,12 @@ def _timing_cells(t, launch, timing):
             "launch_ms": round(launch["median_ms"], 4)}
 
 
-def bench_blocks(device, blocks, compile_ref, copy_gbs, graphs):
+def bench_blocks(device, blocks, compile_ref, copy_gbs, graphs, record=None):
+    """One row per block x impl x direction. ``record`` gets each block's rows as soon as they are
+    measured: a stage cut off at its time limit keeps the blocks it finished."""
     rows = []
     for n, c, hw, act, pool in blocks:
+        first = len(rows)
         block = f"c{c} {hw}x{hw} {act} pool={pool}"
         x = torch.randn(n, c, hw, hw, device=device).half().contiguous(memory_format=CL).requires_grad_()
         oh = hw // 2 if pool else hw
@@ -212,6 +215,9 @@ def bench_blocks(device, blocks, compile_ref, copy_gbs, graphs):
                     row["GB/s (own bytes)"] = round(own, 1)
                     row["% copy (own)"] = round(100 * own / copy_gbs, 1)
                 rows.append(row)
+        print(f"{block}: {len(rows) - first} rows", flush=True)
+        if record is not None:
+            record(rows[first:])
     return rows
 
 
@@ -261,8 +267,11 @@ def main():
     copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)
     print_header("bn_act_pool: fused batchnorm + ReLU/GELU (+ 2x2 max-pool), fp16 channels-last, training mode",
                  env, copy_gbs)
+    def record(block_rows):  # appended block by block (see bench_blocks); the ResNet-9 rows at the end
+        append_results("bn_act_pool", [dict(r, section="block") for r in block_rows], env, copy_gbs)
+
     with compile_settings(compile_ref):
-        rows = bench_blocks(device, blocks, compile_ref, copy_gbs, graphs)
+        rows = bench_blocks(device, blocks, compile_ref, copy_gbs, graphs, record=None if SMOKE else record)
     print(markdown_table(rows, ["batch", "block", "impl", "dir", "timing", "median_ms", "p20_ms", "p80_ms",
                                 "launch_ms", "GB/s (min bytes)", "% copy", "GB/s (own bytes)", "% copy (own)",
                                 "error"]))
@@ -273,8 +282,7 @@ def main():
     if SMOKE:
         print("\n(smoke run on CPU under the Triton interpreter: timings meaningless, nothing written)")
         return
-    path = append_results("bn_act_pool", [dict(r, section="block") for r in rows]
-                          + [dict(r, section="resnet9") for r in model_rows], env, copy_gbs)
+    path = append_results("bn_act_pool", [dict(r, section="resnet9") for r in model_rows], env, copy_gbs)
     print(f"\nappended {len(rows) + len(model_rows)} rows to {path}")
 
 

@@ -111,7 +111,7 @@ TRITON_PHASES = {"_stats_kernel": "bn_act_pool", "_stats_finalize_kernel": "bn_a
 PHASE_SUBSTRINGS = (
     ("bn_act_pool", ("bn_fw", "bn_bw", "batch_norm", "batchnorm")),
     ("convs", ("conv", "gemm", "xmma", "cutlass", "fprop", "dgrad", "wgrad")),
-    ("bn_act_pool", ("max_pool", "gelu", "relu")),
+    ("bn_act_pool", ("max_pool", "gelu", "relu", "clamp", "threshold")),  # eager ReLU: clamp fwd, threshold bwd
     ("optimizer", ("foreach", "multi_tensor")),
 )
 PHASES = ("convs", "bn_act_pool", "augment", "optimizer", "other")

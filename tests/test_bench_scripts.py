@@ -157,3 +157,23 @@ def test_bn_act_pool_graph_rows(monkeypatch, capture_fails):
             assert (r["median_ms"], r["p20_ms"], r["p80_ms"]) == (2.0, 1.5, 2.5)
             assert r["GB/s (min bytes)"] == round(minimal[r["dir"]] / 2e-3 / 1e9, 1)
             assert r["% copy"] == round(100 * r["GB/s (min bytes)"] / 100.0, 1)
+
+
+def test_bn_act_pool_records_each_block_as_it_finishes(monkeypatch):
+    """The kernels stage may be cut off at its time limit: each block's rows reach ``record`` as soon
+    as that block is measured, not all at the end."""
+    bench = _load_bn_bench()
+    bench.SMOKE = True
+    all_impls = bench.block_impls
+    monkeypatch.setattr(bench, "block_impls", lambda *a: {"eager": all_impls(*a)["eager"]})  # no interpreter
+    recorded = []
+    blocks = [(2, 8, 6, "relu", "after"), (2, 8, 4, "relu", None)]
+
+    def record(rows):
+        recorded.append([r["block"] for r in rows])
+        if len(recorded) == 1:  # the first block is in before the second one is measured
+            assert all("c8 6x6" in b for b in recorded[0])
+
+    rows = bench.bench_blocks("cpu", blocks, False, 100.0, graphs=False, record=record)
+    assert [len(r) for r in recorded] == [3, 3] and sum(map(len, recorded)) == len(rows)
+    assert {b for b in recorded[1]} == {"c8 4x4 relu pool=None"}

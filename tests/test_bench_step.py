@@ -33,6 +33,9 @@ def bench_step():
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),  # not _apply_kernel
     ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "bn_act_pool"),
     ("_cutout_kernel", "augment"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::launch_clamp_scalar(...)>", "bn_act_pool"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::threshold_kernel_impl<c10::Half>(...)>",
+     "bn_act_pool"),  # eager ReLU's forward and backward
     ("void at::native::reduce_kernel<512, 1>", "other"),
 ])
 def test_kernels_fall_into_their_phase(bench_step, name, phase):

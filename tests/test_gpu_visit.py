@@ -116,6 +116,14 @@ def test_race_stage_runs_the_public_script_in_the_folder_its_loader_reads(tmp_pa
     assert any("--preset resnet9 --seed 0 --runs 4" in line for line in lines)
 
 
+def test_race_stage_skips_the_public_script_when_the_export_fails(tmp_path):
+    proc, out = visit(tmp_path, "race", DRY_FAIL="export-tensors")
+    table = (out / "race-table.md").read_text()
+    assert "| export-tensors | FAIL (exit 1) |" in table
+    assert "| airbench94 | skipped: no exported images |" in table
+    assert not any(line.startswith("=== airbench94") for line in proc.stdout.splitlines())
+
+
 def test_race_stage_without_the_public_script_says_so(tmp_path):
     proc, out = visit(tmp_path, "race", str(tmp_path / "missing.py"))
     assert proc.returncode == 1
@@ -228,7 +236,10 @@ def test_race_report_sets_both_trainers_side_by_side(tmp_path):
     assert "| airbench94 (train + eval) | 2 | 90.70 | 0.44 | 90.39 | 1 | 2.505 | 2.600 |" in proc.stdout
     assert "| fastcifar fast | 1 | 90.50 | 0.00 | 90.50 | 1 | 2.000 | 2.000 |" in proc.stdout
     assert "| fastcifar fast + eval | 1 | 90.50 | 0.00 | 90.50 | 1 | 2.100 | 2.100 |" in proc.stdout
-    assert "fastcifar fast / airbench94: 0.798 (train only), 0.838 (+ eval" in proc.stdout
+    assert "fastcifar fast / airbench94 all runs: 0.798 (train only), 0.838 (+ eval" in proc.stdout
+    # without airbench94's first run (its warm-up): 2.6 s
+    assert "| airbench94 runs 2-N (1 = its warm-up) | 1 | 91.01 | 0.00 | 91.01 | 0 | 2.600 | 2.600 |" in proc.stdout
+    assert "fastcifar fast / airbench94 runs 2-N: 0.769 (train only), 0.808 (+ eval" in proc.stdout
 
     proc = report("race", runs, "--airbench-log", log, "--bar", "91.05")  # given: over the resnet9 mean
     assert "bar: 91.05% (given)" in proc.stdout and "| airbench94 (train + eval) | 2 | 90.70 | 0.44 | 90.39 | 2 |" in proc.stdout
