@@ -43,6 +43,7 @@ from torch import nn  # noqa: E402
 
 from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
                           print_header, require_cuda, time_ms)
+from fastcifar.graphs import capture  # noqa: E402
 from fastcifar.model import NormActPool, ResNet9  # noqa: E402
 from fastcifar.kernels import aot  # noqa: E402
 from fastcifar.kernels.bn_act_pool import TritonNormActPool, bn_act_pool_reference  # noqa: E402
@@ -138,22 +139,14 @@ def direction_bodies(fn, x, dy, inputs):
 
 
 def graph_timings(bodies):
-    """CUDA only. Capture each body as a CUDA graph, in order, after GRAPH_WARMUP eager runs on the
-    capture stream (a side stream: compilation, autotuning and allocator growth happen outside the
-    capture, as torch's docs require), and time the graphs' replays. One stream for all: autograd
-    runs a backward op on its forward op's stream, and "bwd" backprops through the forward captured
-    as "fwd"."""
+    """CUDA only. Capture each body as a CUDA graph, in order, as the trainer captures its step
+    (``fastcifar.graphs.capture``: GRAPH_WARMUP eager runs first), and time the graphs' replays.
+    One stream for all: autograd runs a backward op on its forward op's stream, and "bwd" backprops
+    through the forward captured as "fwd"."""
     stream = torch.cuda.Stream()
     graphs = {}
     for name, body in bodies.items():
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(GRAPH_WARMUP):
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graphs[name] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[name], stream=stream):
-            body()
+        graphs[name] = capture(body, GRAPH_WARMUP, stream=stream)
         graphs[name].replay()  # a capture records, it runs nothing: give a later body real inputs
     torch.cuda.synchronize()
     return {name: time_ms(g.replay) for name, g in graphs.items()}

@@ -19,6 +19,7 @@ on a fixed random batch: loader time is not in these figures (bench_loader.py me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -178,27 +179,27 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
     args = parser.parse_args()
 
+    base = from_preset(args.preset) if args.preset else Config()
     if SMOKE:
         device, dtype = torch.device("cpu"), torch.float32
         args.batches, args.kernels, args.graphs, args.window, args.repeats = [4], ["torch"], ["off"], 2, 1
-        widths = (8, 16, 32) if args.preset and from_preset(args.preset).arch == "fastnet" else (8, 16, 32, 64)
+        widths = (8, 16, 32) if base.arch == "fastnet" else (8, 16, 32, 64)
     else:
         require_cuda("bench_step")
         device, dtype = torch.device("cuda"), torch.float16
         torch.backends.cudnn.benchmark = True
-        widths = (from_preset(args.preset) if args.preset else Config()).widths
+        widths = base.widths
     env = environment()
     copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)
     tflops = matmul_tflops(smoke=SMOKE)
     print_header("Training step: eager vs CUDA graph, torch vs Triton kernels", env, copy_gbs)
     print(f"measured fp16 matmul rate: {tflops:.0f} TFLOP/s (the floor column divides the step's FLOPs by it)\n")
 
-    net = f"{from_preset(args.preset).arch} ({args.preset})" if args.preset else Config().arch
+    net = f"{base.arch} ({args.preset})" if args.preset else base.arch
     rows = []
     for batch in args.batches:
         for kernels in args.kernels:
-            cfg = (from_preset(args.preset, widths=widths, kernels=kernels) if args.preset
-                   else Config(widths=widths, kernels=kernels))
+            cfg = dataclasses.replace(base, widths=widths, kernels=kernels)
             for graphs in args.graphs:
                 model, step, images, labels = build_step(cfg, batch, graphs == "on", device, dtype)
                 flops = 3 * conv_flops_per_image(model, device, dtype) * batch

@@ -117,10 +117,13 @@ class StaticBatch:
         return n
 
 
-def capture(body: Callable[[], None], warmup_iters: int) -> torch.cuda.CUDAGraph:
+def capture(body: Callable[[], None], warmup_iters: int,
+            stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
     """Run ``body`` ``warmup_iters`` times on a side stream (cuDNN autotuning, Triton compilation,
-    first gradients and allocator growth happen there, as capture requires), then capture it once."""
-    side = torch.cuda.Stream()
+    first gradients and allocator growth happen there, as capture requires), then capture it once.
+    ``stream``: warm up and capture on this one (torch's own capture stream when None); graphs that
+    backprop through another's captured forward need that forward's stream, where autograd runs."""
+    side = stream or torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup_iters):
@@ -128,7 +131,7 @@ def capture(body: Callable[[], None], warmup_iters: int) -> torch.cuda.CUDAGraph
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         body()
     return graph
 
