@@ -27,8 +27,8 @@ SMOKE = smoke_mode()
 
 import torch  # noqa: E402
 
-from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
-                          print_header, require_cuda, time_ms)
+from bench.common import (append_results, compile_static, copy_bandwidth_gbs, environment,  # noqa: E402
+                          markdown_table, print_header, require_cuda, time_ms)
 from fastcifar.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params  # noqa: E402
 from fastcifar.config import from_preset  # noqa: E402
 from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants  # noqa: E402
@@ -67,7 +67,7 @@ def bench_augment(device, presets, num_images, compile_ref, copy_gbs):
             "eager": lambda: augment_indexed_reference(data, params, side, mean, std, torch.float16, SIZE, index),
         }
         if compile_ref:
-            ref = torch.compile(augment_indexed_reference)
+            ref = compile_static(augment_indexed_reference)
             impls["compile"] = lambda: ref(data, params, side, mean, std, torch.float16, SIZE, index)
         for name, fn in impls.items():
             try:
@@ -92,7 +92,7 @@ def bench_cutout(device, presets, compile_ref, copy_gbs):
         nbytes = x.numel() * 2 * 2  # read + write fp16, each direction
         impls = {"triton": cutout, "eager": cutout_reference}
         if compile_ref:
-            impls["compile"] = torch.compile(cutout_reference)
+            impls["compile"] = compile_static(cutout_reference)
         for name, op in impls.items():
             def fwd(op=op):
                 return op(x, params.cy, params.cx, side)

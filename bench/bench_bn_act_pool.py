@@ -41,8 +41,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
-                          print_header, require_cuda, time_ms)
+from bench.common import (append_results, compile_static, copy_bandwidth_gbs, environment,  # noqa: E402
+                          markdown_table, print_header, require_cuda, time_ms)
 from fastcifar.graphs import capture  # noqa: E402
 from fastcifar.model import NormActPool, ResNet9  # noqa: E402
 from fastcifar.kernels import aot  # noqa: E402
@@ -51,8 +51,7 @@ from fastcifar.kernels.bn_act_pool import TritonNormActPool, bn_act_pool_referen
 CL = torch.channels_last
 # (batch per GPU, channels, map side, activation, pool): every NormActPool of the two presets the
 # trainer runs, from the same lists the AOT compile sweep and the CUDA kernel tests use
-BLOCKS = ([(n, c, side, "relu", pool) for n, c, side, pool in aot.RESNET9_BLOCKS]
-          + [(n, c, side, "gelu", pool) for n, c, side, pool in aot.FAST_BLOCKS])
+BLOCKS = aot.PRESET_BLOCKS
 MODEL_BATCH = aot.RESNET9_BLOCKS[0][0]  # the ResNet-9 forward+backward at its preset's batch
 # --smoke: one block of each kind (no pool, pool after, pool before on an odd map) at batch 2
 SMOKE_BLOCKS = [(2, c, side, act, pool) for _, c, side, act, pool in (BLOCKS[0], BLOCKS[1], BLOCKS[6])]
@@ -84,15 +83,7 @@ def block_impls(c, act, pool, device, compile_ref):
     impls = {"eager": (eager, [eager.weight, eager.bias]), "triton": (tri, [tri.weight, tri.bias])}
     if compile_ref:
         mod = NormActPool(c, act=act, pool=pool).to(device)
-        # Dynamo caches compiled code on the function's code object, which every torch.compile
-        # wrapper of bn_act_pool_reference shares: a new wrapper per block still recompiled at each
-        # new shape (dynamic shapes from the second on) and, past its recompile limit (8), ran the
-        # rest eagerly. A reset per block and static shapes: each block gets its own compile, for
-        # its shape alone, as each of the trainer's layers does (compile_settings: no recompiles).
-        import torch._dynamo
-
-        torch._dynamo.reset()
-        ref = torch.compile(bn_act_pool_reference, dynamic=False)
+        ref = compile_static(bn_act_pool_reference)  # its own compile per block: compile_static says why
 
         def compiled(x, m=mod):
             return ref(x, m.weight, m.bias, m.running_mean, m.running_var, True, m.momentum, m.eps, m.act, m.pool)

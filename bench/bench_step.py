@@ -5,7 +5,7 @@ the floor that the convolutions' FLOPs set at the device's measured fp16 matmul 
 idle share of the step: 1 - (union of kernel intervals) / (first kernel start to last kernel end),
 read from a torch.profiler trace of a few steps. Launch gaps show up as idle time; a graphed step
 should leave the GPU idle for less than 5% of it. The same trace splits the step by kernel name into
-convs, BN/act/pool, augmentation, optimizer, other and idle (ms per step), with the top 5 kernels.
+convs, BN/act/pool, optimizer, other and idle (ms per step), with the top 5 kernels.
 ``--preset fast`` times that preset's network (FastNet) instead of the default ResNet-9.
 
     python bench/bench_step.py                      # on a GPU: the full table, rows to bench/results/step.jsonl
@@ -13,7 +13,8 @@ convs, BN/act/pool, augmentation, optimizer, other and idle (ms per step), with 
     python bench/bench_step.py --smoke              # the script's logic on the CPU, tiny, nothing written
 
 The step is the trainer's own (``fastcifar.train.make_step`` inside ``fastcifar.graphs.TrainStep``),
-on a fixed random batch: loader time is not in these figures (bench_loader.py measures it).
+on a fixed random batch: loader time, augmentation included, is not in these figures
+(bench_loader.py and bench_augment.py measure it).
 """
 
 from __future__ import annotations
@@ -107,15 +108,14 @@ def time_steps(step, images, labels, device, window: int, repeats: int) -> float
 # beside the breakdown shows what a new library version calls its kernels.
 TRITON_PHASES = {"_stats_kernel": "bn_act_pool", "_stats_finalize_kernel": "bn_act_pool",
                  "_apply_kernel": "bn_act_pool", "_bwd_reduce_kernel": "bn_act_pool",
-                 "_bwd_finalize_kernel": "bn_act_pool", "_bwd_dx_kernel": "bn_act_pool",
-                 "_augment_kernel": "augment", "_cutout_kernel": "augment"}
+                 "_bwd_finalize_kernel": "bn_act_pool", "_bwd_dx_kernel": "bn_act_pool"}
 PHASE_SUBSTRINGS = (
     ("bn_act_pool", ("bn_fw", "bn_bw", "batch_norm", "batchnorm")),
     ("convs", ("conv", "gemm", "xmma", "cutlass", "fprop", "dgrad", "wgrad")),
     ("bn_act_pool", ("max_pool", "gelu", "relu", "clamp", "threshold")),  # eager ReLU: clamp fwd, threshold bwd
     ("optimizer", ("foreach", "multi_tensor")),
 )
-PHASES = ("convs", "bn_act_pool", "augment", "optimizer", "other")
+PHASES = ("convs", "bn_act_pool", "optimizer", "other")
 
 
 def phase_of(name: str) -> str:

@@ -61,6 +61,19 @@ def time_ms(fn: Callable[[], object], smoke: bool = False, grad_to_none=None, re
     return {"median_ms": med, "p20_ms": p20, "p80_ms": p80}
 
 
+def compile_static(fn: Callable) -> Callable:
+    """``torch.compile(fn)`` for the shapes of the next row alone. Dynamo caches compiled code on
+    ``fn``'s code object, which every ``torch.compile`` wrapper of ``fn`` shares: a new wrapper per
+    row still recompiled at each new shape (dynamic shapes from the second on) and, past its
+    recompile limit (8), ran the rest eagerly. A reset and static shapes give each row its own
+    compile, for its shape alone, as each of the trainer's layers gets (compile_settings)."""
+    import torch
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30, smoke: bool = False) -> float:
     """Measured device-to-device copy bandwidth, GB/s counting the read and the write (2 x nbytes)."""
     import torch

@@ -85,7 +85,6 @@ def train(config: Config) -> list[TrainedRun]:
     if not isinstance(config, Config):
         raise ConfigError(f"train() takes a fastcifar.Config, not {type(config).__name__}")
     from . import report, signals
-    from .data import DataError
     ctx = distributed.setup(config.device, config.dist_timeout_s)
     try:
         results = trainer.run(config, ctx)

@@ -174,8 +174,3 @@ def augment_reference(
         hole = inside_y[:, None, :, None] & inside_x[:, None, None, :]  # (B, 1, size, size)
         out = out.masked_fill(hole, 0.0)
     return out.contiguous(memory_format=torch.channels_last)
-
-
-def flip_images(x: torch.Tensor) -> torch.Tensor:
-    """Mirror an NCHW-shaped batch left-right (test-time augmentation)."""
-    return x.flip(3)

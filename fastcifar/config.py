@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from . import compress as _compress  # CHOICES reads its lists (compress never imports config)
+from . import augment as _augment, compress as _compress, tta as _tta  # CHOICES reads their lists (none imports config)
 from .profiling import parse_window
 
 
@@ -192,8 +192,8 @@ CHOICES = {
     "loader": ("auto", "dali", "torch"),
     "arch": ("resnet9", "fastnet", "alexnet"),
     "pad_mode": ("reflect", "zero"),
-    "flip_mode": ("random", "alternate"),
-    "tta": (0, 1, 2),
+    "flip_mode": _augment.FLIP_MODES,
+    "tta": _tta.TTA_LEVELS,
     "whiten_kernel": (2, 3),
     "device": ("auto", "cuda", "cpu"),
     "precision": ("auto", "fp16", "fp32"),

@@ -30,11 +30,11 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .config import ConfigError
+from .config import CHOICES, ConfigError
 from .augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, normalize, pad_images
 from .loader import PARAM_FIELDS, epoch_plan
 
-LOADERS = ("auto", "dali", "torch")
+LOADERS = CHOICES["loader"]
 # What "auto" picks per device type: the faster in bench/bench_loader.py. CPU, measured (2 shared
 # cores, loader alone, batch 512, two runs): DALI ~40,000 images/s, torch 6,300-8,300. CUDA: unmeasured;
 # dali is the design's intent, to be confirmed or flipped by the benchmark's GPU figures.

@@ -45,7 +45,7 @@ def resolve_tta(tta: int | None, cfg) -> int:
     """``None``: the run's own TTA level."""
     tta = cfg.tta if tta is None else tta
     if tta not in CHOICES["tta"]:
-        raise ConfigError(f"--tta must be one of 0, 1, 2, not {tta}")
+        raise ConfigError(f"--tta must be one of {', '.join(map(str, CHOICES['tta']))}, not {tta}")
     return tta
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .config import CHOICES
+from .config import CHOICES, ConfigError
 from .norm_act_pool import ACTIVATIONS, POOL_PLACES, NormActPool, activation  # noqa: F401  (re-exported)
 
 NormFactory = Callable[..., nn.Module]
@@ -27,7 +27,6 @@ def resolve_kernels(requested: str, device: torch.device) -> str:
         raise ValueError(f"kernels must be one of {KERNELS}, not {requested!r}")
     kernels = ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
     if kernels == "triton" and device.type != "cuda" and torch.cuda.is_available():
-        from .config import ConfigError
         raise ConfigError("--kernels triton on the CPU needs Triton's interpreter, which a machine with a GPU "
                           "does not run (Triton compiles for the GPU there): use --kernels torch or --device cuda")
     return kernels

@@ -113,6 +113,10 @@ FAST_BLOCKS = [(1024, 64, 31, "before"), (1024, 64, 15, None), (1024, 256, 15, "
                (1024, 256, 7, None), (1024, 256, 7, "before"), (1024, 256, 3, None)]
 RESNET9_BLOCKS = [(512, 64, 32, None), (512, 128, 32, "after"), (512, 128, 16, None),
                   (512, 256, 16, "after"), (512, 512, 8, "after"), (512, 512, 4, None)]
+# the same with each preset's activation, (batch, channels, side, act, pool): the blocks the
+# kernel benchmark times and the CUDA kernel tests check
+PRESET_BLOCKS = ([(b, c, s, "relu", pool) for b, c, s, pool in RESNET9_BLOCKS]
+                 + [(b, c, s, "gelu", pool) for b, c, s, pool in FAST_BLOCKS])
 # odd shapes: two with every pool mode, one more odd map pooled before; each listed once
 ODD_BLOCKS = ([(3, 5, 7, pool) for pool in (None, "before", "after")]
               + [(2, 24, 6, pool) for pool in (None, "before", "after")] + [(1, 3, 9, "before")])

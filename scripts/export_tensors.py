@@ -7,14 +7,14 @@ N x 32 x 32 x 3), ``labels`` (int64, N) and ``classes`` (a list of names).
 Why: the race (scripts/gpu_visit.sh race) times fastcifar against the public airbench94 script on
 the same machine and the same images; that script decodes nothing itself and reads these two
 files from its ``cifar10/`` folder, so pointing it at our images means writing them there. Each
-file is written beside its target and renamed into place: an interrupted export leaves no file a
-later run would trust. Bad input is one line on stderr and exit 2.
+file is written atomically (``report.write_atomic``): an interrupted export leaves no file a later
+run would trust. Bad input is one line on stderr and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import io
 import sys
 from pathlib import Path
 
@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
 from fastcifar.data import DataError, load_dataset  # noqa: E402
+from fastcifar.report import write_atomic  # noqa: E402
 
 
 def export(data: str | Path, out: str | Path, log=print) -> list[Path]:
@@ -36,9 +37,9 @@ def export(data: str | Path, out: str | Path, log=print) -> list[Path]:
                "labels": torch.from_numpy(getattr(ds, f"{split}_labels")).long(),
                "classes": list(ds.classes)}
         target = out / f"{split}.pt"
-        tmp = target.with_name(target.name + ".tmp")
-        torch.save(doc, tmp)
-        os.replace(tmp, target)
+        buffer = io.BytesIO()
+        torch.save(doc, buffer)
+        write_atomic(target, buffer.getvalue())
         written.append(target)
         log(f"{target}: {len(doc['labels'])} images")
     return written

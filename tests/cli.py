@@ -26,6 +26,12 @@ def env() -> dict:
     return e
 
 
+def bench_results() -> dict[str, bytes]:
+    """Every file in bench/results/ with its content: a benchmark's CPU form must leave it as it
+    was, and an appended row changes no file name."""
+    return {p.name: p.read_bytes() for p in sorted((ROOT / "bench" / "results").iterdir())}
+
+
 def run_train(args, timeout=300, launcher=None) -> subprocess.CompletedProcess:
     cmd = (launcher or [sys.executable, "-m", "fastcifar.train"]) + [str(a) for a in args]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)

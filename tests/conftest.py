@@ -138,6 +138,15 @@ def http_folder(tmp_path):
         server.server_close()
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-rank gloo group: gradient buckets and compression collectives really run, in this process."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def one_line_error(stderr: str) -> str:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cli import ROOT, env
+from cli import ROOT, bench_results, env
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +21,12 @@ pytestmark = pytest.mark.slow
     ("bench_loader.py", ["--images", "256", "--epochs", "1", "--batches", "64", "--no-record"], "images/s"),
 ])
 def test_bench_script_runs(script, args, expect):
-    before = sorted((ROOT / "bench" / "results").iterdir())
+    before = bench_results()
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert expect in proc.stdout
-    assert sorted((ROOT / "bench" / "results").iterdir()) == before, "a CPU form must not write results"
+    assert bench_results() == before, "a CPU form must not write results"
     cells = [c.strip().lower() for line in proc.stdout.splitlines() if line.startswith("|")
              for c in line.split("|")]
     assert "nan" not in cells and "inf" not in cells
@@ -70,11 +70,11 @@ def test_bn_act_pool_bench_on_cpu_labels_its_timing():
     compiles each block once, so no row of it fails on a recompile."""
     compiles = shutil.which("g++") is not None or shutil.which("clang++") is not None
     args = ["--smoke", "--compile"] if compiles else ["--smoke"]
-    before = sorted((ROOT / "bench" / "results").iterdir())
+    before = bench_results()
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_bn_act_pool.py"), *args], cwd=ROOT,
                           env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sorted((ROOT / "bench" / "results").iterdir()) == before, "a CPU form must not write results"
+    assert bench_results() == before, "a CPU form must not write results"
     assert "measured device-to-device copy bandwidth" in proc.stdout
     blocks, model = _tables(proc.stdout)
     impls = {"eager", "triton", "compile"} if compiles else {"eager", "triton"}

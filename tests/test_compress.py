@@ -4,7 +4,6 @@ variance the formulas give, error feedback's conservation, the RNG, packing, con
 from __future__ import annotations
 
 import math
-
 import types
 
 import pytest
@@ -50,6 +49,22 @@ def test_threshold_keeps_exactly_the_coordinates_at_or_above_v():
     assert torch.equal(out, torch.where(x.abs() >= 0.7, x, torch.zeros_like(x)))
     out, (values, idx) = roundtrip(make("threshold", threshold=1e9), x, CounterRNG(0, 0))
     assert values.numel() == 0 and out.abs().sum() == 0
+
+
+@pytest.mark.parametrize("method, options", [
+    ("topk", {"ratio": 0.1}), ("threshold", {"threshold": 0.7}), ("randomk", {"ratio": 0.2, "randomk_shared": False}),
+    ("terngrad", {}), ("qsgd", {"levels": 4}),
+])
+def test_accumulate_adds_the_decompressed_payload_over_n(method, options):
+    """The gather transport's running mean: accumulate over 3 ranks' payloads, in rank order, is
+    the sum of decompress(payload) / 3, bit for bit (sparse payloads write their own coordinates only)."""
+    comp, n = make(method, **options), 3
+    out, ref = torch.zeros(200), torch.zeros(200)
+    for rank in range(n):
+        payload, ctx = comp.compress(vector(200, seed=rank), n, CounterRNG(0, rank), CounterRNG(0, SHARED_STREAM))
+        comp.accumulate(out, payload, ctx, n)
+        ref += comp.decompress(payload, ctx) / n
+    assert torch.equal(out, ref) and ref.abs().sum() > 0
 
 
 def draws(comp, x, shared=False, n=DRAWS):
@@ -193,15 +208,6 @@ def test_alexnet_preset_builds_the_cifar_alexnet():
         validate(Config(arch="alexnet"))
 
 
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A 1-rank gloo group: GradBuckets and the compression's collectives really run, in this process."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _compressed_step(method, warmup_steps=0, **options):
     """A small net whose gradients go through GradBuckets with ``method``: (compression, step)."""
     torch.manual_seed(0)
@@ -260,25 +266,22 @@ def test_steps_are_counted_on_the_device_so_graph_replays_count(one_rank_group):
     every step; bytes come from the captured step, and no host compress time is claimed."""
     compression, step = _compressed_step("topk", ratio=0.25)
     step()  # eager, as the capture is
-    step_bytes = log_stats(compression, _Log(), run=1)["bytes_per_step"]
+    step_bytes = log_stats(compression, _log(), run=1)["bytes_per_step"]
     compression.reset()
     for _ in range(5):  # five replays
         compression.rng.advance()
         compression.shared.advance()
-    record = log_stats(compression, _Log(), run=1)
+    record = log_stats(compression, _log(), run=1)
     assert record["steps"] == 5 and record["compressed_steps"] == 5, record
     assert record["bytes_per_step"] == step_bytes and record["compress_ms_per_step"] is None, record
     # steps whose Python runs are counted alike, the dense warm-up ones apart
     compression, step = _compressed_step("topk", warmup_steps=2, ratio=0.25)
     for _ in range(3):
         step()
-    record = log_stats(compression, _Log(), run=1)
+    record = log_stats(compression, _log(), run=1)
     assert record["steps"] == 3 and record["compressed_steps"] == 1 and record["compress_ms_per_step"] > 0, record
 
 
-class _Log:
-    def __init__(self):
-        self.meta, self.lines = {}, []
-
-    def line(self, text):
-        self.lines.append(text)
+def _log():
+    """What log_stats writes to: a run log's summary fields and lines."""
+    return types.SimpleNamespace(meta={}, line=lambda text: None)

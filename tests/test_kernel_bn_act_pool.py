@@ -397,16 +397,12 @@ def test_own_stats_reference_odd_shape_fp16(pool):
     _compare_own_stats((3, 24, 7, 7), torch.float16, "relu", pool, seed=5)
 
 
-# The presets' real blocks on one GPU: (batch, channels, map side, activation, pool), from the list
-# the compile sweep uses (one place to change): resnet9 (ReLU) at 512, fast (GELU; FastNet 64/256/256
-# after the 2x2 whitening conv: 31x31 maps) at 1024.
-PRESET_CUDA_BLOCKS = ([(n, c, side, "relu", pool) for n, c, side, pool in aot.RESNET9_BLOCKS]
-                      + [(n, c, side, "gelu", pool) for n, c, side, pool in aot.FAST_BLOCKS])
-
-
+# The presets' real blocks on one GPU, from the lists the compile sweep uses (one place to change):
+# resnet9 (ReLU) at 512, fast (GELU; FastNet 64/256/256 after the 2x2 whitening conv: 31x31 maps)
+# at 1024.
 @needs_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("block", PRESET_CUDA_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}x{b[2]}-{b[3]}-{b[4]}")
+@pytest.mark.parametrize("block", aot.PRESET_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}x{b[2]}-{b[3]}-{b[4]}")
 def test_preset_shapes_fp16_cuda(block):
     """Full-size shapes (int32 overflow of element offsets, many stage-1 chunks) on the GPU, against
     the reference that uses the kernel's own statistics: cuDNN's batchnorm sums in another order,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastcifar import comm, recipe
@@ -80,14 +79,6 @@ def test_the_mode_lets_device_only_work_through():
         loss.backward()
         hits = (t.argmax(1) == 0).sum()
     assert t.grad is not None and hits.shape == ()
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A 1-rank gloo group, so the gradient buckets really all-reduce inside the checked step."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _setup(preset: str, widths, buckets: bool, batch: int = 16):

@@ -140,8 +140,9 @@ class Compression:
         self.stats = Stats()
         self._chunks: dict = {}  # bucket index -> [Chunk]
         self._step_bytes = [0, 0]  # this step: payload, dense
-        self._last_bytes = None  # the last finished step's (payload, dense)
-        self.captured = None  # (payload, dense) of the last step before reset(): a captured step's
+        # the last finished step's (payload, dense), kept through reset(): after it, a captured
+        # step's replays run no Python, and the step captured before it is what they send
+        self._last_bytes = None
 
     # -- set-up --------------------------------------------------------------------------------
     def plan(self, buckets, group=None, device: torch.device | str = "cpu") -> None:
@@ -220,21 +221,20 @@ class Compression:
         """The run's record: steps (dense warm-up included), bytes per step, ratio, compress time."""
         steps = self.steps_run()
         out = {"steps": steps, "compressed_steps": max(0, steps - self.warmup_steps)}
-        if self.step == 0 and steps and self.captured is not None:
+        if self.step == 0 and steps and self._last_bytes is not None:
             # Graph replays run no Python: the captured step's byte counts are every step's (fixed
             # sizes), and no host time was measured.
-            payload, dense = self.captured
-            return {**out, "bytes_per_step": payload, "dense_bytes_per_step": dense,
-                    "ratio": dense / payload if payload else float("inf"), "compress_ms_per_step": None,
-                    "source": "the captured step (graph replays are not counted one by one)"}
-        s, host = self.stats, max(self.step, 1)
-        return {**out, "bytes_per_step": s.payload_bytes / host, "dense_bytes_per_step": s.dense_bytes / host,
-                "ratio": s.dense_bytes / s.payload_bytes if s.payload_bytes else float("inf"),
-                "compress_ms_per_step": 1e3 * s.compress_s / host}
+            (payload, dense), ms = self._last_bytes, None
+            out["source"] = "the captured step (graph replays are not counted one by one)"
+        else:
+            host = max(self.step, 1)
+            payload, dense = self.stats.payload_bytes / host, self.stats.dense_bytes / host
+            ms = 1e3 * self.stats.compress_s / host
+        return {**out, "bytes_per_step": payload, "dense_bytes_per_step": dense,
+                "ratio": dense / payload if payload else float("inf"), "compress_ms_per_step": ms}
 
     def reset(self) -> None:
         """Back to the state before the first step (after the trainer's untimed warm-up steps)."""
-        self.captured = self._last_bytes
         self.step = 0
         self.stats = Stats()
         self._step_bytes = [0, 0]
@@ -338,16 +338,14 @@ class Compression:
             per_rank = [unpack(o, layout) for o in out]
             for i, (c, g, payload, ctx) in enumerate(items):
                 k = len(payload)
-                mean = None
+                mean = torch.zeros_like(g)
                 for r in range(n):  # rank order: the same sum on every rank
                     part = per_rank[r][i * k:(i + 1) * k]
                     if counts is not None:
                         part = [t[:int(counts[r, i])] for t in part]
-                    x = comp.decompress(part, ctx)
                     if r == self.rank and self.memory is not None:
                         # this rank's own part came back bit for bit: its decompression is what was sent
-                        self.memory.update(c.key, g, x)
-                    x = x / n
-                    mean = x if mean is None else mean.add_(x)
+                        self.memory.update(c.key, g, comp.decompress(part, ctx))
+                    comp.accumulate(mean, part, ctx, n)
                 self._write(b, c, mean)
         return _Pending([work] if work is not None else [], self._timed(finish))

@@ -96,15 +96,15 @@ class SparseRun:
         self.optimizer.set_masks(mine)
         if self.local is not None:
             self.local.set_masks(dealt, shared=self.forced)
-            if epoch > 0 and cfg.sparse_update == "grad":
+            if epoch > 0 and cfg.sparse_update == "grad" and cfg.local_momentum == "keep":
                 # grad mode moves entries outside the mask too (decay, momentum), and the merges now
                 # cover only the new masks (every rank's, in the disjoint layout): an entry outside them
                 # would go on with this rank's own momentum, never merged again. The weights are equal
                 # on every rank here (just after the epoch-end merge), so equal momentum keeps every
                 # such entry equal. Merged entries keep their own: averaging them too would shrink an
                 # owner's momentum ~world_size-fold (the others' is decay only) at every mask change.
-                covered = {n: torch.stack([d[n] for d in dealt if n in d]).any(0)
-                           for n in self.params if any(n in d for d in dealt)}
+                # (--local-momentum reset: the merge just zeroed it all, nothing to average.)
+                covered = {n: torch.stack([d[n] for d in dealt]).any(0) for n in dealt[0]}
                 self.optimizer.average_momentum_outside(covered, ctx.world_size)
         line = f"mask ({cfg.sparse_mask}, epoch {epoch}): {masks.describe(mine, self.total)}"
         if disjoint:

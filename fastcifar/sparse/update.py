@@ -50,14 +50,14 @@ class MaskedOptimizer:
 
     @torch.no_grad()
     def average_momentum_outside(self, covered: dict[str, torch.Tensor], world_size: int) -> None:
-        """Average over ranks the momentum of the entries outside ``covered`` (boolean masks by name;
-        a missing name: all outside). Entries inside keep this rank's own (``--local-momentum``'s rule)."""
+        """Average over ranks the momentum of the entries outside ``covered`` (a boolean mask per
+        trainable parameter's name, as ``masks.deal`` gives). Entries inside keep this rank's own
+        (``--local-momentum``'s rule)."""
         bufs = [b for group in self.opt.buffers for b in group]
         means = [b.clone() for b in bufs]
         distributed.average_buffers(means, world_size)
         for name, buf, mean in zip(self.buffer_names, bufs, means):
-            inside = covered.get(name)
-            buf.copy_(mean if inside is None else torch.where(inside, buf, mean))
+            buf.copy_(torch.where(covered[name], buf, mean))
 
     @torch.no_grad()
     def step(self) -> None:
