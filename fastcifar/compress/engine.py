@@ -13,8 +13,8 @@ whole bucket, ``model`` the whole bucket too, GradBuckets then making one bucket
 Transports (``transport``):
 - ``sparse``: what the compressor's payload needs. Summable payloads of all chunks are
   concatenated into one all-reduce; per-rank payloads are packed into one byte buffer (each piece
-  8-byte aligned) and all-gathered, then each rank's part is decompressed and the mean taken in
-  rank order. Threshold (variable size) first all-gathers the per-chunk counts (a blocking
+  8-byte aligned) and all-gathered, then each rank's part is added into the mean in rank order
+  (``Compressor.accumulate``; sparse parts at their own coordinates). Threshold (variable size) first all-gathers the per-chunk counts (a blocking
   collective: the sizes go to the host), pads every chunk to the largest count and gathers that;
   when every count is zero nothing more is sent (no zero-size collective to hang on).
 - ``dense``: the seed's way: each rank's own reconstruction D(C(g)), zeros included, is
