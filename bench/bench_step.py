@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from fastcifar.config import Config, from_preset  # noqa: E402
 from fastcifar.graphs import DeviceSchedule, StaticBatch, TrainStep  # noqa: E402
-from fastcifar.optim import NesterovSGD  # noqa: E402
+from fastcifar.recipe import make_optimizer  # noqa: E402
 from fastcifar.train import build_model, make_step  # noqa: E402
 
 
@@ -67,9 +67,12 @@ def conv_flops_per_image(model: torch.nn.Module, device, dtype) -> float:
 def build_step(cfg: Config, batch: int, graphs: bool, device, dtype):
     torch.manual_seed(0)
     model = build_model(cfg, device, dtype)
-    opt = NesterovSGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=5e-4 * batch)
-    schedule = DeviceSchedule([0.4 / batch] * 10_000, device)
-    step = TrainStep(make_step(model, opt, schedule, 0.2), StaticBatch(batch, dtype, device), capture=graphs)
+    # the trainer's optimizer for cfg (its parameter groups; Muon + SGD for fast-muon), at a constant peak rate
+    peak = cfg.lr * cfg.batch_size / 512 / batch
+    opt = make_optimizer(model, cfg, batch, peak)
+    schedule = DeviceSchedule([peak] * 10_000, device)
+    step = TrainStep(make_step(model, opt, schedule, cfg.label_smoothing), StaticBatch(batch, dtype, device),
+                     capture=graphs)
     g = torch.Generator(device=device).manual_seed(0)
     images = torch.randn(batch, 3, 32, 32, device=device, generator=g).to(dtype).contiguous(
         memory_format=torch.channels_last)

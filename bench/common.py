@@ -66,7 +66,7 @@ def compile_static(fn: Callable) -> Callable:
     ``fn``'s code object, which every ``torch.compile`` wrapper of ``fn`` shares: a new wrapper per
     row still recompiled at each new shape (dynamic shapes from the second on) and, past its
     recompile limit (8), ran the rest eagerly. A reset and static shapes give each row its own
-    compile, for its shape alone, as each of the trainer's layers gets (compile_settings)."""
+    compile, for its shape alone (bench_bn_act_pool's compile_settings makes a recompile an error)."""
     import torch
     import torch._dynamo
 

@@ -115,8 +115,8 @@ RESNET9_BLOCKS = [(512, 64, 32, None), (512, 128, 32, "after"), (512, 128, 16, N
                   (512, 256, 16, "after"), (512, 512, 8, "after"), (512, 512, 4, None)]
 # the same with each preset's activation, (batch, channels, side, act, pool): the blocks the
 # kernel benchmark times and the CUDA kernel tests check
-PRESET_BLOCKS = ([(b, c, s, "relu", pool) for b, c, s, pool in RESNET9_BLOCKS]
-                 + [(b, c, s, "gelu", pool) for b, c, s, pool in FAST_BLOCKS])
+PRESET_BLOCKS = ([(b, c, s, "gelu", pool) for b, c, s, pool in FAST_BLOCKS]
+                 + [(b, c, s, "relu", pool) for b, c, s, pool in RESNET9_BLOCKS])
 # odd shapes: two with every pool mode, one more odd map pooled before; each listed once
 ODD_BLOCKS = ([(3, 5, 7, pool) for pool in (None, "before", "after")]
               + [(2, 24, 6, pool) for pool in (None, "before", "after")] + [(1, 3, 9, "before")])
@@ -173,8 +173,7 @@ def calls(which: str) -> list[Callable[[], None]]:
         return out
     if which == "presets":
         for training in (True, False):
-            out += [bn_call(b, c, s, pool, torch.float16, "gelu", training) for b, c, s, pool in FAST_BLOCKS]
-            out += [bn_call(b, c, s, pool, torch.float16, "relu", training) for b, c, s, pool in RESNET9_BLOCKS]
+            out += [bn_call(b, c, s, pool, torch.float16, act, training) for b, c, s, act, pool in PRESET_BLOCKS]
         return out + [augment_call(1024, 50000, 2, 0, torch.float16, True),
                       augment_call(512, 50000, 4, 8, torch.float16, True), cutout_call(512, 3, 32, 8, torch.float16)]
     if which != "full":

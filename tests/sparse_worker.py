@@ -1,10 +1,11 @@
 """One rank of the local SGD tests; test_sparse_train.py starts two with torchrun (gloo, CPU).
 
-    python tests/sparse_worker.py equivalence disjoint grad_mask_change
+    python tests/sparse_worker.py equivalence disjoint grad_mask_change grad_mask_change_disjoint
         equivalence: H=1, a full mask, mean merge == dense data parallel (bucketed gradient averaging)
         disjoint: disjoint masks, H=2, sum merge, momentum reset: what each merge must leave
         grad_mask_change: SparseRun as the trainer drives it, --sparse-update grad, a new mask every
             epoch, H=2, momentum kept: the ranks hold the same weights after each epoch's last merge
+        grad_mask_change_disjoint: the same with each rank's own mask (disjoint layout)
 
 The trainer's conventions: loss summed over the rank's batch, NesterovSGD with the recipe's groups.
 """
@@ -121,28 +122,40 @@ def disjoint(ctx):
     print(f"rank {ctx.rank} disjoint ok, {local.describe()}")
 
 
-def grad_mask_change(ctx):
+def grad_mask_change(ctx, layout="shared"):
     """An entry that leaves the mask keeps moving under --sparse-update grad (decay and momentum)
-    and the merges no longer cover it: it stays equal on every rank only if its momentum does."""
+    and the merges no longer cover it: it stays equal on every rank only if its momentum does.
+    Entries some rank's new mask covers (any rank's, in the disjoint layout) keep their momentum."""
     model, opt = setup()
     cfg = from_preset("resnet9", widths=(4, 8, 8, 8), sparse_mask="random", sparse_fraction=0.05,
-                      sparse_update="grad", mask_every=1, local_steps=2, merge="mean", local_momentum="keep")
+                      sparse_update="grad", mask_every=1, local_steps=2, merge="mean", local_momentum="keep",
+                      mask_layout=layout)
     log = SimpleNamespace(dir=None, meta={}, line=lambda text: None)
     run = SparseRun(cfg, model, opt, None, ctx, log, run=1, seed=0)  # random masks: no loader read
     start = {n: p.detach().clone() for n, p in run.params.items()}
     for epoch in range(3):
+        bufs = [b for group in run.optimizer.buffers for b in group]
+        before = [b.clone() for b in bufs]
         run.epoch_start(epoch)  # a new random mask every epoch (seed * 1000 + epoch)
-        if epoch > 0:  # the mask changed: momentum is equal outside it, each rank's own inside it
-            bufs = [b for group in run.optimizer.buffers for b in group]
+        if epoch > 0:  # the mask changed: momentum is equal outside every mask, each rank's own inside
             inside = outside = 0.0
-            for name, b in zip(run.optimizer.buffer_names, bufs):
+            others = 0  # entries another rank's mask covers and this rank's does not
+            for name, b, b0 in zip(run.optimizer.buffer_names, bufs, before):
                 every = [torch.zeros_like(b) for _ in range(ctx.world_size)]
                 dist.all_gather(every, b.contiguous())
                 gap = (every[0] - every[1]).abs()
-                m = run.optimizer.masks[name].bool()
+                m = run.optimizer.masks[name].bool()  # this rank's own mask
+                masks_everywhere = [torch.zeros_like(m) for _ in range(ctx.world_size)]
+                dist.all_gather(masks_everywhere, m.contiguous())
+                covered = torch.stack(masks_everywhere).any(0)
+                others += int((covered & ~m).sum())
+                assert torch.equal(b[covered], b0[covered]), \
+                    f"epoch {epoch}: momentum of {name} inside a rank's new mask changed at the mask change"
                 inside = max(inside, float(torch.where(m, gap, 0).max()))
-                outside = max(outside, float(torch.where(m, 0, gap).max()))
-            assert outside == 0, f"epoch {epoch}: momentum outside the mask differs by {outside:.3e}"
+                outside = max(outside, float(torch.where(covered, 0, gap).max()))
+            if layout == "disjoint":
+                assert others > 0, "the ranks' masks coincide: the layout would prove nothing"
+            assert outside == 0, f"epoch {epoch}: momentum outside every mask differs by {outside:.3e}"
             assert inside > 0, f"epoch {epoch}: momentum inside the mask was averaged (--local-momentum keep)"
         for x, y in batches(ctx.rank):
             step(model, run.optimizer, x, y)
@@ -157,7 +170,7 @@ def grad_mask_change(ctx):
     assert len(run.record["masks"]) == 3 and run.local.merges == 6  # 2 per epoch: after steps 2 and 4
     moved = sum(float((p.detach() - start[n]).abs().sum()) for n, p in run.params.items())
     assert moved > 1e-2, "training did not move the weights: the comparison would prove nothing"
-    print(f"rank {ctx.rank} grad_mask_change ok")
+    print(f"rank {ctx.rank} grad_mask_change {layout} ok")
 
 
 def main(argv):
@@ -165,7 +178,8 @@ def main(argv):
     ctx = distributed.setup("cpu", timeout_s=60.0)
     try:
         for mode in argv:
-            {"equivalence": equivalence, "disjoint": disjoint, "grad_mask_change": grad_mask_change}[mode](ctx)
+            {"equivalence": equivalence, "disjoint": disjoint, "grad_mask_change": grad_mask_change,
+             "grad_mask_change_disjoint": lambda ctx: grad_mask_change(ctx, "disjoint")}[mode](ctx)
         return 0
     finally:
         distributed.teardown(ctx)

@@ -19,6 +19,9 @@ pytestmark = pytest.mark.slow
     ("bench_step.py", ["--smoke"], "| batch | kernels | graphs | step_ms"),
     ("bench_augment.py", ["--smoke"], "smoke run"),
     ("bench_loader.py", ["--images", "256", "--epochs", "1", "--batches", "64", "--no-record"], "images/s"),
+    # the two that launch the trainer (bench.common.run_trainer) and append their own rows
+    ("bench_compress.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
+    ("bench_sparse.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
 ])
 def test_bench_script_runs(script, args, expect):
     before = bench_results()

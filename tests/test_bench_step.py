@@ -1,5 +1,5 @@
 """bench_step's breakdown of a traced step: kernels sorted into phases by name, launch gaps as idle,
-and its --preset form (the default preset's FastNet) on the CPU."""
+and its --preset form (the default preset's FastNet, the trainer's optimizer) on the CPU."""
 
 from __future__ import annotations
 
@@ -69,3 +69,19 @@ def test_smoke_run_of_the_default_presets_network():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| fastnet (fast) | 4 | torch | off |" in proc.stdout
     assert bench_results() == before
+
+
+def test_the_timed_step_has_the_trainers_optimizer_for_the_preset(bench_step, monkeypatch):
+    """--preset fast-muon times Muon + SGD with the recipe's parameter groups, not a stand-in."""
+    import dataclasses
+
+    import torch
+
+    from fastcifar.config import from_preset
+    from fastcifar.optim import MuonSGD
+
+    made, real = [], bench_step.make_optimizer
+    monkeypatch.setattr(bench_step, "make_optimizer", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    cfg = dataclasses.replace(from_preset("fast-muon"), widths=(8, 16, 32))
+    bench_step.build_step(cfg, 2, False, torch.device("cpu"), torch.float32)
+    assert len(made) == 1 and isinstance(made[0], MuonSGD)

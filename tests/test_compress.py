@@ -51,10 +51,14 @@ def test_threshold_keeps_exactly_the_coordinates_at_or_above_v():
     assert values.numel() == 0 and out.abs().sum() == 0
 
 
-@pytest.mark.parametrize("method, options", [
+# the compressors of the gather transport (per-rank indices or scales)
+GATHER_METHODS = [
     ("topk", {"ratio": 0.1}), ("threshold", {"threshold": 0.7}), ("randomk", {"ratio": 0.2, "randomk_shared": False}),
     ("terngrad", {}), ("qsgd", {"levels": 4}),
-])
+]
+
+
+@pytest.mark.parametrize("method, options", GATHER_METHODS)
 def test_accumulate_adds_the_decompressed_payload_over_n(method, options):
     """The gather transport's running mean: accumulate over 3 ranks' payloads, in rank order, is
     the sum of decompress(payload) / 3, bit for bit (sparse payloads write their own coordinates only)."""
@@ -65,6 +69,24 @@ def test_accumulate_adds_the_decompressed_payload_over_n(method, options):
         comp.accumulate(out, payload, ctx, n)
         ref += comp.decompress(payload, ctx) / n
     assert torch.equal(out, ref) and ref.abs().sum() > 0
+
+
+@pytest.mark.parametrize("method, options", GATHER_METHODS)
+def test_residual_from_the_payload_is_compensated_minus_decompressed(method, options):
+    """Error feedback's residual taken off at the payload's own coordinates (the gather transport's
+    path) has the bits of compensated - decompress(payload), signed zeros included."""
+    comp = make(method, **options)
+    g = vector(200, seed=5)
+    g[::7] = -0.0  # -0 - 0 must stay -0, as torch.sub leaves it
+    payload, ctx = comp.compress(g, 3, CounterRNG(0, 1), CounterRNG(0, SHARED_STREAM))
+    sparse, dense = ErrorFeedback(), ErrorFeedback()
+    for memory in (sparse, dense):
+        memory.compensate(0, torch.zeros(200))
+    sparse.update_from_payload(0, g, comp, payload, ctx)
+    dense.update(0, g, comp.decompress(payload, ctx))
+    got, want = sparse.residual[0], dense.residual[0]
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    assert not torch.equal(want, g), "nothing was sent: the comparison would prove nothing"
 
 
 def draws(comp, x, shared=False, n=DRAWS):

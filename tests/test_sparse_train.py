@@ -120,10 +120,12 @@ def test_two_ranks_local_sgd_with_one_step_and_a_full_mask_is_data_parallel():
 
 @pytest.mark.slow
 def test_two_ranks_keep_equal_weights_when_a_grad_only_mask_changes():
-    proc = run_train([], launcher=[*TORCHRUN, str(ROOT / "tests" / "sparse_worker.py"), "grad_mask_change"])
+    proc = run_train([], launcher=[*TORCHRUN, str(ROOT / "tests" / "sparse_worker.py"), "grad_mask_change",
+                                   "grad_mask_change_disjoint"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
-        assert f"rank {rank} grad_mask_change ok" in proc.stdout
+        for layout in ("shared", "disjoint"):
+            assert f"rank {rank} grad_mask_change {layout} ok" in proc.stdout
 
 
 @pytest.mark.slow

@@ -14,9 +14,11 @@ Transports (``transport``):
 - ``sparse``: what the compressor's payload needs. Summable payloads of all chunks are
   concatenated into one all-reduce; per-rank payloads are packed into one byte buffer (each piece
   8-byte aligned) and all-gathered, then each rank's part is added into the mean in rank order
-  (``Compressor.accumulate``; sparse parts at their own coordinates). Threshold (variable size) first all-gathers the per-chunk counts (a blocking
-  collective: the sizes go to the host), pads every chunk to the largest count and gathers that;
-  when every count is zero nothing more is sent (no zero-size collective to hang on).
+  (``Compressor.accumulate``; sparse parts at their own coordinates, and this rank's own part taken
+  off its error-feedback residual the same way). Threshold (variable size) first all-gathers the
+  per-chunk counts (a blocking collective: the sizes go to the host), pads every chunk to the
+  largest count and gathers that; when every count is zero nothing more is sent (no zero-size
+  collective to hang on).
 - ``dense``: the seed's way: each rank's own reconstruction D(C(g)), zeros included, is
   all-reduced at full size. Same result, no bytes saved; for side-by-side comparison.
 
@@ -344,8 +346,8 @@ class Compression:
                     if counts is not None:
                         part = [t[:int(counts[r, i])] for t in part]
                     if r == self.rank and self.memory is not None:
-                        # this rank's own part came back bit for bit: its decompression is what was sent
-                        self.memory.update(c.key, g, comp.decompress(part, ctx))
+                        # this rank's own part came back bit for bit: it is what was sent
+                        self.memory.update_from_payload(c.key, g, comp, part, ctx)
                     comp.accumulate(mean, part, ctx, n)
                 self._write(b, c, mean)
         return _Pending([work] if work is not None else [], self._timed(finish))

@@ -159,9 +159,8 @@ def download(root: Path, progress=print, spec: OfficialSet = CIFAR10) -> Path:
 
     torchvision's ``download_url`` fetches (with a progress bar); the MD5 is checked here, after
     the fetch. It writes into a temporary folder inside ``root``, renamed into place only once the
-    checksum matched, so an
-    interrupted or corrupted download never leaves a file that looks finished. An archive already
-    there with the right checksum is kept.
+    checksum matched, so an interrupted or corrupted download never leaves a file that looks
+    finished. An archive already there with the right checksum is kept.
     """
     from torchvision.datasets.utils import check_integrity, download_url  # late: a second of import
     url, md5 = spec.url, spec.md5
