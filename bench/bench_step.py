@@ -175,7 +175,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 512], help="images per GPU per step")
     parser.add_argument("--preset", help="the network of this preset (e.g. fast: FastNet 64/256/256, GELU); "
                         "default the ResNet-9 of the config's defaults")
-    parser.add_argument("--kernels", nargs="+", default=["torch", "triton"], choices=["torch", "triton"])
+    parser.add_argument("--kernels", nargs="+", default=["torch", "triton"], choices=["torch", "triton", "auto"],
+                        help="auto: the trainer's default on CUDA, Triton where a block pools and torch elsewhere")
     parser.add_argument("--graphs", nargs="+", default=["off", "on"], choices=["off", "on"])
     parser.add_argument("--window", type=int, default=20, help="steps per timed window")
     parser.add_argument("--repeats", type=int, default=5, help="timed windows; the median is reported")

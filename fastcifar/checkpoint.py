@@ -160,11 +160,11 @@ def network_from_weights(tensors: dict[str, torch.Tensor], meta: dict[str, str],
     """The network a model file's tensors and metadata describe (``load_model`` without the
     read: a sparse-diff chain restores its tensors in memory)."""
     from . import recipe
-    from .model import norm_factory, resolve_kernels
+    from .model import norm_blocks
     device = torch.device(device)
     info = model_info(meta, source)
     try:
-        model = recipe.make_network(info.config, norm_factory(resolve_kernels("auto", device)), len(info.classes))
+        model = recipe.make_network(info.config, norm_blocks("auto", device), len(info.classes))
     except Exception as exc:
         raise CheckpointError(f"{source}: unusable metadata ({type(exc).__name__}: {exc})") from None
     _check_shapes(model.state_dict(), tensors, source)

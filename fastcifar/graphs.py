@@ -167,26 +167,45 @@ class _BatchStep:
 
 class TrainStep(_BatchStep):
     """The training step: ``step_fn(images, labels) -> (summed loss, correct count)``, which
-    updates the model in place."""
+    updates the model in place.
+
+    A graph replays the work its capture saw, so a run whose backward changes shape part-way (the
+    `fast` recipe stops backpropagating into its whitening conv once the conv's bias freezes)
+    captures each form as a named variant before the clock starts and ``select``s it when the
+    change happens; eagerly, ``select`` only records the name."""
+
+    DEFAULT = "default"
 
     def __init__(self, step_fn: StepFn, batch: StaticBatch, capture: bool):
         super().__init__(batch, capture)
         self.step_fn = step_fn
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.variant = self.DEFAULT
 
     def _body(self) -> None:
         loss, hits = self.step_fn(self.batch.images, self.batch.labels)
         self.loss_sum.add_(loss)
         self.correct.add_(hits)
 
-    def warm_up_and_capture(self, warmup_iters: int) -> None:
-        """Run ``warmup_iters`` steps, then (when capturing) capture one. The caller restores the
-        model's state afterwards; the metrics are reset here."""
+    def warm_up_and_capture(self, warmup_iters: int, variant: str = DEFAULT) -> None:
+        """Run ``warmup_iters`` steps, then (when capturing) capture one as ``variant``, with the
+        model as it is set up now. The caller restores the model's state afterwards; the metrics
+        are reset here. The step replays the selected variant (the default until ``select``)."""
         if self.capture:
-            self.graph = capture(self._body, max(warmup_iters, 2))  # 2: the first step allocates grads
+            self.graphs[variant] = capture(self._body, max(warmup_iters, 2))  # 2: the first step allocates grads
+            self.graph = self.graphs.get(self.variant)
         else:
             for _ in range(warmup_iters):
                 self._body()
         self.reset()
+
+    def select(self, variant: str) -> None:
+        """Replay ``variant`` from the next step on (captured by ``warm_up_and_capture``)."""
+        if self.capture and variant not in self.graphs:
+            raise RuntimeError(f"no captured training step {variant!r} (captured: {', '.join(self.graphs)}): "
+                               "capture each variant before the clock starts")
+        self.variant = variant
+        self.graph = self.graphs.get(variant)
 
 
 class EvalStep(_BatchStep):

@@ -20,7 +20,8 @@ KERNELS = CHOICES["kernels"]  # --kernels' choices: one list, in fastcifar.confi
 
 
 def resolve_kernels(requested: str, device: torch.device) -> str:
-    """``auto`` is Triton on CUDA and the torch reference on the CPU. Triton on the CPU runs in
+    """``auto`` is Triton on CUDA (``norm_blocks``: where a block pools) and the torch reference on
+    the CPU. Triton on the CPU runs in
     Triton's interpreter (correct, slow: for tests; see ``kernel_module``), which exists only in a
     process without a GPU: Triton chooses interpreter or compiler once per process, at import."""
     if requested not in KERNELS:
@@ -45,6 +46,47 @@ def norm_factory(kernels: str) -> NormFactory:
     if kernels == "triton":
         return kernel_module("bn_act_pool").TritonNormActPool
     return NormActPool
+
+
+class PooledFused:
+    """NormActPool factory: the fused kernel (``fused``) for blocks that pool, the plain-torch block
+    (cuDNN's batchnorm, then the activation) for those that do not.
+
+    Why (H100, fp16, forward + backward as graph replays, bench/results/first_light.md): the fused
+    kernel's gain is the pool it folds in, 2.3-2.7x eager on every pooling block measured in both presets;
+    without a pool, cuDNN's persistent batchnorm reads its input once where the kernel reads it for
+    the statistics and again to normalize, and eager is as fast or faster: 0.147 against 0.213 ms at
+    1024x64x15x15, 0.149 against 0.168 at 1024x256x7x7 (`fast`'s three unpooled blocks: 0.09 ms
+    a step)."""
+
+    def __init__(self, fused: NormFactory):
+        self.fused = fused
+
+    def __call__(self, num_features: int, act: str = "relu", pool: Optional[str] = None, **kwargs) -> nn.Module:
+        return (self.fused if pool is not None else NormActPool)(num_features, act=act, pool=pool, **kwargs)
+
+
+def _mixes(requested: str, device: torch.device, compile: bool) -> bool:
+    """Whether ``--kernels requested`` builds the ``PooledFused`` mix. Not under ``--compile``:
+    there inductor's own batchnorm of the plain block made `fast` diverge (loss NaN in epoch 1, with
+    ``--kernels torch`` too; H100, torch 2.11, 2026-11-22; cause not yet found), while the network
+    of fused custom ops trained as it does uncompiled."""
+    return requested == "auto" and not compile and resolve_kernels(requested, device) == "triton"
+
+
+def norm_blocks(requested: str, device: torch.device, compile: bool = False) -> NormFactory:
+    """The NormActPool factory a network is built with for ``--kernels requested``: ``triton`` fuses
+    every block, ``torch`` none, and ``auto`` on CUDA fuses the blocks that pool (``PooledFused``),
+    or every block under ``--compile`` (``_mixes``)."""
+    kernels = resolve_kernels(requested, device)
+    if _mixes(requested, device, compile):
+        return PooledFused(norm_factory(kernels))
+    return norm_factory(kernels)
+
+
+def kernels_label(requested: str, device: torch.device, compile: bool = False) -> str:
+    """What ``--kernels requested`` runs, for logs and summaries: ``triton+torch`` for the mix."""
+    return "triton+torch" if _mixes(requested, device, compile) else resolve_kernels(requested, device)
 
 
 class ConvBlock(nn.Module):

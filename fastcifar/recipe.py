@@ -9,7 +9,8 @@
 - ``epoch_lengths`` and ``lr_schedule``: steps per epoch (a fractional epoch count cuts the last
   one short) and the per-step rates, by epoch progress or by step index (``--lr-at``);
 - ``RunHooks``: what happens at epoch starts and ends and after each step: the data-dependent
-  whitening init, the whitening-bias freeze, lookahead.
+  whitening init, the whitening-bias freeze (which also ends backward at the whitening conv, a
+  second captured step), lookahead.
 
 Timing (DAWNBench): the whitening init reads training images, so it is part of training and runs
 on the clock, at the start of epoch 0 (as airbench counts it). It costs one pass over 5000 images'
@@ -18,6 +19,7 @@ on the clock, at the start of epoch 0 (as airbench counts it). It costs one pass
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import math
@@ -125,21 +127,66 @@ def lr_schedule(cfg, steps: int, peak: float) -> list[float]:
 
 
 class RunHooks:
-    """Per-run recipe steps the training loop calls: ``epoch_start`` (on the clock),
-    ``after_step`` and ``epoch_end`` (before the clock stops)."""
+    """Per-run recipe steps the training loop calls: ``warm_up`` (off the clock), ``epoch_start`` (on the clock), ``after_step`` and ``epoch_end`` (before the clock stops).
+    ``step``: the run's ``graphs.TrainStep``, told when the bias freeze changes what backward does."""
 
-    def __init__(self, cfg, model: nn.Module, opt, train_loader, ctx):
-        self.cfg, self.model, self.opt, self.loader, self.ctx = cfg, model, opt, train_loader, ctx
+    WHITEN_BIAS_FROZEN = "whiten-bias-frozen"  # the TrainStep variant after the freeze
+
+    def __init__(self, cfg, model: nn.Module, opt, train_loader, ctx, step=None):
+        self.cfg, self.model, self.opt, self.loader, self.ctx, self.step = cfg, model, opt, train_loader, ctx, step
         self.lookahead: Lookahead | None = None
+        self.whiten_bias_frozen = False
+
+    @property
+    def stops_backward_at_whitening(self) -> bool:
+        """Whether the bias freeze also ends backward at the whitening conv: with its weights
+        frozen too, nothing below the first block then needs a gradient, so the first block's
+        input-gradient conv (27 GFLOP per 1024 images in `fast`), the GELU's backward and the bias's
+        reduction drop out of the step (332 of `fast`'s 476 steps); the weights come out the same,
+        as the frozen bias took no step anyway. Not under DDP, which fails a step in which a
+        parameter gets no gradient; the bucketed all-reduce sends that bucket in ``finish``."""
+        cfg = self.cfg
+        ddp = self.ctx.distributed and cfg.comm == "ddp" and not cfg.local_steps
+        return isinstance(self.model, FastNet) and cfg.whiten_frozen and not ddp
+
+    def warm_up(self, warmup_iters: int) -> None:
+        """Off the clock, before the caller restores the model's state, the first-time work of what
+        the hooks do on it: capture the step as it runs after the bias freeze (the freeze then
+        switches graphs instead of capturing on the clock), and whiten random images into a
+        scratch copy of the whitening conv, so the first run's whitening init does not pay for
+        loading cuSOLVER's eigensolver and the float64 kernels (epoch 1 of a process's first `fast`
+        run took 243 ms against 167 ms in later runs, H100, 2026-11-22)."""
+        if isinstance(self.model, FastNet) and self.cfg.whiten_images:
+            conv = copy.deepcopy(self.model.whiten)
+            n, device = math.ceil(self.cfg.whiten_images / self.ctx.world_size), conv.weight.device
+            noise = torch.Generator(device).manual_seed(0)  # its own: the run's random streams stay as they were
+            init_whitening(conv, torch.randn(n, conv.in_channels, 32, 32, device=device, generator=noise),
+                           centred=self.cfg.whiten_centred)
+        if self.step is None or not self.stops_backward_at_whitening:
+            return
+        bias = self.model.whiten.bias
+        bias.requires_grad_(False)
+        try:
+            self.step.warm_up_and_capture(warmup_iters, self.WHITEN_BIAS_FROZEN)
+        finally:
+            bias.requires_grad_(True)
 
     def epoch_start(self, epoch: int) -> None:
         cfg, model = self.cfg, self.model
         if epoch == 0 and isinstance(model, FastNet) and cfg.whiten_images:
             self.init_whitening()
-        if isinstance(model, FastNet) and epoch == cfg.whiten_bias_epochs:
-            self.opt.set_lr_scale("whiten_bias", 0.0)  # frozen from here: no step, no decay
+        if isinstance(model, FastNet) and epoch >= cfg.whiten_bias_epochs and not self.whiten_bias_frozen:
+            self.freeze_whiten_bias()  # at that epoch, or at a resume past it
         if epoch == 0 and cfg.lookahead_steps:  # after the data init: the slow copy starts from it
             self.lookahead = self._new_lookahead()
+
+    def freeze_whiten_bias(self) -> None:
+        self.opt.set_lr_scale("whiten_bias", 0.0)  # frozen from here: no step, no decay
+        if self.stops_backward_at_whitening:
+            self.model.whiten.bias.requires_grad_(False)
+            if self.step is not None:
+                self.step.select(self.WHITEN_BIAS_FROZEN)
+        self.whiten_bias_frozen = True
 
     def after_step(self) -> None:
         if self.lookahead is not None:

@@ -8,7 +8,7 @@
 # failed.
 #
 #   bash scripts/gpu_visit.sh check                    # (a) versions, CUDA tests, kernels at the presets' shapes
-#   bash scripts/gpu_visit.sh engines                  # (b) ~1 epoch per engine combination + 1-rank NCCL
+#   bash scripts/gpu_visit.sh engines                  # (b) 4 short epochs per engine combination + 1-rank NCCL
 #   bash scripts/gpu_visit.sh bench                    # (c) step (fast, resnet9), augmentation and loader benchmarks
 #   bash scripts/gpu_visit.sh kernels                  # (c') the fused bn/act/pool kernel vs eager and torch.compile
 #   bash scripts/gpu_visit.sh accuracy PRESET [SEED]   # (d) runs of PRESET from SEED until the stage budget
@@ -120,16 +120,17 @@ check)
   ;;
 engines)
   ensure_data
-  for kernels in triton torch; do
+  # 4 epochs: `fast` freezes its whitening bias after 3, and the step then replays its second graph
+  for kernels in auto triton torch; do
     for graphs in on off; do
-      train "k-$kernels-g-$graphs" 150 --subset 10000 --epochs 2 --kernels "$kernels" --cuda-graphs "$graphs" --loader torch
+      train "k-$kernels-g-$graphs" 150 --subset 10000 --epochs 4 --kernels "$kernels" --cuda-graphs "$graphs" --loader torch
     done
   done
   # torchrun through $py: a bare torchrun on PATH may belong to another Python than the other steps
   step nccl-1rank 150 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 -m fastcifar.train --data "$data" \
-    --out-dir "$work/runs/nccl-1rank" --subset 10000 --epochs 2 --comm bucketed --cuda-graphs on --loader torch
+    --out-dir "$work/runs/nccl-1rank" --subset 10000 --epochs 4 --comm bucketed --cuda-graphs on --loader torch
   if dali_ok; then
-    train "dali-g-on" 150 --subset 10000 --epochs 2 --kernels triton --cuda-graphs on --loader dali
+    train "dali-g-on" 150 --subset 10000 --epochs 4 --kernels triton --cuda-graphs on --loader dali
   fi
   step engine-checks 60 "$py" scripts/gpu_visit_report.py engines "$work/runs" --out "$work/figures.md"
   ;;
@@ -186,7 +187,7 @@ dali)
   step dali-version 60 "$py" -c "import nvidia.dali as d; print('dali', d.__version__)"
   step dali-tests 200 "$py" -m pytest -q tests/test_dali_loader.py -p no:cacheprovider
   for graphs in on off; do
-    train "dali-g-$graphs" 120 --subset 10000 --epochs 2 --kernels triton --cuda-graphs "$graphs" --loader dali
+    train "dali-g-$graphs" 120 --subset 10000 --epochs 4 --kernels triton --cuda-graphs "$graphs" --loader dali
   done
   [ -f "$data" ] && step bench-loader 120 "$py" bench/bench_loader.py --device cuda --data "$data" --loaders dali torch
   step engine-checks 60 "$py" scripts/gpu_visit_report.py engines "$work/runs" --out "$work/figures.md"

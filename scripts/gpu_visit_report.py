@@ -53,7 +53,7 @@ def engines(root: Path, tol: float) -> tuple[list[str], list[str]]:
                      f"{r['train_time']:.2f} | {'yes' if fell else 'NO'} |")
         if not fell:
             problems.append(f"{name}: train loss did not fall over its epochs: {losses}")
-    for kernels in ("triton", "torch"):
+    for kernels in ("auto", "triton", "torch"):
         on, off = final.get(f"k-{kernels}-g-on"), final.get(f"k-{kernels}-g-off")
         if on is None or off is None:
             continue

@@ -61,7 +61,8 @@ def test_stage_dry_run_fits_the_machines_limits(tmp_path, args):
 def test_engines_stage_covers_every_combination(tmp_path):
     proc, out = visit(tmp_path, "engines")
     table = (out / "engines-table.md").read_text()
-    for name in ("k-triton-g-on", "k-triton-g-off", "k-torch-g-on", "k-torch-g-off", "nccl-1rank", "engine-checks"):
+    for name in ("k-auto-g-on", "k-auto-g-off", "k-triton-g-on", "k-triton-g-off", "k-torch-g-on", "k-torch-g-off",
+                 "nccl-1rank", "engine-checks"):
         assert f"| {name} |" in table, table
     assert "--nproc_per_node 1" in proc.stdout and "--comm bucketed --cuda-graphs on" in proc.stdout
     # torchrun of $PYTHON's own torch, as every other step runs $PYTHON

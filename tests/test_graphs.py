@@ -104,6 +104,44 @@ def test_eager_train_step_accumulates_metrics():
     assert len(set(calls)) == 1, "the step must always read the static buffer"
 
 
+class FakeGraph:
+    """Stands in for a captured CUDA graph on the CPU: counts its replays."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def test_train_step_replays_the_selected_variant(monkeypatch):
+    """Each captured variant is its own graph; the step replays the default until ``select``, the
+    selected one after, and refuses a variant nobody captured (capturing on the clock would be
+    the alternative). Eagerly, ``select`` records the name and the body runs."""
+    import fastcifar.graphs as graphs
+    made = []
+    monkeypatch.setattr(graphs, "capture", lambda body, iters, stream=None: made.append(FakeGraph()) or made[-1])
+    calls = []
+    step = TrainStep(lambda x, y: calls.append(1) or (torch.zeros(()), torch.zeros((), dtype=torch.int64)),
+                     StaticBatch(2, torch.float32, CPU), capture=True)
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
+    step.warm_up_and_capture(2)
+    step.warm_up_and_capture(2, "frozen")
+    assert step.graph is made[0] and step.variant == TrainStep.DEFAULT
+    step(x, y)
+    step.select("frozen")
+    step(x, y)
+    step(x, y)
+    assert [g.replays for g in made] == [1, 2] and not calls
+    with pytest.raises(RuntimeError, match="no captured training step 'other'"):
+        step.select("other")
+    eager = TrainStep(lambda x, y: calls.append(1) or (torch.zeros(()), torch.zeros((), dtype=torch.int64)),
+                      StaticBatch(2, torch.float32, CPU), capture=False)
+    eager.select("anything")
+    eager(x, y)
+    assert eager.variant == "anything" and eager.graph is None and len(calls) == 1
+
+
 def test_eval_step_with_padded_last_batch_equals_direct_evaluation():
     model = tiny_model().eval()
     x, y = torch.randn(11, 3, 32, 32), torch.randint(0, 10, (11,))

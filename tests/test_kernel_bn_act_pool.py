@@ -331,7 +331,10 @@ def _compare_own_stats(shape, dtype, act, pool, seed=0, tol=None):
     got = _run(bn_act_pool, x, weight, bias, rm, rv, dy, True, act, pool)
     if pool == "after" and x.is_cuda:  # fused multiply-add may break near-ties the other way (near_tie_windows)
         with torch.no_grad():
-            ties = near_tie_windows(bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act, None, eps=eps))
+            a = bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act, None, eps=eps)
+            scale = (weight * rstd).view(1, -1, 1, 1)  # the reference's pre-activation, for the ReLU's kink
+            pre = (x.float() * scale + (bias - mean * weight * rstd).view(1, -1, 1, 1)).to(x.dtype)
+            ties = near_tie_windows(a, pre if act == "relu" else None)
         assert float(ties.float().mean()) < 1e-2, f"{float(ties.float().mean()):.2%} of dx exempt as near-ties [{where}]"
         got["dx"], ref["dx"] = got["dx"][~ties], ref["dx"][~ties]
     for k in ("y", "dx", "dweight", "dbias"):
@@ -361,21 +364,35 @@ def test_reference_with_stats_is_batchnorm_when_given_the_batchs_statistics(eps)
         assert_close(got[k], ref[k], 1e-5, f"{k} (straight-through reference, eps={eps})")
 
 
-def test_near_tie_windows_marks_only_windows_whose_top_two_are_a_step_apart():
-    """The exemption the CUDA comparison grants: whole windows with a tie or a one-ulp near-tie,
-    never a window with a clear winner, never the row/column the pool drops."""
+def test_near_tie_windows_marks_only_windows_whose_top_two_are_two_steps_apart():
+    """The exemption the CUDA comparison grants: whole windows with a tie or a near-tie of up to two
+    ulps, never a window with a clear winner or a three-ulp gap, never the row/column the pool drops."""
     one = 1.0
     ulp = torch.finfo(torch.float16).eps  # at 1.0
     a = torch.tensor([[one, one, 0.2, 0.9, 0.0],  # window 0: tie; window 1: clear winner
                       [0.5, 0.1, 0.3, 0.1, 0.0],
-                      [one + ulp, 0.0, 3.0, 3.0 - 4 * ulp, 0.0],  # window 2: one ulp apart; window 3: two ulps (2^-9) apart
-                      [one, 0.3, 0.1, 0.2, 0.0],
+                      [one + ulp, 0.0, 3.0, 3.0 - 6 * ulp, 0.0],  # window 2: two ulps at 1.0 apart; window 3: three at 3.0 (2^-9 each)
+                      [one - ulp, 0.3, 0.1, 0.2, 0.0],
                       [9.0, 9.0, 9.0, 9.0, 9.0]], dtype=torch.float16).view(1, 1, 5, 5)
     mask = near_tie_windows(a)[0, 0]
     assert mask[:2, :2].all() and not mask[:2, 2:4].any()
     assert mask[2:4, :2].all() and not mask[2:4, 2:4].any()
     assert not mask[4].any() and not mask[:, 4].any()  # dropped by the 2x2 pool, ties or not
     assert not near_tie_windows(torch.zeros(1, 1, 2, 2, dtype=torch.float16)).any()  # ReLU zeros: dx 0 anyway
+
+
+def test_near_tie_windows_marks_a_relu_winner_at_its_kink():
+    """With the ReLU's input given: a window whose largest input is within fp16's smallest normal
+    (6.1e-5) of 0 is marked, whether it came out a tiny positive winner or all zeros; a window
+    whose largest input is clearly negative (all zeros, gradient 0 either way) or clearly positive
+    is not."""
+    tiny = torch.finfo(torch.float16).tiny
+    pre = torch.tensor([[tiny / 2, -0.5, -tiny, -0.3, -0.01, -0.5, 0.7, -0.2],
+                        [-0.1, -0.2, -0.4, -0.9, -0.02, -0.5, 0.1, 0.3]], dtype=torch.float16).view(1, 1, 2, 8)
+    mask = near_tie_windows(torch.relu(pre), pre)[0, 0]
+    assert mask[:, 0:2].all() and mask[:, 2:4].all()  # a tiny positive winner; all zeros from -tiny
+    assert not mask[:, 4:6].any() and not mask[:, 6:8].any()  # -0.01: clearly off; 0.7: clearly on
+    assert not near_tie_windows(torch.relu(pre))[0, 0, :, 0:4].any()  # without ``pre``: not marked
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu"])

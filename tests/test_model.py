@@ -91,6 +91,35 @@ def test_kernel_paths_resolve_and_build(monkeypatch):
         resolve_kernels("cuda", torch.device("cpu"))
 
 
+@pytest.mark.parametrize("arch", ["resnet9", "fastnet"])
+def test_auto_on_cuda_fuses_exactly_the_blocks_that_pool(arch):
+    """``--kernels auto`` on CUDA: the Triton block where a block pools, the plain-torch one
+    (cuDNN's batchnorm) where it does not; ``triton`` fuses all, and the state is the same either
+    way (checkpoints move between them). Under --compile every block is fused, as the custom op."""
+    from fastcifar import compiled
+    from fastcifar.config import from_preset
+    from fastcifar.kernels.bn_act_pool import TritonNormActPool
+    from fastcifar.model import PooledFused, kernels_label, norm_blocks
+    from fastcifar.recipe import make_network
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cfg = from_preset("fast" if arch == "fastnet" else "resnet9", widths=(8, 16, 16) if arch == "fastnet" else (4, 8, 8, 8))
+    mixed = make_network(cfg, norm_blocks("auto", cuda))
+    norms = [m for m in mixed.modules() if isinstance(m, NormActPool)]
+    assert {m.pool for m in norms} >= {None} and len({m.pool for m in norms}) == 2
+    assert all(isinstance(m, TritonNormActPool) == (m.pool is not None) for m in norms)
+    assert all(type(m) is NormActPool for m in norms if m.pool is None)
+    assert norm_blocks("triton", cuda) is TritonNormActPool and norm_blocks("auto", cpu) is NormActPool
+    assert set(mixed.state_dict()) == set(make_network(cfg, NormActPool).state_dict())
+    assert (kernels_label("auto", cuda), kernels_label("triton", cuda), kernels_label("auto", cpu)) == \
+        ("triton+torch", "triton", "torch")
+    compiled_mix = compiled.norm_for(PooledFused(TritonNormActPool), True)
+    assert isinstance(compiled_mix, PooledFused) and compiled_mix.fused.__name__ == "CompiledNormActPool"
+    assert compiled.norm_for(norm_blocks("auto", cuda), False).fused is TritonNormActPool
+    # --compile: every block fused (inductor's plain batchnorm diverged on `fast`, H100)
+    assert norm_blocks("auto", cuda, compile=True) is TritonNormActPool
+    assert kernels_label("auto", cuda, compile=True) == "triton"
+
+
 def test_as_plain_torch_turns_kernel_blocks_back_into_the_torch_reference():
     """A run trained with Triton blocks must evaluate on CPU tensors where Triton is compiled (a GPU
     machine): the blocks become the plain NormActPool, in place, with the same state and output."""

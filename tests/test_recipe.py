@@ -146,6 +146,61 @@ def test_whitening_bias_trains_then_freezes():
     assert opt.lr_scales["whiten_bias"].item() == 1.0
 
 
+class RecordingStep:
+    def __init__(self):
+        self.selected = []
+
+    def select(self, variant):
+        self.selected.append(variant)
+
+
+@pytest.mark.parametrize("world_size, comm, stops", [(1, "ddp", True), (2, "bucketed", True), (2, "ddp", False)])
+def test_bias_freeze_ends_backward_at_the_whitening_conv_except_under_ddp(world_size, comm, stops):
+    """At the freeze the bias stops requiring grad and the step switches to its captured variant,
+    once (a later epoch start, as after a resume, changes nothing); DDP keeps the gradient, since
+    it fails a step where a parameter gets none."""
+    cfg = tiny_fast(whiten_bias_epochs=2, whiten_images=0, lookahead_steps=0, comm=comm)
+    model = make_network(cfg, NormActPool)
+    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)
+    ctx = DistContext(0, world_size, 0, torch.device("cpu"), "gloo" if world_size > 1 else None)
+    step = RecordingStep()
+    hooks = RunHooks(cfg, model, opt, None, ctx, step)
+    hooks.epoch_start(1)
+    assert model.whiten.bias.requires_grad and not step.selected
+    hooks.epoch_start(2)
+    hooks.epoch_start(3)
+    assert opt.lr_scales["whiten_bias"].item() == 0.0
+    assert model.whiten.bias.requires_grad is not stops
+    assert step.selected == ([RunHooks.WHITEN_BIAS_FROZEN] if stops else [])
+
+
+def test_resume_past_the_freeze_freezes_at_its_first_epoch():
+    cfg = tiny_fast(whiten_bias_epochs=2, whiten_images=0, lookahead_steps=0)
+    model = make_network(cfg, NormActPool)
+    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)
+    step = RecordingStep()
+    RunHooks(cfg, model, opt, None, CPU, step).epoch_start(5)
+    assert not model.whiten.bias.requires_grad and step.selected == [RunHooks.WHITEN_BIAS_FROZEN]
+
+
+def test_ending_backward_at_the_whitening_conv_changes_no_weight(learnable_data, tmp_path, monkeypatch):
+    """The run with the whitening conv out of backward after the freeze ends with the same bits in
+    every weight and statistic as one that still backpropagates into it (the frozen bias took no
+    step either way); momentum of the frozen bias aside, nothing else may differ."""
+    import fastcifar
+    cfg = from_preset("fast", data=str(learnable_data), device="cpu", widths=(8, 16, 16), batch_size=100,
+                      epochs=3, warmup_epochs=1, warmup_steps=1, eval_batch_size=200, whiten_images=200,
+                      whiten_bias_epochs=1, quiet=True, out_dir=str(tmp_path / "runs"))
+    (cut,) = fastcifar.train(cfg)
+    assert not cut.model.whiten.bias.requires_grad, "the freeze did not take the bias out of backward"
+    monkeypatch.setattr(RunHooks, "stops_backward_at_whitening", property(lambda self: False))
+    (full,) = fastcifar.train(cfg)
+    assert full.model.whiten.bias.requires_grad
+    for (name, a), b in zip(full.model.state_dict().items(), cut.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert cut.test_acc == full.test_acc
+
+
 def test_whitening_init_runs_at_epoch_zero_from_the_loader():
     cfg = tiny_fast(whiten_images=30, lookahead_steps=0)
     model = make_network(cfg, NormActPool)
