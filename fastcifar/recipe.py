@@ -144,10 +144,12 @@ class RunHooks:
         input-gradient conv (27 GFLOP per 1024 images in `fast`), the GELU's backward and the bias's
         reduction drop out of the step (332 of `fast`'s 476 steps); the weights come out the same,
         as the frozen bias took no step anyway. Not under DDP, which fails a step in which a
-        parameter gets no gradient; the bucketed all-reduce sends that bucket in ``finish``."""
+        parameter gets no gradient (the bucketed all-reduce sends that bucket in ``finish``), nor
+        with ``--sparse-mask``, whose masks cover the parameters that trained at the start: a Fisher
+        recompute after the freeze would score one parameter fewer."""
         cfg = self.cfg
         ddp = self.ctx.distributed and cfg.comm == "ddp" and not cfg.local_steps
-        return isinstance(self.model, FastNet) and cfg.whiten_frozen and not ddp
+        return isinstance(self.model, FastNet) and cfg.whiten_frozen and not ddp and cfg.sparse_mask == "none"
 
     def warm_up(self, warmup_iters: int) -> None:
         """Off the clock, before the caller restores the model's state, the first-time work of what
@@ -191,6 +193,12 @@ class RunHooks:
     def after_step(self) -> None:
         if self.lookahead is not None:
             self.lookahead.step()
+
+    def finish(self) -> None:
+        """At the run's end: the whitening bias requires grad again, as it does in the model file
+        (a caller fine-tuning ``run.model`` or building optimizer groups over it sees it as saved)."""
+        if isinstance(self.model, FastNet):
+            self.model.whiten.bias.requires_grad_(True)
 
     def epoch_end(self, epoch: int) -> None:
         if self.lookahead is None:

@@ -329,6 +329,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, progr
     watchdog.close()
     compress.log_stats(buckets.compression if buckets is not None else None, log, run)
     sparse_run.finish()
+    hooks.finish()  # the whitening bias trainable again, as in the model file
     if buckets is not None:  # result.model outlives the run: drop its hooks, buckets and residuals
         buckets.remove()
     model.zero_grad(set_to_none=True)

@@ -174,6 +174,31 @@ def test_bias_freeze_ends_backward_at_the_whitening_conv_except_under_ddp(world_
     assert step.selected == ([RunHooks.WHITEN_BIAS_FROZEN] if stops else [])
 
 
+def test_warm_up_captures_the_frozen_step_with_the_bias_out_of_backward(monkeypatch):
+    """The variant is captured with the bias not requiring grad (else its graph would hold the
+    full backward and the freeze would save nothing), the default graph stays selected, and the
+    bias requires grad again after the warm-up; with --sparse-mask no variant is captured."""
+    import fastcifar.graphs as graphs
+    from fastcifar.graphs import StaticBatch, TrainStep
+    cfg = tiny_fast(whiten_bias_epochs=2, whiten_images=16, lookahead_steps=0)
+    model = make_network(cfg, NormActPool)
+    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)
+    seen = []
+    monkeypatch.setattr(graphs, "capture", lambda body, iters, stream=None: seen.append(model.whiten.bias.requires_grad)
+                        or object())
+    step = TrainStep(lambda x, y: None, StaticBatch(2, torch.float32, torch.device("cpu")), capture=True)
+    step.warm_up_and_capture(2)
+    default = step.graph
+    hooks = RunHooks(cfg, model, opt, None, CPU, step)
+    hooks.warm_up(2)
+    assert seen == [True, False] and set(step.graphs) == {TrainStep.DEFAULT, RunHooks.WHITEN_BIAS_FROZEN}
+    assert model.whiten.bias.requires_grad and step.graph is default
+    sparse = RunHooks(dataclasses.replace(cfg, sparse_mask="fisher"), model, opt, None, CPU, step)
+    assert not sparse.stops_backward_at_whitening
+    sparse.freeze_whiten_bias()
+    assert model.whiten.bias.requires_grad and step.variant == TrainStep.DEFAULT
+
+
 def test_resume_past_the_freeze_freezes_at_its_first_epoch():
     cfg = tiny_fast(whiten_bias_epochs=2, whiten_images=0, lookahead_steps=0)
     model = make_network(cfg, NormActPool)
@@ -191,11 +216,16 @@ def test_ending_backward_at_the_whitening_conv_changes_no_weight(learnable_data,
     cfg = from_preset("fast", data=str(learnable_data), device="cpu", widths=(8, 16, 16), batch_size=100,
                       epochs=3, warmup_epochs=1, warmup_steps=1, eval_batch_size=200, whiten_images=200,
                       whiten_bias_epochs=1, quiet=True, out_dir=str(tmp_path / "runs"))
+    frozen = []
+    freeze = RunHooks.freeze_whiten_bias
+    monkeypatch.setattr(RunHooks, "freeze_whiten_bias",
+                        lambda self: freeze(self) or frozen.append(self.model.whiten.bias.requires_grad))
     (cut,) = fastcifar.train(cfg)
-    assert not cut.model.whiten.bias.requires_grad, "the freeze did not take the bias out of backward"
+    assert frozen == [False], "the freeze did not take the bias out of backward"
+    assert cut.model.whiten.bias.requires_grad, "run.model must come back as the model file loads: bias trainable"
     monkeypatch.setattr(RunHooks, "stops_backward_at_whitening", property(lambda self: False))
     (full,) = fastcifar.train(cfg)
-    assert full.model.whiten.bias.requires_grad
+    assert frozen == [False, True]
     for (name, a), b in zip(full.model.state_dict().items(), cut.model.state_dict().values()):
         assert torch.equal(a, b), name
     assert cut.test_acc == full.test_acc
