@@ -128,10 +128,7 @@ def _custom_op_norm():
 
 def norm_for(norm, enabled: bool):
     """The norm block to build with: under ``--compile`` the Triton one becomes its custom-op form
-    (same constructor and state), also inside a ``PooledFused`` mix; anything else is returned as is."""
-    from .model import PooledFused
-    if enabled and isinstance(norm, PooledFused):
-        return PooledFused(norm_for(norm.fused, enabled))
+    (same constructor and state); anything else is returned as is."""
     if not enabled or getattr(norm, "__name__", "") != "TritonNormActPool":
         return norm
     return _custom_op_norm()

@@ -20,10 +20,10 @@ KERNELS = CHOICES["kernels"]  # --kernels' choices: one list, in fastcifar.confi
 
 
 def resolve_kernels(requested: str, device: torch.device) -> str:
-    """``auto`` is Triton on CUDA (``norm_blocks``: where a block pools) and the torch reference on
-    the CPU. Triton on the CPU runs in
-    Triton's interpreter (correct, slow: for tests; see ``kernel_module``), which exists only in a
-    process without a GPU: Triton chooses interpreter or compiler once per process, at import."""
+    """``auto`` is Triton on CUDA (``kernels_label``: where a block pools) and the torch reference on
+    the CPU. Triton on the CPU runs in Triton's interpreter (correct, slow: for tests; see
+    ``kernel_module``), which exists only in a process without a GPU: Triton chooses interpreter or
+    compiler once per process, at import."""
     if requested not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, not {requested!r}")
     kernels = ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
@@ -66,27 +66,21 @@ class PooledFused:
         return (self.fused if pool is not None else NormActPool)(num_features, act=act, pool=pool, **kwargs)
 
 
-def _mixes(requested: str, device: torch.device, compile: bool) -> bool:
-    """Whether ``--kernels requested`` builds the ``PooledFused`` mix. Not under ``--compile``:
-    there inductor's own batchnorm of the plain block made `fast` diverge (loss NaN in epoch 1, with
-    ``--kernels torch`` too; H100, torch 2.11, 2026-11-22; cause not yet found), while the network
-    of fused custom ops trained as it does uncompiled."""
-    return requested == "auto" and not compile and resolve_kernels(requested, device) == "triton"
+def kernels_label(requested: str, device: torch.device, compile: bool = False) -> str:
+    """What ``--kernels requested`` runs (``resolve_kernels``' answer), for the network and the logs:
+    ``triton+torch`` is the ``PooledFused`` mix, ``auto``'s choice on CUDA. Not under ``--compile``,
+    where ``auto`` fuses every block: inductor's own batchnorm of the plain block made `fast` diverge
+    there (loss NaN in epoch 1, with ``--kernels torch`` too; H100, torch 2.11, 2026-11-22; cause not
+    yet found), while the network of fused custom ops trained as it does uncompiled."""
+    kernels = resolve_kernels(requested, device)
+    return "triton+torch" if kernels == "triton" and requested == "auto" and not compile else kernels
 
 
 def norm_blocks(requested: str, device: torch.device, compile: bool = False) -> NormFactory:
     """The NormActPool factory a network is built with for ``--kernels requested``: ``triton`` fuses
-    every block, ``torch`` none, and ``auto`` on CUDA fuses the blocks that pool (``PooledFused``),
-    or every block under ``--compile`` (``_mixes``)."""
-    kernels = resolve_kernels(requested, device)
-    if _mixes(requested, device, compile):
-        return PooledFused(norm_factory(kernels))
-    return norm_factory(kernels)
-
-
-def kernels_label(requested: str, device: torch.device, compile: bool = False) -> str:
-    """What ``--kernels requested`` runs, for logs and summaries: ``triton+torch`` for the mix."""
-    return "triton+torch" if _mixes(requested, device, compile) else resolve_kernels(requested, device)
+    every block, ``torch`` none, ``triton+torch`` the blocks that pool (``kernels_label``)."""
+    kernels = kernels_label(requested, device, compile)
+    return PooledFused(norm_factory("triton")) if kernels == "triton+torch" else norm_factory(kernels)
 
 
 class ConvBlock(nn.Module):

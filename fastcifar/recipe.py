@@ -127,7 +127,8 @@ def lr_schedule(cfg, steps: int, peak: float) -> list[float]:
 
 
 class RunHooks:
-    """Per-run recipe steps the training loop calls: ``warm_up`` (off the clock), ``epoch_start`` (on the clock), ``after_step`` and ``epoch_end`` (before the clock stops).
+    """Per-run recipe steps the training loop calls: ``warm_up`` (off the clock), ``epoch_start`` (on
+    the clock), ``after_step`` and ``epoch_end`` (before the clock stops), ``finish`` (after the run).
     ``step``: the run's ``graphs.TrainStep``, told when the bias freeze changes what backward does."""
 
     WHITEN_BIAS_FROZEN = "whiten-bias-frozen"  # the TrainStep variant after the freeze

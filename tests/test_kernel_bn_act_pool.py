@@ -371,7 +371,8 @@ def test_near_tie_windows_marks_only_windows_whose_top_two_are_two_steps_apart()
     ulp = torch.finfo(torch.float16).eps  # at 1.0
     a = torch.tensor([[one, one, 0.2, 0.9, 0.0],  # window 0: tie; window 1: clear winner
                       [0.5, 0.1, 0.3, 0.1, 0.0],
-                      [one + ulp, 0.0, 3.0, 3.0 - 6 * ulp, 0.0],  # window 2: two ulps at 1.0 apart; window 3: three at 3.0 (2^-9 each)
+                      # window 2: two ulps at 1.0 apart; window 3: three ulps at 3.0 (2^-9 each) apart
+                      [one + ulp, 0.0, 3.0, 3.0 - 6 * ulp, 0.0],
                       [one - ulp, 0.3, 0.1, 0.2, 0.0],
                       [9.0, 9.0, 9.0, 9.0, 9.0]], dtype=torch.float16).view(1, 1, 5, 5)
     mask = near_tie_windows(a)[0, 0]
