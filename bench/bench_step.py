@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from fastcifar.config import Config, from_preset  # noqa: E402
 from fastcifar.graphs import DeviceSchedule, StaticBatch, TrainStep  # noqa: E402
-from fastcifar.recipe import make_optimizer  # noqa: E402
+from fastcifar.recipe import make_optimizer, peak_rate  # noqa: E402
 from fastcifar.train import build_model, make_step  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def build_step(cfg: Config, batch: int, graphs: bool, device, dtype):
     torch.manual_seed(0)
     model = build_model(cfg, device, dtype)
     # the trainer's optimizer for cfg (its parameter groups; Muon + SGD for fast-muon), at a constant peak rate
-    peak = cfg.lr * cfg.batch_size / 512 / batch
+    peak = peak_rate(cfg, batch)
     opt = make_optimizer(model, cfg, batch, peak)
     schedule = DeviceSchedule([peak] * 10_000, device)
     step = TrainStep(make_step(model, opt, schedule, cfg.label_smoothing), StaticBatch(batch, dtype, device),

@@ -2,6 +2,7 @@
 
 - ``make_network``: the ``--arch`` network from a ``norm`` block factory (``NormActPool`` or the
   Triton drop-in), batchnorm momentum and frozen scales, a frozen whitening conv;
+- ``peak_rate``: the schedule's top rate for a rank's summed loss (the trainer's and bench_step's);
 - ``param_groups``: the optimizer's groups: weights; batchnorm shifts at ``bias_lr_scale`` x the
   rate (and weight decay / that, so the decay per step stays); the head at ``head_lr_scale``; the
   whitening bias, which ``RunHooks`` freezes after ``whiten_bias_epochs`` by setting its group's
@@ -57,6 +58,12 @@ def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
         for m in norm_layers(model):
             m.weight.requires_grad_(False)  # stays at its init, 1: the next conv's scale absorbs it
     return model
+
+
+def peak_rate(cfg, per_rank_batch: int) -> float:
+    """The schedule's top rate per image of a rank's summed loss: ``lr`` scaled to the global batch
+    (config.py's rule, ``lr * batch_size / 512``), divided by the per-rank batch the loss sums over."""
+    return cfg.lr * cfg.batch_size / 512 / per_rank_batch
 
 
 def param_groups(model: nn.Module, cfg, per_rank_batch: int) -> list[dict]:

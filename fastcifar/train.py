@@ -235,7 +235,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, progr
     net = compiled.wrap(net, cfg.compile)  # --compile: torch.compile, compiled in the warm-up steps below
     # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
     per_rank_batch, steps = train_loader.batch_size, len(train_loader)
-    peak = cfg.lr * cfg.batch_size / 512 / per_rank_batch
+    peak = recipe.peak_rate(cfg, per_rank_batch)
     schedule = DeviceSchedule(recipe.lr_schedule(cfg, steps, peak), ctx.device)
     lengths = recipe.epoch_lengths(cfg.epochs, steps)  # a fractional --epochs cuts the last one short
     opt = recipe.make_optimizer(model, cfg, per_rank_batch, peak, ctx)  # NesterovSGD, or Muon + SGD
