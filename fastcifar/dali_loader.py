@@ -32,7 +32,7 @@ import torch
 
 from .config import CHOICES, ConfigError
 from .augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, normalize, pad_images
-from .loader import PARAM_FIELDS, epoch_plan
+from .loader import PARAM_FIELDS, EpochAhead, epoch_plan, to_device
 
 LOADERS = CHOICES["loader"]
 # What "auto" picks per device type: the faster in bench/bench_loader.py. CPU, measured (2 shared
@@ -224,6 +224,7 @@ class DaliLoader:
         self.labels = labels[shard_t].to(self.device)
         self._host_images = self.images.numpy() if self.device.type == "cpu" else None
         self.run_seed, self.epoch = seed, 0
+        self._ahead = EpochAhead(self._epoch_plan)
         self._static: tuple[torch.Tensor, torch.Tensor] | None = None
         self._feed_stream = torch.cuda.Stream(self.device) if device_id is not None else None
 
@@ -266,6 +267,10 @@ class DaliLoader:
         """Select the shuffle and augmentation draws of ``epoch`` of the run seeded ``run_seed``."""
         self.run_seed, self.epoch = run_seed, epoch
 
+    def prepare(self, run_seed: int, epoch: int) -> None:
+        """Draw that epoch's plan now and start its copy to the device (``loader.EpochAhead``)."""
+        self._ahead.prepare(run_seed, epoch)
+
     def bind_static(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         """Copy every batch into these buffers (the CUDA-graph step's inputs) and yield them.
 
@@ -282,14 +287,14 @@ class DaliLoader:
                              f"not {tuple(labels.shape)} {labels.dtype} on {labels.device}")
         self._static = (images, labels)
 
-    def _epoch_plan(self) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
-        """This epoch's batch order (indices into the shard) and DALI's argument inputs, all batches."""
+    def _epoch_plan(self, run_seed: int, epoch: int) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """An epoch's batch order (indices into the shard) and DALI's argument inputs, all batches."""
         n = self.steps * self.batch_size
-        order, p = epoch_plan(self.run_seed, self.rank, self.epoch, len(self.labels), n, pad=self.pad,
+        order, p = epoch_plan(run_seed, self.rank, epoch, len(self.labels), n, pad=self.pad,
                               cutout=self.cutout, flip=self.flip, flip_mode=self.flip_mode,
                               shard_index=self.shard_index, size=self.size)  # the torch loader's too
         if self.params_fn is not None:
-            batches = [self._checked(self.params_fn(self.epoch, s, self.batch_size)) for s in range(self.steps)]
+            batches = [self._checked(self.params_fn(epoch, s, self.batch_size)) for s in range(self.steps)]
             p = AugmentParams(*(torch.cat([getattr(b, f) for b in batches]) for f in PARAM_FIELDS))
         args = {}
         if self.pad:
@@ -299,7 +304,7 @@ class DaliLoader:
             args["mirror"] = p.flip.int().numpy()
         if self.cutout:
             args["cut_anchor"] = torch.stack([p.cy, p.cx], 1).float().numpy()
-        return order.to(self.device), args
+        return to_device(order, self.device), args
 
     def _checked(self, p: AugmentParams) -> AugmentParams:
         """Pinned parameters as CPU int64, each inside its range (DALI would clamp, not fail)."""
@@ -325,7 +330,7 @@ class DaliLoader:
         cuda = self._feed_stream is not None
         stream = torch.cuda.current_stream(self.device) if cuda else None
         self._flight.drain(stream)  # a pass abandoned mid-epoch (warm-up) left batches in flight
-        order, args = self._epoch_plan()
+        order, args = self._ahead.take(self.run_seed, self.epoch)
         labels = self.labels[order]
         b = self.batch_size
         if cuda:

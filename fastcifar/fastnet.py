@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .model import ConvBlock, NormActPool, NormFactory, activation
+from .model import ConvBlock, NormActPool, NormFactory, activation, global_max_pool
 
 
 class FastBlock(nn.Module):
@@ -63,7 +63,7 @@ class FastNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = activation(self.whiten(x), self.act)
         x = self.blocks(x)
-        x = torch.amax(x, dim=(2, 3))  # global max pool over the last 3x3 map
+        x = global_max_pool(x)  # over the last 3x3 map
         return self.fc(x) * self.logit_scale
 
 

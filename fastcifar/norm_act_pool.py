@@ -27,6 +27,19 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
 
 
+def global_max_pool(x: torch.Tensor) -> torch.Tensor:
+    """Each channel's largest value, (N, C, H, W) -> (N, C), through ``max``'s index, not ``amax``.
+
+    Why: ``amax``'s backward finds the maximum again, as the elements equal to the forward's output.
+    Under ``torch.compile`` the backward recomputes the activation before it in fp32 where the
+    forward rounded it to fp16, nothing equals the maximum, and the gradient is 0 / 0: every conv
+    of `fast` had NaN gradients after the first step (inductor, torch 2.11 on an H100 and 2.14 on
+    the CPU, 2026-11-22). ``max`` saves the index in the forward, and the backward cannot miss it.
+    On a tie it sends the gradient to one element where ``amax`` splits it: both are subgradients.
+    Channels-last keeps H and W adjacent (strides W*C and C), so ``flatten`` is a view."""
+    return x.flatten(2).max(dim=2).values
+
+
 class NormActPool(nn.BatchNorm2d):
     """BatchNorm2d, then an activation, with an optional 2x2 max-pool before or after.
 

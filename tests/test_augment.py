@@ -101,6 +101,35 @@ def test_loader_epochs_shapes_and_shuffles():
     assert not torch.equal(first[0][0], other[0][0]), "a new epoch must reshuffle"
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])  # on CUDA the plan comes through pinned memory
+def test_an_epoch_prepared_ahead_is_the_epoch_drawn_at_its_start(device):
+    """``prepare(seed, e)`` (called by the trainer while the GPU finishes the epoch before) draws
+    exactly what iterating epoch e would draw; a prepared plan serves its own epoch once, and
+    another epoch's iteration neither uses nor drops it."""
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
+    make = lambda: TorchLoader(images, np.arange(40) % 10, np.arange(40), 8, 4, pad=4, pad_mode="reflect",  # noqa
+                               cutout=8, flip=True, dtype=torch.float32, device=torch.device(device))
+    drawn_then, ahead = make(), make()
+    drawn_then.set_epoch(5, 2)
+    want = list(drawn_then)
+    made = []
+    ahead._ahead.make = lambda seed, epoch, draw=ahead._ahead.make: made.append((seed, epoch)) or draw(seed, epoch)
+    ahead.prepare(5, 2)
+    ahead.set_epoch(5, 1)
+    list(ahead)  # another epoch: drawn at its start; the prepared one stays
+    ahead.set_epoch(5, 2)
+    got = list(ahead)
+    assert made == [(5, 2), (5, 1)], "epoch 2 was drawn again instead of taken from prepare"
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
+    list(ahead)  # taken once: a second pass draws again
+    assert made == [(5, 2), (5, 1), (5, 2)]
+
+
 def test_loader_with_triton_kernels_equals_the_reference():
     rng = np.random.default_rng(1)
     images = rng.integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)

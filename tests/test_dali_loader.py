@@ -243,6 +243,23 @@ def test_same_seed_same_batches_and_epochs_differ():
 
 
 @needs_dali
+def test_an_epoch_prepared_ahead_feeds_the_same_batches():
+    """The trainer prepares epoch e+1 while epoch e's steps run: DALI then gets the same order and
+    augmentation arguments as when it draws them at the epoch's start."""
+    images = random_images(48, seed=5)
+    a = DaliLoader(images, np.arange(48), None, 16, seed=3, pad=4, cutout=8)
+    b = DaliLoader(images, np.arange(48), None, 16, seed=3, pad=4, cutout=8)
+    a.set_epoch(3, 1)
+    want = [(x.clone(), y.clone()) for x, y in a]
+    b.prepare(3, 1)
+    b.set_epoch(3, 1)
+    assert b._ahead.key == (3, 1)
+    got = [(x.clone(), y.clone()) for x, y in b]
+    assert b._ahead.key is None, "the prepared plan was not the one used"
+    assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(want, got))
+
+
+@needs_dali
 @pytest.mark.parametrize("n,world", [(120, 3), (125, 3), (64, 1)])
 def test_sharding_every_image_once_per_epoch_and_fixed_shards(n, world):
     images, batch = random_images(n, seed=5), 8

@@ -157,3 +157,24 @@ def test_batch_larger_than_the_data(tmp_path):
     proc = run_train(["--data", folder, "--out-dir", tmp_path / "runs", *SHORT, "--batch-size", "100"])
     assert proc.returncode == 2
     assert "larger than the training set" in one_line_error(proc.stderr)
+
+
+def test_each_epoch_after_the_first_was_drawn_while_the_one_before_ran(learnable_data, tmp_path, monkeypatch):
+    """The trainer prepares epoch e+1's draws once epoch e's steps are queued (loader.EpochAhead: on a
+    GPU the host then draws while the device computes), and iterating epoch e+1 takes them."""
+    import fastcifar
+    from fastcifar.loader import EpochAhead
+    taken = []
+    take = EpochAhead.take
+
+    def spy(self, run_seed, epoch):
+        taken.append((run_seed, epoch, self.key == (run_seed, epoch)))
+        return take(self, run_seed, epoch)
+
+    monkeypatch.setattr(EpochAhead, "take", spy)
+    cfg = from_preset("resnet9", data=str(learnable_data), out_dir=str(tmp_path / "runs"), device="cpu",
+                      widths=(8, 16, 32, 64), batch_size=100, epochs=3, warmup_epochs=1, warmup_steps=1,
+                      eval_batch_size=200, seed=4, loader="torch", quiet=True)
+    fastcifar.train(cfg)
+    timed = [t for t in taken if t[1] < 10**6]  # not the warm-up's batch (an epoch index training never uses)
+    assert timed == [(4, 0, False), (4, 1, True), (4, 2, True)]
