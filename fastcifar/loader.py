@@ -45,7 +45,8 @@ def epoch_plan(run_seed: int, rank: int, epoch: int, n_shard: int, n: int, *, pa
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` without making the host wait for the GPU: from pinned memory the copy is
     queued behind the work already on the stream (torch's pinned-memory cache keeps the buffer
-    until the copy has run). From pageable memory the driver stages it synchronously."""
+    until the copy has run). From pageable memory CUDA promises no such thing: the driver stages
+    the data first, and a small copy returned early on the H100 but a large one may wait."""
     if device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)

@@ -125,9 +125,34 @@ def test_an_epoch_prepared_ahead_is_the_epoch_drawn_at_its_start(device):
     ahead.set_epoch(5, 2)
     got = list(ahead)
     assert made == [(5, 2), (5, 1)], "epoch 2 was drawn again instead of taken from prepare"
+    assert len(got) == len(want) == 4
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
     list(ahead)  # taken once: a second pass draws again
     assert made == [(5, 2), (5, 1), (5, 2)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_preparing_an_epoch_does_not_wait_for_the_gpu_and_survives_pinned_reuse():
+    """What ``prepare`` is for: with the GPU busy (a 200M-cycle sleep queued, ~0.1 s) the host
+    returns before the stream is done, and the plan copied later is intact although more plans of
+    the same size went through the pinned-memory cache meanwhile (a buffer handed out again before
+    its copy ran would corrupt it). Not a test of pinning itself: at this size (196 KB) a copy from
+    pageable memory returned early too (H100, driver 580, 2026-11-22)."""
+    images = np.random.default_rng(2).integers(0, 256, (4096, 32, 32, 3), dtype=np.uint8)
+    loader = TorchLoader(images, np.arange(4096) % 10, np.arange(4096), 512, 8, pad=4, pad_mode="reflect",
+                         cutout=8, flip=True, dtype=torch.float16, device=torch.device("cuda"))
+    want_order, want_params = loader._device_plan(5, 2)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    loader.prepare(5, 2)
+    assert not torch.cuda.current_stream().query(), "prepare waited for the GPU's queued work"
+    for epoch in (3, 4, 6):  # the same sizes through the pinned cache while the first copy waits
+        loader._device_plan(5, epoch)
+    order, params = loader._ahead.take(5, 2)
+    torch.cuda.synchronize()
+    assert torch.equal(order, want_order)
+    assert all(torch.equal(getattr(params, f), getattr(want_params, f)) for f in ("dy", "dx", "flip", "cy", "cx"))
 
 
 def test_loader_with_triton_kernels_equals_the_reference():

@@ -1,5 +1,6 @@
 """``--compile``: the Triton kernel as a custom op (fake implementation, autograd), and the
-compiled training step equal to the eager one, on the CPU (Triton's interpreter)."""
+compiled training step equal to the eager one: on the CPU through Triton's interpreter, on a GPU
+machine on CUDA tensors (``DEVICE``)."""
 
 from __future__ import annotations
 
@@ -167,17 +168,18 @@ class _PoolHead(torch.nn.Module):
 
 
 @pytest.mark.slow
-def test_inductor_backward_through_the_global_max_pool_stays_finite():
+@pytest.mark.parametrize("device", sorted({"cpu", DEVICE.type}))  # inductor's C++ code, and its Triton code on a GPU
+def test_inductor_backward_through_the_global_max_pool_stays_finite(device):
     """With ``amax`` as the global pool, inductor's backward recomputed the GELU in fp32 where the
     forward had rounded it to fp16, found no element equal to the maximum and divided 0 by 0: NaN
     gradients in every conv after `fast`'s first compiled step (torch 2.11 CUDA, 2.14 CPU). The
     pool now goes through ``max``'s saved index: the compiled fp16 gradients are finite and match eager."""
     torch.manual_seed(0)
-    eager = _PoolHead().to(memory_format=torch.channels_last).half()
+    eager = _PoolHead().to(device, memory_format=torch.channels_last).half()
     eager.norm.float()  # batchnorm keeps fp32 parameters, as build_model leaves it
     model = copy.deepcopy(eager)
-    x = nhwc(16, 3, 8, 8, seed=3, device=torch.device("cpu")).half()
-    y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(3))
+    x = nhwc(16, 3, 8, 8, seed=3, device=torch.device(device)).half()
+    y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(3)).to(device)
     torch._dynamo.reset()
     for net, m in ((eager, eager), (torch.compile(model, backend="inductor"), model)):
         torch.nn.functional.cross_entropy(net(x).float(), y, reduction="sum").backward()

@@ -256,6 +256,7 @@ def test_an_epoch_prepared_ahead_feeds_the_same_batches():
     assert b._ahead.key == (3, 1)
     got = [(x.clone(), y.clone()) for x, y in b]
     assert b._ahead.key is None, "the prepared plan was not the one used"
+    assert len(got) == len(want) == 3
     assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(want, got))
 
 

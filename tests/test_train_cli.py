@@ -163,7 +163,8 @@ def test_each_epoch_after_the_first_was_drawn_while_the_one_before_ran(learnable
     """The trainer prepares epoch e+1's draws once epoch e's steps are queued (loader.EpochAhead: on a
     GPU the host then draws while the device computes), and iterating epoch e+1 takes them."""
     import fastcifar
-    from fastcifar.loader import EpochAhead
+    import fastcifar.train as fastcifar_train  # the module, not the API function of that name
+    from fastcifar.loader import EpochAhead, TorchLoader
     taken = []
     take = EpochAhead.take
 
@@ -172,9 +173,15 @@ def test_each_epoch_after_the_first_was_drawn_while_the_one_before_ran(learnable
         return take(self, run_seed, epoch)
 
     monkeypatch.setattr(EpochAhead, "take", spy)
+    events = []  # the order of the clock's synchronizes and of the prepares
+    sync, prepare = fastcifar_train.synchronize, TorchLoader.prepare
+    monkeypatch.setattr(fastcifar_train, "synchronize", lambda device: (events.append("sync"), sync(device)))
+    monkeypatch.setattr(TorchLoader, "prepare", lambda self, s, e: (events.append(e), prepare(self, s, e)))
     cfg = from_preset("resnet9", data=str(learnable_data), out_dir=str(tmp_path / "runs"), device="cpu",
                       widths=(8, 16, 32, 64), batch_size=100, epochs=3, warmup_epochs=1, warmup_steps=1,
                       eval_batch_size=200, seed=4, loader="torch", quiet=True)
     fastcifar.train(cfg)
     timed = [t for t in taken if t[1] < 10**6]  # not the warm-up's batch (an epoch index training never uses)
     assert timed == [(4, 0, False), (4, 1, True), (4, 2, True)]
+    # each epoch runs between two synchronizes (its clock): the next one's draws inside it, not after
+    assert events == ["sync", 1, "sync", "sync", 2, "sync", "sync", "sync"]
