@@ -618,6 +618,15 @@ def bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act: str = "re
     (the batch's rstd); give the one that made ``rstd`` (`fast` uses 1e-12)."""
     if pool == "before":
         x = F.max_pool2d(x, 2)
+    out = activation(bn_reference_with_stats(x, weight, bias, mean, rstd, eps), act)
+    if pool == "after":
+        out = F.max_pool2d(out, 2)
+    return out
+
+
+def bn_reference_with_stats(x, weight, bias, mean, rstd, eps: float = 1e-5) -> torch.Tensor:
+    """The batchnorm of ``bn_act_pool_reference_with_stats`` alone: the activation's input, rounded
+    to ``x``'s dtype (the kernel tests read a ReLU's kink off it, ``near_tie_windows``)."""
     xf = x.float()
     batch_mean = xf.mean(dim=(0, 2, 3))
     batch_rstd = torch.rsqrt(xf.var(dim=(0, 2, 3), unbiased=False) + eps)
@@ -626,7 +635,4 @@ def bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act: str = "re
     r = batch_rstd + (rstd.float() - batch_rstd).detach()
     scale = (weight * r).view(1, -1, 1, 1)
     shift = (bias - m * weight * r).view(1, -1, 1, 1)
-    out = activation((xf * scale + shift).to(x.dtype), act)
-    if pool == "after":
-        out = F.max_pool2d(out, 2)
-    return out
+    return (xf * scale + shift).to(x.dtype)
