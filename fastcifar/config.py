@@ -36,7 +36,7 @@ class Config:
     download_set: str = "cifar10"  # which official set --download fetches: cifar10 | cifar100 (fine labels)
     cache_dir: str = ""  # decoded-image cache; "" = next to the data, else ~/.cache/fastcifar
     subset: int = 0  # training images to use, 0 = all; the test set is cut to the same fraction
-    loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: dali if it imports
+    loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: the faster measured (dali_loader.AUTO_LOADER)
     # --- model ---
     arch: str = "resnet9"  # network: resnet9 (fastcifar.model) | fastnet (fastcifar.fastnet) | alexnet (fastcifar.alexnet)
     widths: tuple = (64, 128, 256, 512)  # channels: resnet9 prep,layer1,layer2,layer3; fastnet its 3 blocks; alexnet its 5 convs

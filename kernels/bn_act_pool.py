@@ -46,7 +46,7 @@ Odd maps follow ``F.max_pool2d(x, 2)``: the last row/column is dropped from the 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -59,16 +59,28 @@ from .checks import check_activation
 ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2}
 MODE_IDS = {None: 0, "before": 1, "after": 2}
 
-# Block sizes: fixed, chosen by arithmetic and by ptxas's register report, NOT timed on a GPU (none
-# was available when written). A tile holds 2048 elements (16 per thread at 4 warps); the pooled
-# kernels load 4 window elements per output row, so their tiles have 2x fewer rows. At 4096 per
-# tile the GELU backward reduction took 168 registers and spilled on sm_80 (python -m
-# fastcifar.kernels.aot; bench/results/kernel_registers.md has every variant's figures).
 BLOCK_C_MAX = 64  # 64 fp16 channels = one 128-byte line per tile row
-TILE_ELEMS = 2048
-POOL_TILE_ELEMS = 1024
-NUM_WARPS = 4
-TARGET_PROGRAMS = 512  # stage-1 reduction programs: ~4 per SM on a 132-SM H100
+
+
+class Launch(NamedTuple):
+    """How one block's kernels launch: elements per tile of the kernels that read one element per
+    output (a tile row is BLOCK_C channels of one pixel), of those that read 2x2 windows (the stats
+    of "before", the apply/backward of "after": 4 loads per row, so fewer rows), the warps per
+    program, and the number of stage-1 reduction programs (split over the channel blocks)."""
+    tile: int
+    pool_tile: int
+    warps: int
+    programs: int
+
+
+# By where the pool sits, from forward + backward timed as graph replays on an H100 at every preset
+# block under up to 19 settings (bench/sweep_bn_act_pool.py, 2026-11-22; bench/results/bn_sweep.md).
+# The earlier single setting, (2048, 1024, 4, 512), was set by arithmetic and ptxas's register report.
+# "before": window tiles 2x bigger, 1.08-1.09x. "after": 2 warps, 1.03-1.13x. No pool: unchanged;
+# 4096-element tiles with 256 programs were up to 1.19x faster there, but the GELU backward reduction
+# then spills on sm_80 (4 bytes; tests/test_kernel_compile.py forbids spills), and in the default
+# `--kernels auto` those blocks run cuDNN. More programs or 8 warps were slower everywhere.
+LAUNCH = {None: Launch(2048, 1024, 4, 512), "before": Launch(2048, 2048, 4, 512), "after": Launch(2048, 1024, 2, 512)}
 BLOCK_K = 32  # partials combined per stage-2 step (64 x 64 fp32 pairs spilled on sm_80)
 
 
@@ -427,9 +439,9 @@ def _blocks(c: int, tile_elems: int):
     return max(1, tile_elems // block_c), block_c
 
 
-def _chunking(rows: int, c_blocks: int, block_r: int):
+def _chunking(rows: int, c_blocks: int, block_r: int, programs: int):
     """Rows per stage-1 program (a multiple of block_r) and the number of chunks."""
-    wanted = max(1, TARGET_PROGRAMS // c_blocks)
+    wanted = max(1, programs // c_blocks)
     rows_per_prog = triton.cdiv(triton.cdiv(rows, wanted), block_r) * block_r
     return rows_per_prog, triton.cdiv(rows, rows_per_prog)
 
@@ -455,8 +467,10 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
         raise ValueError(f"2x2 max-pool needs maps of at least 2x2, got {h}x{w}")
     ho, wo = (h // 2, w // 2) if pool else (h, w)
     dev = x.device
-    block_r, block_c = _blocks(c, TILE_ELEMS)
-    pblock_r, _ = _blocks(c, POOL_TILE_ELEMS)
+    launch = LAUNCH[pool]
+    warps = launch.warps
+    block_r, block_c = _blocks(c, launch.tile)
+    pblock_r, _ = _blocks(c, launch.pool_tile)
     c_blocks = triton.cdiv(c, block_c)
 
     src, idx = x, None
@@ -470,21 +484,21 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
         if bn_rows < 2:
             raise ValueError(f"expected more than 1 value per channel when training, got input of shape {tuple(x.shape)}")
         br = pblock_r if pool == "before" else block_r
-        rows_per_prog, chunks = _chunking(bn_rows, c_blocks, br)
+        rows_per_prog, chunks = _chunking(bn_rows, c_blocks, br, launch.programs)
         pmean = _empty((chunks, c), torch.float32, dev)
         pm2 = _empty((chunks, c), torch.float32, dev)
         _stats_kernel[(chunks, c_blocks)](
             x, src, idx, pmean, pm2, bn_rows, c, h, w, ho, wo, rows_per_prog,
-            POOL=pool == "before", STATS=True, BLOCK_R=br, BLOCK_C=block_c, num_warps=NUM_WARPS)
+            POOL=pool == "before", STATS=True, BLOCK_R=br, BLOCK_C=block_c, num_warps=warps)
         _stats_finalize_kernel[(c_blocks,)](
             pmean, pm2, mean, rstd, running_mean, running_var, bn_rows, c, rows_per_prog, chunks,
-            float(momentum), float(eps), BLOCK_K=BLOCK_K, BLOCK_C=block_c, num_warps=NUM_WARPS)
+            float(momentum), float(eps), BLOCK_K=BLOCK_K, BLOCK_C=block_c, num_warps=warps)
     else:
         if pool == "before":
-            rows_per_prog, chunks = _chunking(bn_rows, c_blocks, pblock_r)
+            rows_per_prog, chunks = _chunking(bn_rows, c_blocks, pblock_r, launch.programs)
             _stats_kernel[(chunks, c_blocks)](
                 x, src, idx, mean, mean, bn_rows, c, h, w, ho, wo, rows_per_prog,
-                POOL=True, STATS=False, BLOCK_R=pblock_r, BLOCK_C=block_c, num_warps=NUM_WARPS)
+                POOL=True, STATS=False, BLOCK_R=pblock_r, BLOCK_C=block_c, num_warps=warps)
         mean.copy_(running_mean)  # a copy: backward must see the statistics this forward used
         torch.rsqrt(running_var + eps, out=rstd)
 
@@ -493,11 +507,11 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
     if pool == "after":
         _apply_kernel[(triton.cdiv(out_rows, pblock_r), c_blocks)](
             x, y, mean, rstd, weight, bias, out_rows, c, h, w, ho, wo,
-            ACT=ACT_IDS[act], POOL_AFTER=True, BLOCK_R=pblock_r, BLOCK_C=block_c, num_warps=NUM_WARPS)
+            ACT=ACT_IDS[act], POOL_AFTER=True, BLOCK_R=pblock_r, BLOCK_C=block_c, num_warps=warps)
     else:
         _apply_kernel[(triton.cdiv(out_rows, block_r), c_blocks)](
             src, y, mean, rstd, weight, bias, out_rows, c, h, w, ho, wo,
-            ACT=ACT_IDS[act], POOL_AFTER=False, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=NUM_WARPS)
+            ACT=ACT_IDS[act], POOL_AFTER=False, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return y, (src, idx, mean, rstd)
 
 
@@ -515,22 +529,24 @@ def bn_act_pool_backward(dy, saved, weight, bias, x_shape, training: bool, act: 
     check_activation(dy, "dy")
     check_activation(src, "saved input")
     dev = dy.device
-    block_r, block_c = _blocks(c, TILE_ELEMS)
-    pblock_r, _ = _blocks(c, POOL_TILE_ELEMS)
+    launch = LAUNCH[pool]
+    warps = launch.warps
+    block_r, block_c = _blocks(c, launch.tile)
+    pblock_r, _ = _blocks(c, launch.pool_tile)
     c_blocks = triton.cdiv(c, block_c)
 
     dy_rows = n * ho * wo
     br = pblock_r if pool == "after" else block_r
-    rows_per_prog, chunks = _chunking(dy_rows, c_blocks, br)
+    rows_per_prog, chunks = _chunking(dy_rows, c_blocks, br, launch.programs)
     psum_g = _empty((chunks, c), torch.float32, dev)
     psum_gx = _empty((chunks, c), torch.float32, dev)
     _bwd_reduce_kernel[(chunks, c_blocks)](
         src, dy, mean, rstd, weight, bias, psum_g, psum_gx, dy_rows, c, h, w, ho, wo, rows_per_prog,
-        ACT=ACT_IDS[act], POOL_AFTER=pool == "after", BLOCK_R=br, BLOCK_C=block_c, num_warps=NUM_WARPS)
+        ACT=ACT_IDS[act], POOL_AFTER=pool == "after", BLOCK_R=br, BLOCK_C=block_c, num_warps=warps)
     db = _empty((c,), torch.float32, dev)
     dw = _empty((c,), torch.float32, dev)
     _bwd_finalize_kernel[(c_blocks,)](psum_g, psum_gx, db, dw, c, chunks,
-                                      BLOCK_K=BLOCK_K, BLOCK_C=block_c, num_warps=NUM_WARPS)
+                                      BLOCK_K=BLOCK_K, BLOCK_C=block_c, num_warps=warps)
 
     dx = _empty((n, c, h, w), dy.dtype, dev, channels_last=True)
     bn_count = src.numel() // c  # elements per channel the statistics were taken over
@@ -542,7 +558,7 @@ def bn_act_pool_backward(dy, saved, weight, bias, x_shape, training: bool, act: 
         src, dy, idx if idx is not None else src, dx, mean, rstd, weight, bias, db, dw,
         rows, c, h, w, ho, wo, triton.cdiv(h, 2), triton.cdiv(w, 2), 1.0 / bn_count,
         ACT=ACT_IDS[act], MODE=MODE_IDS[pool], TRAINING=training, BLOCK_R=br, BLOCK_C=block_c,
-        num_warps=NUM_WARPS)
+        num_warps=warps)
     return dx, dw, db
 
 

@@ -144,7 +144,9 @@ bench)
   ;;
 kernels)
   # alone: eager and graph-replay timings of 11 blocks x 3 impls x 3 directions and a compile per block
-  step bench-bn 500 "$py" bench/bench_bn_act_pool.py
+  step bench-bn 420 "$py" bench/bench_bn_act_pool.py
+  # the launch table against the settings it was chosen from (bench/results/bn_sweep.md)
+  step sweep-bn 100 "$py" bench/sweep_bn_act_pool.py --settings base before-2026-11-22 pt2048 w2 t4096p256
   ;;
 accuracy)
   preset=${2:?usage: gpu_visit.sh accuracy PRESET [SEED]}

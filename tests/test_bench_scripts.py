@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("script, args, expect", [
     ("bench_step.py", ["--smoke"], "| batch | kernels | graphs | step_ms"),
     ("bench_augment.py", ["--smoke"], "smoke run"),
+    ("sweep_bn_act_pool.py", ["--smoke"], "| block | base | w2 | best |"),
     ("bench_loader.py", ["--images", "256", "--epochs", "1", "--batches", "64", "--no-record"], "images/s"),
     # the two that launch the trainer (bench.common.run_trainer) and append their own rows
     ("bench_compress.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
@@ -175,3 +176,20 @@ def test_bn_act_pool_records_each_block_as_it_finishes(monkeypatch):
                               record=lambda block_rows: recorded.append([r["block"] for r in block_rows]))
     assert recorded == [["c8 6x6 relu pool=after"] * 3, ["c8 4x4 relu pool=None"] * 3]  # one call per block
     assert sum(map(len, recorded)) == len(rows)
+
+
+def test_sweep_settings_reach_every_pool_place_and_base_restores_the_table():
+    """sweep_bn_act_pool times a setting by swapping kernels/bn_act_pool.LAUNCH: one Launch goes to
+    every pool place, "base" is the module's own per-place table, and it must come back after."""
+    from fastcifar.kernels import bn_act_pool as bn
+    spec = importlib.util.spec_from_file_location("sweep_bn_act_pool", ROOT / "bench" / "sweep_bn_act_pool.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    table = dict(bn.LAUNCH)
+    try:
+        sweep.apply(sweep.SETTINGS["w2"])
+        assert set(bn.LAUNCH) == {None, "before", "after"} and set(bn.LAUNCH.values()) == {sweep.SETTINGS["w2"]}
+        sweep.apply(sweep.SETTINGS["base"])
+        assert bn.LAUNCH == table and len(set(table.values())) == 3  # the places differ since the sweep
+    finally:
+        bn.LAUNCH.update(table)

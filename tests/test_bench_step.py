@@ -58,7 +58,23 @@ def test_breakdown_attributes_busy_time_and_counts_gaps_as_idle(bench_step):
     assert parts["idle_ms"] == pytest.approx(6 * ms)
     assert parts["idle_share"] == pytest.approx(6 / 23)
     assert parts["top"][0] == ("sm90_xmma_fprop_implicit_gemm", pytest.approx(10 * ms))
+    assert parts["busy_ms"] == pytest.approx(17 * ms)  # the union: 0-14 and 20-23
+    assert parts["kernels_per_step"] == 2  # 4 kernels over 2 steps, the empty one dropped
     assert bench_step.breakdown([], steps=1) == {}
+
+
+def test_idle_against_the_plain_step(bench_step, monkeypatch):
+    """The row's second idle figure: the traced busy time against the step timed without the tracer
+    (H100, `fast`: 11.1% from the trace's span, 2.4% this way); profile_steps hands over busy_ms."""
+    import torch
+    assert bench_step.idle_against_step(busy_ms=3.0, step_ms=3.2) == pytest.approx(100 * 0.2 / 3.2)
+    assert bench_step.idle_against_step(busy_ms=3.3, step_ms=3.2) == 0.0
+    monkeypatch.setattr(bench_step, "traced_kernels", lambda run, steps: [
+        ("sm90_xmma_fprop", 0.0, 900.0 * steps), ("tail", 1000.0 * steps, 1000.0 * steps + 50)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    parts = bench_step.profile_steps(lambda *a: None, None, None, steps=10)
+    assert parts["busy_ms"] == pytest.approx((9000 + 50) / 1e3 / 10)
+    assert parts["idle_share"] == pytest.approx(1000 / 10050)
 
 
 @pytest.mark.slow

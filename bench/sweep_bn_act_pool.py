@@ -1,0 +1,133 @@
+"""Sweep the fused batchnorm + activation + pool kernels' launch settings on a GPU.
+
+    python bench/sweep_bn_act_pool.py                     # every block of both presets, every setting
+    python bench/sweep_bn_act_pool.py --blocks 0 1 6      # some blocks (indices into aot.PRESET_BLOCKS)
+    python bench/sweep_bn_act_pool.py --settings base p1024 w8
+    python bench/sweep_bn_act_pool.py --smoke             # CPU check of this script (interpreter, tiny shapes)
+
+kernels/bn_act_pool.py fixes its tile sizes, warps and the number of stage-1 reduction programs per
+place of the pool (its ``LAUNCH`` table). This times forward + backward of
+``TritonNormActPool`` at the presets' shapes (fp16, channels-last, a CUDA-graph replay as the trainer
+runs it, do_bench median) under each named setting of that table, and prints one
+table: milliseconds per block and setting, the best setting per block and its share of the measured
+copy bandwidth (the kernels' own bytes, bench_bn_act_pool.traffic_bytes). Rows go to
+bench/results/bn_sweep.jsonl. Each setting compiles its own kernels (about 20 per tile shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import smoke_mode  # noqa: E402
+
+SMOKE = smoke_mode()  # before triton is imported: --smoke runs the kernels in its interpreter
+
+import torch  # noqa: E402
+
+from bench.bench_bn_act_pool import (BLOCKS, CL, SMOKE_BLOCKS, direction_bodies, graph_timings,  # noqa: E402
+                                     traffic_bytes)
+from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
+                          print_header, require_cuda, time_ms)
+from fastcifar.kernels import bn_act_pool as bn  # noqa: E402
+from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
+
+# name: one Launch for every block (tile, pooled tile, warps, reduction programs); "base" is the
+# module's own table, one Launch per pool place (bn.LAUNCH); "before-2026-11-22" the single setting
+# every block had until this sweep
+L = bn.Launch
+SETTINGS = {
+    "base": dict(bn.LAUNCH),
+    "before-2026-11-22": L(2048, 1024, 4, 512),
+    "p1024": L(2048, 1024, 4, 1024),
+    "p2048": L(2048, 1024, 4, 2048),
+    "w8": L(2048, 1024, 8, 512),
+    "w8p1024": L(2048, 1024, 8, 1024),
+    "t4096w8": L(4096, 2048, 8, 1024),
+    "t1024p1024": L(1024, 512, 4, 1024),
+    "t4096w4p1024": L(4096, 2048, 4, 1024),
+    "p256": L(2048, 1024, 4, 256),
+    "p132": L(2048, 1024, 4, 132),
+    "w2": L(2048, 1024, 2, 512),
+    "w2p256": L(2048, 1024, 2, 256),
+    "pt2048": L(2048, 2048, 4, 512),
+    "t4096p256": L(4096, 2048, 4, 256),
+    "pt4096": L(2048, 4096, 4, 512),
+    "pt2048w2": L(2048, 2048, 2, 512),
+    "pt4096w8": L(2048, 4096, 8, 512),
+    "t4096pt2048w2": L(4096, 2048, 2, 512),
+    "pt2048p384": L(2048, 2048, 4, 384),
+}
+BASE = dict(bn.LAUNCH)
+
+
+def apply(setting):
+    """Make ``setting`` the launchers' table: a per-pool-place dict as is, one Launch for all places."""
+    bn.LAUNCH.update(setting if isinstance(setting, dict) else dict.fromkeys(BASE, setting))
+
+
+def time_block(block, device):
+    """Forward + backward of one block as a graph replay (on the CPU: eager calls): median ms."""
+    n, c, hw, act, pool = block
+    torch.manual_seed(0)
+    x = torch.randn(n, c, hw, hw, device=device).half().contiguous(memory_format=CL).requires_grad_()
+    oh = hw // 2 if pool else hw
+    dy = torch.randn(n, c, oh, oh, device=device).half().contiguous(memory_format=CL)
+    mod = TritonNormActPool(c, act=act, pool=pool).to(device)
+    both = direction_bodies(mod, x, dy, [x, mod.weight, mod.bias])["both"]
+    both()
+    if device == "cpu":
+        return time_ms(both, smoke=True)["median_ms"]
+    return graph_timings({"both": both})["both"]["median_ms"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--blocks", type=int, nargs="+", default=list(range(len(BLOCKS))))
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
+    args = p.parse_args()
+    blocks = BLOCKS
+    if SMOKE:  # one block per pool place at batch 2, two settings: the script's logic, not figures
+        blocks, args.blocks, args.settings = SMOKE_BLOCKS, list(range(len(SMOKE_BLOCKS))), ["base", "w2"]
+    else:
+        require_cuda("sweep_bn_act_pool")
+    device = "cpu" if SMOKE else "cuda"
+    env = environment()
+    copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)
+    print_header("bn_act_pool launch settings: forward + backward, graph replays", env, copy_gbs)
+    for name in args.settings:
+        print(f"- {name}: {SETTINGS[name]}")
+    rows = []
+    for i in args.blocks:
+        n, c, hw, act, pool = blocks[i]
+        own = traffic_bytes(n, c, hw, hw, pool)[1]["both"]
+        row = {"block": f"{n} c{c} {hw}x{hw} {act} pool={pool}"}
+        for name in args.settings:
+            apply(SETTINGS[name])
+            try:
+                row[name] = round(time_block(blocks[i], device), 4)
+            except Exception as e:  # a setting that fails to compile or run is reported, not fatal
+                row[name] = f"{type(e).__name__}: {str(e)[:60]}"
+        apply(BASE)
+        times = {k: v for k, v in row.items() if k in SETTINGS and isinstance(v, float)}
+        if times:
+            best = min(times, key=times.get)
+            row.update({"best": best, "best vs base": round(times.get("base", float("nan")) / times[best], 3),
+                        "best % copy (own)": round(100 * own / (times[best] * 1e-3) / 1e9 / copy_gbs, 1)})
+        print(row, flush=True)
+        rows.append(row)
+    print()
+    print(markdown_table(rows, ["block", *args.settings, "best", "best vs base", "best % copy (own)"]))
+    if SMOKE:
+        print("\n(smoke run on the CPU under the Triton interpreter: timings meaningless, nothing written)")
+        return 0
+    print(f"\nrows appended to {append_results('bn_sweep', rows, env, copy_gbs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
