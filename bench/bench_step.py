@@ -156,7 +156,7 @@ def breakdown(kernels: list[tuple[str, float, float]], steps: int) -> dict:
     out["idle_ms"] = (span - busy) * ms
     out["idle_share"] = 1.0 - busy / span
     out["busy_ms"] = busy * ms
-    out["kernels_per_step"] = len(kernels) / steps
+    out["kernels_per_step"] = len(kernels) / steps  # every timed device event: kernels, copies, memsets
     out["top"] = [(name, v * ms) for name, v in sorted(per_name.items(), key=lambda kv: -kv[1])[:5]]
     return out
 
@@ -190,7 +190,8 @@ def graph_node_gap_us(nodes: int = 200, replays: int = 10) -> dict:
     """The gap between two dependent kernels of a CUDA graph, with and without the tracer: a graph of
     ``nodes`` dependent one-element kernels, its replay timed with events and traced. Per node:
     ``plain`` = (replay time - traced kernel time) / nodes, ``traced`` = (traced span - traced kernel
-    time) / nodes. On an H100 (2026-11-22): 0.26 us plain, 0.29-0.34 traced, so at 180 kernels a step
+    time) / nodes (which also spreads the gaps between the traced replays over the nodes). On an
+    H100 (2026-11-22): 0.26 us plain, 0.29-0.34 traced, so at 180 kernels a step
     the gaps themselves cost ~0.05 ms; the tracer widens them little, and the rest of the trace's
     longer span (0.3 ms a `fast` step) is not between kernels of one replay."""
     from fastcifar.graphs import capture
@@ -259,7 +260,8 @@ def main() -> int:
                              "images_per_s": batch / ms * 1e3, "floor_ms": flops / (tflops * 1e12) * 1e3,
                              "gpu_idle_pct": 100 * parts["idle_share"] if parts else None,
                              "idle_vs_step_pct": idle_against_step(parts["busy_ms"], ms) if parts else None,
-                             **{k: v for k, v in parts.items() if k != "idle_share"}})
+                             **{k: v for k, v in parts.items() if k != "idle_share"},
+                             **({"graph_gap_plain_us": gap["plain"], "graph_gap_traced_us": gap["traced"]} if gap else {})})
                 del model, step
     columns = ["net", "batch", "kernels", "graphs", "step_ms", "images_per_s", "floor_ms", "gpu_idle_pct",
                "busy_ms", "idle_vs_step_pct", "kernels_per_step"]

@@ -87,16 +87,25 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, smoke: bool = False) -> float:
     return 2 * nbytes / (t * 1e-3) / 1e9
 
 
+def git_commit(where: Path) -> str:
+    """The short commit of the checkout at ``where``, with "+dirty" when tracked files differ from
+    it (figures measured on uncommitted code must not be filed under the commit); "" outside git."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=where, check=False).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + "+dirty" if commit and git("status", "--porcelain", "--untracked-files=no") else commit
+    except OSError:
+        return ""
+
+
 def environment() -> Dict[str, str]:
     """Device, versions, date and commit: the header of a results row."""
     import torch
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, check=False).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = git_commit(Path(__file__).resolve().parent)
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
         "torch": torch.__version__,

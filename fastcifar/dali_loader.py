@@ -446,4 +446,5 @@ def dali_decoder(device: torch.device | str):
             return decode_jpegs(raws, device).cpu().numpy()
         except JpegDecodeError:
             return None
+    decode.name = f"dali-{torch.device(device).type}"  # the cache key's decoder: nvJPEG and libjpeg-turbo differ
     return decode

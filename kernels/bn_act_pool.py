@@ -64,9 +64,10 @@ BLOCK_C_MAX = 64  # 64 fp16 channels = one 128-byte line per tile row
 
 class Launch(NamedTuple):
     """How one block's kernels launch: elements per tile of the kernels that read one element per
-    output (a tile row is BLOCK_C channels of one pixel), of those that read 2x2 windows (the stats
-    of "before", the apply/backward of "after": 4 loads per row, so fewer rows), the warps per
-    program, and the number of stage-1 reduction programs (split over the channel blocks)."""
+    output (a tile row is BLOCK_C channels of one pixel), of those that work on 2x2 windows (the
+    stats and dx of "before", the apply, reduction and dx of "after": 4 elements per row, so fewer
+    rows), the warps per program, and the number of stage-1 reduction programs (split over the
+    channel blocks)."""
     tile: int
     pool_tile: int
     warps: int

@@ -190,6 +190,6 @@ def test_sweep_settings_reach_every_pool_place_and_base_restores_the_table():
         sweep.apply(sweep.SETTINGS["w2"])
         assert set(bn.LAUNCH) == {None, "before", "after"} and set(bn.LAUNCH.values()) == {sweep.SETTINGS["w2"]}
         sweep.apply(sweep.SETTINGS["base"])
-        assert bn.LAUNCH == table and len(set(table.values())) == 3  # the places differ since the sweep
+        assert bn.LAUNCH == table
     finally:
         bn.LAUNCH.update(table)

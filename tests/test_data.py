@@ -96,6 +96,22 @@ def test_cache_is_written_once_and_reused(image_folder, tmp_path, monkeypatch):
     assert not [p for p in cache.iterdir() if p.suffix != ".npz"], "temporary files left behind"
 
 
+def test_each_decoder_has_its_own_cache(image_folder, tmp_path):
+    """nvJPEG's pixels differ from PIL's (up to 32 levels on a GPU): a cache one decoder filled must
+    not serve the other, or a run's figures would depend on which loader ran first on the data."""
+    root, arrays = image_folder
+    cache = tmp_path / "cache"
+    load_dataset(root, cache_dir=cache, log=quiet)  # PIL
+
+    def other(raws, wheres):
+        return np.full((len(raws), 32, 32, 3), 9, np.uint8)
+    other.name = "other"
+    ds = load_dataset(root, cache_dir=cache, log=quiet, decode=other)
+    assert (ds.train_images == 9).all(), "PIL's cache served the other decoder"
+    assert len(list(cache.iterdir())) == 2
+    assert_same(load_dataset(root, cache_dir=cache, log=quiet), arrays, by_label=True)
+
+
 def test_edited_folder_is_decoded_again(image_folder, tmp_path):
     root, _ = image_folder
     cache = tmp_path / "cache"

@@ -21,7 +21,7 @@ import numpy as np
 
 from .dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
 from .errors import DataError
-from .folder import BatchDecoder, cache_path, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
+from .folder import BatchDecoder, cache_path, decoder_name, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
 from .official import OFFICIAL_SETS, download, read_archive, read_batch_dir, set_of_folder
 
 __all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "shard_indices"]
@@ -29,8 +29,8 @@ __all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_datas
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 
 
-def _cached(source: Path, cache_dir: Path | None, build: Callable[[], Dataset], log) -> Dataset:
-    target = cache_path(source, cache_dir)
+def _cached(source: Path, cache_dir: Path | None, build: Callable[[], Dataset], log, decoder: str) -> Dataset:
+    target = cache_path(source, cache_dir, decoder)
     ds = load_cache(target, str(source))
     if ds is not None:
         return ds
@@ -70,7 +70,7 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
     if path.is_file():
         if not path.name.endswith(ARCHIVE_SUFFIXES):
             raise DataError(f"{path}: unknown layout (expected a .tar.gz archive or a folder)")
-        return _cached(path, cache, lambda: _read_any_archive(path, decode), log)
+        return _cached(path, cache, lambda: _read_any_archive(path, decode), log, decoder_name(decode))
     if path.is_dir():
         if set_of_folder(path) is not None or (path / "data_batch_1").is_file():
             return read_batch_dir(path)
@@ -81,7 +81,7 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
                 return read_archive(path / spec.archive)
         root = find_split_root(path)
         if root is not None:
-            return _cached(root, cache, lambda: read_folder(root, decode), log)
+            return _cached(root, cache, lambda: read_folder(root, decode), log, decoder_name(decode))
         if download_missing:
             return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
         raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, cifar-100-python/, their .tar.gz, "

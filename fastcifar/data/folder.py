@@ -145,11 +145,17 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastcifar"
 
 
-def source_fingerprint(source: Path) -> str:
-    """Path, size and modification time of the source, and of every file in it if a folder:
-    any edit to the data gives a new cache key, so a stale cache is never read."""
+def decoder_name(decode: "BatchDecoder | None") -> str:
+    """What decodes a folder's images: a batch decoder's ``name`` attribute, else "pil"."""
+    return getattr(decode, "name", "pil") if decode is not None else "pil"
+
+
+def source_fingerprint(source: Path, decoder: str = "pil") -> str:
+    """Path, size and modification time of the source, and of every file in it if a folder, and
+    the decoder: any edit to the data gives a new cache key, so a stale cache is never read, and
+    nvJPEG's pixels (up to 32 levels off PIL's on a GPU) never stand in for PIL's or the reverse."""
     st = source.stat()
-    parts = [f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_VERSION}"]
+    parts = [f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_VERSION}|{decoder}"]
     if source.is_dir():
         for p in sorted(source.rglob("*")):
             if p.is_file():
@@ -158,10 +164,10 @@ def source_fingerprint(source: Path) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def cache_path(source: Path, cache_dir: Path | None) -> Path:
-    """Where the decoded arrays of ``source`` are cached: ``cache_dir``, else next to the data if
-    that folder is writable, else the user cache folder."""
-    name = f"{source.name}.fastcifar-{source_fingerprint(source)}.npz"
+def cache_path(source: Path, cache_dir: Path | None, decoder: str = "pil") -> Path:
+    """Where the decoded arrays of ``source`` (decoded by ``decoder``) are cached: ``cache_dir``,
+    else next to the data if that folder is writable, else the user cache folder."""
+    name = f"{source.name}.fastcifar-{source_fingerprint(source, decoder)}.npz"
     if cache_dir is not None:
         return cache_dir / name
     if os.access(source.parent, os.W_OK):
