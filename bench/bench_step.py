@@ -32,14 +32,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
-                          matmul_tflops, print_header, require_cuda, smoke_mode)
+                          matmul_tflops, print_header, require_cuda, smoke_mode, time_ms)
 
 SMOKE = smoke_mode()
 
 import torch  # noqa: E402
 
 from fastcifar.config import Config, from_preset  # noqa: E402
-from fastcifar.graphs import DeviceSchedule, StaticBatch, TrainStep  # noqa: E402
+from fastcifar.graphs import DeviceSchedule, StaticBatch, TrainStep, capture  # noqa: E402
 from fastcifar.recipe import make_optimizer, peak_rate  # noqa: E402
 from fastcifar.train import build_model, make_step  # noqa: E402
 
@@ -194,9 +194,6 @@ def graph_node_gap_us(nodes: int = 200, replays: int = 10) -> dict:
     H100 (2026-11-22): 0.26 us plain, 0.29-0.34 traced, so at 180 kernels a step
     the gaps themselves cost ~0.05 ms; the tracer widens them little, and the rest of the trace's
     longer span (0.3 ms a `fast` step) is not between kernels of one replay."""
-    from fastcifar.graphs import capture
-    from bench.common import time_ms
-
     x = torch.zeros(1, device="cuda")
 
     def body():

@@ -61,12 +61,11 @@ SETTINGS = {
     "t4096pt2048w2": L(4096, 2048, 2, 512),
     "pt2048p384": L(2048, 2048, 4, 384),
 }
-BASE = dict(bn.LAUNCH)
 
 
 def apply(setting):
     """Make ``setting`` the launchers' table: a per-pool-place dict as is, one Launch for all places."""
-    bn.LAUNCH.update(setting if isinstance(setting, dict) else dict.fromkeys(BASE, setting))
+    bn.LAUNCH.update(setting if isinstance(setting, dict) else dict.fromkeys(bn.LAUNCH, setting))
 
 
 def time_block(block, device):
@@ -112,7 +111,7 @@ def main() -> int:
                 row[name] = round(time_block(blocks[i], device), 4)
             except Exception as e:  # a setting that fails to compile or run is reported, not fatal
                 row[name] = f"{type(e).__name__}: {str(e)[:60]}"
-        apply(BASE)
+        apply(SETTINGS["base"])
         times = {k: v for k, v in row.items() if k in SETTINGS and isinstance(v, float)}
         if times:
             best = min(times, key=times.get)

@@ -145,7 +145,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastcifar"
 
 
-def decoder_name(decode: "BatchDecoder | None") -> str:
+def decoder_name(decode: BatchDecoder | None) -> str:
     """What decodes a folder's images: a batch decoder's ``name`` attribute, else "pil"."""
     return getattr(decode, "name", "pil") if decode is not None else "pil"
 
