@@ -435,9 +435,13 @@ def _check_channel_vector(t: Optional[torch.Tensor], name: str, c: int, device) 
         raise ValueError(f"{name} is on {t.device}, the activations on {device}")
 
 
-def _blocks(c: int, tile_elems: int):
+def _tiling(c: int, pool: Optional[str]):
+    """A block's launch geometry from its ``LAUNCH`` entry: rows per tile of the one-element and of
+    the 2x2-window kernels, channels per tile, channel blocks, warps and stage-1 programs."""
+    launch = LAUNCH[pool]
     block_c = min(BLOCK_C_MAX, triton.next_power_of_2(c))
-    return max(1, tile_elems // block_c), block_c
+    return (max(1, launch.tile // block_c), max(1, launch.pool_tile // block_c), block_c,
+            triton.cdiv(c, block_c), launch.warps, launch.programs)
 
 
 def _chunking(rows: int, c_blocks: int, block_r: int, programs: int):
@@ -468,11 +472,7 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
         raise ValueError(f"2x2 max-pool needs maps of at least 2x2, got {h}x{w}")
     ho, wo = (h // 2, w // 2) if pool else (h, w)
     dev = x.device
-    launch = LAUNCH[pool]
-    warps = launch.warps
-    block_r, block_c = _blocks(c, launch.tile)
-    pblock_r, _ = _blocks(c, launch.pool_tile)
-    c_blocks = triton.cdiv(c, block_c)
+    block_r, pblock_r, block_c, c_blocks, warps, programs = _tiling(c, pool)
 
     src, idx = x, None
     if pool == "before":  # pool first: 4x fewer elements normalized; z and idx are all backward needs
@@ -485,7 +485,7 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
         if bn_rows < 2:
             raise ValueError(f"expected more than 1 value per channel when training, got input of shape {tuple(x.shape)}")
         br = pblock_r if pool == "before" else block_r
-        rows_per_prog, chunks = _chunking(bn_rows, c_blocks, br, launch.programs)
+        rows_per_prog, chunks = _chunking(bn_rows, c_blocks, br, programs)
         pmean = _empty((chunks, c), torch.float32, dev)
         pm2 = _empty((chunks, c), torch.float32, dev)
         _stats_kernel[(chunks, c_blocks)](
@@ -496,7 +496,7 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
             float(momentum), float(eps), BLOCK_K=BLOCK_K, BLOCK_C=block_c, num_warps=warps)
     else:
         if pool == "before":
-            rows_per_prog, chunks = _chunking(bn_rows, c_blocks, pblock_r, launch.programs)
+            rows_per_prog, chunks = _chunking(bn_rows, c_blocks, pblock_r, programs)
             _stats_kernel[(chunks, c_blocks)](
                 x, src, idx, mean, mean, bn_rows, c, h, w, ho, wo, rows_per_prog,
                 POOL=True, STATS=False, BLOCK_R=pblock_r, BLOCK_C=block_c, num_warps=warps)
@@ -530,15 +530,11 @@ def bn_act_pool_backward(dy, saved, weight, bias, x_shape, training: bool, act: 
     check_activation(dy, "dy")
     check_activation(src, "saved input")
     dev = dy.device
-    launch = LAUNCH[pool]
-    warps = launch.warps
-    block_r, block_c = _blocks(c, launch.tile)
-    pblock_r, _ = _blocks(c, launch.pool_tile)
-    c_blocks = triton.cdiv(c, block_c)
+    block_r, pblock_r, block_c, c_blocks, warps, programs = _tiling(c, pool)
 
     dy_rows = n * ho * wo
     br = pblock_r if pool == "after" else block_r
-    rows_per_prog, chunks = _chunking(dy_rows, c_blocks, br, launch.programs)
+    rows_per_prog, chunks = _chunking(dy_rows, c_blocks, br, programs)
     psum_g = _empty((chunks, c), torch.float32, dev)
     psum_gx = _empty((chunks, c), torch.float32, dev)
     _bwd_reduce_kernel[(chunks, c_blocks)](

@@ -34,8 +34,6 @@ needs_triton_backend = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="no CUDA device and TRITON_INTERPRET is not 1",
 )
-cuda = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def poisoned_empty(orig):

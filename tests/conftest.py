@@ -85,6 +85,17 @@ def sort_by_label(images: np.ndarray, labels: np.ndarray):
     return images[order], labels[order]
 
 
+def pytest_collection_modifyitems(config, items):
+    """The ``cuda`` marker's promise (pyproject.toml: "skipped without one"), kept here once: a test
+    or parameter marked ``cuda`` is skipped on a machine without a GPU, such as CI's."""
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(no_gpu)
+
+
 @pytest.fixture(autouse=True)
 def _no_tf32():
     """fp32 parity tests compare fp32 with fp32: on CUDA, cuDNN convolutions default to TF32 (10-bit

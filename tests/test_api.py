@@ -124,7 +124,6 @@ def test_resolve_model_leaves_the_callers_network_as_it_is(wrap):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cuda_network_of_triton_blocks_evaluates_on_the_cpu():
     from fastcifar.api import resolve_model
     from fastcifar.checkpoint import ModelInfo

@@ -101,8 +101,7 @@ def test_loader_epochs_shapes_and_shuffles():
     assert not torch.equal(first[0][0], other[0][0]), "a new epoch must reshuffle"
 
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                        reason="needs a CUDA GPU")])
+CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])  # on CUDA the plan comes through pinned memory
@@ -132,7 +131,6 @@ def test_an_epoch_prepared_ahead_is_the_epoch_drawn_at_its_start(device):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_preparing_an_epoch_does_not_wait_for_the_gpu_and_survives_pinned_reuse():
     """What ``prepare`` is for: with the GPU busy (a 200M-cycle sleep queued, ~0.1 s) the host
     returns before the stream is done, and the plan copied later is intact although more plans of

@@ -117,7 +117,6 @@ def test_inductor_compiles_the_step_around_the_custom_op():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("preset", ["fast", "fast-muon"])  # the CPU tests of both skip where there is a GPU
 def test_compiled_step_in_a_cuda_graph_equals_eager(preset):
     from fastcifar.graphs import StaticBatch, TrainStep

@@ -24,7 +24,6 @@ from fastcifar.dali_loader import (DaliLoader, DaliUnavailableError, JpegDecodeE
 
 HAVE_DALI, WHY = dali_available()
 needs_dali = pytest.mark.skipif(not HAVE_DALI, reason=f"DALI unavailable: {WHY}")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 JPEG_TAR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "cifar10-jpeg.tar.gz"
 IDENTITY = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))  # output = source pixel, exactly
 
@@ -468,7 +467,6 @@ def test_non_jpeg_and_wrong_size_are_rejected():
 # ---- CUDA paths (the GPU machine) ----
 
 @pytest.mark.cuda
-@needs_cuda
 @needs_dali
 @pytest.mark.parametrize("pad_mode", ["reflect", "zero"])
 def test_cuda_augmentation_matches_reference(pad_mode):
@@ -494,7 +492,6 @@ def test_cuda_augmentation_matches_reference(pad_mode):
 
 
 @pytest.mark.cuda
-@needs_cuda
 @needs_dali
 def test_cuda_decode_matches_pil():
     encoded = read_jpeg_set(2000) if JPEG_TAR.is_file() else encode(smooth_images(500))

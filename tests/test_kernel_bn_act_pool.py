@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 
 import pytest  # noqa: E402
-from _kernel_asserts import (DEVICE, assert_close, near_tie_windows, needs_cuda, needs_triton_backend,  # noqa: E402
+from _kernel_asserts import (DEVICE, assert_close, near_tie_windows, needs_triton_backend,  # noqa: E402
                              poisoned_empty)
 
 import fastcifar.kernels.aot as aot  # noqa: E402
@@ -416,7 +416,6 @@ def test_own_stats_reference_odd_shape_fp16(pool):
 # The presets' real blocks on one GPU, from the lists the compile sweep uses (one place to change):
 # resnet9 (ReLU) at 512, fast (GELU; FastNet 64/256/256 after the 2x2 whitening conv: 31x31 maps)
 # at 1024.
-@needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("block", aot.PRESET_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}x{b[2]}-{b[3]}-{b[4]}")
 def test_preset_shapes_fp16_cuda(block):
@@ -427,7 +426,6 @@ def test_preset_shapes_fp16_cuda(block):
     _compare_own_stats((n, c, side, side), torch.float16, act, pool)
 
 
-@needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("pool", [None, "before", "after"], ids=["nopool", "before", "after"])
 def test_resnet9_shapes_batch512_fp16_cuda_vs_cudnn_bounded(pool):

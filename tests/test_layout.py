@@ -58,7 +58,6 @@ def test_emulation_reproduces_cudas_layout(cuda_layouts):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_reflect_pad_of_a_channels_last_view_is_nchw_contiguous():
     """The emulation's premise, checked where it can be: if a torch release makes CUDA's
     reflection_pad2d keep channels-last, this fails and ``cuda_layouts`` no longer mirrors CUDA."""
