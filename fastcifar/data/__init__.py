@@ -29,13 +29,15 @@ __all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_datas
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 
 
-def _cached(source: Path, cache_dir: Path | None, build: Callable[[], Dataset], log, decoder: str) -> Dataset:
-    target = cache_path(source, cache_dir, decoder)
+def _cached(source: Path, cache_dir: Path | None, read: Callable[[Path, BatchDecoder | None], Dataset],
+            decode: BatchDecoder | None, log) -> Dataset:
+    """``read(source, decode)``, through a cache keyed by the source and by the decoder."""
+    target = cache_path(source, cache_dir, decoder_name(decode))
     ds = load_cache(target, str(source))
     if ds is not None:
         return ds
     log(f"decoding {source} once (cache: {target})")
-    ds = build()
+    ds = read(source, decode)
     try:
         save_cache(target, ds)
     except OSError as exc:  # a read-only place costs speed next time, not this run
@@ -70,7 +72,7 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
     if path.is_file():
         if not path.name.endswith(ARCHIVE_SUFFIXES):
             raise DataError(f"{path}: unknown layout (expected a .tar.gz archive or a folder)")
-        return _cached(path, cache, lambda: _read_any_archive(path, decode), log, decoder_name(decode))
+        return _cached(path, cache, _read_any_archive, decode, log)
     if path.is_dir():
         if set_of_folder(path) is not None or (path / "data_batch_1").is_file():
             return read_batch_dir(path)
@@ -81,7 +83,7 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
                 return read_archive(path / spec.archive)
         root = find_split_root(path)
         if root is not None:
-            return _cached(root, cache, lambda: read_folder(root, decode), log, decoder_name(decode))
+            return _cached(root, cache, read_folder, decode, log)
         if download_missing:
             return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
         raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, cifar-100-python/, their .tar.gz, "
