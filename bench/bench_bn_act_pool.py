@@ -61,19 +61,35 @@ LAUNCH_REP_MS = 50  # do_bench repetitions of the eager launch_ms column, a side
 GRAPH_WARMUP = 3  # eager runs on the capture stream before each capture
 
 
-def traffic_bytes(n, c, h, w, pool, elem=2):
-    """(minimal, triton) bytes for forward and backward: dicts keyed 'fwd', 'bwd', 'both'.
-    The Triton bytes are kernels/bn_act_pool.py's table with its 4P (a full map) counted as the
-    whole map: on odd maps, where the pool drops a row/column, that slightly over-counts."""
+def kernel_bytes(n, c, h, w, pool, elem=2):
+    """Bytes each of the Triton launchers' streaming kernels moves in one forward + backward
+    (kernels/bn_act_pool.py's table; the two small stage-2 kernels move O(C) and count 0), with a
+    full map counted whole: on odd maps, where the pool drops a row/column, that slightly over-counts."""
     full = n * c * h * w * elem
     out = n * c * (h // 2) * (w // 2) * elem if pool else full  # floor, as F.max_pool2d on odd maps
-    minimal = {"fwd": full + out, "bwd": out + full + full}
     if pool is None:
-        triton_b = {"fwd": 3 * full, "bwd": 5 * full}
-    elif pool == "after":  # read x twice, write y; backward: read x and dy twice, write dx
-        triton_b = {"fwd": 2 * full + out, "bwd": 3 * full + 2 * out}
-    else:  # z (fp16) and an int8 argmax (half of z's bytes at fp16)
-        triton_b = {"fwd": full + 3.5 * out, "bwd": full + 4.5 * out}
+        return {"_stats_kernel": full, "_apply_kernel": 2 * full,
+                "_bwd_reduce_kernel": 2 * full, "_bwd_dx_kernel": 3 * full}
+    if pool == "after":  # read x twice, write y; backward: read x and dy twice, write dx
+        return {"_stats_kernel": full, "_apply_kernel": full + out,
+                "_bwd_reduce_kernel": full + out, "_bwd_dx_kernel": 2 * full + out}
+    # "before": the stats kernel writes z (fp16) and an int8 argmax (half of z's bytes at fp16)
+    return {"_stats_kernel": full + 1.5 * out, "_apply_kernel": 2 * out,
+            "_bwd_reduce_kernel": 2 * out, "_bwd_dx_kernel": full + 2.5 * out}
+
+
+FORWARD_KERNELS = ("_stats_kernel", "_apply_kernel")  # the rest of kernel_bytes' keys run in backward
+
+
+def traffic_bytes(n, c, h, w, pool, elem=2):
+    """(minimal, triton) bytes for forward and backward: dicts keyed 'fwd', 'bwd', 'both'.
+    The Triton bytes are the sums of ``kernel_bytes``."""
+    full = n * c * h * w * elem
+    out = n * c * (h // 2) * (w // 2) * elem if pool else full
+    minimal = {"fwd": full + out, "bwd": out + full + full}
+    per_kernel = kernel_bytes(n, c, h, w, pool, elem)
+    triton_b = {"fwd": sum(b for k, b in per_kernel.items() if k in FORWARD_KERNELS),
+                "bwd": sum(b for k, b in per_kernel.items() if k not in FORWARD_KERNELS)}
     for d in (minimal, triton_b):
         d["both"] = d["fwd"] + d["bwd"]
     return minimal, triton_b

@@ -21,10 +21,14 @@ KERNELS = CHOICES["kernels"]  # --kernels' choices: one list, in fastcifar.confi
 
 
 def resolve_kernels(requested: str, device: torch.device) -> str:
-    """``auto`` is Triton on CUDA (``kernels_label``: where a block pools) and the torch reference on
-    the CPU. Triton on the CPU runs in Triton's interpreter (correct, slow: for tests; see
-    ``kernel_module``), which exists only in a process without a GPU: Triton chooses interpreter or
-    compiler once per process, at import."""
+    """``auto`` is Triton on CUDA, every block fused, and the torch reference on the CPU. On an H100
+    the fused block beat cuDNN's batchnorm + activation (+ pool) on each of the presets' blocks where
+    eager could be timed (11 of 12), forward + backward as graph replays: 1.05-1.41x where a block
+    does not pool, 2.8-3.7x where it does; `fast`'s graphed step took 2.964 ms against 3.002 ms with
+    cuDNN's batchnorm on its unpooled blocks (2026-11-23, torch 2.11.0+cu130, triton 3.6.0;
+    bench/results/first_light.md). Triton on the CPU runs in Triton's interpreter (correct, slow: for
+    tests; see ``kernel_module``), which exists only in a process without a GPU: Triton chooses
+    interpreter or compiler once per process, at import."""
     if requested not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, not {requested!r}")
     kernels = ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
@@ -49,41 +53,10 @@ def norm_factory(kernels: str) -> NormFactory:
     return NormActPool
 
 
-class PooledFused:
-    """NormActPool factory: the fused kernel (``fused``) for blocks that pool, the plain-torch block
-    (cuDNN's batchnorm, then the activation) for those that do not.
-
-    Why (H100, fp16, forward + backward as graph replays, bench/results/first_light.md): the fused
-    kernel's gain is the pool it folds in, 2.3-2.7x eager on every pooling block measured in both presets;
-    without a pool, cuDNN's persistent batchnorm reads its input once where the kernel reads it for
-    the statistics and again to normalize, and eager is as fast or faster: 0.147 against 0.213 ms at
-    1024x64x15x15, 0.149 against 0.168 at 1024x256x7x7 (`fast`'s three unpooled blocks: 0.09 ms
-    a step)."""
-
-    def __init__(self, fused: NormFactory):
-        self.fused = fused
-
-    def __call__(self, num_features: int, act: str = "relu", pool: Optional[str] = None, **kwargs) -> nn.Module:
-        return (self.fused if pool is not None else NormActPool)(num_features, act=act, pool=pool, **kwargs)
-
-
-def kernels_label(requested: str, device: torch.device, compile: bool = False) -> str:
-    """What ``--kernels requested`` runs (``resolve_kernels``' answer), for the network and the logs:
-    ``triton+torch`` is the ``PooledFused`` mix, ``auto``'s choice on CUDA. Not under ``--compile``,
-    where ``auto`` fuses every block: the network of fused custom ops is one graph the compiler sees
-    whole (``compiled.norm_for`` turns the Triton block into the op, not the mix), and it trained as
-    it does uncompiled. Plain blocks compile too since the global pool stopped using ``amax``
-    (``norm_act_pool.global_max_pool``: `fast` with ``--kernels torch --compile``, 63.40% against
-    63.35% uncompiled, 4 epochs on 10k images, H100, 2026-11-22); the mix under compile is unmeasured."""
-    kernels = resolve_kernels(requested, device)
-    return "triton+torch" if kernels == "triton" and requested == "auto" and not compile else kernels
-
-
-def norm_blocks(requested: str, device: torch.device, compile: bool = False) -> NormFactory:
-    """The NormActPool factory a network is built with for ``--kernels requested``: ``triton`` fuses
-    every block, ``torch`` none, ``triton+torch`` the blocks that pool (``kernels_label``)."""
-    kernels = kernels_label(requested, device, compile)
-    return PooledFused(norm_factory("triton")) if kernels == "triton+torch" else norm_factory(kernels)
+def norm_blocks(requested: str, device: torch.device) -> NormFactory:
+    """The NormActPool factory a network is built with for ``--kernels requested``: the fused
+    Triton block for ``triton``, the plain-torch one for ``torch`` (``resolve_kernels``' answer)."""
+    return norm_factory(resolve_kernels(requested, device))
 
 
 class ConvBlock(nn.Module):

@@ -49,7 +49,7 @@ from .data import DataError, load_dataset, shard_indices
 from .graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
 from .guard import LossGuard
 from .loader import EvalSet, TorchLoader
-from .model import kernels_label, norm_blocks, resolve_kernels
+from .model import norm_blocks, resolve_kernels
 from .optim import NesterovSGD
 from .progress import Progress, chunked_decoder
 from .report import EpochRecord, RunLog, RunResult, device_info, process_start_time, versions
@@ -148,7 +148,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
                                    kernels=kernels, **augment)
     test_set = EvalSet(data.test_images, data.test_labels, cfg.eval_batch_size, dtype=dtype,
                        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size)
-    engine = {"loader": loader_name, "kernels": kernels_label(cfg.kernels, ctx.device, cfg.compile),
+    engine = {"loader": loader_name, "kernels": kernels,
               "precision": "fp16" if half else "fp32",
               "cuda graphs": "on" if use_graphs else "off"}
     if ctx.distributed:
@@ -176,7 +176,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
 
 def build_model(cfg: Config, device: torch.device, dtype: torch.dtype, num_classes: int = 10) -> torch.nn.Module:
-    norm = compiled.norm_for(norm_blocks(cfg.kernels, device, cfg.compile), cfg.compile)  # custom op under --compile
+    norm = compiled.norm_for(norm_blocks(cfg.kernels, device), cfg.compile)  # custom op under --compile
     model = recipe.make_network(cfg, norm=norm, num_classes=num_classes)
     model = model.to(device=device, memory_format=torch.channels_last)
     if dtype == torch.float16:

@@ -9,9 +9,14 @@ channel vector (64 fp16 channels = one 128-byte line). Per-channel reductions ru
 
 Reductions are two-stage and deterministic (no atomics): stage 1 gives each of about 512 programs
 (~4 per SM on a 132-SM H100) a contiguous chunk of rows and writes one partial per (chunk, channel)
--- Welford/Chan (count, mean, M2) for the forward statistics, plain sums for the backward -- and a
-small stage-2 kernel combines the <= 512 x C fp32 partials. Atomics would save that launch but make
-results depend on the order programs finish, so two runs of training would not be bit-identical.
+-- (mean, M2) for the forward statistics, from sums shifted by a pivot; plain sums for the backward --
+and a small stage-2 kernel combines the <= 512 x C fp32 partials, all loaded at once. Atomics would
+save that launch but make results depend on the order programs finish, so two runs of training
+would not be bit-identical. Stage 1 accumulates element-wise in registers and reduces across its
+tile once, at the end: reducing every tile (shared memory and a barrier each time) and stage 2's
+loop over the partials had left the statistics kernel at 23-25% of the copy bandwidth where it does
+not pool and each stage-2 kernel at 5-22 us; now 55-64% and 2-3 us (H100, 2026-11-23,
+bench/results/bn_sweep.md).
 
 Memory traffic, in units of the *pooled* activation P = N*C*(H/2)*(W/2) elements (a full map is 4P),
 per training step, reads + writes, statistics and partial buffers excluded (they are O(C)):
@@ -75,14 +80,19 @@ class Launch(NamedTuple):
 
 
 # By where the pool sits, from forward + backward timed as graph replays on an H100 at every preset
-# block under up to 19 settings (bench/sweep_bn_act_pool.py, 2026-11-22; bench/results/bn_sweep.md).
-# The earlier single setting, (2048, 1024, 4, 512), was set by arithmetic and ptxas's register report.
-# "before": window tiles 2x bigger, 1.08-1.09x. "after": 2 warps, 1.03-1.13x. No pool: unchanged;
-# 4096-element tiles with 256 programs were up to 1.19x faster there, but the GELU backward reduction
-# then spills on sm_80 (4 bytes; tests/test_kernel_compile.py forbids spills), and in the default
-# `--kernels auto` those blocks run cuDNN. More programs or 8 warps were slower everywhere.
-LAUNCH = {None: Launch(2048, 1024, 4, 512), "before": Launch(2048, 2048, 4, 512), "after": Launch(2048, 1024, 2, 512)}
-BLOCK_K = 32  # partials combined per stage-2 step (64 x 64 fp32 pairs spilled on sm_80)
+# block (bench/sweep_bn_act_pool.py; bench/results/bn_sweep.md). "before": window tiles of 2048
+# elements, 1.08-1.09x the single earlier setting (2048, 1024, 4, 512) on 2026-11-22 and still the
+# best of five after the statistics moved to register accumulators (2026-11-23). No pool and
+# "after": that earlier setting. Pool-after blocks had run 2 warps (1.03-1.13x with the old per-tile
+# reductions); with the register accumulators 2 warps are 1.25-1.53x slower, and 512 or 1024
+# programs are within 4% of each other (0.307/0.306, 0.171/0.173, 0.095/0.099 ms). 4096-element
+# tiles: no faster with the new reductions, and the GELU backward reduction spilled on sm_80 with
+# the old ones (tests/test_kernel_compile.py forbids spills). 8 warps were slower everywhere.
+LAUNCH = {None: Launch(2048, 1024, 4, 512), "before": Launch(2048, 2048, 4, 512), "after": Launch(2048, 1024, 4, 512)}
+# Stage 2 loads all of a channel block's partials at once: chunks x channels <= FINALIZE_TILE fp32
+# pairs over FINALIZE_WARPS warps, 32 of each per thread (64 x 64 pairs over 4 warps spilled on sm_80)
+FINALIZE_TILE = 4096
+FINALIZE_WARPS = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,10 +169,16 @@ def _stats_kernel(x_ptr, z_ptr, idx_ptr, pmean_ptr, pm2_ptr,
                   R, C, H, W, Ho, Wo, rows_per_prog,
                   POOL: tl.constexpr, STATS: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Stage 1 of the batch statistics: Welford/Chan partial (mean, M2) of a chunk of rows.
+    """Stage 1 of the batch statistics: the (mean, M2) partial of a chunk of rows.
 
     POOL: rows are 2x2 windows of x; the window max goes to z, its position (0..3) to idx, and the
     statistics are those of z. STATS=False only pools (eval mode).
+
+    Sums of x - pivot and of its square accumulate element-wise in registers, one tile's worth, and
+    are reduced across the tile once at the end: no cross-warp reduction (shared memory and a
+    barrier) per tile, so a warp's next loads issue without waiting on the others. The pivot is a
+    value of the chunk itself (its first row's, unpooled), within a few standard deviations of the
+    mean, so M2 = S2 - S1^2/n loses nothing to cancellation (tests: channels at 1500 +- 4 in fp16).
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -170,8 +186,13 @@ def _stats_kernel(x_ptr, z_ptr, idx_ptr, pmean_ptr, pm2_ptr,
     cmask = cols < C
     start = pid_r * rows_per_prog
     end = tl.minimum(start + rows_per_prog, R)
-    mean = tl.zeros([BLOCK_C], tl.float32)
-    m2 = tl.zeros([BLOCK_C], tl.float32)
+    if POOL:
+        first, _, _ = _window_base(start, H, W, Ho, Wo)
+    else:
+        first = start
+    pivot = tl.load(x_ptr + first.to(tl.int64) * C + cols, mask=cmask, other=0.0).to(tl.float32)
+    s1 = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    s2 = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         rmask = rows < end
@@ -190,58 +211,45 @@ def _stats_kernel(x_ptr, z_ptr, idx_ptr, pmean_ptr, pm2_ptr,
         else:
             v = tl.load(x_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
         if STATS:
-            # exact two-pass mean/M2 of the tile, then Chan's merge into the running (mean, M2)
-            n_done = (r0 - start).to(tl.float32)
-            n_tile = tl.minimum(end - r0, BLOCK_R).to(tl.float32)
-            t_mean = tl.sum(tl.where(mask, v, 0.0), axis=0) / n_tile
-            d = tl.where(mask, v - t_mean[None, :], 0.0)
-            t_m2 = tl.sum(d * d, axis=0)
-            frac = n_tile / (n_done + n_tile)
-            delta = t_mean - mean
-            mean = mean + delta * frac
-            m2 = m2 + t_m2 + delta * delta * n_done * frac
+            d = tl.where(mask, v - pivot[None, :], 0.0)
+            s1 += d
+            s2 += d * d
     if STATS:
-        tl.store(pmean_ptr + pid_r * C + cols, mean, mask=cmask)
-        tl.store(pm2_ptr + pid_r * C + cols, m2, mask=cmask)
+        n = (end - start).to(tl.float32)
+        t1 = tl.sum(s1, axis=0)
+        t2 = tl.sum(s2, axis=0)
+        tl.store(pmean_ptr + pid_r * C + cols, pivot + t1 / n, mask=cmask)
+        tl.store(pm2_ptr + pid_r * C + cols, tl.maximum(t2 - t1 * t1 / n, 0.0), mask=cmask)
 
 
 @triton.jit
 def _stats_finalize_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, rmean_ptr, rvar_ptr,
                            R, C, rows_per_prog, num_chunks, momentum, eps,
-                           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+                           CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
     """Stage 2: combine the chunk partials (mean = sum n_k m_k / R, M2 = sum M2_k + n_k (m_k - mean)^2),
-    write mean and 1/sqrt(var + eps) (biased var), update the running stats (unbiased var)."""
+    write mean and 1/sqrt(var + eps) (biased var), update the running stats (unbiased var).
+    All CHUNKS (>= num_chunks, a power of 2) partials of BLOCK_C channels load at once: a loop over
+    them would wait on one load latency per step, with only a few programs (one per channel block)."""
     pid_c = tl.program_id(0)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
+    ks = tl.arange(0, CHUNKS)
+    kmask = ks < num_chunks
+    nk = tl.where(kmask, tl.minimum(rows_per_prog, R - ks * rows_per_prog), 0).to(tl.float32)[:, None]
+    mask = kmask[:, None] & cmask[None, :]
+    offs = ks[:, None] * C + cols[None, :]
+    m = tl.load(pmean_ptr + offs, mask=mask, other=0.0)
+    q = tl.load(pm2_ptr + offs, mask=mask, other=0.0)
     total = R.to(tl.float32)
-    acc = tl.zeros([BLOCK_C], tl.float32)
-    for k0 in range(0, num_chunks, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < num_chunks
-        nk = tl.minimum(rows_per_prog, R - ks * rows_per_prog).to(tl.float32)
-        nk = tl.where(kmask, nk, 0.0)
-        m = tl.load(pmean_ptr + ks[:, None] * C + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc += tl.sum(m * nk[:, None], axis=0)
-    mean = acc / total
-    acc = tl.zeros([BLOCK_C], tl.float32)
-    for k0 in range(0, num_chunks, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < num_chunks
-        nk = tl.minimum(rows_per_prog, R - ks * rows_per_prog).to(tl.float32)
-        nk = tl.where(kmask, nk, 0.0)
-        mask = kmask[:, None] & cmask[None, :]
-        m = tl.load(pmean_ptr + ks[:, None] * C + cols[None, :], mask=mask, other=0.0)
-        q = tl.load(pm2_ptr + ks[:, None] * C + cols[None, :], mask=mask, other=0.0)
-        d = m - mean[None, :]
-        acc += tl.sum(q + nk[:, None] * d * d, axis=0)
-    var = acc / total
+    mean = tl.sum(m * nk, axis=0) / total
+    d = m - mean[None, :]
+    m2 = tl.sum(q + nk * d * d, axis=0)
     tl.store(mean_ptr + cols, mean, mask=cmask)
-    tl.store(rstd_ptr + cols, 1.0 / tl.sqrt(var + eps), mask=cmask)
+    tl.store(rstd_ptr + cols, 1.0 / tl.sqrt(m2 / total + eps), mask=cmask)
     rm = tl.load(rmean_ptr + cols, mask=cmask, other=0.0)
     rv = tl.load(rvar_ptr + cols, mask=cmask, other=0.0)
     tl.store(rmean_ptr + cols, (1.0 - momentum) * rm + momentum * mean, mask=cmask)
-    tl.store(rvar_ptr + cols, (1.0 - momentum) * rv + momentum * (acc / (total - 1.0)), mask=cmask)
+    tl.store(rvar_ptr + cols, (1.0 - momentum) * rv + momentum * (m2 / (total - 1.0)), mask=cmask)
 
 
 @triton.jit
@@ -293,8 +301,8 @@ def _bwd_reduce_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, psum_g_p
     shift = tl.load(b_ptr + cols, mask=cmask, other=0.0)[None, :] - mean * scale
     start = pid_r * rows_per_prog
     end = tl.minimum(start + rows_per_prog, R)
-    acc_g = tl.zeros([BLOCK_C], tl.float32)
-    acc_gx = tl.zeros([BLOCK_C], tl.float32)
+    acc_g = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)  # element-wise, reduced once at the end (as stats)
+    acc_gx = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         mask = (rows < end)[:, None] & cmask[None, :]
@@ -313,28 +321,24 @@ def _bwd_reduce_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, psum_g_p
         else:
             v, pre, _ = _bn_act_at(x_ptr, dy_offs, mask, scale, shift, ACT)
         g = tl.where(mask, dy * _act_grad(pre, ACT), 0.0)
-        acc_g += tl.sum(g, axis=0)
-        acc_gx += tl.sum(g * ((v - mean) * rstd), axis=0)
-    tl.store(psum_g_ptr + pid_r * C + cols, acc_g, mask=cmask)
-    tl.store(psum_gx_ptr + pid_r * C + cols, acc_gx, mask=cmask)
+        acc_g += g
+        acc_gx += g * ((v - mean) * rstd)
+    tl.store(psum_g_ptr + pid_r * C + cols, tl.sum(acc_g, axis=0), mask=cmask)
+    tl.store(psum_gx_ptr + pid_r * C + cols, tl.sum(acc_gx, axis=0), mask=cmask)
 
 
 @triton.jit
 def _bwd_finalize_kernel(psum_g_ptr, psum_gx_ptr, db_ptr, dw_ptr, C, num_chunks,
-                         BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Stage 2 of backward: db = sum g, dw = sum g * xhat over all chunks."""
+                         CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Stage 2 of backward: db = sum g, dw = sum g * xhat over all chunks, loaded at once (as the
+    forward's stage 2)."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    acc_g = tl.zeros([BLOCK_C], tl.float32)
-    acc_gx = tl.zeros([BLOCK_C], tl.float32)
-    for k0 in range(0, num_chunks, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask = (ks < num_chunks)[:, None] & cmask[None, :]
-        offs = ks[:, None] * C + cols[None, :]
-        acc_g += tl.sum(tl.load(psum_g_ptr + offs, mask=mask, other=0.0), axis=0)
-        acc_gx += tl.sum(tl.load(psum_gx_ptr + offs, mask=mask, other=0.0), axis=0)
-    tl.store(db_ptr + cols, acc_g, mask=cmask)
-    tl.store(dw_ptr + cols, acc_gx, mask=cmask)
+    ks = tl.arange(0, CHUNKS)
+    mask = (ks < num_chunks)[:, None] & cmask[None, :]
+    offs = ks[:, None] * C + cols[None, :]
+    tl.store(db_ptr + cols, tl.sum(tl.load(psum_g_ptr + offs, mask=mask, other=0.0), axis=0), mask=cmask)
+    tl.store(dw_ptr + cols, tl.sum(tl.load(psum_gx_ptr + offs, mask=mask, other=0.0), axis=0), mask=cmask)
 
 
 @triton.jit
@@ -451,6 +455,13 @@ def _chunking(rows: int, c_blocks: int, block_r: int, programs: int):
     return rows_per_prog, triton.cdiv(rows, rows_per_prog)
 
 
+def _finalize_tiling(chunks: int, c: int):
+    """Stage 2's partials per program (a power of 2 >= chunks), its channels per program, programs."""
+    chunks_p2 = triton.next_power_of_2(chunks)
+    block_c = max(1, min(BLOCK_C_MAX, triton.next_power_of_2(c), FINALIZE_TILE // chunks_p2))
+    return chunks_p2, block_c, triton.cdiv(c, block_c)
+
+
 def _check_args(act, pool):
     if act not in ACT_IDS:
         raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
@@ -491,9 +502,10 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
         _stats_kernel[(chunks, c_blocks)](
             x, src, idx, pmean, pm2, bn_rows, c, h, w, ho, wo, rows_per_prog,
             POOL=pool == "before", STATS=True, BLOCK_R=br, BLOCK_C=block_c, num_warps=warps)
-        _stats_finalize_kernel[(c_blocks,)](
+        chunks_p2, fin_c, fin_programs = _finalize_tiling(chunks, c)
+        _stats_finalize_kernel[(fin_programs,)](
             pmean, pm2, mean, rstd, running_mean, running_var, bn_rows, c, rows_per_prog, chunks,
-            float(momentum), float(eps), BLOCK_K=BLOCK_K, BLOCK_C=block_c, num_warps=warps)
+            float(momentum), float(eps), CHUNKS=chunks_p2, BLOCK_C=fin_c, num_warps=FINALIZE_WARPS)
     else:
         if pool == "before":
             rows_per_prog, chunks = _chunking(bn_rows, c_blocks, pblock_r, programs)
@@ -542,8 +554,9 @@ def bn_act_pool_backward(dy, saved, weight, bias, x_shape, training: bool, act: 
         ACT=ACT_IDS[act], POOL_AFTER=pool == "after", BLOCK_R=br, BLOCK_C=block_c, num_warps=warps)
     db = _empty((c,), torch.float32, dev)
     dw = _empty((c,), torch.float32, dev)
-    _bwd_finalize_kernel[(c_blocks,)](psum_g, psum_gx, db, dw, c, chunks,
-                                      BLOCK_K=BLOCK_K, BLOCK_C=block_c, num_warps=warps)
+    chunks_p2, fin_c, fin_programs = _finalize_tiling(chunks, c)
+    _bwd_finalize_kernel[(fin_programs,)](psum_g, psum_gx, db, dw, c, chunks,
+                                          CHUNKS=chunks_p2, BLOCK_C=fin_c, num_warps=FINALIZE_WARPS)
 
     dx = _empty((n, c, h, w), dy.dtype, dev, channels_last=True)
     bn_count = src.numel() // c  # elements per channel the statistics were taken over

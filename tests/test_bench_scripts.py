@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cli import ROOT, bench_results, env
 
@@ -66,6 +67,13 @@ def _load_bn_bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load_sweep():
+    spec = importlib.util.spec_from_file_location("sweep_bn_act_pool", ROOT / "bench" / "sweep_bn_act_pool.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep
 
 
 def test_bn_act_pool_bench_on_cpu_labels_its_timing():
@@ -182,9 +190,7 @@ def test_sweep_settings_reach_every_pool_place_and_base_restores_the_table():
     """sweep_bn_act_pool times a setting by swapping kernels/bn_act_pool.LAUNCH: one Launch goes to
     every pool place, "base" is the module's own per-place table, and it must come back after."""
     from fastcifar.kernels import bn_act_pool as bn
-    spec = importlib.util.spec_from_file_location("sweep_bn_act_pool", ROOT / "bench" / "sweep_bn_act_pool.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _load_sweep()
     table = dict(bn.LAUNCH)
     try:
         sweep.apply(sweep.SETTINGS["w2"])
@@ -193,3 +199,46 @@ def test_sweep_settings_reach_every_pool_place_and_base_restores_the_table():
         assert bn.LAUNCH == table
     finally:
         bn.LAUNCH.update(table)
+
+
+@pytest.mark.parametrize("pool", [None, "before", "after"])
+def test_kernel_bytes_names_every_streaming_kernel_the_launchers_run(pool, monkeypatch):
+    """The per-kernel split divides each kernel's bytes by its time: the names kernel_bytes counts
+    must be the kernels a training forward + backward launches, less the two O(C) stage-2 ones, and
+    their sums what traffic_bytes reports (the % copy of the sweep and of the benchmark)."""
+    from fastcifar.kernels import bn_act_pool as bap
+    launched = []
+
+    class Recorder:  # stands in for a @triton.jit kernel: ``kernel[grid](...)`` records its name
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(self.name)
+
+    for name in [n for n in vars(bap) if n.startswith("_") and n.endswith("_kernel")]:
+        monkeypatch.setattr(bap, name, Recorder(name))
+    x = torch.randn(4, 24, 6, 6).half().contiguous(memory_format=torch.channels_last)
+    ones = lambda: torch.ones(24)  # noqa: E731
+    y, saved = bap.bn_act_pool_forward(x, ones(), ones(), ones(), ones(), True, 0.1, 1e-5, "relu", pool)
+    bap.bn_act_pool_backward(torch.empty_like(y), saved, ones(), ones(), x.shape, True, "relu", pool)
+    bench = _load_bn_bench()
+    per_kernel = bench.kernel_bytes(4, 24, 6, 6, pool)
+    assert set(per_kernel) == set(launched) - {"_stats_finalize_kernel", "_bwd_finalize_kernel"}
+    assert len(launched) == 6
+    _, own = bench.traffic_bytes(4, 24, 6, 6, pool)
+    assert own["both"] == sum(per_kernel.values())
+    assert own["fwd"] == sum(per_kernel[k] for k in bench.FORWARD_KERNELS)
+
+
+def test_per_kernel_rows_rate_the_streaming_kernels_against_copy():
+    sweep = _load_sweep()
+    block = (2, 8, 6, "relu", None)
+    full = 2 * 8 * 6 * 6 * 2  # bytes of one fp16 map
+    rows = sweep.kernel_rows(block, "base", {"_apply_kernel": 2.0, "_stats_finalize_kernel": 1.5}, 100.0)
+    apply_row, finalize_row = rows
+    assert apply_row["kernel"] == "_apply_kernel" and apply_row["us"] == 2.0
+    assert apply_row["GB/s (own bytes)"] == round(2 * full / 2e-6 / 1e9, 1)  # reads x, writes y
+    assert apply_row["% copy (own)"] == round(100 * apply_row["GB/s (own bytes)"] / 100.0, 1)
+    assert finalize_row == {"block": "2 c8 6x6 relu pool=None", "setting": "base",
+                            "kernel": "_stats_finalize_kernel", "us": 1.5}
