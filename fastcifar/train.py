@@ -4,13 +4,13 @@
     python -m fastcifar.train --data data --preset resnet9        # the seed recipe
     torchrun --nproc_per_node 8 -m fastcifar.train --data data --preset apple8   # 8 GPUs, one machine
 
-Current result (one H100, torch 2.11, 2026-11-22, the shared JPEG copy of CIFAR-10, which is lossy
-and not comparable with published CIFAR-10 figures; ``bench/results/first_light.md``, fourth
-visit): `fast` 90.62% mean over 25 runs in 1.460 s mean train time (1.520 s with its final
-evaluation); the public airbench94 script on the same images in the same call 90.60% in 2.209 s
-on its own clock (training + final evaluation, its warm-up run left out): a ratio of 0.688 counted
-alike; `resnet9` 91.77% (3 runs; 91.72% over 13 in the first visit) in 9.64 s. `fast` meets the
-1.5 s target and stays 1.0-1.2 points below the `resnet9` bar on that data. Official CIFAR-10 and
+Current result (one H100, torch 2.11, triton 3.6, 2026-11-23, the shared JPEG copy of CIFAR-10,
+which is lossy and not comparable with published CIFAR-10 figures; ``bench/results/first_light.md``,
+fifth visit): `fast` 90.61% mean over 25 runs in 1.379 s mean train time (1.434 s with its final
+evaluation); the public airbench94 script on the same images in the same call 90.62% in 2.156 s
+on its own clock (training + final evaluation, its warm-up run left out): a ratio of 0.665 counted
+alike; `resnet9` 91.62% (3 runs; 91.62% over 8 in the visit) in 8.54 s. `fast` meets the 1.5 s
+target and stays about 1.0 point below the `resnet9` bar on that data. Official CIFAR-10 and
 several GPUs are unmeasured. Measure with ``bash scripts/gpu_visit.sh race`` on a GPU machine, or
 ``python bench/bench_train.py --preset fast --runs 25 --compare resnet9 -- --data data``.
 

@@ -14,9 +14,9 @@ and a small stage-2 kernel combines the <= 512 x C fp32 partials, all loaded at 
 save that launch but make results depend on the order programs finish, so two runs of training
 would not be bit-identical. Stage 1 accumulates element-wise in registers and reduces across its
 tile once, at the end: reducing every tile (shared memory and a barrier each time) and stage 2's
-loop over the partials had left the statistics kernel at 23-25% of the copy bandwidth where it does
-not pool and each stage-2 kernel at 5-22 us; now 55-64% and 2-3 us (H100, 2026-11-23,
-bench/results/bn_sweep.md).
+loop over the partials had left the statistics kernel at 20-25% of the copy bandwidth where it does
+not pool and each stage-2 kernel at 4.5-22 us; now 55-64% (maps of 7x7 and up) and 2-3 us (H100,
+2026-11-23, `sweep_bn_act_pool.py --per-kernel`, bench/results/bn_sweep.md).
 
 Memory traffic, in units of the *pooled* activation P = N*C*(H/2)*(W/2) elements (a full map is 4P),
 per training step, reads + writes, statistics and partial buffers excluded (they are O(C)):

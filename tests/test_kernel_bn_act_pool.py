@@ -120,8 +120,9 @@ def test_bfloat16_smoke():
 
 
 def test_large_mean_small_variance_fp16():
-    """Welford/Chan statistics: channels at 1500 +- 4 in fp16 keep their variance (naive E[x^2] - E[x]^2
-    in fp32 loses about 1% of it: x^2 ~ 2e6 carries an absolute error of ~0.1 per term)."""
+    """Statistics from sums shifted by a pivot from the data: channels at 1500 +- 4 in fp16 keep their
+    variance (naive E[x^2] - E[x]^2 in fp32 loses about 1% of it: x^2 ~ 2e6 carries an absolute error
+    of ~0.1 per term)."""
     g = torch.Generator().manual_seed(3)
     x = (1500 + 4 * torch.randn((3, 24, 7, 7), generator=g)).half().to(DEVICE).contiguous(memory_format=CL)
     c = 24
@@ -320,7 +321,7 @@ def _compare_own_stats(shape, dtype, act, pool, seed=0, tol=None):
     count = normed.numel() // normed.shape[1]
     mean64 = normed.mean(dim=(0, 2, 3))
     var64 = normed.var(dim=(0, 2, 3), unbiased=False)
-    # fp32 two-stage Welford/Chan over <= 1M values per channel is good to a few 1e-7 relative; 1e-5
+    # fp32 two-stage shifted sums over <= 1M values per channel are good to a few 1e-7 relative; 1e-5
     # keeps a wide margin while a skipped tile or a biased/unbiased mix-up moves them by far more
     assert_close(mean, mean64, 1e-5, f"batch mean vs float64 [{where}]")
     assert_close(rstd, torch.rsqrt(var64 + eps), 1e-5, f"batch rstd vs float64 [{where}]")
