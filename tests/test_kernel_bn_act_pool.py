@@ -121,8 +121,8 @@ def test_bfloat16_smoke():
 
 def test_large_mean_small_variance_fp16():
     """Statistics from sums shifted by a pivot from the data: channels at 1500 +- 4 in fp16 keep their
-    variance (naive E[x^2] - E[x]^2 in fp32 loses about 1% of it: x^2 ~ 2e6 carries an absolute error
-    of ~0.1 per term)."""
+    variance (unshifted sums in fp32, E[x^2] - E[x]^2, lose 4% of it here: x^2 ~ 2e6 carries an
+    absolute error of ~0.1 per term)."""
     g = torch.Generator().manual_seed(3)
     x = (1500 + 4 * torch.randn((3, 24, 7, 7), generator=g)).half().to(DEVICE).contiguous(memory_format=CL)
     c = 24
