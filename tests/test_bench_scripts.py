@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
     ("bench_step.py", ["--smoke"], "| batch | kernels | graphs | step_ms"),
     ("bench_augment.py", ["--smoke"], "smoke run"),
     ("sweep_bn_act_pool.py", ["--smoke"], "| block | base | w2 | best |"),
+    ("sweep_bn_act_pool.py", ["--smoke", "--per-kernel"], "| block | setting | kernel | us |"),
     ("bench_loader.py", ["--images", "256", "--epochs", "1", "--batches", "64", "--no-record"], "images/s"),
     # the two that launch the trainer (bench.common.run_trainer) and append their own rows
     ("bench_compress.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
@@ -62,18 +63,20 @@ def _tables(stdout):
     return tables
 
 
-def _load_bn_bench():
-    spec = importlib.util.spec_from_file_location("bench_bn_act_pool", ROOT / "bench" / "bench_bn_act_pool.py")
+def _load_bench(name: str):
+    """bench/NAME.py as a module (bench/ is scripts, not a package the tests import)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def _load_bn_bench():
+    return _load_bench("bench_bn_act_pool")
+
+
 def _load_sweep():
-    spec = importlib.util.spec_from_file_location("sweep_bn_act_pool", ROOT / "bench" / "sweep_bn_act_pool.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    return sweep
+    return _load_bench("sweep_bn_act_pool")
 
 
 def test_bn_act_pool_bench_on_cpu_labels_its_timing():
