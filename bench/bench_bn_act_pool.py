@@ -61,12 +61,17 @@ LAUNCH_REP_MS = 50  # do_bench repetitions of the eager launch_ms column, a side
 GRAPH_WARMUP = 3  # eager runs on the capture stream before each capture
 
 
+def map_bytes(n, c, h, w, pool, elem=2):
+    """(the block's input map, its output map) in bytes."""
+    full = n * c * h * w * elem
+    return full, n * c * (h // 2) * (w // 2) * elem if pool else full  # floor, as F.max_pool2d on odd maps
+
+
 def kernel_bytes(n, c, h, w, pool, elem=2):
     """Bytes each of the Triton launchers' streaming kernels moves in one forward + backward
     (kernels/bn_act_pool.py's table; the two small stage-2 kernels move O(C) and count 0), with a
     full map counted whole: on odd maps, where the pool drops a row/column, that slightly over-counts."""
-    full = n * c * h * w * elem
-    out = n * c * (h // 2) * (w // 2) * elem if pool else full  # floor, as F.max_pool2d on odd maps
+    full, out = map_bytes(n, c, h, w, pool, elem)
     if pool is None:
         return {"_stats_kernel": full, "_apply_kernel": 2 * full,
                 "_bwd_reduce_kernel": 2 * full, "_bwd_dx_kernel": 3 * full}
@@ -84,8 +89,7 @@ FORWARD_KERNELS = ("_stats_kernel", "_apply_kernel")  # the rest of kernel_bytes
 def traffic_bytes(n, c, h, w, pool, elem=2):
     """(minimal, triton) bytes for forward and backward: dicts keyed 'fwd', 'bwd', 'both'.
     The Triton bytes are the sums of ``kernel_bytes``."""
-    full = n * c * h * w * elem
-    out = n * c * (h // 2) * (w // 2) * elem if pool else full
+    full, out = map_bytes(n, c, h, w, pool, elem)
     minimal = {"fwd": full + out, "bwd": out + full + full}
     per_kernel = kernel_bytes(n, c, h, w, pool, elem)
     triton_b = {"fwd": sum(b for k, b in per_kernel.items() if k in FORWARD_KERNELS),

@@ -71,14 +71,6 @@ def _load_bench(name: str):
     return module
 
 
-def _load_bn_bench():
-    return _load_bench("bench_bn_act_pool")
-
-
-def _load_sweep():
-    return _load_bench("sweep_bn_act_pool")
-
-
 def test_bn_act_pool_bench_on_cpu_labels_its_timing():
     """On the CPU there are no CUDA graphs: every row says its figures are eager launches
     ("launch"), with launch_ms beside them; torch.compile (--compile, when a C++ compiler is here)
@@ -110,7 +102,7 @@ def test_bn_act_pool_directions_take_gradients_without_accumulating():
 
     from fastcifar.model import NormActPool
 
-    bench = _load_bn_bench()
+    bench = _load_bench("bench_bn_act_pool")
     bench.SMOKE = True  # as --smoke sets it: CPU timing (perf_counter), not do_bench
     norm = NormActPool(8, act="relu", pool="after")
     x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last).requires_grad_()
@@ -130,7 +122,7 @@ def test_bn_act_pool_compile_settings_scoped():
     import torch._dynamo.config
     import torch._functorch.config
 
-    bench = _load_bn_bench()
+    bench = _load_bench("bench_bn_act_pool")
     dynamo, functorch = torch._dynamo.config, torch._functorch.config
     before = (dynamo.error_on_recompile, getattr(functorch, "donated_buffer", None))
     with bench.compile_settings(False):
@@ -147,7 +139,7 @@ def test_bn_act_pool_graph_rows(monkeypatch, capture_fails):
     """With graphs (CUDA), median, percentiles, GB/s and % copy are the graph replays' and launch_ms
     the eager figure; an impl that cannot be captured gets the error in its rows, no GB/s. The
     capture itself needs CUDA: a stand-in returns fixed figures (or raises) here."""
-    bench = _load_bn_bench()
+    bench = _load_bench("bench_bn_act_pool")
     bench.SMOKE = True  # the eager launch_ms by perf_counter, as --smoke times it
     all_impls = bench.block_impls
     monkeypatch.setattr(bench, "block_impls", lambda *a: {"eager": all_impls(*a)["eager"]})  # no interpreter
@@ -177,7 +169,7 @@ def test_bn_act_pool_graph_rows(monkeypatch, capture_fails):
 def test_bn_act_pool_records_each_block_as_it_finishes(monkeypatch):
     """The kernels stage may be cut off at its time limit: each block's rows reach ``record`` as soon
     as that block is measured, not all at the end."""
-    bench = _load_bn_bench()
+    bench = _load_bench("bench_bn_act_pool")
     bench.SMOKE = True
     all_impls = bench.block_impls
     monkeypatch.setattr(bench, "block_impls", lambda *a: {"eager": all_impls(*a)["eager"]})  # no interpreter
@@ -193,7 +185,7 @@ def test_sweep_settings_reach_every_pool_place_and_base_restores_the_table():
     """sweep_bn_act_pool times a setting by swapping kernels/bn_act_pool.LAUNCH: one Launch goes to
     every pool place, "base" is the module's own per-place table, and it must come back after."""
     from fastcifar.kernels import bn_act_pool as bn
-    sweep = _load_sweep()
+    sweep = _load_bench("sweep_bn_act_pool")
     table = dict(bn.LAUNCH)
     try:
         sweep.apply(sweep.SETTINGS["w2"])
@@ -225,7 +217,7 @@ def test_kernel_bytes_names_every_streaming_kernel_the_launchers_run(pool, monke
     ones = lambda: torch.ones(24)  # noqa: E731
     y, saved = bap.bn_act_pool_forward(x, ones(), ones(), ones(), ones(), True, 0.1, 1e-5, "relu", pool)
     bap.bn_act_pool_backward(torch.empty_like(y), saved, ones(), ones(), x.shape, True, "relu", pool)
-    bench = _load_bn_bench()
+    bench = _load_bench("bench_bn_act_pool")
     per_kernel = bench.kernel_bytes(4, 24, 6, 6, pool)
     assert set(per_kernel) == set(launched) - {"_stats_finalize_kernel", "_bwd_finalize_kernel"}
     assert len(launched) == 6
@@ -235,7 +227,7 @@ def test_kernel_bytes_names_every_streaming_kernel_the_launchers_run(pool, monke
 
 
 def test_per_kernel_rows_rate_the_streaming_kernels_against_copy():
-    sweep = _load_sweep()
+    sweep = _load_bench("sweep_bn_act_pool")
     block = (2, 8, 6, "relu", None)
     full = 2 * 8 * 6 * 6 * 2  # bytes of one fp16 map
     rows = sweep.kernel_rows(block, "base", {"_apply_kernel": 2.0, "_stats_finalize_kernel": 1.5}, 100.0)
