@@ -12,7 +12,7 @@ optimizer, other and idle (ms per step), with the top 5 kernels and the kernels 
 ``--preset fast`` times that preset's network (FastNet) instead of the default ResNet-9.
 
     python bench/bench_step.py                      # on a GPU: the full table, rows to bench/results/step.jsonl
-    python bench/bench_step.py --preset fast --batches 1024    # the default preset's network and batch
+    python bench/bench_step.py --preset fast-muon320 --batches 2000    # the default preset's network and batch
     python bench/bench_step.py --smoke              # the script's logic on the CPU, tiny, nothing written
 
 The step is the trainer's own (``fastcifar.train.make_step`` inside ``fastcifar.graphs.TrainStep``),

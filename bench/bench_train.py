@@ -1,7 +1,7 @@
 """Time to accuracy: N runs of a preset in one process, after an untimed warm-up run, side by side
 with other presets.
 
-    python bench/bench_train.py --preset fast --runs 25 --compare resnet9 -- --data data
+    python bench/bench_train.py --runs 25 --compare fast resnet9 -- --data data   # the default preset first
     torchrun --nproc_per_node 8 bench/bench_train.py --preset apple8 --runs 25 -- --data data
 
 Everything after ``--`` is passed to every preset's trainer command line (``--data``, ``--device``,

@@ -12,13 +12,13 @@
 #   bash scripts/gpu_visit.sh bench                    # (c) step (fast, resnet9), augmentation and loader benchmarks
 #   bash scripts/gpu_visit.sh kernels                  # (c') the fused bn/act/pool kernel vs eager and torch.compile
 #   bash scripts/gpu_visit.sh accuracy PRESET [SEED]   # (d) runs of PRESET from SEED until the stage budget
-#   bash scripts/gpu_visit.sh race [AIRBENCH94_PY]     # (e) fast x25, resnet9 and the public airbench94 script
+#   bash scripts/gpu_visit.sh race [AIRBENCH94_PY]     # (e) the default preset x25, resnet9 and the public airbench94 script
 #   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
 #
 # Race: AIRBENCH94_PY (default .stage/airbench/airbench94.py) is a copy of the public script kept in
 # an ignored folder, unchanged; scripts/export_tensors.py writes our images where its loader reads
-# them (cifar10/{train,test}.pt under its working folder). RACE_RUNS (25) and BAR_RUNS (3) set the
-# run counts of fast and resnet9.
+# them (cifar10/{train,test}.pt under its working folder). RACE_PRESETS (the default preset) names the
+# presets raced, RACE_RUNS (25) and BAR_RUNS (3) set the run counts of each and of resnet9.
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines and bench stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -120,7 +120,7 @@ check)
   ;;
 engines)
   ensure_data
-  # 4 epochs: `fast` freezes its whitening bias after 3, and the step then replays its second graph
+  # 4 epochs: the default preset (FastNet) freezes its whitening bias after 3, and the step then replays its second graph
   for kernels in auto triton torch; do
     for graphs in on off; do
       train "k-$kernels-g-$graphs" 150 --subset 10000 --epochs 4 --kernels "$kernels" --cuda-graphs "$graphs" --loader torch
@@ -136,7 +136,8 @@ engines)
   ;;
 bench)
   ensure_data
-  step bench-step-fast 100 "$py" bench/bench_step.py --preset fast --batches 1024  # the default preset's step
+  default=$("$py" -c "from fastcifar.config import DEFAULT_PRESET, from_preset as f; print(DEFAULT_PRESET, f().batch_size)")
+  step bench-step-default 100 "$py" bench/bench_step.py --preset ${default% *} --batches ${default#* }  # the default preset's step
   step bench-step 150 "$py" bench/bench_step.py
   step bench-augment 120 "$py" bench/bench_augment.py
   loaders=torch; dali_ok && loaders="dali torch"
@@ -178,7 +179,11 @@ race)
   else
     rows+=("| airbench94 | skipped: no exported images | 0 |")
   fi
-  train fast-runs 200 --preset fast --seed 0 --runs "${RACE_RUNS:-25}"
+  # the default preset unless RACE_PRESETS names others (e.g. "fast-muon320 fast": the old default beside it)
+  presets=${RACE_PRESETS:-$("$py" -c "from fastcifar.config import DEFAULT_PRESET; print(DEFAULT_PRESET)")}
+  for preset in $presets; do
+    train "$preset-runs" 200 --preset "$preset" --seed 0 --runs "${RACE_RUNS:-25}"
+  done
   train resnet9-runs 120 --preset resnet9 --seed 0 --runs "${BAR_RUNS:-3}"
   step race-table 60 "$py" scripts/gpu_visit_report.py race "$work/runs" --airbench-log "$work/airbench94.log" \
     --out "$work/figures.md"

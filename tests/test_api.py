@@ -76,7 +76,9 @@ def test_train_validates_exactly_as_the_cli(learnable_data, tmp_path, capsys):
 
 def test_from_preset_shortens_like_the_command_line():
     for epochs in (1, 5, 20):
-        assert from_preset("fast", epochs=epochs) == parse_args(["--epochs", str(epochs)])
+        assert from_preset(epochs=epochs) == parse_args(["--epochs", str(epochs)])  # the default preset
+        # fast warms up over 0.23 of its epochs: the warm-up scales with --epochs in both
+        assert from_preset("fast", epochs=epochs) == parse_args(["--preset", "fast", "--epochs", str(epochs)])
     assert from_preset("fast", epochs=5, warmup_epochs=1.0).warmup_epochs == 1.0
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fastcifar.config import DEFAULT_PRESET, from_preset
 from fastcifar.report import EpochRecord, RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +106,7 @@ def test_two_accuracy_stages_in_one_call_keep_both_tables(tmp_path):
 def test_race_stage_runs_the_public_script_in_the_folder_its_loader_reads(tmp_path):
     proc, out = visit(tmp_path, "race", RACE_RUNS="25", BAR_RUNS="4")
     table = (out / "race-table.md").read_text()
-    for name in ("export-tensors", "airbench94", "fast-runs", "resnet9-runs", "race-table"):
+    for name in ("export-tensors", "airbench94", f"{DEFAULT_PRESET}-runs", "resnet9-runs", "race-table"):
         assert f"| {name} |" in table, table
     lines = proc.stdout.splitlines()
     export = next(line for line in lines if line.startswith("dry run:") and "export_tensors.py" in line)
@@ -113,8 +114,16 @@ def test_race_stage_runs_the_public_script_in_the_folder_its_loader_reads(tmp_pa
     assert folder.endswith("/airbench/cifar10")  # airbench94 reads cifar10/{train,test}.pt under its cwd
     airbench = next(line for line in lines if line.startswith("dry run:") and "airbench94.py" in line)
     assert f"cd '{folder[:-len('/cifar10')]}'" in airbench and str(tmp_path / "airbench94.py") in airbench
-    assert any("--preset fast --seed 0 --runs 25" in line for line in lines)
+    assert any(f"--preset {DEFAULT_PRESET} --seed 0 --runs 25" in line for line in lines)
     assert any("--preset resnet9 --seed 0 --runs 4" in line for line in lines)
+    assert not any("--preset fast --seed" in line for line in lines)  # the default alone unless named
+
+
+def test_race_stage_races_the_presets_it_is_given(tmp_path):
+    proc, out = visit(tmp_path, "race", RACE_PRESETS="fast-muon320 fast", RACE_RUNS="5")
+    table = (out / "race-table.md").read_text()
+    assert "| fast-muon320-runs |" in table and "| fast-runs |" in table, table
+    assert any("--preset fast --seed 0 --runs 5" in line for line in proc.stdout.splitlines())
 
 
 def test_race_stage_skips_the_public_script_when_the_export_fails(tmp_path):
@@ -133,13 +142,14 @@ def test_race_stage_without_the_public_script_says_so(tmp_path):
 
 
 def test_bench_stage_times_the_default_presets_step_first(tmp_path):
-    """The race timed `fast` (FastNet at 1024), so its step breakdown comes first, before the budget
-    can run out; the kernel benchmark, graph-replay timed and slow to compile, is a stage of its own."""
+    """The race times the default preset, so its step breakdown (its network at its batch) comes first,
+    before the budget can run out; the kernel benchmark, graph-replay timed and slow to compile, is a
+    stage of its own."""
     proc, out = visit(tmp_path, "bench")
     steps = [line.split("|")[1].strip() for line in (out / "bench-table.md").read_text().splitlines()
              if line.startswith("| bench-")]
-    assert steps[0] == "bench-step-fast" and "bench-bn" not in steps, steps
-    assert "bench_step.py --preset fast --batches 1024" in proc.stdout
+    assert steps[0] == "bench-step-default" and "bench-bn" not in steps, steps
+    assert f"bench_step.py --preset {DEFAULT_PRESET} --batches {from_preset().batch_size}" in proc.stdout
     proc, out = visit(tmp_path, "kernels")
     assert "| bench-bn | ok |" in (out / "kernels-table.md").read_text()
 
@@ -229,6 +239,7 @@ def test_race_report_sets_both_trainers_side_by_side(tmp_path):
     runs = tmp_path / "runs"
     write_run(runs, "fast-runs", [1.2, 1.0], preset="fast", acc=90.5)  # train 2.0 s, last epoch's test 0.1 s
     write_run(runs, "resnet9-runs", [1.0], preset="resnet9", seed=0, acc=91.0)
+    write_run(runs, "fast-muon320-runs", [0.5], preset="fast-muon320", acc=91.2)  # a second contender
     log = tmp_path / "airbench94.log"
     log.write_text(AIRBENCH_LOG)
     proc = report("race", runs, "--airbench-log", log)
@@ -238,6 +249,8 @@ def test_race_report_sets_both_trainers_side_by_side(tmp_path):
     assert "| fastcifar fast | 1 | 90.50 | 0.00 | 90.50 | 1 | 2.000 | 2.000 |" in proc.stdout
     assert "| fastcifar fast + eval | 1 | 90.50 | 0.00 | 90.50 | 1 | 2.100 | 2.100 |" in proc.stdout
     assert "fastcifar fast / airbench94 all runs: 0.798 (train only), 0.838 (+ eval" in proc.stdout
+    assert "fastcifar fast-muon320 / airbench94 all runs: 0.399 (train only), 0.439 (+ eval" in proc.stdout
+    assert "fastcifar resnet9 / airbench94" not in proc.stdout  # the bar is not a contender
     # without airbench94's first run (its warm-up): 2.6 s
     assert "| airbench94 runs 2-N (1 = its warm-up) | 1 | 91.01 | 0.00 | 91.01 | 0 | 2.600 | 2.600 |" in proc.stdout
     assert "fastcifar fast / airbench94 runs 2-N: 0.769 (train only), 0.808 (+ eval" in proc.stdout

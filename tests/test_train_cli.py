@@ -9,7 +9,7 @@ import torch
 
 from cli import FAST_SHORT, SHORT, run_dirs, run_train, summary_of
 from conftest import one_line_error, write_official
-from fastcifar.config import Config, build_parser, from_preset, parse_args
+from fastcifar.config import DEFAULT_PRESET, Config, build_parser, from_preset, parse_args
 from fastcifar.report import EPOCH_HEADER, TSV_COLUMNS
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def test_abbreviated_flags_are_refused(capsys):
 def test_overrides_and_presets():
     cfg = parse_args(["--preset", "resnet9", "--epochs", "3", "--no-tta", "--widths", "8,16,32,64", "--lr", "0.2"])
     assert (cfg.epochs, cfg.tta, cfg.widths, cfg.lr, cfg.preset) == (3, False, (8, 16, 32, 64), 0.2, "resnet9")
-    assert parse_args(["--epochs", "3"]).preset == "fast"  # the default preset
+    assert parse_args(["--epochs", "3"]).preset == DEFAULT_PRESET == "fast-muon320"  # the default preset
     seed = from_preset("resnet9")
     assert (seed.epochs, seed.batch_size, seed.lr, seed.momentum, seed.nesterov, seed.weight_decay,
             seed.label_smoothing, seed.crop_pad, seed.cutout, seed.warmup_epochs, seed.tta) == \
