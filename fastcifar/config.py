@@ -140,10 +140,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "apple8": {"batch_size": 2048},
     # The CIFAR AlexNet of the compressed-communication system (issue 15), on the seed recipe.
     "alexnet": {"arch": "alexnet", "widths": (64, 192, 384, 256, 256)},
-    # The default: airbench94 (Jordan, 2024: 94.01% mean over 1,000 runs on one A100) transcribed
-    # fact by fact into this trainer's conventions; tests/test_recipe_parity.py holds a few of its
-    # steps to a plain-PyTorch transcription of the published recipe. UNMEASURED here (no GPU,
-    # 2026-11-22). Conversions:
+    # airbench94 (Jordan, 2024: 94.01% mean over 1,000 runs on one A100) transcribed fact by fact
+    # into this trainer's conventions (the default until 2026-11-23); tests/test_recipe_parity.py
+    # holds a few of its steps to a plain-PyTorch transcription of the published recipe. One H100,
+    # JPEG copy: 90.62% in 1.43 s (first_light.md, sixth visit). Conversions:
     #   lr 11.5 per 1024 in airbench's decoupled form is 11.5 / (1024 x (1 + 1/(1 - 0.85))) =
     #      1.4648e-3 per image of summed loss = 0.75 per 512 for the mean loss;
     #   weight decay 0.0153 decoupled: 0.0153 x 1024 / 7850.7 per step on the summed loss
@@ -188,9 +188,9 @@ PRESETS["fast-muon"] = {**PRESETS["fast"], "epochs": 8, "batch_size": 2000, "lr"
                         "muon_ns_steps": 3, "logit_scale": 1 / 256, "head_unit_init": True}
 # The default since 2026-11-23: `fast-muon` with its two wide blocks at 320 channels. On one H100 on
 # the JPEG copy (6 runs each, one call) it trained 91.16% in 1.43 s where `fast` trained 90.62% in
-# 1.41 s: of the levers measured within 1.5 s (10 Muon epochs 91.08% in 1.42 s; 288 channels 90.86%
-# in 1.38 s; 96/384/384 for 6 epochs 90.82% in 1.51 s) the most accurate. Logits stay / 256, as
-# measured (bench/results/first_light.md, sixth visit).
+# 1.41 s: the best mean of the settings measured within 1.5 s (10 Muon epochs at 256 channels,
+# 91.08% in 1.42 s, is within the runs' spread; 288 channels 90.86% in 1.38 s); 25 runs in a later
+# call: 91.08% in 1.44 s. Logits stay / 256, as measured (bench/results/first_light.md, sixth visit).
 PRESETS["fast-muon320"] = {**PRESETS["fast-muon"], "widths": (64, 320, 320)}
 DEFAULT_PRESET = "fast-muon320"  # what `python -m fastcifar.train` runs
 
@@ -305,13 +305,16 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if (cfg.checkpoint_every or cfg.resume) and cfg.runs != 1:
         raise ConfigError(f"--checkpoint-every and --resume hold one run; use --runs 1, not {cfg.runs}")
     if (cfg.checkpoint_every or cfg.resume) and (cfg.compress != "none" or cfg.sparse_mask != "none"
-                                                 or cfg.local_steps or cfg.optimizer != "sgd"):
-        # their state (error-feedback residuals, masks, local-SGD anchors, Muon's momentum) is not in the checkpoint
-        raise ConfigError("--checkpoint-every and --resume do not yet hold --compress, --sparse-mask, "
-                          "--local-steps or --optimizer muon state; use one or the other")
+                                                 or cfg.local_steps):
+        # their state (error-feedback residuals, masks, local-SGD anchors) is not in the checkpoint
+        raise ConfigError("--checkpoint-every and --resume do not yet hold --compress, --sparse-mask or "
+                          "--local-steps state; use one or the other")
     if cfg.optimizer == "muon" and (cfg.sparse_mask != "none" or cfg.local_steps):
-        raise ConfigError("--optimizer muon does not combine with --sparse-mask or --local-steps "
-                          "(their masked update and local merges wrap Nesterov SGD)")
+        # the default preset trains with Muon: say where it came from and what to run instead
+        source = f"preset {cfg.preset} trains with --optimizer muon" if PRESETS[cfg.preset].get("optimizer") \
+            == "muon" else "--optimizer muon"
+        raise ConfigError(f"{source}, which does not combine with --sparse-mask or --local-steps (their "
+                          f"masked update and local merges wrap Nesterov SGD); use an SGD preset, e.g. --preset resnet9")
     if cfg.batch_size % world_size:
         raise ConfigError(f"--batch-size {cfg.batch_size} does not divide over {world_size} ranks "
                           f"(the per-rank batch must be a whole number)")

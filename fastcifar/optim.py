@@ -247,6 +247,18 @@ class Muon:
     def reset_state(self) -> None:
         torch._foreach_zero_(self.buffers)
 
+    def state_dict(self) -> dict:
+        """The filters' momentum buffers (on the CPU), for checkpoints; the sharded flat buffer is
+        scratch, rewritten every step."""
+        return {"buffers": [b.detach().cpu().clone() for b in self.buffers]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """In place (a captured graph holds these tensors); refuses buffers of other shapes."""
+        if [tuple(b.shape) for b in state["buffers"]] != [tuple(b.shape) for b in self.buffers]:
+            raise ValueError("the Muon state does not fit this model's conv filters")
+        torch._foreach_copy_(self.buffers, [t.to(self.buffers[0].device) for t in state["buffers"]])
+
 
 class MuonSGD:
     """Muon on the conv filters and ``NesterovSGD`` on everything else, behind the optimizer
@@ -276,3 +288,13 @@ class MuonSGD:
     def reset_state(self) -> None:
         self.sgd.reset_state()
         self.muon.reset_state()
+
+    def state_dict(self) -> dict:
+        """``NesterovSGD``'s state with the filters' Muon momentum beside it."""
+        return {**self.sgd.state_dict(), "muon": self.muon.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "muon" not in state:  # an SGD checkpoint; config_from_dict's match normally refuses it first
+            raise ValueError("the optimizer state holds no Muon momentum (written by plain SGD)")
+        self.muon.load_state_dict(state["muon"])  # checked before anything is written into SGD's state
+        self.sgd.load_state_dict(state)

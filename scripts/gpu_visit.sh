@@ -9,7 +9,7 @@
 #
 #   bash scripts/gpu_visit.sh check                    # (a) versions, CUDA tests, kernels at the presets' shapes
 #   bash scripts/gpu_visit.sh engines                  # (b) 4 short epochs per engine combination + 1-rank NCCL
-#   bash scripts/gpu_visit.sh bench                    # (c) step (fast, resnet9), augmentation and loader benchmarks
+#   bash scripts/gpu_visit.sh bench                    # (c) step (the default preset, resnet9), augmentation and loader benchmarks
 #   bash scripts/gpu_visit.sh kernels                  # (c') the fused bn/act/pool kernel vs eager and torch.compile
 #   bash scripts/gpu_visit.sh accuracy PRESET [SEED]   # (d) runs of PRESET from SEED until the stage budget
 #   bash scripts/gpu_visit.sh race [AIRBENCH94_PY]     # (e) the default preset x25, resnet9 and the public airbench94 script
@@ -103,6 +103,11 @@ write_official(Path('$data'), per_batch=2000, n_test=2000)"
 
 dali_ok() { [ "$dry" = 1 ] || "$py" -c "import nvidia.dali" >/dev/null 2>&1; }
 
+default_preset() {  # "NAME BATCH": the trainer's default preset and its global batch (also in a dry run)
+  "$py" -c "from fastcifar.config import DEFAULT_PRESET, from_preset; print(DEFAULT_PRESET, from_preset().batch_size)" \
+    2>"$work/default-preset.log"
+}
+
 train() {  # train NAME TIMEOUT FLAGS...: one trainer invocation logging into $work/runs/NAME
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" "$py" -m fastcifar.train --data "$data" --out-dir "$work/runs/$name" "$@"
@@ -136,8 +141,11 @@ engines)
   ;;
 bench)
   ensure_data
-  default=$("$py" -c "from fastcifar.config import DEFAULT_PRESET, from_preset as f; print(DEFAULT_PRESET, f().batch_size)")
-  step bench-step-default 100 "$py" bench/bench_step.py --preset ${default% *} --batches ${default#* }  # the default preset's step
+  if default=$(default_preset); then  # the default preset's network at its batch, first
+    step bench-step-default 100 "$py" bench/bench_step.py --preset "${default% *}" --batches "${default#* }"
+  else
+    rows+=("| bench-step-default | FAIL: the default preset could not be read (default-preset.log) | 0 |"); failed=1
+  fi
   step bench-step 150 "$py" bench/bench_step.py
   step bench-augment 120 "$py" bench/bench_augment.py
   loaders=torch; dali_ok && loaders="dali torch"
@@ -171,6 +179,11 @@ race)
   [ -e "$data" ] || { note "the race needs real data: \$DATA or .stage/data/cifar10-jpeg.tar.gz"; failed=1; exit; }
   [ -f "$airbench" ] || { note "no airbench94 script at $airbench (a copy of the public one, kept in an ignored folder)"; failed=1; exit; }
   airbench=$(cd "$(dirname "$airbench")" && pwd)/$(basename "$airbench")
+  # the default preset unless RACE_PRESETS names others (e.g. "fast-muon320 fast": the old default
+  # beside it); settled before airbench94 spends its minutes, so a race never ends without a contender
+  presets=${RACE_PRESETS:-}
+  if [ -z "$presets" ] && default=$(default_preset); then presets=${default% *}; fi
+  [ -n "$presets" ] || { note "no preset to race: the default preset could not be read (default-preset.log)"; failed=1; exit; }
   mkdir -p "$work/airbench"
   # its loader reads cifar10/{train,test}.pt under its working folder (else it tries a download, which
   # fails offline); it runs 25 seeds and prints each
@@ -179,8 +192,6 @@ race)
   else
     rows+=("| airbench94 | skipped: no exported images | 0 |")
   fi
-  # the default preset unless RACE_PRESETS names others (e.g. "fast-muon320 fast": the old default beside it)
-  presets=${RACE_PRESETS:-$("$py" -c "from fastcifar.config import DEFAULT_PRESET; print(DEFAULT_PRESET)")}
   for preset in $presets; do
     train "$preset-runs" 200 --preset "$preset" --seed 0 --runs "${RACE_RUNS:-25}"
   done

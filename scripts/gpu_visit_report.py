@@ -140,6 +140,8 @@ def race(root: Path, airbench_log: Path, bar: float | None) -> tuple[list[str], 
                              f"(train only), {with_eval / ab_mean:.3f} (+ eval, as airbench94 counts)")
     if not presets:
         problems.append(f"no summary.json under {root}")
+    elif set(presets) == {"resnet9"}:
+        problems.append(f"no contender under {root}: only the bar (resnet9) ran")
     return lines, problems
 
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # untimed warm-up step.
 SHORT = ["--preset", "resnet9", "--device", "cpu", "--widths", "8,16,32,64", "--batch-size", "100", "--epochs", "4",
          "--warmup-epochs", "1", "--warmup-steps", "1", "--eval-batch-size", "200"]
-# The default `fast` preset made as small: narrow FastNet, whitening from 200 images.
+# The `fast` preset (airbench94's recipe) made as small: narrow FastNet, whitening from 200 images.
 FAST_SHORT = ["--preset", "fast", "--device", "cpu", "--widths", "16,32,32", "--batch-size", "100", "--epochs", "4",
               "--warmup-epochs", "1", "--warmup-steps", "1", "--eval-batch-size", "200", "--whiten-images", "200",
               "--whiten-bias-epochs", "2"]

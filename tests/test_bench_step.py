@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from cli import ROOT, bench_results, env
+from fastcifar.config import DEFAULT_PRESET
 
 
 def load_bench_step():
@@ -80,10 +81,10 @@ def test_idle_against_the_plain_step(bench_step, monkeypatch):
 @pytest.mark.slow
 def test_smoke_run_of_the_default_presets_network():
     before = bench_results()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py"), "--smoke", "--preset", "fast"],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py"), "--smoke", "--preset", DEFAULT_PRESET],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "| fastnet (fast) | 4 | torch | off |" in proc.stdout
+    assert f"| fastnet ({DEFAULT_PRESET}) | 4 | torch | off |" in proc.stdout
     assert bench_results() == before
 
 

@@ -43,10 +43,13 @@ def write_noisy_official(root, n_train=1000, n_test=300):
     return folder, (tx, ty)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One uninterrupted 3-epoch run that also wrote a checkpoint after epoch 2."""
-    root = tmp_path_factory.mktemp("trained")
+# The default preset (fast-muon320: Muon on the filters, no lookahead) made as small.
+DEFAULT_TINY = FAST_TINY[2:]
+assert FAST_TINY[:2] == ["--preset", "fast"]
+
+
+def _train_with_checkpoint(root, tiny):
+    """One uninterrupted 3-epoch run of ``tiny`` that also wrote a checkpoint after epoch 2."""
     data, test = write_noisy_official(root / "data")
     out = root / "runs"
     # in this process (no start-up cost); the resume test continues it in a fresh one, which runs
@@ -55,13 +58,23 @@ def trained(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert train_main([str(a) for a in ["--data", data, "--out-dir", out, *FAST_TINY,
+        assert train_main([str(a) for a in ["--data", data, "--out-dir", out, *tiny,
                                             "--checkpoint-every", "2"]]) == 0
     finally:
         torch.set_num_threads(threads)
     (run_dir,) = run_dirs(out)
-    return {"data": data, "test": test, "dir": run_dir, "root": root,
+    return {"data": data, "test": test, "dir": run_dir, "root": root, "tiny": tiny,
             "summary": json.loads((run_dir / "summary.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return _train_with_checkpoint(tmp_path_factory.mktemp("trained"), FAST_TINY)
+
+
+@pytest.fixture(scope="module")
+def trained_default(tmp_path_factory):
+    return _train_with_checkpoint(tmp_path_factory.mktemp("trained_default"), DEFAULT_TINY)
 
 
 def tiny_fastnet(num_classes=11):
@@ -160,9 +173,12 @@ def _tensors(path):
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def test_resume_is_bit_identical_to_the_uninterrupted_run(trained, tmp_path):
+@pytest.mark.parametrize("which", ["trained", "trained_default"])
+def test_resume_is_bit_identical_to_the_uninterrupted_run(which, request, tmp_path):
+    """`fast` (lookahead, SGD) and the default preset (Muon's momentum on the filters)."""
+    trained = request.getfixturevalue(which)
     out = tmp_path / "runs"
-    proc = run_train(["--data", trained["data"], "--out-dir", out, *FAST_TINY,
+    proc = run_train(["--data", trained["data"], "--out-dir", out, *trained["tiny"],
                       "--resume", trained["dir"] / "checkpoint.pt"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "after epoch 2" in proc.stdout
@@ -230,6 +246,14 @@ def test_checkpoint_state_is_complete(trained):
     assert set(rank["rng"]) == {"torch", "cuda", "numpy", "python"}
     assert state["optimizer"]["lr_scales"]["whiten_bias"] == 1.0  # frozen only from epoch 3 (index 2)
     assert len(state["records"]) == 2
+
+
+def test_default_presets_checkpoint_holds_muons_momentum(trained_default):
+    state = torch.load(trained_default["dir"] / "checkpoint.pt", weights_only=True)
+    filters = [t for name, t in state["model"].items() if t.dim() == 4 and not name.startswith("whiten")]
+    buffers = state["optimizer"]["muon"]["buffers"]
+    assert [b.shape for b in buffers] == [f.shape for f in filters]  # one per trained conv filter
+    assert all(b.abs().sum() > 0 for b in buffers), "two epochs of momentum, not the zeroed start"
 
 
 @pytest.mark.slow

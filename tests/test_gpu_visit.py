@@ -126,6 +126,18 @@ def test_race_stage_races_the_presets_it_is_given(tmp_path):
     assert any("--preset fast --seed 0 --runs 5" in line for line in proc.stdout.splitlines())
 
 
+def test_race_stage_without_a_preset_to_race_fails_before_the_public_script(tmp_path):
+    """When the default preset cannot be read (here: no Python at all), the race stops at once,
+    not after airbench94's minutes with only the bar in its table."""
+    proc, out = visit(tmp_path, "race", PYTHON="false")
+    assert proc.returncode == 1
+    assert "no preset to race" in proc.stdout
+    assert not any(line.startswith("=== airbench94") for line in proc.stdout.splitlines())
+    proc, out = visit(tmp_path, "bench", PYTHON="false")
+    assert proc.returncode == 1
+    assert "| bench-step-default | FAIL: the default preset could not be read" in (out / "bench-table.md").read_text()
+
+
 def test_race_stage_skips_the_public_script_when_the_export_fails(tmp_path):
     proc, out = visit(tmp_path, "race", DRY_FAIL="export-tensors")
     table = (out / "race-table.md").read_text()
@@ -257,6 +269,14 @@ def test_race_report_sets_both_trainers_side_by_side(tmp_path):
 
     proc = report("race", runs, "--airbench-log", log, "--bar", "91.05")  # given: over the resnet9 mean
     assert "bar: 91.05% (given)" in proc.stdout and "| airbench94 (train + eval) | 2 | 90.70 | 0.44 | 90.39 | 2 |" in proc.stdout
+
+
+def test_race_report_fails_when_only_the_bar_ran(tmp_path):
+    write_run(tmp_path / "runs", "resnet9-runs", [1.0], preset="resnet9")
+    log = tmp_path / "airbench94.log"
+    log.write_text(AIRBENCH_LOG)
+    proc = report("race", tmp_path / "runs", "--airbench-log", log)
+    assert proc.returncode == 1 and "PROBLEM: no contender under" in proc.stdout
 
 
 def test_race_report_fails_without_airbench_runs(tmp_path):

@@ -143,6 +143,63 @@ def test_muon_refuses_what_it_cannot_do():
             validate(tiny_muon(**bad))
 
 
+def test_muon_state_round_trip_continues_the_same_steps():
+    """A checkpoint's optimizer state: saved after 2 steps, loaded (in place) into a fresh optimizer
+    over a copy of the weights, the next 2 steps give the same weights; an SGD state or one of
+    other filter shapes is refused before anything is written."""
+    def steps(model, opt, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(n):
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+
+    torch.manual_seed(0)
+    cfg = tiny_muon()
+    model = make_network(cfg, NormActPool)
+    opt = make_optimizer(model, cfg, 50, 0.053)
+    steps(model, opt, 2, seed=1)
+    saved, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    assert set(saved) == {"buffers", "lr_scales", "muon"} and all(b.abs().sum() > 0 for b in saved["muon"]["buffers"])
+    steps(model, opt, 2, seed=2)
+
+    other = make_network(cfg, NormActPool)
+    other.load_state_dict(weights)
+    fresh = make_optimizer(other, cfg, 50, 0.053)
+    held = fresh.muon.buffers[0]
+    fresh.load_state_dict(saved)
+    assert fresh.muon.buffers[0] is held  # in place: a captured graph keeps reading the same tensor
+    steps(other, fresh, 2, seed=2)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    sgd_only = {k: v for k, v in saved.items() if k != "muon"}
+    with pytest.raises(ValueError, match="no Muon momentum"):
+        fresh.load_state_dict(sgd_only)
+    wide_cfg = from_preset("fast-muon", widths=(8, 16, 32))
+    wider = make_optimizer(make_network(wide_cfg, NormActPool), wide_cfg, 50, 0.053)
+    before = [b.clone() for b in wider.sgd.buffers[0]]
+    with pytest.raises(ValueError, match="conv filters"):
+        wider.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, wider.sgd.buffers[0])), "refused, yet written"
+
+
+def test_default_preset_names_itself_where_muon_cannot_go():
+    """The default preset trains with Muon, which sparse training and local SGD do not wrap: the
+    refusal names the preset and the way out; checkpoints now hold Muon's state."""
+    for extra in ({"sparse_mask": "fisher"}, {"local_steps": 4}):
+        with pytest.raises(ConfigError, match="preset fast-muon320 trains with --optimizer muon.*--preset resnet9"):
+            validate(from_preset(**extra), world_size=2)
+        validate(from_preset("resnet9", **extra), world_size=2)  # the way out it names
+    with pytest.raises(ConfigError, match="^--optimizer muon, which does not combine"):
+        validate(from_preset("fast", optimizer="muon", sparse_mask="fisher"))
+    validate(from_preset(checkpoint_every=2))
+    validate(from_preset(resume="checkpoint.pt"))
+    with pytest.raises(ConfigError, match="do not yet hold --compress"):
+        validate(from_preset(checkpoint_every=2, compress="topk"), world_size=2)
+
+
 def test_fast_muon_preset_learns_on_the_cpu(tmp_path, learnable_data):
     cfg = tiny_muon(data=str(learnable_data), batch_size=100, epochs=3, device="cpu", loader="torch",
                     kernels="torch", cuda_graphs="off", eval_batch_size=200, warmup_steps=1,
