@@ -1,11 +1,13 @@
 """Benchmark the fused batchnorm + activation + pool kernels at the presets' shapes (fp16, channels-last).
 
     python bench/bench_bn_act_pool.py            # on a CUDA machine; --no-compile skips torch.compile
+    python bench/bench_bn_act_pool.py --blocks 12 13 14 15 16 17   # the default preset's blocks only
     python bench/bench_bn_act_pool.py --smoke    # CPU check of this script (interpreter, tiny shapes);
                                                  # with --compile it runs torch.compile there too
 
-Per block of the `resnet9` (ReLU, pool after, 512 images per GPU) and `fast` (GELU, pool before BN on
-31/15/7/3 maps, 1024 per GPU) presets, as kernels/aot.py lists them: Triton vs eager PyTorch
+Per block of the `resnet9` (ReLU, pool after, 512 images per GPU), `fast` (GELU, pool before BN on
+31/15/7/3 maps, 1024 per GPU) and default `fast-muon320` (`fast`'s blocks at 2000, 320 channels wide)
+presets, as kernels/aot.py lists them: Triton vs eager PyTorch
 (``NormActPool``: cuDNN batchnorm + activation + max-pool) vs ``torch.compile`` of ``bn_act_pool_reference``;
 forward, backward (alone, through one retained forward) and both; do_bench median with 20th/80th
 percentiles.
@@ -27,6 +29,7 @@ bench/results/bn_act_pool.jsonl.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 from pathlib import Path
@@ -259,15 +262,28 @@ def bench_model(device, batches, widths, compile_model, graphs):
     return rows
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--blocks", type=int, nargs="+", default=list(range(len(BLOCKS))),
+                   help="indices into kernels/aot.py's PRESET_BLOCKS (default: all)")
+    p.add_argument("--no-compile", action="store_true", help="leave torch.compile of the reference out")
+    p.add_argument("--compile", action="store_true", help="--smoke: run torch.compile on the CPU too")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
+    args = p.parse_args(argv)
+    if not all(0 <= i < len(BLOCKS) for i in args.blocks):
+        p.error(f"--blocks: indices 0..{len(BLOCKS) - 1}, not {args.blocks}")
+    return args
+
+
 def main():
-    args = sys.argv[1:]
+    args = parse_args()
     if not SMOKE:
         require_cuda("bench_bn_act_pool")
     device = "cpu" if SMOKE else "cuda"
     # --smoke leaves torch.compile out unless asked (--compile): on the CPU it needs a C++ compiler
-    compile_ref = "--compile" in args if SMOKE else "--no-compile" not in args
+    compile_ref = args.compile if SMOKE else not args.no_compile
     graphs = device == "cuda"  # no CUDA graphs on the CPU: the eager calls are timed there
-    blocks = SMOKE_BLOCKS if SMOKE else BLOCKS
+    blocks = SMOKE_BLOCKS if SMOKE else [BLOCKS[i] for i in args.blocks]
     widths = (8, 16, 16, 32) if SMOKE else (64, 128, 256, 512)
     env = environment()
     copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)

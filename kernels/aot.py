@@ -113,10 +113,14 @@ FAST_BLOCKS = [(1024, 64, 31, "before"), (1024, 64, 15, None), (1024, 256, 15, "
                (1024, 256, 7, None), (1024, 256, 7, "before"), (1024, 256, 3, None)]
 RESNET9_BLOCKS = [(512, 64, 32, None), (512, 128, 32, "after"), (512, 128, 16, None),
                   (512, 256, 16, "after"), (512, 512, 8, "after"), (512, 512, 4, None)]
+# the default preset, fast-muon320: `fast`'s blocks at 2000 images, the wide ones at 320 channels
+DEFAULT_BLOCKS = [(2000, 64 if c == 64 else 320, s, pool) for _, c, s, pool in FAST_BLOCKS]
 # the same with each preset's activation, (batch, channels, side, act, pool): the blocks the
-# kernel benchmark times and the CUDA kernel tests check
+# kernel benchmark times and the CUDA kernel tests check (the default's last, so the indices of
+# the first twelve, which bench/results/ quote, stay)
 PRESET_BLOCKS = ([(b, c, s, "gelu", pool) for b, c, s, pool in FAST_BLOCKS]
-                 + [(b, c, s, "relu", pool) for b, c, s, pool in RESNET9_BLOCKS])
+                 + [(b, c, s, "relu", pool) for b, c, s, pool in RESNET9_BLOCKS]
+                 + [(b, c, s, "gelu", pool) for b, c, s, pool in DEFAULT_BLOCKS])
 # odd shapes: two with every pool mode, one more odd map pooled before; each listed once
 ODD_BLOCKS = ([(3, 5, 7, pool) for pool in (None, "before", "after")]
               + [(2, 24, 6, pool) for pool in (None, "before", "after")] + [(1, 3, 9, "before")])
@@ -160,8 +164,8 @@ def cutout_call(batch, channels, side, size, dtype) -> Callable[[], None]:
 def calls(which: str) -> list[Callable[[], None]]:
     """``ci``: one of each kind the presets launch (fp16 on the GPU: `fast`'s GELU with pool before BN,
     training and evaluation; `resnet9`'s ReLU with pool after; the augmentation and cutout) and an
-    odd fp32 shape with CELU, about 20 compiles per arch; ``presets``: every block of the `fast` and
-    `resnet9` presets in fp16, training and evaluation, with the augmentation and cutout; ``full``: every dtype x activation x pool x mode over the
+    odd fp32 shape with CELU, about 20 compiles per arch; ``presets``: every block of the `fast`,
+    `resnet9` and default (`fast-muon320`) presets in fp16, training and evaluation, with the augmentation and cutout; ``full``: every dtype x activation x pool x mode over the
     presets' and odd shapes, every augmentation and cutout dtype."""
     out = []
     if which == "ci":
@@ -181,7 +185,7 @@ def calls(which: str) -> list[Callable[[], None]]:
     for dtype in DTYPES.values():
         for act in ("relu", "gelu", "celu"):
             for training in (True, False):
-                for b, c, s, pool in FAST_BLOCKS + RESNET9_BLOCKS + ODD_BLOCKS:
+                for b, c, s, pool in FAST_BLOCKS + RESNET9_BLOCKS + DEFAULT_BLOCKS + ODD_BLOCKS:
                     out.append(bn_call(b, c, s, pool, dtype, act, training))
         for indexed in (True, False):
             out += [augment_call(1024, 50000 if indexed else 1024, 2, 0, dtype, indexed),

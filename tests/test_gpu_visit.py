@@ -164,6 +164,9 @@ def test_bench_stage_times_the_default_presets_step_first(tmp_path):
     assert f"bench_step.py --preset {DEFAULT_PRESET} --batches {from_preset().batch_size}" in proc.stdout
     proc, out = visit(tmp_path, "kernels")
     assert "| bench-bn | ok |" in (out / "kernels-table.md").read_text()
+    # the default preset's blocks, in both the benchmark and the launch sweep
+    assert "bench_bn_act_pool.py --blocks 12 13 14 15 16 17" in proc.stdout
+    assert "sweep_bn_act_pool.py --blocks 12 13 14 15 16 17" in proc.stdout
 
 
 def test_a_failing_step_still_prints_the_table_and_bundles(tmp_path):

@@ -120,3 +120,28 @@ def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert aot.main(["--set", "ci"]) == 2
     assert "unset TRITON_INTERPRET" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset,blocks,act", [("fast", "FAST_BLOCKS", "gelu"), ("resnet9", "RESNET9_BLOCKS", "relu"),
+                                               ("fast-muon320", "DEFAULT_BLOCKS", "gelu")])
+def test_the_shape_lists_are_the_presets_blocks(preset, blocks, act):
+    """aot's shape lists (what the compile sweep, the CUDA kernel tests and the kernel benchmark
+    use) are each preset's real normalize blocks, each distinct one once in order: (batch,
+    channels, side of the map entering the block, pool) read from the network itself, at the
+    preset's batch on one GPU."""
+    import torch
+    from fastcifar.config import from_preset
+    from fastcifar.norm_act_pool import NormActPool
+    from fastcifar.recipe import make_network
+
+    cfg = from_preset(preset)
+    model = make_network(cfg, NormActPool).eval()
+    seen = []
+    for m in model.modules():
+        if isinstance(m, NormActPool):
+            m.register_forward_hook(lambda m, args, out: seen.append((cfg.batch_size, args[0].shape[1],
+                                                                      args[0].shape[2], m.pool, m.act)))
+    with torch.no_grad():
+        model(torch.zeros(2, 3, 32, 32))
+    distinct = list(dict.fromkeys(seen))  # ResNet-9's residual blocks repeat their layer's shape
+    assert distinct == [(b, c, s, pool, act) for b, c, s, pool in getattr(aot, blocks)]
