@@ -262,17 +262,26 @@ def bench_model(device, batches, widths, compile_model, graphs):
     return rows
 
 
+def block_index(text: str) -> int:
+    """An index into ``BLOCKS`` (kernels/aot.py's PRESET_BLOCKS), for --blocks here and in the sweep."""
+    i = int(text)
+    if not 0 <= i < len(BLOCKS):
+        raise argparse.ArgumentTypeError(f"indices 0..{len(BLOCKS) - 1}, not {i}")
+    return i
+
+
+def add_blocks_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--blocks", type=block_index, nargs="+", default=list(range(len(BLOCKS))),
+                   help="indices into kernels/aot.py's PRESET_BLOCKS (default: all)")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--blocks", type=int, nargs="+", default=list(range(len(BLOCKS))),
-                   help="indices into kernels/aot.py's PRESET_BLOCKS (default: all)")
+    add_blocks_argument(p)
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile of the reference out")
     p.add_argument("--compile", action="store_true", help="--smoke: run torch.compile on the CPU too")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
-    args = p.parse_args(argv)
-    if not all(0 <= i < len(BLOCKS) for i in args.blocks):
-        p.error(f"--blocks: indices 0..{len(BLOCKS) - 1}, not {args.blocks}")
-    return args
+    return p.parse_args(argv)
 
 
 def main():

@@ -35,7 +35,7 @@ SMOKE = smoke_mode()  # before triton is imported: --smoke runs the kernels in i
 import torch  # noqa: E402
 
 from bench.bench_bn_act_pool import (BLOCKS, CL, GRAPH_WARMUP, SMOKE_BLOCKS, direction_bodies,  # noqa: E402
-                                     graph_timings, kernel_bytes, traffic_bytes)
+                                     add_blocks_argument, graph_timings, kernel_bytes, traffic_bytes)
 from bench.bench_step import traced_kernels  # noqa: E402
 from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
                           print_header, require_cuda, time_ms)
@@ -149,7 +149,7 @@ def per_kernel_main(args, blocks, device, env, copy_gbs) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--blocks", type=int, nargs="+", default=list(range(len(BLOCKS))))
+    add_blocks_argument(p)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--per-kernel", action="store_true", help="split each replay by kernel (torch.profiler)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
