@@ -311,8 +311,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
                           "--local-steps state; use one or the other")
     if cfg.optimizer == "muon" and (cfg.sparse_mask != "none" or cfg.local_steps):
         # the default preset trains with Muon: say where it came from and what to run instead
-        source = f"preset {cfg.preset} trains with --optimizer muon" if PRESETS[cfg.preset].get("optimizer") \
-            == "muon" else "--optimizer muon"
+        from_muon_preset = PRESETS.get(cfg.preset, {}).get("optimizer") == "muon"  # an API Config may name none
+        source = f"preset {cfg.preset} trains with --optimizer muon" if from_muon_preset else "--optimizer muon"
         raise ConfigError(f"{source}, which does not combine with --sparse-mask or --local-steps (their "
                           f"masked update and local merges wrap Nesterov SGD); use an SGD preset, e.g. --preset resnet9")
     if cfg.batch_size % world_size:

@@ -128,9 +128,8 @@ def race(root: Path, airbench_log: Path, bar: float | None) -> tuple[list[str], 
         lines.append(_row("airbench94 (train + eval)", [a for a, _ in ab], [t for _, t in ab], bar))
     if len(ab) > 1:  # its first run pays cuDNN's autotuning, which fastcifar does in untimed warm-up
         lines.append(_row("airbench94 runs 2-N (1 = its warm-up)", [a for a, _ in ab[1:]], [t for _, t in ab[1:]], bar))
-    for preset, results in sorted(presets.items()):
-        if not ab or preset == "resnet9":  # the bar, not a contender
-            continue
+    contenders = {p: rs for p, rs in sorted(presets.items()) if p != "resnet9"}  # resnet9 sets the bar
+    for preset, results in contenders.items():  # without airbench94 runs there is no ratio to print
         train = statistics.fmean(r["train_time"] for r in results)
         with_eval = statistics.fmean(_with_eval(r) for r in results)
         for what, runs in (("all runs", ab), ("runs 2-N", ab[1:])):
@@ -140,7 +139,7 @@ def race(root: Path, airbench_log: Path, bar: float | None) -> tuple[list[str], 
                              f"(train only), {with_eval / ab_mean:.3f} (+ eval, as airbench94 counts)")
     if not presets:
         problems.append(f"no summary.json under {root}")
-    elif set(presets) == {"resnet9"}:
+    elif not contenders:
         problems.append(f"no contender under {root}: only the bar (resnet9) ran")
     return lines, problems
 

@@ -194,6 +194,8 @@ def test_default_preset_names_itself_where_muon_cannot_go():
         validate(from_preset("resnet9", **extra), world_size=2)  # the way out it names
     with pytest.raises(ConfigError, match="^--optimizer muon, which does not combine"):
         validate(from_preset("fast", optimizer="muon", sparse_mask="fisher"))
+    with pytest.raises(ConfigError, match="^--optimizer muon, which"):  # a Config built by hand, no preset of ours
+        validate(from_preset(preset="mine", local_steps=4), world_size=2)
     validate(from_preset(checkpoint_every=2))
     validate(from_preset(resume="checkpoint.pt"))
     with pytest.raises(ConfigError, match="do not yet hold --compress"):
