@@ -155,9 +155,10 @@ kernels)
   # alone: eager and graph-replay timings x 3 impls x 3 directions and a compile per block, for the
   # default preset's 6 blocks (kernels/aot.py's PRESET_BLOCKS 12-17; fast's and resnet9's 0-11, measured
   # in the fifth visit, would not fit beside them: about 270 s for those twelve)
-  step bench-bn 420 "$py" bench/bench_bn_act_pool.py --blocks 12 13 14 15 16 17
+  default_blocks="12 13 14 15 16 17"
+  step bench-bn 420 "$py" bench/bench_bn_act_pool.py --blocks $default_blocks
   # the launch table against the settings it was chosen from (bench/results/bn_sweep.md)
-  step sweep-bn 150 "$py" bench/sweep_bn_act_pool.py --blocks 12 13 14 15 16 17 \
+  step sweep-bn 150 "$py" bench/sweep_bn_act_pool.py --blocks $default_blocks \
     --settings base before-2026-11-22 pt2048 w2 t4096p256
   ;;
 accuracy)
