@@ -188,10 +188,11 @@ PRESETS["fast-muon"] = {**PRESETS["fast"], "epochs": 8, "batch_size": 2000, "lr"
                         "lookahead_steps": 0, "optimizer": "muon", "muon_lr": 0.24, "muon_momentum": 0.6,
                         "muon_ns_steps": 3, "logit_scale": 1 / 256, "head_unit_init": True}
 # The default since 2026-11-23: `fast-muon` with its two wide blocks at 320 channels. On one H100
-# (torch 2.11.0+cu130, triton 3.6.0, 2026-11-23) on the JPEG copy (6 runs each, one call) it trained 91.16% in 1.43 s where `fast` trained 90.62% in
-# 1.41 s: the best mean of the settings measured within 1.5 s (10 Muon epochs at 256 channels,
-# 91.08% in 1.42 s, is within the runs' spread; 288 channels 90.86% in 1.38 s); 25 runs in a later
-# call: 91.08% in 1.44 s. Logits stay / 256, as measured (bench/results/first_light.md, sixth visit).
+# (torch 2.11.0+cu130, triton 3.6.0, 2026-11-23) on the JPEG copy (6 runs each, one call) it
+# trained 91.16% in 1.43 s where `fast` trained 90.62% in 1.41 s: the best mean of the settings
+# measured within 1.5 s (10 Muon epochs at 256 channels, 91.08% in 1.42 s, is within the runs'
+# spread; 288 channels 90.86% in 1.38 s); 25 runs in a later call: 91.08% in 1.44 s. Logits stay
+# / 256, as measured (bench/results/first_light.md, sixth visit).
 PRESETS["fast-muon320"] = {**PRESETS["fast-muon"], "widths": (64, 320, 320)}
 DEFAULT_PRESET = "fast-muon320"  # what `python -m fastcifar.train` runs
 

@@ -105,13 +105,17 @@ class NesterovSGD:
         return {"buffers": [[b.detach().cpu().clone() for b in bufs] for bufs in self.buffers],
                 "lr_scales": {name: float(t.item()) for name, t in self.lr_scales.items()}}
 
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """In place (a captured graph holds these tensors); refuses state of another shape."""
+    def check_state(self, state: dict) -> None:
+        """Raises ValueError unless ``state`` fits this model's parameter groups."""
         shapes = [[tuple(b.shape) for b in bufs] for bufs in self.buffers]
         if [[tuple(b.shape) for b in bufs] for bufs in state["buffers"]] != shapes \
                 or set(state["lr_scales"]) != set(self.lr_scales):
             raise ValueError("the optimizer state does not fit this model's parameter groups")
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """In place (a captured graph holds these tensors); refuses state of another shape."""
+        self.check_state(state)
         for bufs, saved in zip(self.buffers, state["buffers"]):
             torch._foreach_copy_(bufs, [t.to(bufs[0].device) for t in saved])
         for name, value in state["lr_scales"].items():
@@ -252,11 +256,15 @@ class Muon:
         scratch, rewritten every step."""
         return {"buffers": [b.detach().cpu().clone() for b in self.buffers]}
 
+    def check_state(self, state: dict) -> None:
+        """Raises ValueError unless ``state`` holds one buffer per filter, of its shape."""
+        if [tuple(b.shape) for b in state["buffers"]] != [tuple(b.shape) for b in self.buffers]:
+            raise ValueError("the Muon state does not fit this model's conv filters")
+
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """In place (a captured graph holds these tensors); refuses buffers of other shapes."""
-        if [tuple(b.shape) for b in state["buffers"]] != [tuple(b.shape) for b in self.buffers]:
-            raise ValueError("the Muon state does not fit this model's conv filters")
+        self.check_state(state)
         torch._foreach_copy_(self.buffers, [t.to(self.buffers[0].device) for t in state["buffers"]])
 
 
@@ -293,8 +301,14 @@ class MuonSGD:
         """``NesterovSGD``'s state with the filters' Muon momentum beside it."""
         return {**self.sgd.state_dict(), "muon": self.muon.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict) -> None:
         if "muon" not in state:  # an SGD checkpoint; config_from_dict's match normally refuses it first
             raise ValueError("the optimizer state holds no Muon momentum (written by plain SGD)")
-        self.muon.load_state_dict(state["muon"])  # checked before anything is written into SGD's state
+        self.muon.check_state(state["muon"])
+        self.sgd.check_state(state)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Both halves checked before either is written: a refused state leaves no half-loaded optimizer."""
+        self.check_state(state)
+        self.muon.load_state_dict(state["muon"])
         self.sgd.load_state_dict(state)

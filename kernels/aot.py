@@ -165,8 +165,9 @@ def calls(which: str) -> list[Callable[[], None]]:
     """``ci``: one of each kind the presets launch (fp16 on the GPU: `fast`'s GELU with pool before BN,
     training and evaluation; `resnet9`'s ReLU with pool after; the augmentation and cutout) and an
     odd fp32 shape with CELU, about 20 compiles per arch; ``presets``: every block of the `fast`,
-    `resnet9` and default (`fast-muon320`) presets in fp16, training and evaluation, with the augmentation and cutout; ``full``: every dtype x activation x pool x mode over the
-    presets' and odd shapes, every augmentation and cutout dtype."""
+    `resnet9` and default (`fast-muon320`) presets in fp16, training and evaluation, with the
+    augmentation and cutout; ``full``: every dtype x activation x pool x mode over the presets' and
+    odd shapes, every augmentation and cutout dtype."""
     out = []
     if which == "ci":
         fp16 = torch.float16

@@ -183,6 +183,13 @@ def test_muon_state_round_trip_continues_the_same_steps():
     with pytest.raises(ValueError, match="conv filters"):
         wider.load_state_dict(saved)
     assert all(torch.equal(a, b) for a, b in zip(before, wider.sgd.buffers[0])), "refused, yet written"
+    # the filters fit but SGD's groups do not: Muon's momentum is not written either
+    muon_before = [b.clone() for b in fresh.muon.buffers]
+    wrong_groups = {**saved, "muon": {"buffers": [b + 1 for b in saved["muon"]["buffers"]]},
+                    "lr_scales": {**saved["lr_scales"], "extra": 1.0}}
+    with pytest.raises(ValueError, match="parameter groups"):
+        fresh.load_state_dict(wrong_groups)
+    assert all(torch.equal(a, b) for a, b in zip(muon_before, fresh.muon.buffers)), "refused, yet written"
 
 
 def test_default_preset_names_itself_where_muon_cannot_go():
