@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -154,12 +155,11 @@ def direction_bodies(fn, x, dy, inputs):
     return {"fwd": fwd, "bwd": bwd, "both": both}
 
 
-def graph_timings(bodies):
-    """CUDA only. Capture each body as a CUDA graph, in order, as the trainer captures its step
-    (``fastcifar.graphs.capture``: GRAPH_WARMUP eager runs first), and time the graphs' replays.
-    One stream for all: autograd runs a backward op on its forward op's stream, and "bwd" backprops
-    through the forward captured as "fwd"."""
-    stream = torch.cuda.Stream()
+def graph_timings(bodies, stream):
+    """CUDA only. Capture each body as a CUDA graph on ``stream``, in order, as the trainer captures
+    its step (``fastcifar.graphs.capture``: GRAPH_WARMUP eager runs first), and time the graphs'
+    replays. One stream for all: autograd runs a backward op on its forward op's stream, and "bwd"
+    backprops through the forward captured as "fwd"."""
     graphs = {}
     for name, body in bodies.items():
         graphs[name] = capture(body, GRAPH_WARMUP, stream=stream)
@@ -171,15 +171,28 @@ def graph_timings(bodies):
 def timed(bodies, graphs: bool):
     """(timings, launch timings, timing label, error) of each body: graph replays when ``graphs``
     (CUDA), else the eager calls themselves. An eager failure raises; a capture failure is returned
-    as the error, with the eager figures."""
-    for body in bodies.values():
-        body()  # warm up / compile
-    launch = {name: time_ms(body, SMOKE, rep=LAUNCH_REP_MS) for name, body in bodies.items()}
+    as the error, with the eager figures (the whole message on stderr).
+
+    On CUDA the eager runs go on the stream the graphs are then captured on: the leaves' autograd
+    nodes (the input's and the weights' gradient accumulators) are made at the first forward and
+    live on in the output "fwd" holds, and made on the default stream they tie a captured backward
+    to it. With the eager runs on the default stream, the eager c64 31x31 pool-before block (the
+    first measured) failed its capture in all three runs that timed graph replays, with torch's
+    warning that an AccumulateGrad node's stream did not match; on the capture stream it captures
+    (1.446 ms, H100, torch 2.11.0, 2026-11-23)."""
+    stream = torch.cuda.Stream() if graphs and torch.cuda.is_available() else None  # None: the tests' stand-in
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # None: no stream change
+        for body in bodies.values():
+            body()  # warm up / compile
+        launch = {name: time_ms(body, SMOKE, rep=LAUNCH_REP_MS) for name, body in bodies.items()}
     if not graphs:
         return launch, launch, "launch", None
     try:
-        return graph_timings(bodies), launch, "graph", None
+        return graph_timings(bodies, stream), launch, "graph", None
     except Exception as e:
+        traceback.print_exc()
         return {}, launch, "graph", f"CUDA graph capture: {_error(e)}"
 
 

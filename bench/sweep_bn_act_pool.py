@@ -96,7 +96,7 @@ def time_block(block, device):
     both = block_body(block, device)
     if device == "cpu":
         return time_ms(both, smoke=True)["median_ms"]
-    return graph_timings({"both": both})["both"]["median_ms"]
+    return graph_timings({"both": both}, torch.cuda.Stream())["both"]["median_ms"]
 
 
 def kernel_split(block, device, replays: int = 50) -> dict:

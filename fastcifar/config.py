@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from . import augment as _augment, compress as _compress, tta as _tta  # CHOICES reads their lists (none imports config)
+from . import augment as _augment, compress as _compress, norm_act_pool as _norm_act_pool, tta as _tta  # CHOICES reads their lists (none imports config)
 from .profiling import parse_window
 
 
@@ -41,6 +41,8 @@ class Config:
     arch: str = "resnet9"  # network: resnet9 (fastcifar.model) | fastnet (fastcifar.fastnet) | alexnet (fastcifar.alexnet)
     widths: tuple = (64, 128, 256, 512)  # channels: resnet9 prep,layer1,layer2,layer3; fastnet its 3 blocks; alexnet its 5 convs
     whiten_kernel: int = 2  # fastnet: side of the patches its first conv whitens (2*3*side^2 channels)
+    whiten_eps: float = 5e-4  # fastnet: added to each patch eigenvalue before the 1/sqrt scaling (damps smaller ones)
+    activation: str = "gelu"  # fastnet: after the whitening conv and every batchnorm: gelu | silu | relu | celu
     whiten_images: int = 5000  # fastnet: training images whose patches set the first conv, on the clock; 0 = random init
     whiten_frozen: bool = True  # fastnet: the whitening conv's weights are not trained
     whiten_bias_epochs: int = 3  # fastnet: epochs the whitening conv's bias trains before it is frozen
@@ -203,6 +205,7 @@ CHOICES = {
     "flip_mode": _augment.FLIP_MODES,
     "tta": _tta.TTA_LEVELS,
     "whiten_kernel": (2, 3),
+    "activation": _norm_act_pool.ACTIVATIONS,
     "device": ("auto", "cuda", "cpu"),
     "precision": ("auto", "fp16", "fp32"),
     "comm": ("bucketed", "ddp"),
@@ -285,6 +288,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--bn-momentum must lie in (0, 1], not {cfg.bn_momentum}")
     if not 0 < cfg.bn_eps < 1:
         raise ConfigError(f"--bn-eps must lie in (0, 1), not {cfg.bn_eps}")
+    if cfg.whiten_eps <= 0:
+        raise ConfigError(f"--whiten-eps must be positive, not {cfg.whiten_eps}")
     if cfg.muon_ns_steps < 1:
         raise ConfigError(f"--muon-ns-steps must be positive, not {cfg.muon_ns_steps}")
     for name in ("muon_lr", "logit_scale", "lookahead_start_epoch"):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ACTIVATIONS = ("relu", "gelu", "celu")
+ACTIVATIONS = ("relu", "gelu", "celu", "silu")
 POOL_PLACES = (None, "before", "after")
 
 
@@ -24,6 +24,8 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
         return F.gelu(x)
     if act == "celu":
         return F.celu(x)
+    if act == "silu":
+        return F.silu(x)
     raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
 
 

@@ -50,7 +50,7 @@ def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
         model = AlexNet(num_classes, widths=cfg.widths, norm=norm)
     elif cfg.arch == "fastnet":
         model = FastNet(num_classes, widths=cfg.widths, norm=norm, whiten_kernel=cfg.whiten_kernel,
-                        logit_scale=cfg.logit_scale or 1 / 9, head_unit_init=cfg.head_unit_init)
+                        logit_scale=cfg.logit_scale or 1 / 9, head_unit_init=cfg.head_unit_init, act=cfg.activation)
         model.whiten.weight.requires_grad_(not cfg.whiten_frozen)
     else:
         raise ValueError(f"unknown arch {cfg.arch!r}")
@@ -171,7 +171,7 @@ class RunHooks:
             n, device = math.ceil(self.cfg.whiten_images / self.ctx.world_size), conv.weight.device
             noise = torch.Generator(device).manual_seed(0)  # its own: the run's random streams stay as they were
             init_whitening(conv, torch.randn(n, conv.in_channels, 32, 32, device=device, generator=noise),
-                           centred=self.cfg.whiten_centred)
+                           eps=self.cfg.whiten_eps, centred=self.cfg.whiten_centred)
         if self.step is None or not self.stops_backward_at_whitening:
             return
         bias = self.model.whiten.bias
@@ -251,6 +251,7 @@ class RunHooks:
         if ctx.distributed:
             import torch.distributed as dist
             reduce = dist.all_reduce
-        init_whitening(self.model.whiten, images, reduce=reduce, centred=self.cfg.whiten_centred)
+        init_whitening(self.model.whiten, images, eps=self.cfg.whiten_eps, reduce=reduce,
+                       centred=self.cfg.whiten_centred)
         if ctx.distributed:
             torch.distributed.broadcast(self.model.whiten.weight.data, src=0)

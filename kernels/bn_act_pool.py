@@ -61,7 +61,7 @@ import triton.language as tl
 from fastcifar.norm_act_pool import ACTIVATIONS, POOL_PLACES, NormActPool, activation
 from .checks import check_activation
 
-ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2}
+ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2, "silu": 3}
 MODE_IDS = {None: 0, "before": 1, "after": 2}
 
 BLOCK_C_MAX = 64  # 64 fp16 channels = one 128-byte line per tile row
@@ -107,8 +107,10 @@ def _act(v, ACT: tl.constexpr):
         out = tl.maximum(v, 0.0)
     elif ACT == 1:
         out = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
-    else:
+    elif ACT == 2:
         out = tl.where(v > 0.0, v, tl.exp(v) - 1.0)
+    else:
+        out = v / (1.0 + tl.exp(-v))
     return out
 
 
@@ -118,8 +120,11 @@ def _act_grad(v, ACT: tl.constexpr):
         d = tl.where(v > 0.0, 1.0, 0.0)
     elif ACT == 1:
         d = 0.5 * (1.0 + tl.math.erf(v * 0.7071067811865476)) + v * 0.3989422804014327 * tl.exp(-0.5 * v * v)
-    else:
+    elif ACT == 2:
         d = tl.where(v > 0.0, 1.0, tl.exp(v))
+    else:  # silu' = s + v s (1 - s), s = sigmoid(v)
+        s = 1.0 / (1.0 + tl.exp(-v))
+        d = s * (1.0 + v * (1.0 - s))
     return d
 
 

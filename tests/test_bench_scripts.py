@@ -159,7 +159,7 @@ def test_bn_act_pool_graph_rows(monkeypatch, capture_fails):
     all_impls = bench.block_impls
     monkeypatch.setattr(bench, "block_impls", lambda *a: {"eager": all_impls(*a)["eager"]})  # no interpreter
 
-    def fake_graph_timings(bodies):
+    def fake_graph_timings(bodies, stream):
         if capture_fails:
             raise RuntimeError("operation not permitted when stream is capturing")
         return {name: {"median_ms": 2.0, "p20_ms": 1.5, "p80_ms": 2.5} for name in bodies}

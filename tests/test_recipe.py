@@ -1,6 +1,7 @@
 """The fast recipe's pieces on the CPU: param groups, frozen batchnorm scales, lookahead,
 alternating flips, TTA levels, the schedule's ends, and the presets."""
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -12,7 +13,7 @@ from fastcifar.augment import alternating_flip, draw_params, normalize
 from fastcifar.averaging import Lookahead
 from fastcifar.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, parse_args, validate
 from fastcifar.distributed import DistContext
-from fastcifar.fastnet import FastNet
+from fastcifar.fastnet import FastNet, init_whitening
 from fastcifar.loader import TorchLoader
 from fastcifar.model import NormActPool, ResNet9
 from fastcifar.optim import NesterovSGD, warmup_decay_lr
@@ -134,6 +135,19 @@ def test_shifts_step_at_bias_lr_scale_times_the_rate():
     torch.testing.assert_close(w0 - weight, torch.full_like(w0, 0.01))
 
 
+def test_activation_reaches_every_fastnet_block():
+    gelu, silu = (make_network(tiny_fast(activation=act), NormActPool) for act in ("gelu", "silu"))
+    acts = {m.act for m in silu.modules() if isinstance(m, NormActPool)}
+    assert silu.act == "silu" and acts == {"silu"}
+    silu.load_state_dict(gelu.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    assert not torch.allclose(silu(x), gelu(x))  # the same weights, another nonlinearity
+    with pytest.raises(ConfigError, match="--whiten-eps must be positive"):
+        validate(tiny_fast(whiten_eps=0.0))
+    with pytest.raises(ConfigError, match="--activation must be one of"):
+        validate(tiny_fast(activation="tanh"))
+
+
 def test_whitening_bias_trains_then_freezes():
     cfg = tiny_fast(whiten_bias_epochs=2)
     model = make_network(cfg, NormActPool)
@@ -231,8 +245,9 @@ def test_ending_backward_at_the_whitening_conv_changes_no_weight(learnable_data,
     assert cut.test_acc == full.test_acc
 
 
-def test_whitening_init_runs_at_epoch_zero_from_the_loader():
-    cfg = tiny_fast(whiten_images=30, lookahead_steps=0)
+@pytest.mark.parametrize("eps", [5e-4, 0.5])
+def test_whitening_init_runs_at_epoch_zero_from_the_loader(eps):
+    cfg = tiny_fast(whiten_images=30, lookahead_steps=0, whiten_eps=eps)
     model = make_network(cfg, NormActPool)
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
@@ -245,6 +260,8 @@ def test_whitening_init_runs_at_epoch_zero_from_the_loader():
     before = model.whiten.weight.detach().clone()
     RunHooks(cfg, model, opt, loader, CPU).epoch_start(0)
     assert not torch.equal(model.whiten.weight, before)
+    expected = init_whitening(copy.deepcopy(model.whiten), plain, eps=eps)  # --whiten-eps reaches the init
+    torch.testing.assert_close(model.whiten.weight, expected.to(model.whiten.weight.dtype), rtol=0, atol=0)
     w = model.whiten.weight.detach().double()
     out = F.conv2d(plain.double(), w)[:, :12].permute(0, 2, 3, 1).reshape(-1, 12)
     assert torch.cov(out.T).diag().max() < 1.0 + 1e-3  # whitened: unit variance at most (eps shrinks)
