@@ -187,6 +187,8 @@ def timed(bodies, graphs: bool):
         for body in bodies.values():
             body()  # warm up / compile
         launch = {name: time_ms(body, SMOKE, rep=LAUNCH_REP_MS) for name, body in bodies.items()}
+    if stream is not None:
+        torch.cuda.current_stream().wait_stream(stream)  # later work on the default stream sees it done
     if not graphs:
         return launch, launch, "launch", None
     try:

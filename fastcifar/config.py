@@ -288,6 +288,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--bn-momentum must lie in (0, 1], not {cfg.bn_momentum}")
     if not 0 < cfg.bn_eps < 1:
         raise ConfigError(f"--bn-eps must lie in (0, 1), not {cfg.bn_eps}")
+    if cfg.activation != "gelu" and cfg.arch != "fastnet":
+        raise ConfigError(f"--activation applies to --arch fastnet only ({cfg.arch} uses ReLU), not {cfg.activation!r}")
     if cfg.whiten_eps <= 0:
         raise ConfigError(f"--whiten-eps must be positive, not {cfg.whiten_eps}")
     if cfg.muon_ns_steps < 1:

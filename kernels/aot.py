@@ -32,6 +32,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from fastcifar.norm_act_pool import ACTIVATIONS
+
 ARCHS = (80, 90)
 
 
@@ -184,7 +186,7 @@ def calls(which: str) -> list[Callable[[], None]]:
     if which != "full":
         raise ValueError(f"unknown variant set {which!r}: ci, presets or full")
     for dtype in DTYPES.values():
-        for act in ("relu", "gelu", "celu"):
+        for act in ACTIVATIONS:
             for training in (True, False):
                 for b, c, s, pool in FAST_BLOCKS + RESNET9_BLOCKS + DEFAULT_BLOCKS + ODD_BLOCKS:
                     out.append(bn_call(b, c, s, pool, dtype, act, training))

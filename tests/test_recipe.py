@@ -146,6 +146,8 @@ def test_activation_reaches_every_fastnet_block():
         validate(tiny_fast(whiten_eps=0.0))
     with pytest.raises(ConfigError, match="--activation must be one of"):
         validate(tiny_fast(activation="tanh"))
+    with pytest.raises(ConfigError, match="--activation applies to --arch fastnet only"):
+        validate(from_preset("resnet9", activation="silu"))  # not a silent ReLU
 
 
 def test_whitening_bias_trains_then_freezes():
