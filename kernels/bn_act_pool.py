@@ -110,7 +110,7 @@ def _act(v, ACT: tl.constexpr):
     elif ACT == 2:
         out = tl.where(v > 0.0, v, tl.exp(v) - 1.0)
     else:
-        out = v / (1.0 + tl.exp(-v))
+        out = v * tl.sigmoid(v)
     return out
 
 
@@ -123,7 +123,7 @@ def _act_grad(v, ACT: tl.constexpr):
     elif ACT == 2:
         d = tl.where(v > 0.0, 1.0, tl.exp(v))
     else:  # silu' = s + v s (1 - s), s = sigmoid(v)
-        s = 1.0 / (1.0 + tl.exp(-v))
+        s = tl.sigmoid(v)
         d = s * (1.0 + v * (1.0 - s))
     return d
 
