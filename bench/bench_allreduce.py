@@ -1,4 +1,4 @@
-"""Step time of data-parallel ResNet-9 with stock DDP vs fastcifar.comm's buckets, and the exposed
+"""Step time of data-parallel ResNet-9 with stock DDP vs fastcifar.dist.comm's buckets, and the exposed
 communication: a config's step time minus the same step with its communication skipped.
 
     python bench/bench_allreduce.py                                   # gloo, 2 CPU ranks, CI-sized (~1 min)
@@ -81,11 +81,11 @@ def run_rank(args) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from fastcifar import distributed
-    from fastcifar.comm import GradBuckets
-    from fastcifar.config import Config
-    from fastcifar.optim import NesterovSGD
-    from fastcifar.report import versions
+    from fastcifar.dist import distributed
+    from fastcifar.dist.comm import GradBuckets
+    from fastcifar.core.config import Config
+    from fastcifar.run.optim import NesterovSGD
+    from fastcifar.run.report import versions
     from fastcifar.train import build_model
 
     # The trainer passes broadcast_buffers=False too; torch 2.14 warns that the name is deprecated.

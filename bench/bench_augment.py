@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 from bench.common import (append_results, compile_static, copy_bandwidth_gbs, environment,  # noqa: E402
                           markdown_table, print_header, require_cuda, time_ms)
-from fastcifar.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params  # noqa: E402
-from fastcifar.config import from_preset  # noqa: E402
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params  # noqa: E402
+from fastcifar.core.config import from_preset  # noqa: E402
 from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants  # noqa: E402
 from fastcifar.kernels.cutout import cutout, cutout_reference  # noqa: E402
 

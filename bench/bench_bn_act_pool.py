@@ -7,7 +7,7 @@
 
 Per block of the `resnet9` (ReLU, pool after, 512 images per GPU), `fast` (GELU, pool before BN on
 31/15/7/3 maps, 1024 per GPU) and default `fast-muon320` (`fast`'s blocks at 2000, 320 channels wide)
-presets, as kernels/aot.py lists them: Triton vs eager PyTorch
+presets, as bench/kernel_registers.py lists them: Triton vs eager PyTorch
 (``NormActPool``: cuDNN batchnorm + activation + max-pool) vs ``torch.compile`` of ``bn_act_pool_reference``;
 forward, backward (alone, through one retained forward) and both; do_bench median with 20th/80th
 percentiles.
@@ -47,16 +47,17 @@ from torch import nn  # noqa: E402
 
 from bench.common import (append_results, compile_static, copy_bandwidth_gbs, environment,  # noqa: E402
                           markdown_table, print_header, require_cuda, time_ms)
-from fastcifar.graphs import capture  # noqa: E402
-from fastcifar.model import NormActPool, ResNet9  # noqa: E402
-from fastcifar.kernels import aot  # noqa: E402
+from fastcifar.run.graphs import capture  # noqa: E402
+from fastcifar.ops.norm_act_pool import NormActPool  # noqa: E402
+from fastcifar.models.resnet9 import ResNet9
+from bench import kernel_registers  # noqa: E402
 from fastcifar.kernels.bn_act_pool import TritonNormActPool, bn_act_pool_reference  # noqa: E402
 
 CL = torch.channels_last
 # (batch per GPU, channels, map side, activation, pool): every NormActPool of the two presets the
 # trainer runs, from the same lists the AOT compile sweep and the CUDA kernel tests use
-BLOCKS = aot.PRESET_BLOCKS
-MODEL_BATCH = aot.RESNET9_BLOCKS[0][0]  # the ResNet-9 forward+backward at its preset's batch
+BLOCKS = kernel_registers.PRESET_BLOCKS
+MODEL_BATCH = kernel_registers.RESNET9_BLOCKS[0][0]  # the ResNet-9 forward+backward at its preset's batch
 # --smoke: one block of each kind (no pool, pool after, pool before on an odd map) at batch 2. The
 # pool-after one is c512 8x8 (8 channel blocks), not c128 32x32: the interpreter runs a kernel's
 # programs one by one, and that block took 49 of the test's 110 s on CI's 2 cores (this one ~12)
@@ -157,7 +158,7 @@ def direction_bodies(fn, x, dy, inputs):
 
 def graph_timings(bodies, stream):
     """CUDA only. Capture each body as a CUDA graph on ``stream``, in order, as the trainer captures
-    its step (``fastcifar.graphs.capture``: GRAPH_WARMUP eager runs first), and time the graphs'
+    its step (``fastcifar.run.graphs.capture``: GRAPH_WARMUP eager runs first), and time the graphs'
     replays. One stream for all: autograd runs a backward op on its forward op's stream, and "bwd"
     backprops through the forward captured as "fwd"."""
     graphs = {}
@@ -278,7 +279,7 @@ def bench_model(device, batches, widths, compile_model, graphs):
 
 
 def block_index(text: str) -> int:
-    """An index into ``BLOCKS`` (kernels/aot.py's PRESET_BLOCKS), for --blocks here and in the sweep."""
+    """An index into ``BLOCKS`` (bench/kernel_registers.py's PRESET_BLOCKS), for --blocks here and in the sweep."""
     i = int(text)
     if not 0 <= i < len(BLOCKS):
         raise argparse.ArgumentTypeError(f"indices 0..{len(BLOCKS) - 1}, not {i}")
@@ -287,7 +288,7 @@ def block_index(text: str) -> int:
 
 def add_blocks_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=block_index, nargs="+", default=list(range(len(BLOCKS))),
-                   help="indices into kernels/aot.py's PRESET_BLOCKS (default: all)")
+                   help="indices into bench/kernel_registers.py's PRESET_BLOCKS (default: all)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

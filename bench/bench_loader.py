@@ -33,8 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastcifar.dali_loader import DaliLoader, dali_available, decode_jpegs  # noqa: E402
-from fastcifar.loader import TorchLoader  # noqa: E402
+from fastcifar.data.dali import DaliLoader, dali_available, decode_jpegs  # noqa: E402
+from fastcifar.data.loader import TorchLoader  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
 RESULTS = ROOT / "bench" / "results" / "loader.jsonl"
@@ -97,7 +97,7 @@ def time_epochs(loader, epochs: int, device, step=None) -> float:
 
 
 def make_step(device):
-    from fastcifar.model import ResNet9
+    from fastcifar.models.resnet9 import ResNet9
 
     model = ResNet9().to(device, memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)

@@ -38,10 +38,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastcifar import distributed  # noqa: E402
-from fastcifar.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, parse_args, validate  # noqa: E402
+from fastcifar.dist import distributed  # noqa: E402
+from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, parse_args, validate  # noqa: E402
 from fastcifar.data import DataError  # noqa: E402
-from fastcifar.report import TIMING_PROTOCOL, RunResult, summarize  # noqa: E402
+from fastcifar.run.report import TIMING_PROTOCOL, RunResult, summarize  # noqa: E402
 from fastcifar.train import train  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Sweep the fused batchnorm + activation + pool kernels' launch settings on a GPU.
 
     python bench/sweep_bn_act_pool.py                     # every block of both presets, every setting
-    python bench/sweep_bn_act_pool.py --blocks 0 1 6      # some blocks (indices into aot.PRESET_BLOCKS)
+    python bench/sweep_bn_act_pool.py --blocks 0 1 6      # some blocks (indices into kernel_registers.PRESET_BLOCKS)
     python bench/sweep_bn_act_pool.py --settings base p1024 w8
     python bench/sweep_bn_act_pool.py --per-kernel --settings base   # where each block's time goes
     python bench/sweep_bn_act_pool.py --smoke             # CPU check of this script (interpreter, tiny shapes)
@@ -39,7 +39,7 @@ from bench.bench_bn_act_pool import (BLOCKS, CL, GRAPH_WARMUP, SMOKE_BLOCKS, dir
 from bench.bench_step import traced_kernels  # noqa: E402
 from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
                           print_header, require_cuda, time_ms)
-from fastcifar.graphs import capture  # noqa: E402
+from fastcifar.run.graphs import capture  # noqa: E402
 from fastcifar.kernels import bn_act_pool as bn  # noqa: E402
 from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
 

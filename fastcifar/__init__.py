@@ -13,11 +13,11 @@ if not (_Path(__file__).parent / "kernels").is_dir() and (_Path(__file__).parent
 # The Python API (fastcifar.api). Config and presets are light and imported now; the trainer,
 # evaluate and predict are modules that are also callable, imported on first use: importing
 # fastcifar.train here would make `python -m fastcifar.train` warn (runpy finds it imported).
-from .config import DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, validate  # noqa: E402
-from .data import DataError  # noqa: E402
+from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, validate  # noqa: E402
+from fastcifar.data import DataError  # noqa: E402
 
-_LAZY = {"train": None, "evaluate": None, "predict": None, "load_model": "checkpoint", "save_model": "checkpoint",
-         "CheckpointError": "checkpoint", "TrainedRun": "api"}
+_LAZY = {"train": None, "evaluate": None, "predict": None, "load_model": "models.files", "save_model": "models.files",
+         "CheckpointError": "models.files", "TrainedRun": "api"}
 
 
 def __getattr__(name: str):

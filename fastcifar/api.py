@@ -8,54 +8,24 @@
     fastcifar.evaluate((model, info), "data").accuracy
     fastcifar.predict(run.model_path, ["cat.png"])
 
-Naming: ``fastcifar.train`` is also the trainer module (``python -m fastcifar.train``), and
-importing a submodule sets the package attribute of that name to the module, replacing any
-function defined there. So the modules ``train``, ``evaluate`` and ``predict`` are themselves
-callable (``CallableModule``): ``fastcifar.train(cfg)`` is the same call whether or not something
-imported ``fastcifar.train`` first, and the package imports none of them eagerly, which keeps
-``python -m fastcifar.train`` free of runpy's "found in sys.modules" warning.
+The modules ``train``, ``evaluate`` and ``predict`` are themselves callable (``fastcifar.cli``
+says why), so ``fastcifar.train(cfg)`` is this module's ``train`` whether or not something
+imported ``fastcifar.train`` first.
 """
 
 from __future__ import annotations
 
 import copy
-import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, ModelInfo, load_model
-from .config import Config, ConfigError
-from .data import DataError
-from .norm_act_pool import as_plain_torch
-from .report import RunResult
-
-
-class CallableModule(types.ModuleType):
-    """A module that is also a function: calling it calls its ``__api_call__``."""
-
-    def __call__(self, *args, **kwargs):
-        return self.__api_call__(*args, **kwargs)
-
-
-def run_command(body) -> int:
-    """Run a command line's ``body`` (evaluate, predict): its bad input is one line on stderr and
-    exit 2, as the trainer's is."""
-    try:
-        return body()
-    except (ConfigError, DataError, CheckpointError) as exc:
-        print(f"fastcifar: error: {exc}", file=sys.stderr)
-    except RuntimeError as exc:  # e.g. --device cuda without one
-        print(f"fastcifar: error: {str(exc).splitlines()[0]}", file=sys.stderr)
-    return 2
-
-
-def make_callable(module_name: str, function) -> None:
-    module = sys.modules[module_name]
-    module.__class__ = CallableModule
-    module.__api_call__ = function
+from fastcifar.models.files import CheckpointError, ModelInfo, load_model
+from fastcifar.core.config import Config, ConfigError
+from fastcifar.data import DataError
+from fastcifar.ops.norm_act_pool import as_plain_torch
+from fastcifar.run.report import RunResult
 
 
 @dataclass
@@ -79,12 +49,13 @@ def train(config: Config) -> list[TrainedRun]:
     """Train ``config.runs`` runs as ``python -m fastcifar.train`` would with these settings
     (the same validation, logs and run folder); raises ConfigError or DataError on bad input.
     Under torchrun every rank calls it and gets its own copy of the results."""
-    from . import distributed
-    from . import train as trainer
-    from .augment import CIFAR10_MEAN, CIFAR10_STD
+    from fastcifar.dist import distributed
+    from fastcifar import train as trainer
+    from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
     if not isinstance(config, Config):
         raise ConfigError(f"train() takes a fastcifar.Config, not {type(config).__name__}")
-    from . import report, signals
+    from fastcifar.run import report
+    from fastcifar.core import signals
     ctx = distributed.setup(config.device, config.dist_timeout_s)
     try:
         results = trainer.run(config, ctx)

@@ -22,12 +22,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .api import make_callable, resolve_model, run_command
-from .checkpoint import ModelInfo, load_model
-from .config import CHOICES, ConfigError
-from .data import DataError, Dataset, load_dataset
-from .loader import EvalSet
-from .tta import tta_logits
+from fastcifar.cli import make_callable, run_command
+from fastcifar.api import resolve_model
+from fastcifar.models.files import ModelInfo, load_model
+from fastcifar.core.config import CHOICES, ConfigError
+from fastcifar.data import DataError, Dataset, load_dataset
+from fastcifar.data.loader import EvalSet
+from fastcifar.ops.tta import tta_logits
 
 
 @dataclass

@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from .api import make_callable, resolve_model, run_command
-from .config import CHOICES, ConfigError
-from .data import DataError
-from .data.folder import IMAGE_SUFFIXES
-from .evaluate import logits_of, resolve_tta
+from fastcifar.cli import make_callable, run_command
+from fastcifar.api import resolve_model
+from fastcifar.core.config import CHOICES, ConfigError
+from fastcifar.data import DataError
+from fastcifar.data.folder import IMAGE_SUFFIXES
+from fastcifar.evaluate import logits_of, resolve_tta
 
 SIZE = 32
 

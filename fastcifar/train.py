@@ -27,7 +27,7 @@ optimizer, take a few untimed warm-up steps (and capture the step and evaluation
 restore the initial state, start the clock, set the data-dependent init (the whitening conv reads
 training images, so it is training time), train epoch by epoch with the clock stopped during
 evaluation (and, if asked, a training-state checkpoint every few epochs, or a resume from one:
-``fastcifar.checkpoint``), report, and keep the evaluated model in the run folder.
+``fastcifar.run.state``), report, and keep the evaluated model in the run folder.
 """
 
 from __future__ import annotations
@@ -42,19 +42,25 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import api, checkpoint, comm, compiled, compress, distributed, graphs, profiling, recipe, report, signals
-from .augment import CIFAR10_MEAN, CIFAR10_STD
-from .config import Config, ConfigError, parse_args, validate
-from .dali_loader import DaliLoader, dali_decoder, resolve_loader
-from .data import DataError, load_dataset, shard_indices
-from .graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
-from .guard import LossGuard
-from .loader import EvalSet, TorchLoader
-from .model import norm_blocks, resolve_kernels
-from .optim import NesterovSGD
-from .progress import Progress, chunked_decoder
-from .report import EpochRecord, RunLog, RunResult, device_info, process_start_time, versions
-from .sparse.run import SparseRun
+from fastcifar import cli
+from fastcifar.dist import comm, compress, distributed
+from fastcifar.models import compiled
+from fastcifar.models import files
+from fastcifar.run import graphs, profiling, recipe, report, state
+from fastcifar.core import signals
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
+from fastcifar.core.config import Config, ConfigError, parse_args, validate
+from fastcifar.data.dali import DaliLoader, dali_decoder, resolve_loader
+from fastcifar.data import DataError, load_dataset, shard_indices
+from fastcifar.run.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
+from fastcifar.run.guard import LossGuard
+from fastcifar.data.loader import EvalSet, TorchLoader
+from fastcifar.models.blocks import norm_blocks, resolve_kernels
+from fastcifar.models.network import make_network
+from fastcifar.run.optim import NesterovSGD
+from fastcifar.run.progress import Progress, chunked_decoder
+from fastcifar.run.report import EpochRecord, RunLog, RunResult, device_info, process_start_time, versions
+from fastcifar.run.sparse.run import SparseRun
 
 PROCESS_START = process_start_time()
 # DDP without buffer broadcasts (each rank's batchnorm statistics stay its own until averaged per
@@ -114,7 +120,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     # first: a --cuda-graphs on that cannot work is refused before anything is read or written
     use_graphs, graphs_note = graphs.resolve(cfg.cuda_graphs, ctx.device, ctx.world_size, cfg.comm,
                                              compress.why_not_capturable(cfg))
-    resume = checkpoint.load_state(cfg.resume, cfg, ctx) if cfg.resume else None  # refused before any write
+    resume = state.load_state(cfg.resume, cfg, ctx) if cfg.resume else None  # refused before any write
     log = RunLog(cfg, cfg.out_dir, enabled=ctx.is_main)  # checks --out-dir; the folder comes at log.start
     progress = Progress.for_rank(ctx.is_main, cfg.quiet)
     half = cfg.precision == "fp16" or (cfg.precision == "auto" and ctx.device.type == "cuda")
@@ -178,7 +184,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
 def build_model(cfg: Config, device: torch.device, dtype: torch.dtype, num_classes: int = 10) -> torch.nn.Module:
     norm = compiled.norm_for(norm_blocks(cfg.kernels, device), cfg.compile)  # custom op under --compile
-    model = recipe.make_network(cfg, norm=norm, num_classes=num_classes)
+    model = make_network(cfg, norm=norm, num_classes=num_classes)
     model = model.to(device=device, memory_format=torch.channels_last)
     if dtype == torch.float16:
         model.half()
@@ -222,7 +228,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, progr
     model = build_model(cfg, ctx.device, dtype, num_classes=len(classes))
     distributed.check_same(distributed.model_digest(model), "model's parameter shapes", ctx)
     net, buckets = model, None
-    sync_grads = ctx.distributed and not cfg.local_steps  # local SGD (fastcifar.sparse) merges weights instead
+    sync_grads = ctx.distributed and not cfg.local_steps  # local SGD (fastcifar.run.sparse) merges weights instead
     if sync_grads and cfg.comm == "ddp":
         net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
                                       **_DDP_OWN_BUFFERS)
@@ -279,7 +285,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, progr
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=train_loader)
     if resume is not None:  # weights, momentum, schedule, lookahead, RNGs, loader: as after epoch start_epoch
-        start_epoch, records = checkpoint.restore(resume, source=cfg.resume, **parts)
+        start_epoch, records = state.restore(resume, source=cfg.resume, **parts)
         result.epochs = [EpochRecord(**r) for r in records]
         total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
         log.line(f"resumed from {cfg.resume} after epoch {start_epoch}")
@@ -325,7 +331,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, progr
         guard.check(record.train_loss, run, epoch + 1)
         if cfg.checkpoint_every and run and (epoch + 1) % cfg.checkpoint_every == 0 and epoch + 1 < len(lengths):
             # off the clock; every rank takes part (its RNGs and lookahead copy), rank 0 writes
-            checkpoint.save_state(log.dir and log.dir / checkpoint.STATE_NAME, cfg=cfg, epochs_done=epoch + 1,
+            state.save_state(log.dir and log.dir / state.STATE_NAME, cfg=cfg, epochs_done=epoch + 1,
                                   records=result.epochs, **parts)
         watchdog.beat()
     window.close()
@@ -341,7 +347,7 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, progr
     result.wall_time = time.time() - PROCESS_START
     result.model, result.classes = model, tuple(classes)
     if cfg.save_model and log.dir is not None:  # off the clock; the evaluated (lookahead-averaged) weights
-        result.model_path = str(checkpoint.save_model(checkpoint.model_path(log.dir, run, cfg.runs), model, cfg,
+        result.model_path = str(files.save_model(files.model_path(log.dir, run, cfg.runs), model, cfg,
                                                       classes, result.test_acc, CIFAR10_MEAN, CIFAR10_STD))
         log.line(f"model: {result.model_path}")
     return result
@@ -364,7 +370,7 @@ def synchronize(device: torch.device) -> None:
 
 
 # `fastcifar.train(cfg)` calls the API whether or not this module was imported first (fastcifar.api).
-api.make_callable(__name__, api.train)
+cli.make_callable(__name__, "fastcifar.api:train")
 
 if __name__ == "__main__":
     sys.exit(main())

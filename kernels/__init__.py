@@ -37,3 +37,12 @@ def load(name: str, interpret: bool) -> ModuleType:
             triton.knobs.runtime.interpret = True  # sets the variable again: removed on the next line
             del os.environ["TRITON_INTERPRET"]
     return module
+
+
+def module(name: str) -> ModuleType:
+    """``fastcifar.kernels.<name>`` as this machine runs it: compiled for the GPU, or interpreted
+    where there is none (the caller refuses Triton on CPU tensors where there is one).
+    ``TRITON_INTERPRET`` is set for the import only, never left in the process environment."""
+    import torch
+
+    return load(name, interpret=not torch.cuda.is_available())

@@ -1,10 +1,10 @@
 """The training augmentation in one pass: gather + crop + flip + normalize + cutout, uint8 -> float.
 
-Equal to ``fastcifar.augment.augment_reference`` (the definition; see its docstring for the order).
+Equal to ``fastcifar.ops.augment.augment_reference`` (the definition; see its docstring for the order).
 The kernel reads the whole padded data set in place through a (B,) index tensor, so the batch is
 never gathered into a uint8 copy first: each output element reads 1 byte and writes 2 (fp16) or
 4 (fp32); the eager reference makes ~6 passes (gather, float, subtract, divide, cast, masked fill,
-layout copy). Parameters are drawn on the device by ``fastcifar.augment.draw_params`` and read by
+layout copy). Parameters are drawn on the device by ``fastcifar.ops.augment.draw_params`` and read by
 the kernel there, so nothing is synchronized with the host.
 
 No backward: the input is uint8 pixels, which carry no gradient; the output is a leaf of the graph.
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fastcifar.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference
 from .checks import check_device
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -32,7 +32,7 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # are contiguous (the output is NHWC in memory), the uint8 loads are gathered but stay within one or
 # two 96-byte image rows per 32 output elements. Each element carries its image's 6 int64 parameters
 # and offsets: at 32 elements per thread (4096 at 4 warps) ptxas spilled 8 KB per thread on sm_90,
-# at 4 per thread it needs ~110 registers and spills nothing (python -m fastcifar.kernels.aot,
+# at 4 per thread it needs ~110 registers and spills nothing (python bench/kernel_registers.py,
 # bench/results/kernel_registers.md).
 BLOCK = 1024
 NUM_WARPS = 8

@@ -1,6 +1,6 @@
 """Fused batchnorm + activation (+ 2x2 max-pool) on channels-last tensors, forward and backward.
 
-Drop-in for ``fastcifar.model.NormActPool``: ``ResNet9(norm=TritonNormActPool)``. Same constructor,
+Drop-in for ``fastcifar.models.blocks.NormActPool``: ``ResNet9(norm=TritonNormActPool)``. Same constructor,
 same state (it subclasses ``nn.BatchNorm2d``), same math as ``bn_act_pool_reference``.
 
 Layout. An NCHW-shaped channels-last tensor is a (rows = N*H*W, C) matrix in memory with the channel
@@ -58,7 +58,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fastcifar.norm_act_pool import ACTIVATIONS, POOL_PLACES, NormActPool, activation
+from fastcifar.ops.norm_act_pool import ACTIVATIONS, POOL_PLACES, NormActPool, activation
 from .checks import check_activation
 
 ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2, "silu": 3}

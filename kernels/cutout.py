@@ -6,7 +6,7 @@ after some other transform). It is one read and one write of the batch (the mini
 backward applies the same mask to the gradient (one read, one write).
 
 Per image n the square is rows cy[n] .. cy[n]+size-1, columns cx[n] .. cx[n]+size-1 (clipped to the
-image); ``fastcifar.augment.draw_params`` draws (cy, cx) on the device.
+image); ``fastcifar.ops.augment.draw_params`` draws (cy, cx) on the device.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .checks import check_activation
 
 # Fixed, not tuned on a GPU: 2048 elements per program = 8 per thread at 8 warps (4 KiB of fp16 in
 # flight). At 32 per thread (4096 at 4 warps) the int64 index math took 255 registers and spilled on
-# sm_90; at 8 it takes ~86 and spills nothing (python -m fastcifar.kernels.aot).
+# sm_90; at 8 it takes ~86 and spills nothing (python bench/kernel_registers.py).
 BLOCK = 2048
 NUM_WARPS = 8
 
@@ -107,7 +107,7 @@ class Cutout(nn.Module):
 
 
 def cutout_reference(x: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor, size: int) -> torch.Tensor:
-    """Plain PyTorch, the same mask as ``fastcifar.augment.augment_reference``'s step 5."""
+    """Plain PyTorch, the same mask as ``fastcifar.ops.augment.augment_reference``'s step 5."""
     n, c, h, w = x.shape
     rows = torch.arange(h, device=x.device)
     cols = torch.arange(w, device=x.device)

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
 from fastcifar.data import DataError, load_dataset  # noqa: E402
-from fastcifar.report import write_atomic  # noqa: E402
+from fastcifar.run.report import write_atomic  # noqa: E402
 
 
 def export(data: str | Path, out: str | Path, log=print) -> list[Path]:

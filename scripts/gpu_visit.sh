@@ -104,7 +104,7 @@ write_official(Path('$data'), per_batch=2000, n_test=2000)"
 dali_ok() { [ "$dry" = 1 ] || "$py" -c "import nvidia.dali" >/dev/null 2>&1; }
 
 default_preset() {  # "NAME BATCH": the trainer's default preset and its global batch (also in a dry run)
-  "$py" -c "from fastcifar.config import DEFAULT_PRESET, from_preset; print(DEFAULT_PRESET, from_preset().batch_size)" \
+  "$py" -c "from fastcifar.core.config import DEFAULT_PRESET, from_preset; print(DEFAULT_PRESET, from_preset().batch_size)" \
     2>"$work/default-preset.log"
 }
 
@@ -153,7 +153,7 @@ bench)
   ;;
 kernels)
   # alone: eager and graph-replay timings x 3 impls x 3 directions and a compile per block, for the
-  # default preset's 6 blocks (kernels/aot.py's PRESET_BLOCKS 12-17; fast's and resnet9's 0-11, measured
+  # default preset's 6 blocks (bench/kernel_registers.py's PRESET_BLOCKS 12-17; fast's and resnet9's 0-11, measured
   # in the fifth visit, would not fit beside them: about 270 s for those twelve)
   default_blocks="12 13 14 15 16 17"
   step bench-bn 420 "$py" bench/bench_bn_act_pool.py --blocks $default_blocks

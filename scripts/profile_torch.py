@@ -23,8 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastcifar import distributed, profiling  # noqa: E402
-from fastcifar.config import ConfigError, parse_args, validate  # noqa: E402
+from fastcifar.dist import distributed  # noqa: E402
+from fastcifar.run import profiling
+from fastcifar.core.config import ConfigError, parse_args, validate  # noqa: E402
 from fastcifar.data import DataError  # noqa: E402
 from fastcifar.train import train  # noqa: E402
 

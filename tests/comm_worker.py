@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastcifar import distributed
-from fastcifar.comm import GradBuckets
-from fastcifar.config import ConfigError
+from fastcifar.dist import distributed
+from fastcifar.dist.comm import GradBuckets
+from fastcifar.core.config import ConfigError
 
 STEPS = 4
 GLOBAL_BATCH = 8

@@ -19,17 +19,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fastcifar import distributed
-from fastcifar.comm import GradBuckets
-from fastcifar.config import from_preset
-from fastcifar.model import NormActPool
-from fastcifar.optim import NesterovSGD
-from fastcifar.recipe import make_network, param_groups
-from fastcifar.sparse import masks
-from fastcifar.sparse.fisher import trainable
-from fastcifar.sparse.local_sgd import LocalSGD
-from fastcifar.sparse.run import SparseRun
-from fastcifar.sparse.update import MaskedOptimizer
+from fastcifar.dist import distributed
+from fastcifar.dist.comm import GradBuckets
+from fastcifar.core.config import from_preset
+from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.run.optim import NesterovSGD
+from fastcifar.models.network import make_network
+from fastcifar.run.recipe import param_groups
+from fastcifar.run.sparse import masks
+from fastcifar.run.sparse.fisher import trainable
+from fastcifar.dist.local_sgd import LocalSGD
+from fastcifar.run.sparse.run import SparseRun
+from fastcifar.run.sparse.update import MaskedOptimizer
 
 PER_RANK, STEPS = 4, 4
 

@@ -15,7 +15,7 @@ from PIL import Image
 import fastcifar
 from cli import ROOT, env
 from conftest import make_images, one_line_error, write_official
-from fastcifar.config import ConfigError, from_preset, parse_args
+from fastcifar.core.config import ConfigError, from_preset, parse_args
 from fastcifar.train import main as train_main
 
 
@@ -85,10 +85,10 @@ def test_from_preset_shortens_like_the_command_line():
 def test_predict_and_evaluate_take_a_run_in_memory(tmp_path):
     """A run from train() (no file needed) goes straight into evaluate and predict."""
     from fastcifar.api import TrainedRun
-    from fastcifar.checkpoint import ModelInfo
-    from fastcifar.recipe import make_network
-    from fastcifar.norm_act_pool import NormActPool
-    from fastcifar.report import RunResult
+    from fastcifar.models.files import ModelInfo
+    from fastcifar.models.network import make_network
+    from fastcifar.ops.norm_act_pool import NormActPool
+    from fastcifar.run.report import RunResult
     cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
     net = make_network(cfg, NormActPool, 10).eval()
     run = TrainedRun(net, ModelInfo(cfg, tuple("abcdefghij"), (125.0,) * 3, (63.0,) * 3, 0.0), RunResult(1, 0, 0, 0, 0))
@@ -106,10 +106,10 @@ def test_resolve_model_leaves_the_callers_network_as_it_is(wrap):
     copied, never cast or moved in place (a CUDA network of Triton blocks would otherwise run them
     on CPU tensors)."""
     from fastcifar.api import TrainedRun, resolve_model
-    from fastcifar.checkpoint import ModelInfo
-    from fastcifar.recipe import make_network
-    from fastcifar.norm_act_pool import NormActPool
-    from fastcifar.report import RunResult
+    from fastcifar.models.files import ModelInfo
+    from fastcifar.models.network import make_network
+    from fastcifar.ops.norm_act_pool import NormActPool
+    from fastcifar.run.report import RunResult
     cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
     net = make_network(cfg, NormActPool, 10).half()  # in train mode, as a run leaves it mid-training
     before = {k: v.clone() for k, v in net.state_dict().items()}
@@ -128,10 +128,10 @@ def test_resolve_model_leaves_the_callers_network_as_it_is(wrap):
 @pytest.mark.cuda
 def test_a_cuda_network_of_triton_blocks_evaluates_on_the_cpu():
     from fastcifar.api import resolve_model
-    from fastcifar.checkpoint import ModelInfo
-    from fastcifar.model import norm_factory
-    from fastcifar.norm_act_pool import NormActPool
-    from fastcifar.recipe import make_network
+    from fastcifar.models.files import ModelInfo
+    from fastcifar.models.blocks import norm_factory
+    from fastcifar.ops.norm_act_pool import NormActPool
+    from fastcifar.models.network import make_network
     cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
     # channels-last, as build_model and load_model leave it: the Triton kernels take no other layout
     net = make_network(cfg, norm_factory("triton"), 10).to("cuda", memory_format=torch.channels_last).eval()
@@ -152,7 +152,8 @@ def test_an_api_run_that_diverges_closes_its_log_as_the_cli_does(learnable_data,
     later failure in the same process would write into this run's summary."""
     import json
 
-    from fastcifar import report, signals
+    from fastcifar.run import report
+    from fastcifar.core import signals
     out = tmp_path / "runs"
     cfg = from_preset("resnet9", data=str(learnable_data), out_dir=str(out), device="cpu", widths=(8, 16, 32, 64),
                       batch_size=100, epochs=1, warmup_steps=1, lr=1e6, save_model=False, quiet=True)

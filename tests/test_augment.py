@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastcifar.augment import (CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference, draw_params,
-                               normalize, pad_images)
-from fastcifar.loader import EvalSet, TorchLoader
+from fastcifar.ops.augment import (CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference, draw_params, normalize, pad_images)
+from fastcifar.data.loader import EvalSet, TorchLoader
 
 
 def params(b, dy=4, dx=4, flip=0, cy=0, cx=0):

@@ -96,9 +96,9 @@ def test_bn_act_pool_bench_on_cpu_labels_its_timing():
 
 
 def test_bn_act_pool_bench_times_the_blocks_it_is_given(capsys):
-    """--blocks picks from kernels/aot.py's PRESET_BLOCKS (the GPU visit's kernels stage times the
+    """--blocks picks from bench/kernel_registers.py's PRESET_BLOCKS (the GPU visit's kernels stage times the
     default preset's, 12-17); an index past the list is one line and exit 2."""
-    from fastcifar.config import from_preset
+    from fastcifar.core.config import from_preset
 
     bench = _load_bench("bench_bn_act_pool")
     assert bench.parse_args([]).blocks == list(range(len(bench.BLOCKS)))
@@ -115,7 +115,7 @@ def test_bn_act_pool_directions_take_gradients_without_accumulating():
     (autograd.grad: no accumulation into x.grad, which a conv's output would not have)."""
     import torch
 
-    from fastcifar.model import NormActPool
+    from fastcifar.ops.norm_act_pool import NormActPool
 
     bench = _load_bench("bench_bn_act_pool")
     bench.SMOKE = True  # as --smoke sets it: CPU timing (perf_counter), not do_bench

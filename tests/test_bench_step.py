@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from cli import ROOT, bench_results, env
-from fastcifar.config import DEFAULT_PRESET
+from fastcifar.core.config import DEFAULT_PRESET
 
 
 def load_bench_step():
@@ -94,8 +94,8 @@ def test_the_timed_step_has_the_trainers_optimizer_for_the_preset(bench_step, mo
 
     import torch
 
-    from fastcifar.config import from_preset
-    from fastcifar.optim import MuonSGD
+    from fastcifar.core.config import from_preset
+    from fastcifar.run.optim import MuonSGD
 
     made, real = [], bench_step.make_optimizer
     monkeypatch.setattr(bench_step, "make_optimizer", lambda *a, **k: made.append(real(*a, **k)) or made[-1])

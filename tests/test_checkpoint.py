@@ -14,14 +14,16 @@ from safetensors.torch import save_file
 
 from cli import run_dirs, run_train
 from conftest import CLASSES, batch_bytes, make_images, one_line_error
-from fastcifar import recipe, report
-from fastcifar.checkpoint import CheckpointError, load_model, save_model
-from fastcifar.config import from_preset
+from fastcifar.core import atomic
+from fastcifar.models.network import make_network
+from fastcifar.run import report
+from fastcifar.models.files import CheckpointError, load_model, save_model
+from fastcifar.core.config import from_preset
 from fastcifar.evaluate import evaluate
 from fastcifar.evaluate import main as evaluate_main
 from fastcifar.predict import main as predict_main
 from fastcifar.train import main as train_main
-from fastcifar.norm_act_pool import NormActPool
+from fastcifar.ops.norm_act_pool import NormActPool
 
 # The `fast` preset (whitening, lookahead, frozen BN scales, bias freeze after epoch 2) made tiny.
 # Noisy images (noise 150) keep the accuracy well below 100%, so "the same accuracy" means something;
@@ -80,7 +82,7 @@ def trained_default(tmp_path_factory):
 def tiny_fastnet(num_classes=11):
     torch.manual_seed(0)
     cfg = from_preset("fast", widths=(8, 16, 16))
-    model = recipe.make_network(cfg, NormActPool, num_classes)
+    model = make_network(cfg, NormActPool, num_classes)
     with torch.no_grad():  # buffers away from their init, so a load that skipped them would show
         for name, t in model.state_dict().items():
             if t.is_floating_point():
@@ -123,7 +125,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
         with open(tmp, "wb") as f:
             f.write(blob[:100])
         raise OSError(27, "File too large")
-    monkeypatch.setattr(report, "_write_file", half_then_full)
+    monkeypatch.setattr(atomic, "_write_file", half_then_full)
     with pytest.raises(CheckpointError, match="cannot write .*m.safetensors: File too large"):
         save_model(path, model, cfg, CLASSES + ("x",), 60.0, (0,) * 3, (1,) * 3)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
@@ -295,8 +297,9 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, capsys):
 
 LOAD_STATE_RANKS = """
 import sys
-from fastcifar import checkpoint, distributed
-from fastcifar.config import parse_args
+from fastcifar.run import state as checkpoint
+from fastcifar.dist import distributed
+from fastcifar.core.config import parse_args
 path, argv = sys.argv[1], sys.argv[2:]
 ctx = distributed.setup("cpu", 60)
 mine = path if ctx.rank == 0 else path + ".not-on-this-node"
@@ -384,8 +387,8 @@ def test_full_disk_at_the_model_file_is_one_line(learnable_data, tmp_path):
 
 def test_resume_accepts_other_display_and_path_settings_only():
     """--quiet, paths and logging may differ on resume; a training setting may not."""
-    from fastcifar.checkpoint import _training_config
-    from fastcifar.config import from_preset
+    from fastcifar.run.state import _training_config
+    from fastcifar.core.config import from_preset
     base = from_preset("resnet9")
     assert _training_config(base) == _training_config(from_preset("resnet9", quiet=True, out_dir="x", data="y"))
     assert _training_config(base) != _training_config(from_preset("resnet9", lr=0.5))

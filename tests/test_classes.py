@@ -15,13 +15,14 @@ from PIL import Image
 
 from cli import run_dirs, summary_of
 from conftest import one_line_error
-from fastcifar.checkpoint import load_model
-from fastcifar.config import Config
+from fastcifar.models.files import load_model
+from fastcifar.core.config import Config
 from fastcifar.data import load_dataset
 from fastcifar.data import official
 from fastcifar.evaluate import evaluate
-from fastcifar.report import RunLog, device_info, versions
-from fastcifar.sparse import diffs
+from fastcifar.run.report import RunLog, device_info, versions
+from fastcifar import checkpoint as checkpoint_cmd
+from fastcifar.run.sparse import diffs
 from fastcifar.train import main as train_main
 
 quiet = lambda msg: None  # noqa: E731
@@ -143,7 +144,7 @@ def test_eleven_class_folders_train_an_eleven_class_net(tmp_path, capfd):
     assert info.classes == tuple(classes) and model.fc.weight.shape[0] == 11
     # a model file is a diff chain's base: restoring and evaluating it builds the same 11-class net
     state, meta = diffs.restore(run_dir / "model.safetensors", [])
-    assert diffs.evaluate_state(state, meta, str(data)) == evaluate((model, info), str(data)).accuracy
+    assert checkpoint_cmd.evaluate_state(state, meta, str(data)) == evaluate((model, info), str(data)).accuracy
 
 
 def test_train_and_test_class_sets_that_differ_are_refused(tmp_path, capfd):

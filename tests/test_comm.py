@@ -1,4 +1,4 @@
-"""The bucketed all-reduce (fastcifar.comm) and launch hardening, on the CPU with gloo.
+"""The bucketed all-reduce (fastcifar.dist.comm) and launch hardening, on the CPU with gloo.
 
 Two-rank tests start real processes with RANK/WORLD_SIZE/MASTER_PORT set, as torchrun would, and
 bound every wait: a test that hangs fails at its own timeout instead of stalling CI.
@@ -20,8 +20,8 @@ import torch
 from cli import ROOT, SHORT, run_dirs, run_train, summary_of
 from comm_worker import SmallNet, make_model, reference_params
 from conftest import one_line_error
-from fastcifar.comm import GradBuckets, plan_buckets
-from fastcifar.config import Config
+from fastcifar.dist.comm import GradBuckets, plan_buckets
+from fastcifar.core.config import Config
 from fastcifar.train import build_model
 
 WORKER = Path(__file__).with_name("comm_worker.py")

@@ -9,11 +9,12 @@ import copy
 import pytest
 import torch
 
-from fastcifar import compiled
-from fastcifar.config import from_preset
-from fastcifar.graphs import DeviceSchedule
-from fastcifar.model import norm_factory
-from fastcifar.recipe import make_network, make_optimizer
+from fastcifar.models import compiled
+from fastcifar.core.config import from_preset
+from fastcifar.run.graphs import DeviceSchedule
+from fastcifar.models.blocks import norm_factory
+from fastcifar.models.network import make_network
+from fastcifar.run.recipe import make_optimizer
 from fastcifar.train import make_step
 
 
@@ -119,7 +120,7 @@ def test_inductor_compiles_the_step_around_the_custom_op():
 @pytest.mark.cuda
 @pytest.mark.parametrize("preset", ["fast", "fast-muon"])  # the CPU tests of both skip where there is a GPU
 def test_compiled_step_in_a_cuda_graph_equals_eager(preset):
-    from fastcifar.graphs import StaticBatch, TrainStep
+    from fastcifar.run.graphs import StaticBatch, TrainStep
     cfg = from_preset(preset, widths=(16, 32, 32), compile=True)
     dev = torch.device("cuda")
     runs = []
@@ -156,13 +157,13 @@ class _PoolHead(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        from fastcifar.norm_act_pool import NormActPool
+        from fastcifar.ops.norm_act_pool import NormActPool
         self.conv = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.norm = NormActPool(8, act="gelu", eps=1e-12)
         self.fc = torch.nn.Linear(8, 10, bias=False)
 
     def forward(self, x):
-        from fastcifar.norm_act_pool import global_max_pool
+        from fastcifar.ops.norm_act_pool import global_max_pool
         return self.fc(global_max_pool(self.norm(self.conv(x))))
 
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastcifar.alexnet import AlexNet
-from fastcifar.comm import GradBuckets
-from fastcifar.compress import Compression, engine, log_stats, make, pack, unpack
-from fastcifar.compress.compressors import PowerSGD, _orthonormalize
-from fastcifar.compress.memory import ErrorFeedback
-from fastcifar.compress.rng import MASK32, SHARED_STREAM, CounterRNG, _mix
-from fastcifar.config import Config, ConfigError, from_preset, validate
+from fastcifar.models.alexnet import AlexNet
+from fastcifar.dist.comm import GradBuckets
+from fastcifar.dist.compress import Compression, engine, log_stats, make, pack, unpack
+from fastcifar.dist.compress.compressors import PowerSGD, _orthonormalize
+from fastcifar.dist.compress.memory import ErrorFeedback
+from fastcifar.dist.compress.rng import MASK32, SHARED_STREAM, CounterRNG, _mix
+from fastcifar.core.config import Config, ConfigError, from_preset, validate
 
 DRAWS = 2000
 

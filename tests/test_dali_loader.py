@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from fastcifar import dali_loader as dl
-from fastcifar.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params, normalize, pad_images, augment_reference
+from fastcifar.data import dali as dl
+from fastcifar.ops.augment import (CIFAR10_MEAN, CIFAR10_STD, draw_params, normalize, pad_images, augment_reference)
 from fastcifar.data import shard_indices
-from fastcifar.dali_loader import (DaliLoader, DaliUnavailableError, JpegDecodeError, dali_available,
-                                   decode_jpegs, resolve_loader)
+from fastcifar.data.dali import (DaliLoader, DaliUnavailableError, JpegDecodeError, dali_available, decode_jpegs, resolve_loader)
 
 HAVE_DALI, WHY = dali_available()
 needs_dali = pytest.mark.skipif(not HAVE_DALI, reason=f"DALI unavailable: {WHY}")

@@ -18,13 +18,14 @@ CHECK = textwrap.dedent("""
     import numpy as np
     import torch
     import torch.distributed as dist
-    from fastcifar import distributed
-    from fastcifar.config import from_preset
+    from fastcifar.dist import distributed
+    from fastcifar.core.config import from_preset
     from fastcifar.data import shard_indices
-    from fastcifar.loader import TorchLoader
-    from fastcifar.model import NormActPool
-    from fastcifar.optim import NesterovSGD
-    from fastcifar.recipe import RunHooks, make_network, param_groups
+    from fastcifar.data.loader import TorchLoader
+    from fastcifar.ops.norm_act_pool import NormActPool
+    from fastcifar.run.optim import NesterovSGD
+    from fastcifar.run.recipe import RunHooks, param_groups
+    from fastcifar.models.network import make_network
 
     ctx = distributed.setup("cpu")
     cfg = from_preset("fast", widths=(8, 16, 16), whiten_images=60)
@@ -38,7 +39,7 @@ CHECK = textwrap.dedent("""
     model = make_network(cfg, NormActPool)
     opt = NesterovSGD(param_groups(model, cfg, 10), lr=0.0)
     alone = make_network(cfg, NormActPool)
-    from fastcifar.fastnet import init_whitening
+    from fastcifar.models.fastnet import init_whitening
     init_whitening(alone.whiten, loader.plain_images(30))  # this rank's images only
     RunHooks(cfg, model, opt, loader, ctx).epoch_start(0)
     mine = model.whiten.weight.detach().clone()

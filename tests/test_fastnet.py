@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_images
-from fastcifar.augment import normalize
-from fastcifar.fastnet import FastNet, init_whitening, patch_covariance, patches, whitening_weights
-from fastcifar.model import NormActPool
+from fastcifar.ops.augment import normalize
+from fastcifar.models.fastnet import FastNet, init_whitening, patch_covariance, patches, whitening_weights
+from fastcifar.ops.norm_act_pool import NormActPool
 
 
 def data_images(n=300, seed=0):

@@ -24,14 +24,16 @@ import torch
 
 from cli import ROOT, SHORT, env, run_dirs, run_train
 from conftest import one_line_error, write_image_folder, write_official
-from fastcifar import dali_loader, signals, train
-from fastcifar.dali_loader import DaliLoader, dali_available
+from fastcifar.data import dali as dali_loader
+from fastcifar.core import signals
+from fastcifar import train
+from fastcifar.data.dali import DaliLoader, dali_available
 from fastcifar.data.folder import save_cache
 from fastcifar.data import load_dataset
-from fastcifar.guard import Diverged, LossGuard
-from fastcifar.loader import TorchLoader
-from fastcifar.progress import Progress
-from fastcifar.report import TSV_COLUMNS, to_json
+from fastcifar.run.guard import Diverged, LossGuard
+from fastcifar.data.loader import TorchLoader
+from fastcifar.run.progress import Progress
+from fastcifar.run.report import TSV_COLUMNS, to_json
 
 needs_dali = pytest.mark.skipif(not dali_available()[0], reason="DALI does not import here")
 TINY = [*SHORT, "--epochs", "1", "--loader", "torch"]
@@ -366,7 +368,7 @@ def test_chunked_decoder_under_a_bar_gives_the_same_arrays(tmp_path, monkeypatch
 
     from PIL import Image
 
-    from fastcifar import progress as progress_mod
+    from fastcifar.run import progress as progress_mod
     from fastcifar.data.folder import decode_with_pil
 
     images = np.random.default_rng(0).integers(0, 256, (7, 32, 32, 3), dtype=np.uint8)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fastcifar.config import DEFAULT_PRESET, from_preset
-from fastcifar.report import EpochRecord, RunResult
+from fastcifar.core.config import DEFAULT_PRESET, from_preset
+from fastcifar.run.report import EpochRecord, RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_visit.sh"

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from cli import SHORT, run_dirs, run_train
 from conftest import one_line_error
-from fastcifar.compress import why_not_capturable
-from fastcifar.config import Config, ConfigError, validate
-from fastcifar.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep, resolve
-from fastcifar.model import ResNet9
+from fastcifar.dist.compress import why_not_capturable
+from fastcifar.core.config import Config, ConfigError, validate
+from fastcifar.run.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep, resolve
+from fastcifar.models.resnet9 import ResNet9
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -118,7 +118,7 @@ def test_train_step_replays_the_selected_variant(monkeypatch):
     """Each captured variant is its own graph; the step replays the default until ``select``, the
     selected one after, and refuses a variant nobody captured (capturing on the clock would be
     the alternative). Eagerly, ``select`` records the name and the body runs."""
-    import fastcifar.graphs as graphs
+    import fastcifar.run.graphs as graphs
     made = []
     monkeypatch.setattr(graphs, "capture", lambda body, iters, stream=None: made.append(FakeGraph()) or made[-1])
     calls = []

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastcifar.config import Config
-from fastcifar.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
-from fastcifar.optim import NesterovSGD
+from fastcifar.core.config import Config
+from fastcifar.run.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
+from fastcifar.run.optim import NesterovSGD
 from fastcifar.train import build_model, make_step
 
 pytestmark = pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""kernels/augment.py against fastcifar.augment.augment_reference: crop, flip, normalize, cutout in
+"""kernels/augment.py against fastcifar.ops.augment.augment_reference: crop, flip, normalize, cutout in
 one pass, from the whole padded data set through an index tensor or from a gathered batch.
 fp32 must be exact (the kernel multiplies by the IEEE-rounded reciprocal of std, as the reference
 does); fp16 within 1 ulp."""
@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 from _kernel_asserts import DEVICE, assert_close, needs_triton_backend, poisoned_empty  # noqa: E402
 
 import fastcifar.kernels.augment as am  # noqa: E402
-from fastcifar.augment import AugmentParams, draw_params, pad_images  # noqa: E402
+from fastcifar.ops.augment import AugmentParams, draw_params, pad_images  # noqa: E402
 from fastcifar.kernels.augment import TritonAugment, augment, augment_indexed_reference  # noqa: E402
 
 pytestmark = needs_triton_backend

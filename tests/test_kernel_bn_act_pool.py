@@ -14,10 +14,11 @@ import pytest  # noqa: E402
 from _kernel_asserts import (DEVICE, assert_close, near_tie_windows, needs_triton_backend,  # noqa: E402
                              poisoned_empty)
 
-import fastcifar.kernels.aot as aot  # noqa: E402
+from bench import kernel_registers  # noqa: E402
 import fastcifar.kernels.bn_act_pool as bap  # noqa: E402
 import fastcifar.kernels.checks as checks  # noqa: E402
-from fastcifar.model import NormActPool, ResNet9, activation  # noqa: E402
+from fastcifar.ops.norm_act_pool import NormActPool, activation  # noqa: E402
+from fastcifar.models.resnet9 import ResNet9
 from fastcifar.kernels.bn_act_pool import (  # noqa: E402
     TritonNormActPool,
     bn_act_pool,
@@ -425,7 +426,7 @@ def test_own_stats_reference_odd_shape_fp16(pool):
 # resnet9 (ReLU) at 512, fast (GELU; FastNet 64/256/256 after the 2x2 whitening conv: 31x31 maps)
 # at 1024.
 @pytest.mark.cuda
-@pytest.mark.parametrize("block", aot.PRESET_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}x{b[2]}-{b[3]}-{b[4]}")
+@pytest.mark.parametrize("block", kernel_registers.PRESET_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}x{b[2]}-{b[3]}-{b[4]}")
 def test_preset_shapes_fp16_cuda(block):
     """Full-size shapes (int32 overflow of element offsets, many stage-1 chunks) on the GPU, against
     the reference that uses the kernel's own statistics: cuDNN's batchnorm sums in another order,

@@ -3,7 +3,7 @@ compiler, on a machine without a GPU, and none spills registers (issue 11, item 
 
 The compile runs in a subprocess with ``TRITON_INTERPRET`` removed: these tests' own process has
 the interpreter on (conftest.py), and the interpreter compiles nothing. The CI set is one of each
-kind the presets launch (about 20 compiles per arch); ``python -m fastcifar.kernels.aot --set full``
+kind the presets launch (about 20 compiles per arch); ``python bench/kernel_registers.py --set full``
 compiles the whole sweep and writes bench/results/kernel_registers.md.
 
 The compiling tests are marked slow (70-110 s on 2 CPU cores); the parsing and refusal tests are not.
@@ -23,14 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend (ptxas) is not installed")
 
-from fastcifar.kernels import aot  # noqa: E402
+from bench import kernel_registers as aot  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def rows():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-m", "fastcifar.kernels.aot", "--set", "ci", "--arch", "80,90", "--json"],
+    out = subprocess.run([sys.executable, "bench/kernel_registers.py", "--set", "ci", "--arch", "80,90", "--json"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = out.stdout.strip().splitlines()
     assert lines, f"no output (exit {out.returncode}):\n{out.stderr[-3000:]}"
@@ -115,7 +115,7 @@ def test_ptxas_report_parsing():
 
 
 def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
-    from fastcifar.kernels import aot
+    from bench import kernel_registers as aot
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert aot.main(["--set", "ci"]) == 2
@@ -130,9 +130,9 @@ def test_the_shape_lists_are_the_presets_blocks(preset, blocks, act):
     channels, side of the map entering the block, pool) read from the network itself, at the
     preset's batch on one GPU."""
     import torch
-    from fastcifar.config import from_preset
-    from fastcifar.norm_act_pool import NormActPool
-    from fastcifar.recipe import make_network
+    from fastcifar.core.config import from_preset
+    from fastcifar.ops.norm_act_pool import NormActPool
+    from fastcifar.models.network import make_network
 
     cfg = from_preset(preset)
     model = make_network(cfg, NormActPool).eval()

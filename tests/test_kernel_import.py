@@ -41,8 +41,8 @@ def test_kernel_files_do_not_import_the_model_or_a_top_level_kernels():
     assert KERNEL_FILES, "no kernel files found"
     for path in KERNEL_FILES:
         names = _imports(path)
-        assert not any(n == "fastcifar.model" or n.startswith("fastcifar.model.") for n in names), \
-            f"{path.name} imports fastcifar.model (the import circle of issue 11)"
+        assert not any(n == "fastcifar.models.blocks" or n.startswith("fastcifar.models.blocks.") for n in names), \
+            f"{path.name} imports fastcifar.models.blocks (the import circle of issue 11)"
         assert not any(n == "kernels" or n.startswith("kernels.") for n in names), \
             f"{path.name} imports the top-level 'kernels' name"
 
@@ -50,13 +50,13 @@ def test_kernel_files_do_not_import_the_model_or_a_top_level_kernels():
 def test_import_graph_helper_sees_relative_and_absolute_imports(tmp_path):
     """The check above would pass vacuously if _imports missed imports."""
     f = tmp_path / "k.py"
-    f.write_text("from ..model import ResNet9\nimport kernels.x\nfrom .checks import check_device\n")
-    assert {"fastcifar.model", "kernels.x", "fastcifar.kernels.checks"} <= _imports(f)
+    f.write_text("from ..models.blocks import ConvBlock\nimport kernels.x\nfrom .checks import check_device\n")
+    assert {"fastcifar.models.blocks", "kernels.x", "fastcifar.kernels.checks"} <= _imports(f)
 
 
 def test_importing_kernels_does_not_load_the_model():
     code = ("import sys, fastcifar.kernels.bn_act_pool, fastcifar.kernels.augment, fastcifar.kernels.cutout;"
-            "print('fastcifar.model' in sys.modules, 'kernels' in sys.modules)")
+            "print('fastcifar.models.blocks' in sys.modules, 'kernels' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -81,7 +81,7 @@ def test_wheel_installs_kernels_under_fastcifar(tmp_path):
     (wheel,) = tmp_path.glob("fastcifar-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     expected = {f"fastcifar/kernels/{p.name}" for p in KERNEL_FILES}
-    # every module of the source tree, subpackages included (fastcifar.compress was once left out)
+    # every module of the source tree, subpackages included (fastcifar.dist.compress was once left out)
     expected |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "fastcifar").rglob("*.py")}
     assert expected <= set(names), f"missing from the wheel: {sorted(expected - set(names))}"
     assert not [n for n in names if n.startswith("kernels/")], "a top-level kernels package is in the wheel"
@@ -94,7 +94,7 @@ def test_triton_kernels_on_cpu_leave_no_triton_interpret_behind():
     code = """
 import os, torch
 assert "TRITON_INTERPRET" not in os.environ
-from fastcifar.model import norm_factory, resolve_kernels
+from fastcifar.models.blocks import norm_factory, resolve_kernels
 assert resolve_kernels("triton", torch.device("cpu")) == "triton"
 norm = norm_factory("triton")(8, act="relu", pool="after")
 x = torch.randn(2, 8, 4, 4).contiguous(memory_format=torch.channels_last)

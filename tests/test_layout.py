@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastcifar import augment as aug
-from fastcifar.augment import draw_params, pad_images
-from fastcifar.loader import TorchLoader
-from fastcifar.tta import tta_logits
+from fastcifar.ops import augment as aug
+from fastcifar.ops.augment import draw_params, pad_images
+from fastcifar.data.loader import TorchLoader
+from fastcifar.ops.tta import tta_logits
 
 CL = torch.channels_last
 

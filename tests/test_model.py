@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastcifar.config import ConfigError
-from fastcifar.model import NormActPool, ResNet9
+from fastcifar.core.config import ConfigError
+from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.models.resnet9 import ResNet9
 
 
 def channels_last(x):
@@ -72,7 +73,7 @@ def test_norm_act_pool_rejects_unknown_options():
 
 
 def test_kernel_paths_resolve_and_build(monkeypatch):
-    from fastcifar.model import norm_factory, resolve_kernels
+    from fastcifar.models.blocks import norm_factory, resolve_kernels
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
     assert resolve_kernels("auto", torch.device("cpu")) == "torch"
     assert resolve_kernels("auto", torch.device("cuda")) == "triton"
@@ -96,11 +97,11 @@ def test_auto_on_cuda_fuses_every_block(arch):
     """``--kernels auto`` on CUDA builds every block from the fused Triton kernel (it beat cuDNN's
     batchnorm on every block measured, resolve_kernels), on the CPU from the plain-torch one, with the
     same state either way (checkpoints move between them); under --compile the block is the custom op."""
-    from fastcifar import compiled
-    from fastcifar.config import from_preset
+    from fastcifar.models import compiled
+    from fastcifar.core.config import from_preset
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
-    from fastcifar.model import norm_blocks
-    from fastcifar.recipe import make_network
+    from fastcifar.models.blocks import norm_blocks
+    from fastcifar.models.network import make_network
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     fast = arch == "fastnet"
     cfg = from_preset("fast" if fast else "resnet9", widths=(8, 16, 16) if fast else (4, 8, 8, 8))
@@ -118,8 +119,8 @@ def test_as_plain_torch_turns_kernel_blocks_back_into_the_torch_reference():
     """A run trained with Triton blocks must evaluate on CPU tensors where Triton is compiled (a GPU
     machine): the blocks become the plain NormActPool, in place, with the same state and output."""
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
-    from fastcifar.model import norm_factory
-    from fastcifar.norm_act_pool import as_plain_torch
+    from fastcifar.models.blocks import norm_factory
+    from fastcifar.ops.norm_act_pool import as_plain_torch
     torch.manual_seed(0)
     model = ResNet9(widths=(4, 8, 8, 8), norm=norm_factory("triton")).eval()
     x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)

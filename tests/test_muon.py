@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from cli import run_train
-from fastcifar import graphs, train as trainer
-from fastcifar.config import ConfigError, from_preset, validate
-from fastcifar.distributed import DistContext
-from fastcifar.graphs import DeviceSchedule
-from fastcifar.model import NormActPool
-from fastcifar.optim import NS_COEFFICIENTS, Muon, MuonSGD, newton_schulz
-from fastcifar.recipe import make_network, make_optimizer, param_groups
+from fastcifar.run import graphs
+from fastcifar import train as trainer
+from fastcifar.core.config import ConfigError, from_preset, validate
+from fastcifar.dist.distributed import DistContext
+from fastcifar.run.graphs import DeviceSchedule
+from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.run.optim import NS_COEFFICIENTS, Muon, MuonSGD, newton_schulz
+from fastcifar.models.network import make_network
+from fastcifar.run.recipe import make_optimizer, param_groups
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
 
@@ -223,11 +225,12 @@ def test_fast_muon_preset_learns_on_the_cpu(tmp_path, learnable_data):
 TWO_RANKS = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
-    from fastcifar import distributed
-    from fastcifar.comm import GradBuckets
-    from fastcifar.config import from_preset
-    from fastcifar.model import NormActPool
-    from fastcifar.recipe import make_network, make_optimizer
+    from fastcifar.dist import distributed
+    from fastcifar.dist.comm import GradBuckets
+    from fastcifar.core.config import from_preset
+    from fastcifar.ops.norm_act_pool import NormActPool
+    from fastcifar.models.network import make_network
+    from fastcifar.run.recipe import make_optimizer
 
     # No batchnorm statistics differ between half and whole batches: evaluation mode throughout,
     # so each rank's gradient of its half is exactly half the whole batch's.

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from cli import FAST_SHORT, ROOT, env
-from fastcifar import profiling
-from fastcifar.config import parse_args
-from fastcifar.distributed import DistContext
+from fastcifar.run import profiling
+from fastcifar.core.config import parse_args
+from fastcifar.dist.distributed import DistContext
 
 
 def test_markers_off_cost_nothing():

@@ -9,16 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastcifar.augment import alternating_flip, draw_params, normalize
-from fastcifar.averaging import Lookahead
-from fastcifar.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, parse_args, validate
-from fastcifar.distributed import DistContext
-from fastcifar.fastnet import FastNet, init_whitening
-from fastcifar.loader import TorchLoader
-from fastcifar.model import NormActPool, ResNet9
-from fastcifar.optim import NesterovSGD, warmup_decay_lr
-from fastcifar.recipe import RunHooks, make_network, norm_layers, param_groups
-from fastcifar.tta import tta_logits, translations
+from fastcifar.ops.augment import alternating_flip, draw_params, normalize
+from fastcifar.run.averaging import Lookahead
+from fastcifar.core.config import (DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, parse_args, validate)
+from fastcifar.dist.distributed import DistContext
+from fastcifar.models.fastnet import FastNet, init_whitening
+from fastcifar.data.loader import TorchLoader
+from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.models.resnet9 import ResNet9
+from fastcifar.run.optim import NesterovSGD, warmup_decay_lr
+from fastcifar.run.recipe import RunHooks, param_groups
+from fastcifar.models.network import make_network, norm_layers
+from fastcifar.ops.tta import tta_logits, translations
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
 
@@ -194,8 +196,8 @@ def test_warm_up_captures_the_frozen_step_with_the_bias_out_of_backward(monkeypa
     """The variant is captured with the bias not requiring grad (else its graph would hold the
     full backward and the freeze would save nothing), the default graph stays selected, and the
     bias requires grad again after the warm-up; with --sparse-mask no variant is captured."""
-    import fastcifar.graphs as graphs
-    from fastcifar.graphs import StaticBatch, TrainStep
+    import fastcifar.run.graphs as graphs
+    from fastcifar.run.graphs import StaticBatch, TrainStep
     cfg = tiny_fast(whiten_bias_epochs=2, whiten_images=16, lookahead_steps=0)
     model = make_network(cfg, NormActPool)
     opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)

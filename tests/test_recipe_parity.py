@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastcifar import train as trainer
-from fastcifar.config import from_preset, parse_args, validate
+from fastcifar.core.config import from_preset, parse_args, validate
 from fastcifar.data import load_dataset, shard_indices
-from fastcifar.distributed import DistContext
-from fastcifar.fastnet import init_whitening
-from fastcifar.loader import EvalSet, TorchLoader
-from fastcifar.model import NormActPool
-from fastcifar.recipe import epoch_lengths, lr_schedule, make_network
+from fastcifar.dist.distributed import DistContext
+from fastcifar.models.fastnet import init_whitening
+from fastcifar.data.loader import EvalSet, TorchLoader
+from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.run.recipe import epoch_lengths, lr_schedule
+from fastcifar.models.network import make_network
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
 

@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastcifar.config import CHOICES, from_preset
-from fastcifar.model import NormActPool
-from fastcifar.optim import NesterovSGD
-from fastcifar.recipe import make_network, param_groups
-from fastcifar.sparse import fisher, masks
-from fastcifar.sparse.update import MaskedOptimizer
+from fastcifar.core.config import CHOICES, from_preset
+from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.run.optim import NesterovSGD
+from fastcifar.models.network import make_network
+from fastcifar.run.recipe import param_groups
+from fastcifar.run.sparse import fisher, masks
+from fastcifar.run.sparse.update import MaskedOptimizer
 
 
 def tiny(arch="resnet9", seed=0):
@@ -198,7 +199,7 @@ def test_full_mask_of_ones_is_the_dense_optimizer():
 def test_local_sgd_merges_every_h_steps_counted_from_the_last_merge():
     """An epoch-end merge restarts the count: with H=3 and 5 steps per epoch the merges fall
     after steps 3, 5 | 8, 10 (not 3, 5 | 6, 9, 10, as a run-wide step counter would place them)."""
-    from fastcifar.sparse.local_sgd import LocalSGD
+    from fastcifar.dist.local_sgd import LocalSGD
 
     cfg, model = tiny()
     params = fisher.trainable(model)
@@ -222,8 +223,8 @@ def test_local_sgd_merges_every_h_steps_counted_from_the_last_merge():
 def test_sparse_record_is_written_atomically_and_a_write_failure_is_a_checkpoint_error(tmp_path):
     from types import SimpleNamespace
 
-    from fastcifar.checkpoint import CheckpointError
-    from fastcifar.sparse.run import SparseRun
+    from fastcifar.models.files import CheckpointError
+    from fastcifar.run.sparse.run import SparseRun
 
     _, model = tiny()
     cfg = from_preset("resnet9", widths=(4, 8, 8, 8), sparse_mask="random", sparse_fraction=0.1)

@@ -11,9 +11,10 @@ import torch
 
 from cli import ROOT, SHORT, run_dirs, run_train, summary_of
 from conftest import one_line_error
-from fastcifar.checkpoint import read_safetensors
-from fastcifar.config import ConfigError, from_preset, validate
-from fastcifar.sparse import diffs
+from fastcifar.models.files import read_safetensors
+from fastcifar.core.config import ConfigError, from_preset, validate
+from fastcifar import checkpoint as checkpoint_cmd
+from fastcifar.run.sparse import diffs
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 SPARSE = ["--sparse-mask", "fisher", "--sparse-fraction", "0.05", "--mask-samples", "100", "--sparse-checkpoints",
@@ -39,7 +40,7 @@ def test_diff_chain_restores_each_epoch_exactly(learnable_data, tmp_path, capsys
     assert [m["epoch"] for m in record["masks"]] == [0, 2]  # --mask-every 2: recomputed at epoch 2
     for e in range(1, 4):
         state, meta = diffs.restore(base, epochs[:e])
-        assert diffs.evaluate_state(state, meta, str(learnable_data)) == accs[e - 1], f"epoch {e}"
+        assert checkpoint_cmd.evaluate_state(state, meta, str(learnable_data)) == accs[e - 1], f"epoch {e}"
     assert accs[-1] > 20.0  # it learned something: the equality is not between two untrained models
     dense = base.stat().st_size
     for d, m in zip(record["diffs"], [0, 0, 1]):
@@ -50,16 +51,16 @@ def test_diff_chain_restores_each_epoch_exactly(learnable_data, tmp_path, capsys
     with pytest.raises(diffs.ChainError, match="chain broken"):
         diffs.restore(base, [epochs[0], epochs[2]])
     # the command line (in-process: main(argv)): inspect, restore to a model file, a broken chain
-    assert diffs.main(["inspect", str(epochs[1])]) == 0
+    assert checkpoint_cmd.main(["inspect", str(epochs[1])]) == 0
     assert "sparse diff, epoch 2, parent epoch001.safetensors" in capsys.readouterr().out
     model_file = tmp_path / "m.safetensors"
-    assert diffs.main(["restore", str(base), *map(str, epochs[:2]), "--out", str(model_file)]) == 0
+    assert checkpoint_cmd.main(["restore", str(base), *map(str, epochs[:2]), "--out", str(model_file)]) == 0
     written, meta = read_safetensors(model_file)
     want, _ = diffs.restore(base, epochs[:2])
     assert meta["format"] == "fastcifar.model/1" and float(meta["test_acc"]) == accs[1]
     assert all(torch.equal(written[k], want[k]) for k in want)
     capsys.readouterr()
-    assert diffs.main(["restore", str(base), str(epochs[1])]) == 2
+    assert checkpoint_cmd.main(["restore", str(base), str(epochs[1])]) == 2
     assert "chain broken" in one_line_error(capsys.readouterr().err)
 
 
@@ -145,4 +146,4 @@ def test_two_ranks_sparse_local_sgd_through_the_trainer(learnable_data, tmp_path
     base, epochs = chain(run_dir)
     state, meta = diffs.restore(base, epochs)
     acc = summary_of(out)["results"][0]["epochs"][-1]["test_acc"]
-    assert diffs.evaluate_state(state, meta, str(learnable_data)) == acc  # the ranks held the same weights
+    assert checkpoint_cmd.evaluate_state(state, meta, str(learnable_data)) == acc  # the ranks held the same weights

@@ -18,9 +18,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastcifar import comm, recipe
-from fastcifar.config import from_preset
-from fastcifar.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
+from fastcifar.dist import comm
+from fastcifar.run import recipe
+from fastcifar.core.config import from_preset
+from fastcifar.run.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
 from fastcifar.train import build_model, make_step
 
 aten = torch.ops.aten

@@ -9,8 +9,8 @@ import torch
 
 from cli import FAST_SHORT, SHORT, run_dirs, run_train, summary_of
 from conftest import one_line_error, write_official
-from fastcifar.config import DEFAULT_PRESET, Config, build_parser, from_preset, parse_args
-from fastcifar.report import EPOCH_HEADER, TSV_COLUMNS
+from fastcifar.core.config import DEFAULT_PRESET, Config, build_parser, from_preset, parse_args
+from fastcifar.run.report import EPOCH_HEADER, TSV_COLUMNS
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +164,7 @@ def test_each_epoch_after_the_first_was_drawn_while_the_one_before_ran(learnable
     GPU the host then draws while the device computes), and iterating epoch e+1 takes them."""
     import fastcifar
     import fastcifar.train as fastcifar_train  # the module, not the API function of that name
-    from fastcifar.loader import EpochAhead, TorchLoader
+    from fastcifar.data.loader import EpochAhead, TorchLoader
     taken = []
     take = EpochAhead.take
 

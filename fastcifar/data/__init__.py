@@ -19,10 +19,10 @@ from typing import Callable
 
 import numpy as np
 
-from .dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
-from .errors import DataError
-from .folder import BatchDecoder, cache_path, decoder_name, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
-from .official import OFFICIAL_SETS, download, read_archive, read_batch_dir, set_of_folder
+from fastcifar.data.dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
+from fastcifar.core.errors import DataError
+from fastcifar.data.folder import BatchDecoder, cache_path, decoder_name, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
+from fastcifar.data.official import OFFICIAL_SETS, download, read_archive, read_batch_dir, set_of_folder
 
 __all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "shard_indices"]
 

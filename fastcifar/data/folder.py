@@ -21,8 +21,8 @@ from typing import Callable, Optional
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from .dataset import IMAGE_SHAPE, Dataset
-from .errors import DataError
+from fastcifar.data.dataset import IMAGE_SHAPE, Dataset
+from fastcifar.core.errors import DataError
 
 SPLITS = ("train", "test")
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm"}
@@ -79,7 +79,7 @@ def decode_with_pil(raws: list[bytes], wheres: list[str]) -> np.ndarray:
 
 
 # A batch decoder: (encoded images, their names) -> (N, 32, 32, 3) uint8, or None to leave the
-# batch to PIL (which then names the file that is bad). fastcifar.dali_loader.dali_decoder is one.
+# batch to PIL (which then names the file that is bad). fastcifar.data.dali.dali_decoder is one.
 BatchDecoder = Callable[[list, list], Optional[np.ndarray]]
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .dataset import CIFAR10_CLASSES, Dataset
-from .errors import DataError
+from fastcifar.data.dataset import CIFAR10_CLASSES, Dataset
+from fastcifar.core.errors import DataError
 
 
 @dataclass(frozen=True)

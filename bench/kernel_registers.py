@@ -1,0 +1,216 @@
+"""Registers, spills and shared memory of every kernel variant the launchers produce at the presets'
+shapes (and odd ones), compiled for a real GPU (sm_80, sm_90) on a machine without one.
+
+    python bench/kernel_registers.py --set ci   --arch 80,90          # the CI subset (tests/kernels/test_kernel_compile.py)
+    python bench/kernel_registers.py --set full --arch 80,90 --out bench/results/kernel_registers
+
+The launchers are called on CPU tensors of the shapes below with each kernel's ``run`` replaced by
+a recorder (``fastcifar.kernels.aot``), so what is compiled is exactly what a launcher would
+launch. Needs the real compiler: run with ``TRITON_INTERPRET`` unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from bench.common import environment  # noqa: E402
+from fastcifar.kernels import aot  # noqa: E402
+from fastcifar.ops.norm_act_pool import ACTIVATIONS  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------
+# The launcher calls: presets' real shapes and odd ones
+# ----------------------------------------------------------------------------------------------
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# (batch, channels, map side, pool) of each NormActPool in the presets, at their per-GPU batch
+FAST_BLOCKS = [(1024, 64, 31, "before"), (1024, 64, 15, None), (1024, 256, 15, "before"),
+               (1024, 256, 7, None), (1024, 256, 7, "before"), (1024, 256, 3, None)]
+RESNET9_BLOCKS = [(512, 64, 32, None), (512, 128, 32, "after"), (512, 128, 16, None),
+                  (512, 256, 16, "after"), (512, 512, 8, "after"), (512, 512, 4, None)]
+# the default preset, fast-muon320: `fast`'s blocks at 2000 images, the wide ones at 320 channels
+DEFAULT_BLOCKS = [(2000, 64 if c == 64 else 320, s, pool) for _, c, s, pool in FAST_BLOCKS]
+# the same with each preset's activation, (batch, channels, side, act, pool): the blocks the
+# kernel benchmark times and the CUDA kernel tests check (the default's last, so the indices of
+# the first twelve, which bench/results/ quote, stay)
+PRESET_BLOCKS = ([(b, c, s, "gelu", pool) for b, c, s, pool in FAST_BLOCKS]
+                 + [(b, c, s, "relu", pool) for b, c, s, pool in RESNET9_BLOCKS]
+                 + [(b, c, s, "gelu", pool) for b, c, s, pool in DEFAULT_BLOCKS])
+# odd shapes: two with every pool mode, one more odd map pooled before; each listed once
+ODD_BLOCKS = ([(3, 5, 7, pool) for pool in (None, "before", "after")]
+              + [(2, 24, 6, pool) for pool in (None, "before", "after")] + [(1, 3, 9, "before")])
+
+
+def bn_call(batch, channels, side, pool, dtype, act, training) -> Callable[[], None]:
+    def call():
+        from fastcifar.kernels.bn_act_pool import bn_act_pool_backward, bn_act_pool_forward
+        x = torch.empty(batch, channels, side, side, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        vec = lambda: torch.ones(channels)  # noqa: E731
+        y, saved = bn_act_pool_forward(x, vec(), vec(), vec(), vec(), training, 0.1, 1e-5, act, pool)
+        dy = torch.empty_like(y, memory_format=torch.channels_last)
+        bn_act_pool_backward(dy, saved, vec(), vec(), x.shape, training, act, pool)
+    call.__name__ = f"bn_act_pool {dtype} {act} pool={pool} training={training} {batch}x{channels}x{side}x{side}"
+    return call
+
+
+def augment_call(batch, data, pad, cutout, dtype, indexed) -> Callable[[], None]:
+    def call():
+        from fastcifar.ops.augment import AugmentParams
+        from fastcifar.kernels.augment import augment
+        side = 32 + 2 * pad
+        images = torch.empty(data, side, side, 3, dtype=torch.uint8)
+        p = [torch.zeros(batch, dtype=torch.int64) for _ in range(5)]
+        index = torch.zeros(batch, dtype=torch.int64) if indexed else None
+        augment(images if indexed else images[:batch], AugmentParams(*p), cutout, dtype=dtype, index=index)
+    call.__name__ = f"augment {dtype} batch={batch} pad={pad} cutout={cutout} indexed={indexed}"
+    return call
+
+
+def cutout_call(batch, channels, side, size, dtype) -> Callable[[], None]:
+    def call():
+        from fastcifar.kernels.cutout import cutout_forward
+        x = torch.empty(batch, channels, side, side, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        pos = torch.zeros(batch, dtype=torch.int64)
+        cutout_forward(x, pos, pos, size)
+    call.__name__ = f"cutout {dtype} {batch}x{channels}x{side}x{side} size={size}"
+    return call
+
+
+def calls(which: str) -> list[Callable[[], None]]:
+    """``ci``: one of each kind the presets launch (fp16 on the GPU: `fast`'s GELU with pool before BN,
+    training and evaluation; `resnet9`'s ReLU with pool after; the augmentation and cutout) and an
+    odd fp32 shape with CELU, about 20 compiles per arch; ``presets``: every block of the `fast`,
+    `resnet9` and default (`fast-muon320`) presets in fp16, training and evaluation, with the
+    augmentation and cutout; ``full``: every dtype x activation x pool x mode over the presets' and
+    odd shapes, every augmentation and cutout dtype."""
+    out = []
+    if which == "ci":
+        fp16 = torch.float16
+        out += [bn_call(1024, 64, 31, "before", fp16, "gelu", True), bn_call(1024, 64, 15, None, fp16, "gelu", True),
+                bn_call(1024, 256, 7, "before", fp16, "gelu", False),
+                bn_call(512, 128, 32, "after", fp16, "relu", True), bn_call(3, 5, 7, None, torch.float32, "celu", True),
+                augment_call(1024, 50000, 2, 0, fp16, True), cutout_call(512, 3, 32, 8, fp16)]
+        return out
+    if which == "presets":
+        for training in (True, False):
+            out += [bn_call(b, c, s, pool, torch.float16, act, training) for b, c, s, act, pool in PRESET_BLOCKS]
+        return out + [augment_call(1024, 50000, 2, 0, torch.float16, True),
+                      augment_call(512, 50000, 4, 8, torch.float16, True), cutout_call(512, 3, 32, 8, torch.float16)]
+    if which != "full":
+        raise ValueError(f"unknown variant set {which!r}: ci, presets or full")
+    for dtype in DTYPES.values():
+        for act in ACTIVATIONS:
+            for training in (True, False):
+                for b, c, s, pool in FAST_BLOCKS + RESNET9_BLOCKS + DEFAULT_BLOCKS + ODD_BLOCKS:
+                    out.append(bn_call(b, c, s, pool, dtype, act, training))
+        for indexed in (True, False):
+            out += [augment_call(1024, 50000 if indexed else 1024, 2, 0, dtype, indexed),
+                    augment_call(512, 50000 if indexed else 512, 4, 8, dtype, indexed),
+                    augment_call(5, 7, 1, 3, dtype, indexed)]
+        out += [cutout_call(512, 3, 32, 8, dtype), cutout_call(3, 5, 7, 3, dtype)]
+    return out
+
+
+def sweep(archs: Iterable[int], which: str, log=print, on_row=lambda row: None) -> list[dict]:
+    """Compile set ``which`` for each arch; ``on_row`` sees each row as soon as it exists (a long
+    sweep that is cut short keeps what it did)."""
+    rows = []
+    for arch in archs:
+        variants = aot.record(arch, calls(which))
+        log(f"sm_{arch}: {len(variants)} variants ({which})")
+        for v in variants:
+            try:
+                rows.append(aot.compile_variant(v, arch))
+            except Exception as exc:  # a failure is a result: reported in the table, fails the test
+                rows.append({"arch": f"sm_{arch}", "kernel": v.kernel, "variant": v.label(), "from": v.where,
+                             "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
+            on_row(rows[-1])
+    return rows
+
+
+def table(rows: list[dict], header: str) -> str:
+    lines = [header, "",
+             "| arch | kernel | variant | regs | spill st/ld B | stack B | smem B | compile s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['arch']} | {r['kernel']} | {r['variant']} | FAILED: {r['error'][:120]} | | | | |")
+        else:
+            lines.append(f"| {r['arch']} | {r['kernel']} | {r['variant']} | {r['registers']} | "
+                         f"{r['spill_store_bytes']}/{r['spill_load_bytes']} | {r['stack_bytes']} | "
+                         f"{r['shared_bytes']} | {r['compile_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def problems(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """What fails a sweep (main's exit status, tests/test_kernel_compile.py): the rows that did not
+    compile, and the compiled rows that spill registers."""
+    failed = [r for r in rows if "error" in r]
+    spilled = [r for r in rows if "error" not in r and (r["spill_store_bytes"] or r["spill_load_bytes"])]
+    return failed, spilled
+
+
+def summary(rows: list[dict]) -> str:
+    ok = [r for r in rows if "error" not in r]
+    failed, spilled = problems(rows)
+    out = [f"{len(rows)} variants compiled, {len(failed)} failed, {len(spilled)} with spills", ""]
+    for arch in sorted({r["arch"] for r in ok}):
+        for kernel in sorted({r["kernel"] for r in ok if r["arch"] == arch}):
+            regs = [r["registers"] for r in ok if r["arch"] == arch and r["kernel"] == kernel]
+            out.append(f"- {arch} {kernel}: {len(regs)} variants, registers {min(regs)}-{max(regs)}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--set", default="ci", choices=("ci", "presets", "full"), help="which launcher calls (see calls())")
+    p.add_argument("--arch", default="80,90", help="compute capabilities, comma-separated")
+    p.add_argument("--out", default="", help="write OUT.md (table) and OUT.jsonl (one row per variant)")
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("fastcifar: error: unset TRITON_INTERPRET: the interpreter compiles nothing", file=sys.stderr)
+        return 2
+    import triton
+
+    env = {}
+    if args.out:  # the table joins bench/results/: its rows carry what every row there does (versions, date, commit)
+        env = environment()
+
+    def on_row(row):
+        if args.out:
+            with open(args.out + ".jsonl", "a") as f:
+                f.write(json.dumps({**env, "set": args.set, **row}) + "\n")
+
+    # scope(): the deleted folder does not stay Triton's cache after main (tests call it in-process)
+    with triton.knobs.cache.scope(), tempfile.TemporaryDirectory() as cache:
+        triton.knobs.cache.dir = cache  # a fresh cache: every variant really compiles, and ptxas reports
+        rows = sweep([int(a) for a in args.arch.split(",")], args.set, log=lambda m: print(m, file=sys.stderr),
+                     on_row=on_row)
+    print(summary(rows), file=sys.stderr)
+    if args.out:
+        header = (f"### Triton {env['triton']}, torch {env['torch']}, compiled on the CPU (no GPU) for "
+                  f"{', '.join('sm_' + a for a in args.arch.split(','))}, set `{args.set}`, {env['date']}, "
+                  f"commit {env['commit'] or 'unknown'}\n\n"
+                  f"{summary(rows)}\n\nregisters per thread, spills and stack from ptxas -v of the real compile; "
+                  "shared memory from Triton's metadata; compile s is wall time on this machine "
+                  f"({os.cpu_count()} CPUs, possibly shared).")
+        with open(args.out + ".md", "a") as f:
+            f.write(table(rows, header) + "\n")
+    if args.json:
+        print(json.dumps(rows))
+    failed, spilled = problems(rows)
+    return 1 if failed or spilled else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

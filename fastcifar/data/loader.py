@@ -1,0 +1,158 @@
+"""The torch loader: device-resident uint8 images, augmented per batch on the device.
+
+With ``kernels="torch"`` each batch goes through ``fastcifar.ops.augment.augment_reference`` (plain
+torch ops, the reference); with ``kernels="triton"`` through one fused Triton kernel that reads
+the padded set in place (``kernels/augment.py``).
+
+The training shard is copied to the device once and padded once (50,000 x 40 x 40 x 3 bytes =
+240 MB for the whole set), so an epoch moves no images from the host: each batch is a gather of
+indices and ``fastcifar.ops.augment`` does the rest. The epoch's order and random parameters come from
+``epoch_plan``, drawn on the host (the DALI loader's draws exactly; ~6 ms for 50,000 images on
+one shared CPU core, 2026-11-22) and copied to the device once per epoch (6 int64 per image),
+while the GPU still runs the epoch before (``EpochAhead``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fastcifar.ops.augment import (CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference, draw_params, normalize, pad_images)
+
+PARAM_FIELDS = ("dy", "dx", "flip", "cy", "cx")
+
+
+def epoch_seed(run_seed: int, rank: int, epoch: int) -> int:
+    """The seed of one rank's shuffle and augmentation in one epoch: distinct per (seed, rank, epoch)."""
+    return int(np.random.SeedSequence([run_seed, rank, epoch]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def epoch_plan(run_seed: int, rank: int, epoch: int, n_shard: int, n: int, *, pad: int, cutout: int,
+               flip: bool, flip_mode: str, shard_index: torch.Tensor, size: int = 32):
+    """One rank's whole epoch, drawn once on the host: the order (the first ``n`` of a permutation
+    of the shard's ``n_shard`` slots) and every image's augmentation parameters, from one CPU
+    generator seeded by ``epoch_seed``. Both loaders take their epoch from here, so a seed gives
+    the same batches with torch or DALI, on any device (a CUDA generator draws other numbers than
+    the CPU one). ``shard_index`` (CPU int64): each slot's data-set index, for alternating flips."""
+    g = torch.Generator().manual_seed(epoch_seed(run_seed, rank, epoch))
+    order = torch.randperm(n_shard, generator=g)[:n]
+    params = draw_params(n, pad, cutout, g, "cpu", size=size, flip=flip, flip_mode=flip_mode,
+                         index=shard_index[order], epoch=epoch, seed=run_seed)
+    return order, params
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without making the host wait for the GPU: from pinned memory the copy is
+    queued behind the work already on the stream (torch's pinned-memory cache keeps the buffer
+    until the copy has run). From pageable memory CUDA promises no such thing: the driver stages
+    the data first, and a small copy returned early on the H100 but a large one may wait."""
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+class EpochAhead:
+    """One epoch's plan (order and augmentation draws, on the device) made before the epoch starts.
+
+    Why: drawing an epoch on the host at its start left the GPU idle ~3.5 ms every epoch, and 35-79
+    ms in one epoch of five (`fast`, H100, 10 runs, 2026-11-22: the GPU's own time per epoch was
+    constant; the mean wait 20 ms an epoch, 0.2 s of a 1.6 s run). The trainer asks for the next epoch's
+    plan right after queuing the last step of this one, when the CPU has ~77 ms to spare before the
+    GPU finishes (same runs): the drawing overlaps the GPU, still inside this epoch's clock.
+    ``take`` returns the plan made ahead when it is the epoch asked for, else draws it then."""
+
+    def __init__(self, make):
+        self.make = make  # (run_seed, epoch) -> the plan
+        self.key, self.plan = None, None
+
+    def prepare(self, run_seed: int, epoch: int) -> None:
+        self.key, self.plan = (run_seed, epoch), self.make(run_seed, epoch)
+
+    def take(self, run_seed: int, epoch: int):
+        if self.key != (run_seed, epoch):
+            return self.make(run_seed, epoch)
+        plan, self.key, self.plan = self.plan, None, None
+        return plan
+
+
+class TorchLoader:
+    """Training batches of one rank's fixed shard, reshuffled every epoch, last partial batch dropped."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, shard: np.ndarray, batch_size: int,
+                 steps_per_epoch: int, *, pad: int, pad_mode: str, cutout: int, flip: bool,
+                 dtype: torch.dtype, device: torch.device, rank: int = 0,
+                 mean=CIFAR10_MEAN, std=CIFAR10_STD, flip_mode: str = "random", kernels: str = "torch"):
+        if steps_per_epoch * batch_size > len(shard):
+            raise ValueError(f"{steps_per_epoch} steps of {batch_size} need {steps_per_epoch * batch_size} "
+                             f"images, the shard has {len(shard)}")
+        self.images = pad_images(torch.from_numpy(images[shard]).to(device), pad, pad_mode)
+        self.labels = torch.from_numpy(labels[shard]).to(device)
+        self.flip_mode = flip_mode
+        self.batch_size, self.steps = batch_size, steps_per_epoch
+        self.pad, self.cutout, self.flip = pad, cutout, flip
+        self.dtype, self.device, self.rank = dtype, device, rank
+        self.mean = torch.tensor(mean, dtype=torch.float32, device=device)  # once, not per batch
+        self.std = torch.tensor(std, dtype=torch.float32, device=device)
+        self.fused = None
+        if kernels == "triton":  # one Triton pass from the padded set: gather, crop, flip, normalize, cutout
+            from fastcifar import kernels
+            self.fused = kernels.module("augment").TritonAugment(cutout, mean, std, dtype).to(device)
+        self.shard_index = torch.from_numpy(shard).to(torch.int64)  # host copy: epoch_plan hashes it
+        self._ahead = EpochAhead(self._device_plan)
+        self.set_epoch(0, 0)
+
+    def set_epoch(self, run_seed: int, epoch: int) -> None:
+        self.run_seed, self.epoch = run_seed, epoch
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def plain_images(self, n: int) -> torch.Tensor:
+        """The shard's first ``n`` images un-augmented (the centre of the padded copy), normalized,
+        fp32, NCHW-shaped: the data a data-dependent init (the whitening conv) reads."""
+        size = self.images.shape[1] - 2 * self.pad
+        centre = self.images[:n, self.pad:self.pad + size, self.pad:self.pad + size]
+        return normalize(centre, self.mean, self.std, torch.float32)
+
+    def prepare(self, run_seed: int, epoch: int) -> None:
+        """Draw that epoch's plan now and start its copy to the device (``EpochAhead``)."""
+        self._ahead.prepare(run_seed, epoch)
+
+    def _device_plan(self, run_seed: int, epoch: int) -> tuple[torch.Tensor, AugmentParams]:
+        order, plan = epoch_plan(run_seed, self.rank, epoch, len(self.labels), self.steps * self.batch_size,
+                                 pad=self.pad, cutout=self.cutout, flip=self.flip, flip_mode=self.flip_mode,
+                                 shard_index=self.shard_index)
+        # one host-to-device copy per epoch (6 int64 per image: 2.4 MB for 50,000), none per step
+        rows = to_device(torch.stack([order, *(getattr(plan, f) for f in PARAM_FIELDS)]), self.device)
+        return rows[0], AugmentParams(*rows[1:])
+
+    def __iter__(self):
+        b = self.batch_size
+        order, plan = self._ahead.take(self.run_seed, self.epoch)
+        for step in range(self.steps):
+            idx = order[step * b:(step + 1) * b]
+            params = AugmentParams(*(getattr(plan, f)[step * b:(step + 1) * b] for f in PARAM_FIELDS))
+            if self.fused is not None:
+                images = self.fused(self.images, params, index=idx)
+            else:
+                images = augment_reference(self.images[idx], params, self.cutout, self.mean, self.std, self.dtype)
+            yield images, self.labels[idx]
+
+
+class EvalSet:
+    """The test images of one rank (every ``world_size``-th), normalized once, in fixed batches."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, *, dtype: torch.dtype,
+                 device: torch.device, rank: int = 0, world_size: int = 1,
+                 mean=CIFAR10_MEAN, std=CIFAR10_STD):
+        mine = slice(rank, None, world_size)
+        self.images = normalize(torch.from_numpy(images[mine]).to(device), mean, std, dtype)
+        self.labels = torch.from_numpy(labels[mine]).to(device)
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.labels) // self.batch_size)
+
+    def __iter__(self):
+        for start in range(0, len(self.labels), self.batch_size):
+            yield self.images[start:start + self.batch_size], self.labels[start:start + self.batch_size]

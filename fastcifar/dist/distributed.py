@@ -1,0 +1,204 @@
+"""Ranks, devices and process groups: one process per device, launched by torchrun (or alone).
+
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a process started without them is rank 0 of 1
+and creates no process group. NCCL joins GPU ranks, gloo CPU ranks.
+
+Nothing waits forever: every collective is bounded by ``--dist-timeout-s`` (the process group's
+timeout), the start-up handshake by at most ``HANDSHAKE_TIMEOUT_S``. A rank that dies closes its
+gloo sockets and the others fail at once; one that stalls fails them after the timeout (NCCL's
+watchdog enforces the same bound on the GPU). The survivors print one line and exit 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fastcifar.core.config import ConfigError
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: a single process, no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but PyTorch sees no CUDA GPU")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def setup(requested_device: str, timeout_s: float = 300.0) -> DistContext:
+    """Read torchrun's environment, pick this rank's device and join the process group."""
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError as exc:
+        raise ConfigError(f"bad torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {exc}") from None
+    device = pick_device(requested_device, local_rank)
+    if world_size == 1:
+        return DistContext(0, 1, 0, device, None)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return DistContext(rank, world_size, local_rank, device, backend)
+
+
+# Fields that name places on this machine: nodes may keep the data, cache and logs at different paths.
+LOCAL_FIELDS = ("data", "download", "cache_dir", "out_dir")
+# All ranks have just joined the group when the handshake runs, so 60 s is generous; NCCL creates
+# its communicator in that first collective, which takes seconds, not minutes, on 8 GPUs.
+HANDSHAKE_TIMEOUT_S = 60.0
+
+
+def config_digest(cfg) -> str:
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in LOCAL_FIELDS}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """Names, shapes and dtypes of the parameters and buffers, not their values."""
+    items = [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    return hashlib.sha256("\n".join(items).encode()).hexdigest()
+
+
+def check_same(digest: str, what: str, ctx: DistContext, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+    """Fail on every rank, with the same message, unless all ranks hold the same ``digest``.
+
+    Every rank gathers every digest, so every rank sees a mismatch and raises: none is left
+    waiting in a later collective for a rank that already gave up."""
+    if not ctx.distributed:
+        return
+    mine = torch.tensor(list(bytes.fromhex(digest)[:16]), dtype=torch.uint8).view(torch.int64).to(ctx.device)
+    gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, mine, async_op=True).wait(datetime.timedelta(seconds=timeout_s))
+    digests = [bytes(g.cpu().view(torch.uint8).tolist()).hex() for g in gathered]
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ConfigError(f"ranks disagree on the {what}: rank(s) {', '.join(map(str, differ))} differ from "
+                          f"rank 0 (digest {digests[0][:12]}); launch every rank with the same settings and code")
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """NCCL and the rendezvous store raise DistError subclasses; gloo reports a dead peer ("Connection
+    reset by peer") or a timeout ("Timed out waiting 10000ms for recv") as a plain RuntimeError
+    raised from its transport's source files."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in str(exc))
+
+
+def failure_message(exc: BaseException, timeout_s: float) -> str:
+    """One line for a collective that failed because another rank died or stalled."""
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"lost contact with the other ranks (one exited, was killed, or stalled past "
+            f"--dist-timeout-s {timeout_s:g}): {detail[:300]}")
+
+
+# Held by whichever thread reports this rank's failure first: gloo's timeout (the main thread) and
+# the watchdog (its own thread) share --dist-timeout-s, so both can see a stalled peer in the same
+# second, and the user gets one line, not two.
+_FAILURE_REPORTED = threading.Lock()
+
+
+def report_failure(line: str, stream=None) -> bool:
+    """Print this rank's one failure line; False (nothing printed) if the other thread did first."""
+    if not _FAILURE_REPORTED.acquire(blocking=False):
+        return False
+    print(line, file=stream or sys.stderr, flush=True)
+    return True
+
+
+class ProgressWatchdog:
+    """Ends this rank (one line, exit 3) when the training loop makes no progress for ``timeout_s``.
+
+    NCCL's own watchdog bounds eagerly issued collectives, but not those replayed from a CUDA
+    graph (PyTorch leaves captured collectives out of it), and a host blocked in a graph launch or
+    a device synchronize waits forever for a stalled peer. The loop calls ``beat()`` after every
+    step (a float store: nothing on the hot path); a daemon thread checks once a second."""
+
+    def __init__(self, timeout_s: float, ctx: DistContext, enabled: bool, stream=sys.stderr):
+        self.timeout_s, self.ctx, self.stream = timeout_s, ctx, stream
+        self.last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = None
+        if enabled:
+            self._thread = threading.Thread(target=self._watch, name="fastcifar-watchdog", daemon=True)
+            self._thread.start()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            idle = time.monotonic() - self.last
+            if idle > self.timeout_s:
+                if not report_failure(f"fastcifar: error: [rank {self.ctx.rank}] lost contact with the other "
+                                      f"ranks (no training progress for {idle:.0f} s, past --dist-timeout-s "
+                                      f"{self.timeout_s:g}: a peer stalled or died)", self.stream):
+                    return  # the main thread saw it first and is ending the rank (exit 3, logs closed)
+                os._exit(3)  # the main thread is blocked in CUDA or NCCL: nothing else can end it
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@torch.no_grad()
+def average_buffers(buffers, world_size: int) -> None:
+    """Average floating-point buffers (batchnorm running statistics) over ranks: each rank
+    normalizes with its own batch statistics in training, so their running means drift apart. One
+    all-reduce per dtype (a ResNet-9 has 16 such buffers), not one per buffer."""
+    if world_size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buf in buffers:
+        if buf.is_floating_point():
+            by_dtype.setdefault(buf.dtype, []).append(buf)
+    for bufs in by_dtype.values():
+        flat = torch.cat([b.reshape(-1) for b in bufs])
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        for b, mean in zip(bufs, flat.split([b.numel() for b in bufs])):
+            b.copy_(mean.view_as(b))
+
+
+def all_sum(values: list[float], ctx: DistContext, device: torch.device) -> list[float]:
+    """Sum a few scalars over ranks (epoch metrics); one collective, one host sync."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if ctx.distributed:
+        dist.all_reduce(t)
+    return t.tolist()

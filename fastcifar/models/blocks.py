@@ -1,0 +1,67 @@
+"""The networks' building blocks, and which implementation of the normalize block they get.
+
+The batchnorm/activation/pool trio is one module, ``NormActPool`` (``fastcifar.ops``), so that the
+Triton kernel (``fastcifar.kernels.bn_act_pool.TritonNormActPool``, same constructor, same state)
+can replace it without touching a network's definition: ``norm_blocks`` picks one for
+``--kernels``, and every network takes it as its ``norm`` factory.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from fastcifar.core.config import CHOICES, ConfigError
+from fastcifar.ops.norm_act_pool import NormActPool
+
+NormFactory = Callable[..., nn.Module]
+KERNELS = CHOICES["kernels"]  # --kernels' choices: one list, in fastcifar.core.config
+
+
+def resolve_kernels(requested: str, device: torch.device) -> str:
+    """``auto`` is Triton on CUDA, every block fused, and the torch reference on the CPU. On an H100
+    the fused block beat cuDNN's batchnorm + activation (+ pool) on each of the presets' blocks where
+    eager could be timed (11 of 12), forward + backward as graph replays: 1.05-1.41x where a block
+    does not pool, 2.8-3.7x where it does; `fast`'s graphed step took 2.964 ms against 3.002 ms with
+    cuDNN's batchnorm on its unpooled blocks (2026-11-23, torch 2.11.0+cu130, triton 3.6.0;
+    bench/results/first_light.md). Triton on the CPU runs in Triton's interpreter (correct, slow: for
+    tests; see ``fastcifar.kernels.module``), which exists only in a process without a GPU: Triton chooses
+    interpreter or compiler once per process, at import."""
+    if requested not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, not {requested!r}")
+    kernels = ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
+    if kernels == "triton" and device.type != "cuda" and torch.cuda.is_available():
+        raise ConfigError("--kernels triton on the CPU needs Triton's interpreter, which a machine with a GPU "
+                          "does not run (Triton compiles for the GPU there): use --kernels torch or --device cuda")
+    return kernels
+
+
+def norm_factory(kernels: str) -> NormFactory:
+    """The NormActPool implementation of a kernel path (``resolve_kernels``' answer)."""
+    if kernels == "triton":
+        from fastcifar import kernels
+        return kernels.module("bn_act_pool").TritonNormActPool
+    return NormActPool
+
+
+def norm_blocks(requested: str, device: torch.device) -> NormFactory:
+    """The NormActPool factory a network is built with for ``--kernels requested``: the fused
+    Triton block for ``triton``, the plain-torch one for ``torch`` (``resolve_kernels``' answer)."""
+    return norm_factory(resolve_kernels(requested, device))
+
+
+class ConvBlock(nn.Module):
+    """kernel x kernel conv (3x3 in ResNet-9; AlexNet's 11x11 stride 4 and 5x5 too; "same" padding;
+    no bias: the batchnorm's shift replaces it) followed by NormActPool."""
+
+    def __init__(self, c_in: int, c_out: int, norm: NormFactory, act: str = "relu",
+                 pool: Optional[str] = None, kernel: int = 3, stride: int = 1):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, kernel_size=kernel, stride=stride, padding=kernel // 2, bias=False)
+        self.norm = norm(c_out, act=act, pool=pool)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x))
+

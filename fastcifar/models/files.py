@@ -1,0 +1,171 @@
+"""Model files: the trained network and what describes it, written and read in one place.
+
+Model file (``model.safetensors``, format ``fastcifar.model/1``): the network's state_dict (every
+parameter and buffer, contiguous, in its training dtype) in safetensors, which stores raw tensors
+and runs no code when read. Its string metadata makes the file self-sufficient:
+
+    format      "fastcifar.model/1"
+    config      JSON of dataclasses.asdict(Config): architecture and widths come from here
+    classes     JSON list of class names (their count sizes the last layer)
+    mean, std   JSON lists: the per-channel normalization, in 0..255 pixel units
+    test_acc    str(float): the run's final test accuracy in %, with the config's TTA; "" when the
+                file was written before any evaluation (a sparse-diff base)
+    torch       the torch version that wrote it
+
+``save_model`` / ``load_model`` (and their halves ``save_weights``, ``read_model_file``,
+``network_from_weights``) are the only writer and reader: the trainer, ``evaluate``, ``predict``,
+the API and the sparse diffs' base and restored files all use them.
+
+
+Written to a temporary file in the target's folder and renamed over it (``core.atomic``), so a
+crash mid-write leaves the previous file whole. Training checkpoints: ``fastcifar.run.state``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from fastcifar.core import atomic
+from fastcifar.core.config import Config
+from fastcifar.core.errors import DataError
+
+MODEL_FORMAT = "fastcifar.model/1"
+MODEL_NAME = "model.safetensors"
+
+
+class CheckpointError(DataError):
+    """A model or checkpoint file that cannot be used: one line, exit 2."""
+
+
+def write_atomic(path: str | Path, blob: str | bytes) -> Path:
+    """``atomic.write_atomic`` for a model, state or sparse-record file (bytes or text). The content
+    is built in memory first, so a full disk surfaces here as an OSError: one line
+    (CheckpointError), exit 2."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return atomic.write_atomic(path, blob)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or type(exc).__name__}") from None
+
+
+def config_from_dict(values: dict) -> Config:
+    """A Config from ``asdict`` output: JSON lists back to tuples; unknown keys (a newer writer's)
+    are dropped, missing ones take their defaults."""
+    known = {f.name: f for f in fields(Config)}
+    kwargs = {}
+    for name, value in values.items():
+        if name in known:
+            kwargs[name] = tuple(value) if isinstance(getattr(Config, name, None), tuple) else value
+    return Config(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model file
+
+@dataclass
+class ModelInfo:
+    config: Config
+    classes: tuple[str, ...]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    test_acc: float | None  # None: written before any evaluation
+
+
+def save_model(path, model: torch.nn.Module, cfg: Config, classes, test_acc: float | None, mean, std) -> Path:
+    """Write ``model``'s state_dict and its metadata to ``path`` (safetensors), atomically.
+    ``test_acc`` None (not evaluated yet) is stored as ""."""
+    return save_weights(path, host_state(model), cfg, classes, test_acc, mean, std)
+
+
+def host_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict as contiguous CPU copies (row-major: the order the sparse diffs index)."""
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
+
+
+def save_weights(path, tensors: dict, cfg: Config, classes, test_acc: float | None, mean, std) -> Path:
+    """``save_model`` for a state dict already on the host (contiguous CPU tensors): the sparse
+    diffs' base and restored files (fastcifar.run.sparse.diffs) are model files written here too."""
+    from safetensors.torch import save
+    metadata = {"format": MODEL_FORMAT, "config": json.dumps(dataclasses.asdict(cfg)),
+                "classes": json.dumps(list(classes)), "mean": json.dumps([float(m) for m in mean]),
+                "std": json.dumps([float(s) for s in std]), "test_acc": "" if test_acc is None else str(float(test_acc)),
+                "torch": str(torch.__version__)}
+    return write_atomic(path, save(tensors, metadata=metadata))
+
+
+def load_model(path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelInfo]:
+    """The network of a model file, in eval mode, fp32, on ``device``; CheckpointError (one line)
+    for a missing, corrupt, truncated or foreign file."""
+    tensors, meta = read_model_file(path)
+    return network_from_weights(tensors, meta, str(path), device)
+
+
+def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (on the CPU) and string metadata of a safetensors file (``what``, for the
+    error), in one read."""
+    from safetensors import safe_open
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such {what}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+    except Exception as exc:  # safetensors reports a damaged header or short file in several types
+        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {exc})") from None
+
+
+def read_model_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors, meta = read_safetensors(path)
+    if meta.get("format") != MODEL_FORMAT:
+        raise CheckpointError(f"{path}: not a fastcifar model file (format {meta.get('format')!r}, "
+                              f"expected {MODEL_FORMAT!r})")
+    return tensors, meta
+
+
+def model_info(meta: dict[str, str], source: str) -> ModelInfo:
+    """A model file's metadata, parsed; CheckpointError if any of it is missing or malformed."""
+    try:
+        return ModelInfo(config_from_dict(json.loads(meta["config"])), tuple(json.loads(meta["classes"])),
+                         tuple(json.loads(meta["mean"])), tuple(json.loads(meta["std"])),
+                         float(meta["test_acc"]) if meta.get("test_acc") else None)
+    except Exception as exc:
+        raise CheckpointError(f"{source}: unusable metadata ({type(exc).__name__}: {exc})") from None
+
+
+def network_from_weights(tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str,
+                         device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelInfo]:
+    """The network a model file's tensors and metadata describe (``load_model`` without the
+    read: a sparse-diff chain restores its tensors in memory)."""
+    from fastcifar.models.blocks import norm_blocks
+    from fastcifar.models.network import make_network
+    device = torch.device(device)
+    info = model_info(meta, source)
+    try:
+        model = make_network(info.config, norm_blocks("auto", device), len(info.classes))
+    except Exception as exc:
+        raise CheckpointError(f"{source}: unusable metadata ({type(exc).__name__}: {exc})") from None
+    _check_shapes(model.state_dict(), tensors, source)
+    model.load_state_dict(tensors)
+    return model.to(device=device, memory_format=torch.channels_last).eval(), info
+
+
+def _check_shapes(want: dict, got: dict, source: str) -> None:
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        raise CheckpointError(f"{source}: tensors do not match the model (missing: {missing[:3] or 'none'}; "
+                              f"unexpected: {extra[:3] or 'none'})")
+    for name, t in want.items():
+        if tuple(got[name].shape) != tuple(t.shape):
+            raise CheckpointError(f"{source}: {name} has shape {tuple(got[name].shape)}, "
+                                  f"the model's is {tuple(t.shape)}")
+
+
+def model_path(run_dir, run: int, runs: int) -> Path:
+    """``model.safetensors`` for a single run, ``model-run<N>.safetensors`` for several."""
+    return Path(run_dir) / (MODEL_NAME if runs == 1 else f"model-run{run}.safetensors")

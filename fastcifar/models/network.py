@@ -1,0 +1,38 @@
+"""The ``--arch`` network of a Config, built from a ``norm`` block factory (``NormActPool`` or its
+Triton drop-in, ``blocks.norm_blocks``): batchnorm momentum and eps, frozen scales, a frozen
+whitening conv. The trainer, the model files and the tests all build networks here."""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from fastcifar.models.alexnet import AlexNet
+from fastcifar.models.fastnet import FastNet
+from fastcifar.models.resnet9 import ResNet9
+
+
+def norm_layers(model: nn.Module) -> list[nn.Module]:
+    """The batchnorm-like blocks: anything with running statistics and a scale/shift (NormActPool,
+    its Triton drop-in, plain BatchNorm)."""
+    return [m for m in model.modules()
+            if hasattr(m, "running_mean") and isinstance(getattr(m, "weight", None), nn.Parameter)]
+
+
+def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
+    norm = functools.partial(norm, momentum=cfg.bn_momentum, eps=cfg.bn_eps)
+    if cfg.arch == "resnet9":
+        model = ResNet9(num_classes, widths=cfg.widths, norm=norm)
+    elif cfg.arch == "alexnet":
+        model = AlexNet(num_classes, widths=cfg.widths, norm=norm)
+    elif cfg.arch == "fastnet":
+        model = FastNet(num_classes, widths=cfg.widths, norm=norm, whiten_kernel=cfg.whiten_kernel,
+                        logit_scale=cfg.logit_scale or 1 / 9, head_unit_init=cfg.head_unit_init, act=cfg.activation)
+        model.whiten.weight.requires_grad_(not cfg.whiten_frozen)
+    else:
+        raise ValueError(f"unknown arch {cfg.arch!r}")
+    if cfg.bn_scale_frozen:
+        for m in norm_layers(model):
+            m.weight.requires_grad_(False)  # stays at its init, 1: the next conv's scale absorbs it
+    return model

@@ -1,0 +1,178 @@
+"""The training augmentation, defined once: random crop from padding, horizontal flip, cutout.
+
+This is the reference every loader follows (the plain-torch loader calls it directly; the
+Triton kernel in ``kernels/augment.py`` and the DALI pipeline are tested against it). Order, per
+image, in output coordinates:
+
+1. pad the 32x32 uint8 image by ``pad`` pixels on each side (reflect or zero padding);
+2. take the 32x32 window whose top-left corner is (dy, dx) in the padded image, 0 <= dy, dx <= 2*pad;
+3. mirror it left-right if ``flip`` (drawn at random per image, or alternating: see
+   ``alternating_flip``);
+4. normalize per channel: (x - mean) * (1 / std), in fp32, then cast to the output dtype;
+5. zero the ``cutout`` x ``cutout`` square whose top-left corner is (cy, cx), fully inside the image
+   (0 <= cy, cx <= 32 - cutout). Zero after normalization is the data set's mean colour.
+
+Images are NHWC uint8 in memory; the output is NCHW-shaped with channels-last strides (the layout
+cuDNN's fast NHWC convolutions want), so it is NHWC in memory as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastcifar.core.config import CHOICES
+
+# Per-channel mean and standard deviation of the CIFAR-10 training pixels, 0-255 scale.
+CIFAR10_MEAN = (125.307, 122.950, 113.865)
+CIFAR10_STD = (62.993, 62.089, 66.705)
+
+
+@dataclass(frozen=True)
+class AugmentParams:
+    """Per-image random parameters of one batch: int64 tensors of shape (B,) on the data's device."""
+
+    dy: torch.Tensor  # crop row offset into the padded image, 0..2*pad
+    dx: torch.Tensor  # crop column offset into the padded image, 0..2*pad
+    flip: torch.Tensor  # 1: mirror left-right, 0: keep
+    cy: torch.Tensor  # cutout top row in the output image, 0..size-cutout
+    cx: torch.Tensor  # cutout left column in the output image, 0..size-cutout
+
+
+FLIP_MODES = CHOICES["flip_mode"]
+
+
+def draw_params(
+    batch: int,
+    pad: int,
+    cutout: int,
+    generator: torch.Generator,
+    device: torch.device | str,
+    size: int = 32,
+    flip: bool = True,
+    *,
+    flip_mode: str = "random",
+    index: torch.Tensor | None = None,
+    epoch: int = 0,
+    seed: int = 0,
+) -> AugmentParams:
+    """Draw one batch of parameters on ``device`` (the generator must live on that device).
+
+    Every parameter is uniform over its range; ``cutout=0`` and ``flip=False`` give all-zero
+    columns that the augmentation then ignores. ``flip_mode="alternate"`` replaces the random
+    flip by ``alternating_flip(index, epoch, seed)``: ``index`` holds the batch's data-set
+    indices (int64, on ``device``). The other parameters' draws are the same in both modes.
+    """
+    if flip_mode not in FLIP_MODES:
+        raise ValueError(f"flip mode must be one of {FLIP_MODES}, not {flip_mode!r}")
+
+    def uniform(high: int) -> torch.Tensor:  # integers in [0, high]
+        return torch.randint(0, high + 1, (batch,), generator=generator, device=device)
+
+    zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+    if not flip:
+        flips = zeros
+    elif flip_mode == "random":
+        flips = uniform(1)
+    else:
+        if index is None or index.shape != (batch,):
+            raise ValueError(f"alternating flips need the batch's {batch} data-set indices")
+        flips = alternating_flip(index, epoch, seed)
+    return AugmentParams(
+        dy=uniform(2 * pad) if pad else zeros,
+        dx=uniform(2 * pad) if pad else zeros,
+        flip=flips,
+        cy=uniform(size - cutout) if cutout else zeros,
+        cx=uniform(size - cutout) if cutout else zeros,
+    )
+
+
+# Knuth's multiplicative hash constant (2^32 / golden ratio): consecutive indices land far apart.
+_HASH_MUL = 2654435761
+_MASK32 = (1 << 32) - 1
+
+
+def alternating_flip(index: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
+    """Deterministic flips that alternate per image across epochs: 1 = mirror, int64 like ``index``.
+
+    Image ``i`` is mirrored in epoch ``e`` iff ``coin(i, seed) XOR (e odd)``, where ``coin`` is a
+    hash bit, so over any two consecutive epochs every image is seen once each way (random flips
+    repeat an orientation half the time) and about half the images are mirrored in each epoch.
+    Depends only on the data-set index, the run seed and the epoch: every loader (torch, Triton,
+    DALI) and every rank count agree. Integer arithmetic stays below 2^63 for indices < 2^31.
+    """
+    salt = (seed * 0x9E3779B1 + 0x7F4A7C15) & _MASK32
+    h = (index.to(torch.int64) * _HASH_MUL + salt) & _MASK32
+    h = (h ^ (h >> 15)) * 0x2C1B3C6D & _MASK32  # one more mix: the top bit depends on every index bit
+    coin = (h >> 31) & 1
+    return coin ^ (epoch & 1)
+
+
+def pad_images(images: torch.Tensor, pad: int, mode: str) -> torch.Tensor:
+    """Pad NHWC images by ``pad`` on each spatial side; ``mode`` is "reflect" or "zero".
+
+    Returns a contiguous NHWC tensor on every backend. Both modes work on the NHWC tensor itself,
+    never on an NCHW view of it: CUDA's reflection_pad2d returns NCHW-contiguous output where the
+    CPU's keeps channels-last, so padding a permuted view and permuting back gave a non-contiguous
+    result on CUDA only, which the Triton augmentation refuses ("data must be contiguous NHWC")."""
+    if pad == 0:
+        return images.contiguous()
+    if mode not in ("reflect", "zero"):
+        raise ValueError(f"padding mode must be 'reflect' or 'zero', not {mode!r}")
+    if mode == "reflect":
+        # a gather of reflected row and column indices: exact for uint8 on every backend (no float
+        # copy, 4x the 150 MB uint8 set) and laid out like its input
+        rows = _reflect_index(images.shape[1], pad, images.device)
+        cols = _reflect_index(images.shape[2], pad, images.device)
+        padded = images[:, rows][:, :, cols]
+    else:  # F.pad's pairs run from the last dim: C by 0, W by pad, H by pad
+        padded = torch.nn.functional.pad(images, (0, 0, pad, pad, pad, pad), mode="constant", value=0)
+    return padded.contiguous()  # a no-op unless some backend's op chose another layout
+
+
+def _reflect_index(size: int, pad: int, device) -> torch.Tensor:
+    """Indices -pad..size+pad-1 reflected into 0..size-1 without repeating the edge (F.pad's reflect)."""
+    if pad >= size:
+        raise ValueError(f"reflect padding of {pad} needs images larger than {pad} pixels, got {size}")
+    i = torch.arange(-pad, size + pad, device=device).abs()
+    return torch.where(i > size - 1, 2 * (size - 1) - i, i)
+
+
+def normalize(images: torch.Tensor, mean=CIFAR10_MEAN, std=CIFAR10_STD, dtype=torch.float32) -> torch.Tensor:
+    """NHWC uint8 -> NCHW-shaped channels-last ``dtype``, (x - mean) * (1 / std) computed in fp32."""
+    m = torch.as_tensor(mean, dtype=torch.float32, device=images.device)  # no copy when already there
+    s = torch.as_tensor(std, dtype=torch.float32, device=images.device)
+    # times the fp32 reciprocal, not divided: DALI's crop_mirror_normalize computes it this way, so
+    # both loaders give the same bits (a division differs from it in the last bit on ~38% of pixels)
+    out = ((images.float() - m) * (1.0 / s)).to(dtype)
+    return out.permute(0, 3, 1, 2)  # NHWC memory, NCHW shape: channels-last, no copy
+
+
+def augment_reference(
+    padded: torch.Tensor,
+    params: AugmentParams,
+    cutout: int,
+    mean=CIFAR10_MEAN,
+    std=CIFAR10_STD,
+    dtype: torch.dtype = torch.float32,
+    size: int = 32,
+) -> torch.Tensor:
+    """Crop, flip, normalize and cut out one batch of already padded NHWC uint8 images.
+
+    ``padded`` is (B, size+2*pad, size+2*pad, C); returns (B, C, size, size), channels-last.
+    """
+    b = padded.shape[0]
+    ar = torch.arange(size, device=padded.device)
+    rows = params.dy[:, None] + ar  # (B, size)
+    cols = params.dx[:, None] + ar
+    cols = torch.where(params.flip[:, None].bool(), cols.flip(1), cols)
+    batch_idx = torch.arange(b, device=padded.device)[:, None, None]
+    crops = padded[batch_idx, rows[:, :, None], cols[:, None, :]]  # (B, size, size, C) gather
+    out = normalize(crops, mean, std, dtype)
+    if cutout:
+        inside_y = (ar[None, :] >= params.cy[:, None]) & (ar[None, :] < params.cy[:, None] + cutout)
+        inside_x = (ar[None, :] >= params.cx[:, None]) & (ar[None, :] < params.cx[:, None] + cutout)
+        hole = inside_y[:, None, :, None] & inside_x[:, None, None, :]  # (B, 1, size, size)
+        out = out.masked_fill(hole, 0.0)
+    return out.contiguous(memory_format=torch.channels_last)

@@ -1,0 +1,99 @@
+"""``NormActPool``: batchnorm, an activation and an optional 2x2 max-pool as one module.
+
+Its own module so that the network (``fastcifar.models.blocks``) and the fused Triton kernel
+(``fastcifar.kernels.bn_act_pool.TritonNormActPool``, same constructor, same state) both build on it
+without importing each other.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastcifar.core.config import CHOICES
+
+ACTIVATIONS = CHOICES["activation"]
+POOL_PLACES = (None, "before", "after")
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "relu":
+        return F.relu(x)
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "celu":
+        return F.celu(x)
+    if act == "silu":
+        return F.silu(x)
+    raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
+
+
+def global_max_pool(x: torch.Tensor) -> torch.Tensor:
+    """Each channel's largest value, (N, C, H, W) -> (N, C), through ``max``'s index, not ``amax``.
+
+    Why: ``amax``'s backward finds the maximum again, as the elements equal to the forward's output.
+    Under ``torch.compile`` the backward recomputes the activation before it in fp32 where the
+    forward rounded it to fp16, nothing equals the maximum, and the gradient is 0 / 0: every conv
+    of `fast` had NaN gradients after the first step (inductor, torch 2.11 on an H100 and 2.14 on
+    the CPU, 2026-11-22). ``max`` saves the index in the forward, and the backward cannot miss it.
+    On a tie it sends the gradient to one element where ``amax`` splits it: both are subgradients.
+    Channels-last keeps H and W adjacent (strides W*C and C), so ``flatten`` is a view."""
+    return x.flatten(2).max(dim=2).values
+
+
+class NormActPool(nn.BatchNorm2d):
+    """BatchNorm2d, then an activation, with an optional 2x2 max-pool before or after.
+
+    ``pool="before"`` pools first (4x fewer elements to normalize, as the fast recipes do);
+    ``pool="after"`` pools the activation (the seed ResNet-9's order). Parameters and running
+    statistics stay fp32 when the activations are fp16.
+    """
+
+    def __init__(self, num_features: int, act: str = "relu", pool: Optional[str] = None,
+                 eps: float = 1e-5, momentum: Optional[float] = 0.1):
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
+        if pool not in POOL_PLACES:
+            raise ValueError(f"pool must be one of {POOL_PLACES}, not {pool!r}")
+        super().__init__(num_features, eps=eps, momentum=momentum)
+        self.act = act
+        self.pool = pool
+
+    def step_momentum(self) -> float:
+        """Count this batch (in training) and return the running statistics' momentum for it:
+        ``self.momentum``, or with None the cumulative average, as nn.BatchNorm2d does (a host
+        read of the counter: no preset uses it). Every kernel path's forward calls it, so their
+        states agree."""
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                momentum = 1.0 / float(self.num_batches_tracked)
+        return momentum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        momentum = self.step_momentum()
+        if self.pool == "before":
+            x = F.max_pool2d(x, 2)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                         self.training, momentum, self.eps)
+        x = activation(x, self.act)
+        if self.pool == "after":
+            x = F.max_pool2d(x, 2)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, act={self.act}, pool={self.pool}"
+
+
+def as_plain_torch(model: nn.Module) -> nn.Module:
+    """Turn every NormActPool subclass in ``model`` (the Triton and compiled kernels) back into
+    the plain-torch NormActPool, in place: same state, same maths, and it runs where compiled
+    Triton kernels cannot (CPU tensors on a GPU machine, torch.func transforms)."""
+    for m in model.modules():
+        if isinstance(m, NormActPool) and type(m) is not NormActPool:
+            m.__class__ = NormActPool
+    return model

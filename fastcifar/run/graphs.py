@@ -1,0 +1,233 @@
+"""One training step, and one evaluation batch, captured as CUDA graphs and replayed.
+
+At CIFAR sizes a ResNet-9 step is a few hundred small kernels (about 35 per conv block forward
+and backward, plus the optimizer's foreach launches); launching them from Python costs more than
+running many of them. A CUDA graph replays the whole step with one launch.
+
+What makes one graph serve a whole run:
+- inputs live in static buffers (``StaticBatch``) that the loader fills before each replay, with
+  one device-to-device copy;
+- the learning-rate schedule is a table on the device, and the step reads its entry through a
+  step counter that is itself a device tensor incremented inside the graph (``DeviceSchedule``),
+  so no host value is baked into the capture;
+- parameters, gradients, optimizer state and gradient buckets exist before capture (warm-up
+  iterations create the gradients) and are only ever updated in place afterwards; restoring the
+  initial state after warm-up copies into the same storage.
+- evaluation pads the last partial batch and masks the padding out of the counts, so its shape
+  never changes.
+
+Without CUDA everything here except the capture itself runs eagerly, and the CPU tests use it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from fastcifar.core.config import ConfigError
+from fastcifar.ops.tta import tta_logits
+
+
+def resolve(setting: str, device: torch.device, world_size: int = 1, comm: str = "",
+            why_not: str = "") -> tuple[bool, str]:
+    """Whether to capture, and a note when ``auto`` turned capture off for a reason worth logging.
+    ``auto`` means on for CUDA; ``on`` where it cannot work is refused. ``why_not``: why the
+    gradient compression cannot be captured (``compress.why_not_capturable``, "" when it can);
+    it counts with several ranks only, since one rank compresses nothing."""
+    if setting not in ("auto", "on", "off"):
+        raise ConfigError(f"--cuda-graphs must be auto, on or off, not {setting!r}")
+    if device.type != "cuda":
+        if setting == "on":
+            raise ConfigError("--cuda-graphs on needs a CUDA device; this run is on the CPU")
+        return False, ""
+    if world_size > 1 and comm == "ddp":
+        if setting == "on":
+            raise ConfigError("--cuda-graphs on needs --comm bucketed with several ranks "
+                              "(DistributedDataParallel's reducer cannot be captured)")
+        return False, ""
+    if world_size > 1 and why_not and setting != "off":
+        if setting == "on":
+            raise ConfigError(f"--cuda-graphs on cannot capture this step: {why_not}; use --cuda-graphs off")
+        return False, f"note: CUDA graphs off: {why_not}"
+    return setting != "off", ""
+
+
+class DeviceSchedule:
+    """Per-step values (the learning rate) in a device table, read at a device-side step counter.
+
+    ``apply(target)`` copies the current entry into ``target`` and advances the counter, both as
+    device ops, so a captured graph replays them with the value of each later step."""
+
+    def __init__(self, values: Sequence[float], device: torch.device):
+        if len(values) == 0:
+            raise ValueError("a schedule needs at least one step")
+        self.values = [float(v) for v in values]  # the host copy, for logs
+        self.table = torch.tensor(self.values, dtype=torch.float32, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def apply(self, target: torch.Tensor) -> None:
+        # clamp: a step past the end (a warm-up step replayed too often) reuses the last value
+        index = self.counter.clamp(max=len(self.values) - 1)
+        target.copy_(torch.index_select(self.table, 0, index).reshape(target.shape))
+        self.counter.add_(1)
+
+    def reset(self, step: int = 0) -> None:
+        self.counter.fill_(step)
+
+
+class StaticBatch:
+    """Fixed input buffers of one step: images (NCHW-shaped, channels-last) and int64 labels.
+
+    ``load`` copies a batch in (one device-to-device copy each). A batch smaller than the buffer
+    is padded with zeros and the ``valid`` mask marks its real rows, so evaluation of a last,
+    partial batch keeps the captured shape."""
+
+    def __init__(self, batch: int, dtype: torch.dtype, device: torch.device, size: int = 32, channels: int = 3):
+        self.images = torch.zeros(batch, channels, size, size, dtype=dtype, device=device).contiguous(
+            memory_format=torch.channels_last)
+        self.labels = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.valid = torch.ones(batch, dtype=torch.bool, device=device)
+        self._valid_rows = batch  # host copy of valid.sum(): the mask is rewritten only when it changes
+
+    @property
+    def capacity(self) -> int:
+        return self.labels.shape[0]
+
+    def load(self, images: torch.Tensor, labels: torch.Tensor) -> int:
+        n = labels.shape[0]
+        if images.shape[1:] != self.images.shape[1:] or images.shape[0] != n:
+            raise ValueError(f"batch of shape {tuple(images.shape)} does not fit buffers of "
+                             f"{tuple(self.images.shape)}")
+        if n > self.capacity:
+            raise ValueError(f"batch of {n} images exceeds the static buffer of {self.capacity}")
+        if images.data_ptr() == self.images.data_ptr() and n == self.capacity:
+            return n  # the loader already wrote into these buffers (DaliLoader.bind_static)
+        self.images[:n].copy_(images)
+        self.labels[:n].copy_(labels)
+        if n < self.capacity:
+            self.images[n:].zero_()
+            self.labels[n:].zero_()
+        if n != self._valid_rows:  # only evaluation's last batch: no mask work on the training step
+            self.valid.copy_(torch.arange(self.capacity, device=self.valid.device) < n)
+            self._valid_rows = n
+        return n
+
+
+def capture(body: Callable[[], None], warmup_iters: int,
+            stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+    """Run ``body`` ``warmup_iters`` times on a side stream (cuDNN autotuning, Triton compilation,
+    first gradients and allocator growth happen there, as capture requires), then capture it once.
+    ``stream``: warm up and capture on this one (torch's own capture stream when None); graphs that
+    backprop through another's captured forward need that forward's stream, where autograd runs."""
+    side = stream or torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_iters):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        body()
+    return graph
+
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class _BatchStep:
+    """A computation over a ``StaticBatch`` that sums a loss and a count of correct predictions
+    into device scalars; run eagerly or, once captured, by replaying its graph."""
+
+    def __init__(self, batch: StaticBatch, capture: bool):
+        self.batch, self.capture = batch, capture
+        device = batch.labels.device
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _body(self) -> None:
+        raise NotImplementedError
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.batch.load(images, labels)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body()
+
+    def reset(self) -> None:
+        self.loss_sum.zero_()
+        self.correct.zero_()
+
+
+class TrainStep(_BatchStep):
+    """The training step: ``step_fn(images, labels) -> (summed loss, correct count)``, which
+    updates the model in place.
+
+    A graph replays the work its capture saw, so a run whose backward changes shape part-way (the
+    `fast` recipe stops backpropagating into its whitening conv once the conv's bias freezes)
+    captures each form as a named variant before the clock starts and ``select``s it when the
+    change happens; eagerly, ``select`` only records the name."""
+
+    DEFAULT = "default"
+
+    def __init__(self, step_fn: StepFn, batch: StaticBatch, capture: bool):
+        super().__init__(batch, capture)
+        self.step_fn = step_fn
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.variant = self.DEFAULT
+
+    def _body(self) -> None:
+        loss, hits = self.step_fn(self.batch.images, self.batch.labels)
+        self.loss_sum.add_(loss)
+        self.correct.add_(hits)
+
+    def warm_up_and_capture(self, warmup_iters: int, variant: str = DEFAULT) -> None:
+        """Run ``warmup_iters`` steps, then (when capturing) capture one as ``variant``, with the
+        model as it is set up now. The caller restores the model's state afterwards; the metrics
+        are reset here. The step replays the selected variant (the default until ``select``)."""
+        if self.capture:
+            self.graphs[variant] = capture(self._body, max(warmup_iters, 2))  # 2: the first step allocates grads
+            self.graph = self.graphs.get(self.variant)
+        else:
+            for _ in range(warmup_iters):
+                self._body()
+        self.reset()
+
+    def select(self, variant: str) -> None:
+        """Replay ``variant`` from the next step on (captured by ``warm_up_and_capture``)."""
+        if self.capture and variant not in self.graphs:
+            raise RuntimeError(f"no captured training step {variant!r} (captured: {', '.join(self.graphs)}): "
+                               "capture each variant before the clock starts")
+        self.variant = variant
+        self.graph = self.graphs.get(variant)
+
+
+class EvalStep(_BatchStep):
+    """Evaluation of one padded batch: sums the loss and the correct predictions of the valid
+    rows, with test-time augmentation level ``tta`` (``fastcifar.ops.tta``: 0 none, 1 flip, 2 flip
+    and 1-pixel shifts)."""
+
+    def __init__(self, model: torch.nn.Module, batch: StaticBatch, tta: int, capture: bool):
+        super().__init__(batch, capture)
+        self.model, self.tta = model, tta
+
+    @torch.no_grad()
+    def _body(self) -> None:
+        images, labels, valid = self.batch.images, self.batch.labels, self.batch.valid
+        logits = tta_logits(self.model, images, self.tta)
+        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+        self.loss_sum.add_((loss * valid).sum())
+        self.correct.add_(((logits.argmax(1) == labels) & valid).sum())
+
+    def prepare(self) -> None:
+        """Capture (after two eager warm-up batches on a side stream) when capturing; the
+        model must be in eval mode."""
+        if self.capture and self.graph is None:
+            self.graph = capture(self._body, 2)
+        self.reset()

@@ -1,0 +1,314 @@
+"""Nesterov SGD whose learning rate lives in a device tensor, the schedules, and Muon-style
+orthogonalized momentum for conv filters (``Muon``, ``MuonSGD``: the `fast-muon` preset).
+
+``torch.optim.SGD`` reads a float learning rate on the host (and a tensor one through ``.item()``
+on its foreach path), which a captured CUDA graph cannot replay with a changing rate. This one
+keeps the rate in a 0-dim tensor on the parameters' device and does the whole update with
+``torch._foreach_*`` ops, grouped by dtype (fp16 weights, fp32 batchnorm) and by param group
+(each with its own rate multiplier and weight decay, e.g. batchnorm biases at 64x the rate). It computes exactly what
+``torch.optim.SGD(momentum, nesterov, weight_decay)`` computes; a test holds it to that.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+class NesterovSGD:
+    """``params`` is an iterable of tensors, or of param groups: dicts with ``params``, and optionally
+    ``name``, ``lr_scale`` (the group's rate is the global rate x this; default 1) and
+    ``weight_decay`` (default: the argument). Parameters that do not require grad are left out, so
+    frozen ones (batchnorm scales, a whitening conv) take no step and hold no momentum.
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                 nesterov: bool = True):
+        specs = list(params)
+        if not specs or not isinstance(specs[0], dict):
+            specs = [{"params": specs}]
+        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
+        self.params, self.param_groups, seen = [], [], set()
+        for i, spec in enumerate(specs):
+            trainable = [p for p in spec["params"] if p.requires_grad]
+            if any(id(p) in seen for p in trainable):
+                raise ValueError(f"a parameter is in more than one group (group {spec.get('name', i)!r})")
+            seen.update(id(p) for p in trainable)
+            self.params += trainable
+            self.param_groups.append({"name": spec.get("name", str(i)), "params": trainable,
+                                      "lr_scale": float(spec.get("lr_scale", 1.0)),
+                                      "weight_decay": float(spec.get("weight_decay", weight_decay))})
+        if not self.params:
+            raise ValueError("no trainable parameters")
+        device = self.params[0].device
+        self.lr = torch.tensor(float(lr), dtype=torch.float32, device=device)
+        # Per group, the rate multiplier is a device tensor too: freezing a group mid-run
+        # (set_lr_scale(name, 0)) is a device write that a captured graph replays correctly.
+        self.lr_scales = {g["name"]: torch.tensor(g["lr_scale"], dtype=torch.float32, device=device)
+                          for g in self.param_groups}
+        buckets = defaultdict(list)  # foreach ops want one dtype per list: (group, device, dtype)
+        for g in self.param_groups:
+            for p in g["params"]:
+                buckets[(g["name"], g["weight_decay"], p.device, p.dtype)].append(p)
+        self.groups = list(buckets.values())
+        self._group_meta = [(name, wd) for name, wd, _, _ in buckets]
+        self.buffers = [[torch.zeros_like(p) for p in group] for group in self.groups]
+
+    def set_lr(self, value: float) -> None:
+        self.lr.fill_(value)  # a device write, no host sync
+
+    def set_lr_scale(self, group: str, value: float) -> None:
+        """The multiplier of one group's rate (0 freezes it: no step, no decay)."""
+        self.lr_scales[group].fill_(value)
+
+    def take_weight_decay(self) -> list[float]:
+        """Hand over the weight decay of each foreach group (``self.groups`` order); from then on
+        this optimizer decays nothing and the caller applies the decay itself (masked, in
+        ``fastcifar.run.sparse.update``)."""
+        decays = [wd for _, wd in self._group_meta]
+        self._group_meta = [(name, 0.0) for name, _ in self._group_meta]
+        return decays
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for params, bufs, (name, weight_decay) in zip(self.groups, self.buffers, self._group_meta):
+            grads = [p.grad for p in params]
+            if any(g is None for g in grads):
+                raise RuntimeError("a parameter has no gradient; run backward before step()")
+            d_p = torch._foreach_add(grads, params, alpha=weight_decay) if weight_decay \
+                else [g.clone() for g in grads]
+            torch._foreach_mul_(bufs, self.momentum)
+            torch._foreach_add_(bufs, d_p)
+            if self.nesterov:
+                torch._foreach_add_(d_p, bufs, alpha=self.momentum)
+            else:
+                d_p = [b.clone() for b in bufs]
+            torch._foreach_mul_(d_p, (self.lr * self.lr_scales[name]).to(params[0].dtype))
+            torch._foreach_sub_(params, d_p)
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero gradients in place: their storage stays (the bucketed all-reduce owns it)."""
+        for group in self.groups:
+            grads = [p.grad for p in group if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        for bufs in self.buffers:
+            torch._foreach_zero_(bufs)
+
+    def state_dict(self) -> dict:
+        """Momentum buffers and per-group rate multipliers (on the CPU), for checkpoints."""
+        return {"buffers": [[b.detach().cpu().clone() for b in bufs] for bufs in self.buffers],
+                "lr_scales": {name: float(t.item()) for name, t in self.lr_scales.items()}}
+
+    def check_state(self, state: dict) -> None:
+        """Raises ValueError unless ``state`` fits this model's parameter groups."""
+        shapes = [[tuple(b.shape) for b in bufs] for bufs in self.buffers]
+        if [[tuple(b.shape) for b in bufs] for bufs in state["buffers"]] != shapes \
+                or set(state["lr_scales"]) != set(self.lr_scales):
+            raise ValueError("the optimizer state does not fit this model's parameter groups")
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """In place (a captured graph holds these tensors); refuses state of another shape."""
+        self.check_state(state)
+        for bufs, saved in zip(self.buffers, state["buffers"]):
+            torch._foreach_copy_(bufs, [t.to(bufs[0].device) for t in saved])
+        for name, value in state["lr_scales"].items():
+            self.lr_scales[name].fill_(value)
+
+
+def warmup_decay_lr(progress: float, epochs: float, warmup_epochs: float, peak: float,
+                    start: float = 0.0, end: float = 0.0) -> float:
+    """Piecewise linear: ``start x peak`` at epoch 0, ``peak`` at ``warmup_epochs``, ``end x peak``
+    at ``epochs`` (the seed recipe: start = end = 0).
+
+    ``progress`` is in epochs (fractional). With no warm-up the rate starts at the peak.
+    """
+    if progress < warmup_epochs:
+        return peak * (start + (1.0 - start) * progress / warmup_epochs)
+    if epochs <= warmup_epochs:
+        return peak
+    left = max(0.0, (epochs - progress) / (epochs - warmup_epochs))  # 1 at the peak, 0 at the end
+    return peak * (end + (1.0 - end) * left)
+
+
+def stepwise_lr(step: int, total: int, warmup_steps: int, peak: float, start: float = 0.0,
+                end: float = 0.0) -> float:
+    """airbench's step-indexed schedule: linear through (0, start x peak), (warmup_steps, peak),
+    (total, end x peak), read at the step's index (step 0 at exactly ``start``; step total - 1
+    stops one step short of ``end``)."""
+    if step < warmup_steps:
+        return peak * (start + (1.0 - start) * step / warmup_steps)
+    return peak * (1.0 + (end - 1.0) * (step - warmup_steps) / max(total - warmup_steps, 1))
+
+
+# --- orthogonalized momentum (Muon-style) ------------------------------------------------------
+
+# Quintic Newton-Schulz coefficients of the public Muon optimizer (Jordan et al., 2024): chosen for
+# a steep slope at 0, so 3-5 iterations lift every singular value of a normalized matrix into a
+# band around 1 (roughly 0.5-1.5: not exactly 1, which the authors report does not hurt).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 3, eps: float = 1e-7,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An approximate orthogonalization of the 2-D ``g``: U S' V^T for g = U S V^T, S' near 1.
+
+    ``g`` is first scaled to unit Frobenius norm, so every singular value starts in (0, 1]; each
+    iteration maps x -> a x + b x^3 + c x^5 on the singular values (as X X^T products on the
+    shorter side). ``dtype``: the iteration's precision (bfloat16 on CUDA: matmuls at tensor-core
+    rate; the result is an update direction, 3 significant digits suffice); default ``g``'s."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype or g.dtype)
+    x = x / (x.norm() + eps)
+    wide = x.shape[0] <= x.shape[1]
+    if not wide:
+        x = x.T  # X X^T on the shorter side: the cheaper product
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x if wide else x.T
+
+
+class Muon:
+    """Orthogonalized Nesterov momentum for conv filters (each flattened to out x in*k*k):
+
+        buf <- momentum x buf + g;   u <- g + momentum x buf (Nesterov)
+        w <- w x sqrt(out) / |w|     (the filter's norm held fixed: no weight decay needed)
+        w <- w - lr x newton_schulz(u)
+
+    The rate is ``lr_source x lr_ratio``: a device tensor (the trainer's scheduled SGD rate) times
+    a constant, so the filters follow the same schedule and a captured CUDA graph replays it.
+
+    Data-parallel: call ``step`` after the gradients are averaged; every rank then holds the same
+    ``u``. By default every rank orthogonalizes every filter (no communication, identical results);
+    with ``shard=(rank, world_size)`` rank r orthogonalizes filters r, r + world, ... into a zeroed
+    flat buffer and one all-reduce (``reduce``, a sum in place) shares the updates.
+    """
+
+    def __init__(self, params, lr_source: torch.Tensor, lr_ratio: float, momentum: float = 0.6,
+                 nesterov: bool = True, ns_steps: int = 3, ns_dtype: torch.dtype | None = None,
+                 shard: tuple[int, int] = (0, 1), reduce=None):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params or any(p.dim() < 2 for p in self.params):
+            raise ValueError("Muon takes one or more trainable matrices or conv filters")
+        self.lr_source, self.lr_ratio = lr_source, float(lr_ratio)
+        self.momentum, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
+        self.ns_dtype = ns_dtype
+        self.rank, self.world = shard
+        if self.world > 1 and reduce is None:
+            raise ValueError("a sharded Muon needs a reduce (an in-place all-reduce sum)")
+        self.reduce = reduce
+        self.buffers = [torch.zeros_like(p) for p in self.params]
+        self.scales = [float(p.shape[0]) ** 0.5 for p in self.params]
+        if self.world > 1:
+            sizes = [p.numel() for p in self.params]
+            dtype = ns_dtype or self.params[0].dtype
+            self.flat = torch.zeros(sum(sizes), dtype=dtype, device=self.params[0].device)
+            self.views = list(self.flat.split(sizes))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        grads = [p.grad for p in self.params]
+        if any(g is None for g in grads):
+            raise RuntimeError("a filter has no gradient; run backward before step()")
+        torch._foreach_mul_(self.buffers, self.momentum)
+        torch._foreach_add_(self.buffers, grads)
+        updates = torch._foreach_add(grads, self.buffers, alpha=self.momentum) if self.nesterov else self.buffers
+        # w <- w x sqrt(out) / |w| as list ops: no per-filter Python arithmetic or temporaries
+        factors = torch._foreach_norm(self.params)
+        torch._foreach_reciprocal_(factors)
+        torch._foreach_mul_(factors, self.scales)
+        torch._foreach_mul_(self.params, factors)
+        orthogonal = self._orthogonalize(updates)
+        rate = self.lr_source * self.lr_ratio
+        lr = {dtype: rate.to(dtype) for dtype in {p.dtype for p in self.params}}  # once per step, not per filter
+        for p, o in zip(self.params, orthogonal):
+            p.sub_(o.view_as(p).to(p.dtype).mul_(lr[p.dtype]))  # o is this step's scratch: scaled in place
+
+    def _orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        ortho = lambda u: newton_schulz(u.reshape(len(u), -1), self.ns_steps, dtype=self.ns_dtype)  # noqa: E731
+        if self.world == 1:
+            return [ortho(u) for u in updates]
+        self.flat.zero_()
+        for i in range(self.rank, len(updates), self.world):
+            self.views[i].copy_(ortho(updates[i]).flatten())
+        self.reduce(self.flat)  # each slice is one rank's and zeros elsewhere: the sum is exact
+        return self.views
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        torch._foreach_zero_(self.buffers)
+
+    def state_dict(self) -> dict:
+        """The filters' momentum buffers (on the CPU), for checkpoints; the sharded flat buffer is
+        scratch, rewritten every step."""
+        return {"buffers": [b.detach().cpu().clone() for b in self.buffers]}
+
+    def check_state(self, state: dict) -> None:
+        """Raises ValueError unless ``state`` holds one buffer per filter, of its shape."""
+        if [tuple(b.shape) for b in state["buffers"]] != [tuple(b.shape) for b in self.buffers]:
+            raise ValueError("the Muon state does not fit this model's conv filters")
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """In place (a captured graph holds these tensors); refuses buffers of other shapes."""
+        self.check_state(state)
+        torch._foreach_copy_(self.buffers, [t.to(self.buffers[0].device) for t in state["buffers"]])
+
+
+class MuonSGD:
+    """Muon on the conv filters and ``NesterovSGD`` on everything else, behind the optimizer
+    interface the trainer uses (``lr``, ``step``, ``zero_grad``, ``reset_state``, ``set_lr_scale``).
+    The filters' rate is the SGD rate tensor x a constant (``Muon.lr_ratio``)."""
+
+    def __init__(self, sgd: NesterovSGD, muon: Muon):
+        if muon.lr_source is not sgd.lr:
+            raise ValueError("Muon must read the SGD optimizer's rate tensor")
+        self.sgd, self.muon = sgd, muon
+        self.lr = sgd.lr
+
+    def set_lr(self, value: float) -> None:
+        self.sgd.set_lr(value)
+
+    def set_lr_scale(self, group: str, value: float) -> None:
+        self.sgd.set_lr_scale(group, value)
+
+    def step(self) -> None:
+        self.sgd.step()
+        self.muon.step()
+
+    def zero_grad(self) -> None:
+        self.sgd.zero_grad()
+        self.muon.zero_grad()
+
+    def reset_state(self) -> None:
+        self.sgd.reset_state()
+        self.muon.reset_state()
+
+    def state_dict(self) -> dict:
+        """``NesterovSGD``'s state with the filters' Muon momentum beside it."""
+        return {**self.sgd.state_dict(), "muon": self.muon.state_dict()}
+
+    def check_state(self, state: dict) -> None:
+        if "muon" not in state:  # an SGD checkpoint; config_from_dict's match normally refuses it first
+            raise ValueError("the optimizer state holds no Muon momentum (written by plain SGD)")
+        self.muon.check_state(state["muon"])
+        self.sgd.check_state(state)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Both halves checked before either is written: a refused state leaves no half-loaded optimizer."""
+        self.check_state(state)
+        self.muon.load_state_dict(state["muon"])
+        self.sgd.load_state_dict(state)

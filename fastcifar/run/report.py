@@ -1,0 +1,340 @@
+"""What a run leaves behind: fixed-width lines on stdout and in log.txt, timing_log.tsv, summary.json.
+
+Only rank 0 makes a ``RunLog`` that writes; other ranks get one that does nothing, so the trainer
+calls it unconditionally. The run folder is made only at ``start``, once the data and config have
+been read and checked, so bad input leaves no folder behind; lines logged before it are kept and
+written first. Every line and every TSV row is flushed as it is written, so a killed run leaves
+its header and every finished epoch. summary.json is strict JSON (a non-finite number is written
+as null), written to a temporary file and renamed, so a reader never sees half of one; a run that
+stops early (diverged, interrupted, failed) still gets one, with ``status`` saying why.
+A folder or file that cannot be written (a bad --out-dir, a full disk) is an ``OutputError``:
+one line, exit 2, like any bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from fastcifar.core.atomic import write_atomic
+from fastcifar.core.config import ConfigError
+
+TIMING_PROTOCOL = ("train time: summed per-epoch training time (on-device augmentation included), "
+                   "device synchronized at each epoch's start and end; per-epoch evaluation and the "
+                   "one-off warm-up steps before the clock starts are excluded. wall time: from "
+                   "process start to the end of the run's last evaluation.")
+
+EPOCH_HEADER = f"{'run':>4} {'epoch':>5} {'lr':>8} {'train_loss':>10} {'train_acc':>9} " \
+               f"{'test_acc':>8} {'epoch_s':>8} {'train_s':>8}"
+TSV_COLUMNS = ("run", "epoch", "lr", "train_time", "train_loss", "train_acc",
+               "test_time", "test_loss", "test_acc", "total_train_time")
+
+
+def process_start_time() -> float:
+    """Unix time at which this process started (Linux /proc), else the time of this import."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORT_TIME
+
+
+_IMPORT_TIME = time.time()
+
+
+def versions() -> dict:
+    def version_of(dist_name: str) -> str | None:
+        try:
+            return metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            return None
+    return {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "triton": version_of("triton"), "numpy": version_of("numpy"),
+        "dali": version_of("nvidia-dali-cuda130"), "fastcifar": version_of("fastcifar"),
+    }
+
+
+def device_info(device: torch.device, world_size: int) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"type": device.type, "name": name, "world_size": world_size,
+            "cpu_threads": torch.get_num_threads(), "host": platform.node()}
+
+
+@dataclass
+class EpochRecord:
+    run: int
+    epoch: int
+    lr: float
+    train_time: float
+    train_loss: float
+    train_acc: float
+    test_time: float
+    test_loss: float
+    test_acc: float
+    total_train_time: float
+
+
+@dataclass
+class RunResult:
+    run: int
+    seed: int
+    test_acc: float  # %, final epoch, with the recipe's evaluation (TTA if on)
+    train_time: float  # s, see TIMING_PROTOCOL
+    wall_time: float  # s since process start
+    epochs: list[EpochRecord] = field(default_factory=list)
+    classes: tuple = ()  # class names, in label order (the data's)
+    model_path: str = ""  # where its model file was written ("" = not written)
+    model: object = field(default=None, repr=False, compare=False)  # the trained network, in memory (not logged)
+
+
+def record(r: RunResult) -> dict:
+    """A run's metrics as plain data, without the in-memory model or the class names (summary.json
+    holds those once, as "classes": every run of an invocation trains on the same data)."""
+    doc = dataclasses.asdict(dataclasses.replace(r, model=None))
+    del doc["model"], doc["classes"]
+    return doc
+
+
+HEADER_CLASSES = 3  # class names on the header's data line: CIFAR-100's 100 would fill the terminal
+
+
+def class_names(classes, most: int = HEADER_CLASSES) -> str:
+    """``classes`` as "a, b, c, ..." with at most ``most`` names."""
+    names = list(classes)
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+
+
+def summarize(results: list[RunResult], target_acc: float) -> dict:
+    accs = [r.test_acc for r in results]
+    times = [r.train_time for r in results]
+    return {
+        "runs": len(results),
+        "acc_mean": statistics.fmean(accs), "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+        "acc_min": min(accs), "acc_median": statistics.median(accs), "acc_max": max(accs),
+        "target_acc": target_acc, "reached": sum(a >= target_acc for a in accs),
+        "train_time_mean": statistics.fmean(times), "train_time_max": max(times),
+        "wall_time_max": max(r.wall_time for r in results),
+    }
+
+
+def summary_table(s: dict) -> str:
+    return "\n".join([
+        f"{'runs':>5} {'acc_mean':>8} {'acc_std':>7} {'acc_min':>7} {'acc_med':>7} {'reached':>9} "
+        f"{'time_mean':>9} {'time_max':>8}",
+        f"{s['runs']:>5} {s['acc_mean']:>8.2f} {s['acc_std']:>7.2f} {s['acc_min']:>7.2f} "
+        f"{s['acc_median']:>7.2f} {str(s['reached']) + '/' + str(s['runs']):>9} "
+        f"{s['train_time_mean']:>9.2f} {s['train_time_max']:>8.2f}",
+        f"(accuracy in % of the test set; reached: runs at or above {s['target_acc']:.2f}%; times in s)",
+    ])
+
+
+class OutputError(ConfigError):
+    """The run's folder or one of its files cannot be written: printed as one line, exit 2."""
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+def check_out_dir(root: str | Path) -> None:
+    """Refuse an --out-dir that cannot hold run folders, before anything is read or written:
+    a file, a path under a file, or a folder (or its nearest existing parent) that is not
+    writable. Nothing is created here; ``RunLog.start`` makes the folder."""
+    path = Path(root).expanduser().absolute()
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(f"--out-dir {root}: {probe} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputError(f"--out-dir {root}: {probe} is not writable")
+
+
+def _finite(value):
+    """``value`` with every non-finite float replaced by None: strict JSON has no NaN or Infinity."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(doc: dict) -> str:
+    return json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
+
+
+
+_OPEN: list["RunLog"] = []  # started, unfinished logs: stop_open_logs closes them on any early exit
+
+
+def stop_open_logs(status: str, reason: str) -> None:
+    """Record why the run ended early in every open log (log.txt and summary.json) and close it.
+    Best effort: this runs on the way out, after an error that may itself be a full disk."""
+    for log in list(_OPEN):
+        log.stop(status, reason)
+
+
+class RunLog:
+    """Rank 0's record of one invocation. ``enabled=False`` makes every call a no-op."""
+
+    def __init__(self, cfg, out_root: str, enabled: bool, stream=sys.stdout):
+        self.cfg, self.enabled, self.stream = cfg, enabled, stream
+        self.out_root = out_root
+        self.dir: Path | None = None
+        self.meta: dict = {}
+        self._pending: list[str] = []  # lines logged before the folder exists
+        self._log = self._tsv = None
+        self._results: list[RunResult] = []
+        self._epochs: list[EpochRecord] = []  # the current run's, for a summary of a stopped run
+        self._epochs_logged = 0  # a resumed run's first logged epoch is past 1: it gets the header
+        if enabled:
+            check_out_dir(out_root)
+
+    def _write(self, f, text: str) -> None:
+        try:
+            f.write(text)
+            f.flush()
+        except OSError as exc:
+            raise OutputError(f"cannot write {getattr(f, 'name', 'a log file')}: {_why(exc)}") from None
+
+    def line(self, text: str = "", terminal: bool = True) -> None:
+        """Print ``text`` (unless ``terminal`` is False) and append it to log.txt."""
+        if not self.enabled:
+            return
+        if terminal:
+            print(text, file=self.stream, flush=True)
+        if self._log is None:
+            self._pending.append(text)
+        else:
+            self._write(self._log, text + "\n")
+
+    def _make_dir(self) -> None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        base = Path(self.out_root) / f"{stamp}-{self.cfg.preset}"
+        self.dir, n = base, 1
+        while self.dir.exists():  # two invocations in one second get two folders
+            n += 1
+            self.dir = base.with_name(f"{base.name}-{n}")
+        try:
+            self.dir.mkdir(parents=True)
+            self._log = open(self.dir / "log.txt", "w")
+            self._tsv = open(self.dir / "timing_log.tsv", "w")
+        except OSError as exc:
+            raise OutputError(f"--out-dir {self.out_root}: cannot create {self.dir}: {_why(exc)}") from None
+        _OPEN.append(self)
+        self._write(self._tsv, "\t".join(TSV_COLUMNS) + "\n")  # flushed: even a SIGKILL leaves the header
+        for text in self._pending:
+            self._write(self._log, text + "\n")
+        self._pending = []
+
+    def start(self, meta: dict) -> None:
+        """Make the run folder (data and config are valid by now) and write the header: one line
+        each for the build, the engine actually chosen, and the data (the class count and a few
+        names); the full config and class list go to log.txt and summary.json only."""
+        self.meta = meta
+        if not self.enabled:
+            return
+        self._make_dir()
+        dev = meta["device"]
+        name = "" if dev["name"] in ("", dev["type"]) else f" {dev['name']}"
+        self.line(f"fastcifar {meta['versions']['fastcifar'] or '(source)'} | preset {self.cfg.preset} | "
+                  f"{dev['type']}{name} x{dev['world_size']} | torch {meta['versions']['torch']}")
+        engine = meta.get("engine")
+        if engine:
+            self.line("engine: " + ", ".join(f"{k} {v}" for k, v in engine.items()))
+        classes = meta.get("classes") or []
+        self.line(f"data: {meta['data']}" + (f" ({class_names(classes)})" if classes else ""))
+        if len(classes) > HEADER_CLASSES:
+            self.line(f"classes: {class_names(classes, len(classes))}", terminal=False)
+        self.line("config: " + json.dumps(dataclasses.asdict(self.cfg)), terminal=False)
+        self.line(f"logs: {self.dir}")
+
+    def epoch(self, r: EpochRecord) -> None:
+        if not self.enabled:
+            return
+        self._epochs.append(r)
+        # the TSV row first: whoever sees the printed line (and stops the run) finds it on disk
+        self._write(self._tsv, "\t".join(f"{getattr(r, c):.6g}" if isinstance(getattr(r, c), float)
+                                         else str(getattr(r, c)) for c in TSV_COLUMNS) + "\n")
+        if r.epoch == 1 or not self._epochs_logged:  # a resumed run starts past epoch 1
+            self.line(EPOCH_HEADER)
+        self._epochs_logged += 1
+        self.line(f"{r.run:>4} {r.epoch:>5} {r.lr:>8.4f} {r.train_loss:>10.4f} {r.train_acc:>9.2f} "
+                  f"{r.test_acc:>8.2f} {r.train_time:>8.2f} {r.total_train_time:>8.2f}")
+
+    def run_done(self, res: RunResult, target_acc: float) -> None:
+        self._results.append(res)
+        self._epochs = []
+        verdict = "reached" if res.test_acc >= target_acc else "missed"
+        self.line(f"run {res.run}: test_acc {res.test_acc:.2f}% train {res.train_time:.2f} s "
+                  f"wall {res.wall_time:.2f} s (target {target_acc:.2f}%: {verdict})")
+
+    def _summary_doc(self, results: list[RunResult], summary: dict | None, status: str, **extra) -> dict:
+        return {**self.meta, "status": status, **extra, "config": dataclasses.asdict(self.cfg),
+                "timing_protocol": TIMING_PROTOCOL, "summary": summary,
+                "results": [record(r) for r in results],
+                "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+    def _write_summary(self, doc: dict) -> None:
+        try:
+            write_atomic(self.dir / "summary.json", to_json(doc))
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.dir / 'summary.json'}: {_why(exc)}") from None
+
+    def _close(self) -> None:
+        for f in (self._log, self._tsv):
+            try:
+                f.close()
+            except OSError:
+                pass
+        if self in _OPEN:
+            _OPEN.remove(self)
+
+    def finish(self, results: list[RunResult]) -> dict:
+        summary = summarize(results, self.cfg.target_acc)
+        if not self.enabled:
+            return summary
+        self.line(summary_table(summary))
+        self._write_summary(self._summary_doc(results, summary, "finished"))
+        self.line(f"summary: {self.dir / 'summary.json'}")
+        self._close()
+        return summary
+
+    def stop(self, status: str, reason: str) -> None:
+        """End a started log early: the reason as the last line of log.txt, and a summary.json
+        with ``status`` (e.g. "diverged", "interrupted", "failed"), the finished runs and the
+        epochs of the unfinished one. Never raises: the caller is already on its way out."""
+        if not self.enabled or self._log is None or self not in _OPEN:
+            return
+        try:
+            self._log.write(f"stopped ({status}): {reason}\n")
+            self._log.flush()
+            summary = summarize(self._results, self.cfg.target_acc) if self._results else None
+            partial = [dataclasses.asdict(r) for r in self._epochs]
+            self._write_summary(self._summary_doc(self._results, summary, status, stopped=reason,
+                                                  unfinished_run_epochs=partial))
+        except (OSError, OutputError):
+            pass
+        finally:
+            self._close()
