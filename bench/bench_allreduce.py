@@ -86,7 +86,7 @@ def run_rank(args) -> None:
     from fastcifar.core.config import Config
     from fastcifar.run.optim import NesterovSGD
     from fastcifar.run.report import versions
-    from fastcifar.train import build_model
+    from fastcifar.models.network import build_model
 
     # The trainer passes broadcast_buffers=False too; torch 2.14 warns that the name is deprecated.
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")

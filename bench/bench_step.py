@@ -15,7 +15,7 @@ optimizer, other and idle (ms per step), with the top 5 kernels and the kernels 
     python bench/bench_step.py --preset fast-muon320 --batches 2000    # the default preset's network and batch
     python bench/bench_step.py --smoke              # the script's logic on the CPU, tiny, nothing written
 
-The step is the trainer's own (``fastcifar.train.make_step`` inside ``fastcifar.run.graphs.TrainStep``),
+The step is the trainer's own (``fastcifar.run.step.make_step`` inside ``fastcifar.run.graphs.TrainStep``),
 on a fixed random batch: loader time, augmentation included, is not in these figures
 (bench_loader.py and bench_augment.py measure it).
 """
@@ -39,9 +39,11 @@ SMOKE = smoke_mode()
 import torch  # noqa: E402
 
 from fastcifar.core.config import Config, from_preset  # noqa: E402
-from fastcifar.run.graphs import DeviceSchedule, StaticBatch, TrainStep, capture  # noqa: E402
+from fastcifar.run.schedule import DeviceSchedule
+from fastcifar.run.graphs import StaticBatch, TrainStep, capture  # noqa: E402
 from fastcifar.run.recipe import make_optimizer, peak_rate  # noqa: E402
-from fastcifar.train import build_model, make_step  # noqa: E402
+from fastcifar.models.network import build_model
+from fastcifar.run.step import make_step  # noqa: E402
 
 
 def conv_flops_per_image(model: torch.nn.Module, device, dtype) -> float:

@@ -14,9 +14,10 @@ and a small stage-2 kernel combines the <= 512 x C fp32 partials, all loaded at 
 save that launch but make results depend on the order programs finish, so two runs of training
 would not be bit-identical. Stage 1 accumulates element-wise in registers and reduces across its
 tile once, at the end: reducing every tile (shared memory and a barrier each time) and stage 2's
-loop over the partials had left the statistics kernel at 20-25% of the copy bandwidth where it does
-not pool and each stage-2 kernel at 4.5-22 us; now 55-64% (maps of 7x7 and up) and 2-3 us (H100,
-2026-11-23, `sweep_bn_act_pool.py --per-kernel`, bench/results/bn_sweep.md).
+loop over the partials had left the statistics kernel at a quarter of the copy bandwidth where it
+does not pool and stage 2 several times slower than it is now (bench/results/bn_sweep.md, the
+per-kernel rows before and after "2026-11-23: the same sweep after the reductions moved to
+registers").
 
 Memory traffic, in units of the *pooled* activation P = N*C*(H/2)*(W/2) elements (a full map is 4P),
 per training step, reads + writes, statistics and partial buffers excluded (they are O(C)):
@@ -80,14 +81,13 @@ class Launch(NamedTuple):
 
 
 # By where the pool sits, from forward + backward timed as graph replays on an H100 at every preset
-# block (bench/sweep_bn_act_pool.py; bench/results/bn_sweep.md). "before": window tiles of 2048
-# elements, 1.08-1.09x the single earlier setting (2048, 1024, 4, 512) on 2026-11-22 and still the
-# best of five after the statistics moved to register accumulators (2026-11-23). No pool and
-# "after": that earlier setting. Pool-after blocks had run 2 warps (1.03-1.13x with the old per-tile
-# reductions); with the register accumulators 2 warps are 1.25-1.53x slower, and 512 or 1024
-# programs are within 4% of each other (0.307/0.306, 0.171/0.173, 0.095/0.099 ms). 4096-element
-# tiles: no faster with the new reductions, and the GELU backward reduction spilled on sm_80 with
-# the old ones (tests/test_kernel_compile.py forbids spills). 8 warps were slower everywhere.
+# block (bench/sweep_bn_act_pool.py; the rows of bench/results/bn_sweep.md and bn_sweep.jsonl).
+# "before": window tiles of 2048 elements, the fastest of the settings swept, before and after the
+# statistics moved to register accumulators. No pool and "after": (2048, 1024, 4, 512). Pool-after
+# blocks had run 2 warps, faster with the old per-tile reductions and slower with the register
+# accumulators; 512 or 1024 programs tie. 4096-element tiles were no faster with the new reductions,
+# and the GELU backward reduction spilled on sm_80 with the old ones (tests forbid spills). 8 warps
+# were slower everywhere.
 LAUNCH = {None: Launch(2048, 1024, 4, 512), "before": Launch(2048, 2048, 4, 512), "after": Launch(2048, 1024, 4, 512)}
 # Stage 2 loads all of a channel block's partials at once: chunks x channels <= FINALIZE_TILE fp32
 # pairs (while chunks <= 4096; the table launches <= 512) over FINALIZE_WARPS warps, 16 pairs per
@@ -236,7 +236,7 @@ def _stats_finalize_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, rmean_ptr, rv
     """Stage 2: combine the chunk partials (mean = sum n_k m_k / R, M2 = sum M2_k + n_k (m_k - mean)^2),
     write mean and 1/sqrt(var + eps) (biased var), update the running stats (unbiased var).
     All CHUNKS (>= num_chunks, a power of 2) partials of BLOCK_C channels load at once: a loop over
-    them waited one load latency per step (4.5-22 us a launch on an H100, now 2-3)."""
+    them waited one load latency per step (bench/results/bn_sweep.md, the stage-2 rows)."""
     pid_c = tl.program_id(0)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C

@@ -20,7 +20,8 @@ from .checks import check_activation
 
 # Fixed, not tuned on a GPU: 2048 elements per program = 8 per thread at 8 warps (4 KiB of fp16 in
 # flight). At 32 per thread (4096 at 4 warps) the int64 index math took 255 registers and spilled on
-# sm_90; at 8 it takes ~86 and spills nothing (python bench/kernel_registers.py).
+# sm_90; at 8 it spills nothing (its rows in bench/results/kernel_registers.md, from
+# python bench/kernel_registers.py).
 BLOCK = 2048
 NUM_WARPS = 8
 

@@ -387,7 +387,7 @@ def test_full_disk_at_the_model_file_is_one_line(learnable_data, tmp_path):
 
 def test_resume_accepts_other_display_and_path_settings_only():
     """--quiet, paths and logging may differ on resume; a training setting may not."""
-    from fastcifar.run.state import _training_config
+    from fastcifar.core.config import training_settings as _training_config
     from fastcifar.core.config import from_preset
     base = from_preset("resnet9")
     assert _training_config(base) == _training_config(from_preset("resnet9", quiet=True, out_dir="x", data="y"))

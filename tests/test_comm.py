@@ -22,7 +22,7 @@ from comm_worker import SmallNet, make_model, reference_params
 from conftest import one_line_error
 from fastcifar.dist.comm import GradBuckets, plan_buckets
 from fastcifar.core.config import Config
-from fastcifar.train import build_model
+from fastcifar.models.network import build_model
 
 WORKER = Path(__file__).with_name("comm_worker.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -256,30 +256,25 @@ def start_long_training(learnable_data, tmp_path) -> list[subprocess.Popen]:
 def test_a_rank_that_dies_or_stalls_ends_the_others_within_the_timeout(learnable_data, tmp_path, how):
     procs = start_long_training(learnable_data, tmp_path)
     procs[1].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-    t0 = time.monotonic()
-    try:
+    try:  # the timeout only keeps a hang from hanging the suite; the rank's own bound is its message
         code = procs[0].wait(timeout=DIST_TIMEOUT_S + SLACK_S)
     finally:
         procs[1].kill()
         wait_all(procs, timeout=30)
-    elapsed = time.monotonic() - t0
     assert code == 3, read(tmp_path, "stderr0")[-2000:]
     line = one_line_error(read(tmp_path, "stderr0"))
     assert line.startswith("fastcifar: error: [rank 0] lost contact with the other ranks"), line
-    assert elapsed < DIST_TIMEOUT_S + SLACK_S
 
 
 @pytest.mark.slow
 def test_a_rank_that_never_joins_ends_the_others_within_the_timeout(learnable_data, tmp_path):
     port = free_port()
     argv = trainer(learnable_data, tmp_path / "runs", lambda r: ["--dist-timeout-s", "5"])(0)
-    t0 = time.monotonic()
     proc = subprocess.run(argv, cwd=ROOT, env=rank_env(0, port), capture_output=True, text=True,
-                          timeout=5 + SLACK_S)
+                          timeout=5 + SLACK_S)  # a guard against a hang, not a timing assertion
     assert proc.returncode == 3, proc.stderr[-2000:]
     line = one_line_error(proc.stderr)
     assert line.startswith("fastcifar: error: [rank 0] lost contact with the other ranks") and "1/2" in line, line
-    assert time.monotonic() - t0 < 5 + SLACK_S
 
 
 @pytest.mark.slow

@@ -11,11 +11,11 @@ import torch
 
 from fastcifar.models import compiled
 from fastcifar.core.config import from_preset
-from fastcifar.run.graphs import DeviceSchedule
+from fastcifar.run.schedule import DeviceSchedule
 from fastcifar.models.blocks import norm_factory
 from fastcifar.models.network import make_network
 from fastcifar.run.recipe import make_optimizer
-from fastcifar.train import make_step
+from fastcifar.run.step import make_step
 
 
 # Triton runs CPU tensors only in Triton's interpreter, which exists only in a process without a GPU;

@@ -27,6 +27,7 @@ from conftest import one_line_error, write_image_folder, write_official
 from fastcifar.data import dali as dali_loader
 from fastcifar.core import signals
 from fastcifar import train
+from fastcifar.dist import sync
 from fastcifar.data.dali import DaliLoader, dali_available
 from fastcifar.data.folder import save_cache
 from fastcifar.data import load_dataset
@@ -357,9 +358,9 @@ def test_ddp_is_built_without_the_deprecated_argument():
     """--comm ddp printed torch's broadcast_buffers FutureWarning on every rank: where torch has
     forward_sync_buffers (2.13+), the trainer passes it and never the deprecated name."""
     accepted = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
-    assert set(train._DDP_OWN_BUFFERS) <= set(accepted) and not any(train._DDP_OWN_BUFFERS.values())
+    assert set(sync._DDP_OWN_BUFFERS) <= set(accepted) and not any(sync._DDP_OWN_BUFFERS.values())
     if "forward_sync_buffers" in accepted:
-        assert "broadcast_buffers" not in train._DDP_OWN_BUFFERS
+        assert "broadcast_buffers" not in sync._DDP_OWN_BUFFERS
 
 
 def test_chunked_decoder_under_a_bar_gives_the_same_arrays(tmp_path, monkeypatch):

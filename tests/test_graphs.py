@@ -11,7 +11,9 @@ from cli import SHORT, run_dirs, run_train
 from conftest import one_line_error
 from fastcifar.dist.compress import why_not_capturable
 from fastcifar.core.config import Config, ConfigError, validate
-from fastcifar.run.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep, resolve
+from fastcifar.run.schedule import DeviceSchedule
+from fastcifar.dist.sync import capture_blocker
+from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep, resolve
 from fastcifar.models.resnet9 import ResNet9
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -23,9 +25,11 @@ def test_resolve():
         resolve("on", CPU)
     assert resolve("auto", CUDA) == (True, "") and resolve("on", CUDA) == (True, "")
     assert resolve("off", CUDA) == (False, "")
-    assert resolve("auto", CUDA, world_size=2, comm="ddp") == (False, "")
+    ddp = capture_blocker(Config(comm="ddp"), world_size=2)
+    assert resolve("auto", CUDA, ddp) == (False, "")
     with pytest.raises(ConfigError, match="--comm bucketed"):
-        resolve("on", CUDA, world_size=2, comm="ddp")
+        resolve("on", CUDA, ddp)
+    assert capture_blocker(Config(comm="ddp"), world_size=1) == ("", "")
     with pytest.raises(ConfigError, match="auto, on or off"):
         resolve("yes", CPU)
 
@@ -36,11 +40,13 @@ def test_resolve_weighs_the_compressions_reason_on_several_ranks(overrides):
     note, and one rank (which compresses nothing) captures as usual."""
     why = why_not_capturable(Config(**overrides))
     assert why
+    blocker = capture_blocker(Config(comm="bucketed", **overrides), world_size=2)
     with pytest.raises(ConfigError, match=r"--cuda-graphs on cannot capture this step: .*--cuda-graphs off"):
-        resolve("on", CUDA, world_size=2, comm="bucketed", why_not=why)
-    assert resolve("auto", CUDA, world_size=2, comm="bucketed", why_not=why) == (False, f"note: CUDA graphs off: {why}")
-    assert resolve("off", CUDA, world_size=2, comm="bucketed", why_not=why) == (False, "")
-    assert resolve("on", CUDA, world_size=1, comm="bucketed", why_not=why) == (True, "")
+        resolve("on", CUDA, blocker)
+    assert resolve("auto", CUDA, blocker) == (False, f"note: CUDA graphs off: {why}")
+    assert resolve("off", CUDA, blocker) == (False, "")
+    one_rank = capture_blocker(Config(comm="bucketed", **overrides), world_size=1)
+    assert resolve("on", CUDA, one_rank) == (True, "")
     validate(Config(cuda_graphs="on", **overrides))  # the settings themselves are fine: resolve decides
     assert why_not_capturable(Config(compress="topk")) == ""  # fixed-size payloads can be captured
 

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from fastcifar.core.config import Config
-from fastcifar.run.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
+from fastcifar.run.schedule import DeviceSchedule
+from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep
 from fastcifar.run.optim import NesterovSGD
-from fastcifar.train import build_model, make_step
+from fastcifar.models.network import build_model
+from fastcifar.run.step import make_step
 
 pytestmark = pytest.mark.cuda
 

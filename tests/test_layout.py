@@ -49,12 +49,20 @@ def _reference_pad(images, pad, mode):
     return out.permute(0, 2, 3, 1).contiguous().to(torch.uint8)
 
 
-def test_emulation_reproduces_cudas_layout(cuda_layouts):
-    """The patched F.pad gives the NCHW-contiguous output that broke the old pad_images."""
+def test_the_emulation_changes_what_the_cpu_does(monkeypatch):
+    """The CPU's own pad keeps a channels-last view channels-last, so the old pad_images' permute
+    back was contiguous NHWC here; under ``cuda_layouts`` it is not, as on CUDA. Fails if the CPU
+    ever lays the output out as CUDA does (the emulation would then test nothing new) or if the
+    fixture stops changing the layout."""
     view = _images().permute(0, 3, 1, 2).float()
-    out = F.pad(view, (2, 2, 2, 2), mode="reflect")
-    assert out.is_contiguous() and not out.is_contiguous(memory_format=CL)
-    assert not out.permute(0, 2, 3, 1).is_contiguous()  # what the old code handed the loader
+    native = F.pad(view, (2, 2, 2, 2), mode="reflect")
+    assert native.is_contiguous(memory_format=CL) and native.permute(0, 2, 3, 1).is_contiguous()
+    real_pad = F.pad
+    monkeypatch.setattr(F, "pad", lambda x, *a, **k: real_pad(x, *a, **k).contiguous())  # cuda_layouts' patch
+    emulated = F.pad(view, (2, 2, 2, 2), mode="reflect")
+    assert not emulated.is_contiguous(memory_format=CL)
+    assert not emulated.permute(0, 2, 3, 1).is_contiguous()  # what the old code handed the loader
+    assert torch.equal(emulated, native)  # same values: only the layout differs
 
 
 @pytest.mark.cuda

@@ -14,7 +14,7 @@ from fastcifar.run import graphs
 from fastcifar import train as trainer
 from fastcifar.core.config import ConfigError, from_preset, validate
 from fastcifar.dist.distributed import DistContext
-from fastcifar.run.graphs import DeviceSchedule
+from fastcifar.run.schedule import DeviceSchedule
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.run.optim import NS_COEFFICIENTS, Muon, MuonSGD, newton_schulz
 from fastcifar.models.network import make_network

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from fastcifar.run.optim import NesterovSGD, warmup_decay_lr
+from fastcifar.run.optim import NesterovSGD
+from fastcifar.run.schedule import warmup_decay_lr
 
 
 @pytest.mark.parametrize("nesterov, wd", [(True, 5e-4 * 512), (False, 0.0), (True, 0.0)])

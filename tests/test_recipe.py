@@ -17,7 +17,8 @@ from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.data.loader import TorchLoader
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.models.resnet9 import ResNet9
-from fastcifar.run.optim import NesterovSGD, warmup_decay_lr
+from fastcifar.run.optim import NesterovSGD
+from fastcifar.run.schedule import warmup_decay_lr
 from fastcifar.run.recipe import RunHooks, param_groups
 from fastcifar.models.network import make_network, norm_layers
 from fastcifar.ops.tta import tta_logits, translations

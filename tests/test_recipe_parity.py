@@ -30,7 +30,7 @@ from fastcifar.dist.distributed import DistContext
 from fastcifar.models.fastnet import init_whitening
 from fastcifar.data.loader import EvalSet, TorchLoader
 from fastcifar.ops.norm_act_pool import NormActPool
-from fastcifar.run.recipe import epoch_lengths, lr_schedule
+from fastcifar.run.schedule import epoch_lengths, lr_schedule
 from fastcifar.models.network import make_network
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"), None)

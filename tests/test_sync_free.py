@@ -21,8 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastcifar.dist import comm
 from fastcifar.run import recipe
 from fastcifar.core.config import from_preset
-from fastcifar.run.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
-from fastcifar.train import build_model, make_step
+from fastcifar.run.schedule import DeviceSchedule, lr_schedule
+from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep
+from fastcifar.models.network import build_model
+from fastcifar.run.step import make_step
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
@@ -87,7 +89,7 @@ def _setup(preset: str, widths, buckets: bool, batch: int = 16):
     torch.manual_seed(0)
     model = build_model(cfg, CPU, torch.float32)
     grad_buckets = comm.GradBuckets(model.parameters(), bucket_mb=0.01) if buckets else None
-    schedule = DeviceSchedule(recipe.lr_schedule(cfg, steps=4, peak=0.01), CPU)  # the trainer's, 8 steps
+    schedule = DeviceSchedule(lr_schedule(cfg, steps=4, peak=0.01), CPU)  # the trainer's, 8 steps
     opt = recipe.make_optimizer(model, cfg, batch, peak=0.01)  # NesterovSGD, or Muon + SGD with fast-muon
     step = TrainStep(make_step(model, opt, schedule, cfg.label_smoothing, buckets=grad_buckets),
                      StaticBatch(batch, torch.float32, CPU), capture=False)

@@ -139,9 +139,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "alexnet": {"arch": "alexnet", "widths": (64, 192, 384, 256, 256)},
     # airbench94 (Jordan, 2024: 94.01% mean over 1,000 runs on one A100) transcribed fact by fact
     # into this trainer's conventions (the default until 2026-11-23); tests/test_recipe_parity.py
-    # holds a few of its steps to a plain-PyTorch transcription of the published recipe. One H100
-    # (torch 2.11.0+cu130, triton 3.6.0, 2026-11-23), JPEG copy: 90.62% in 1.43 s (first_light.md,
-    # sixth visit). Conversions:
+    # holds a few of its steps to a plain-PyTorch transcription of the published recipe. Its
+    # figures here (JPEG copy only, so far): bench/results/first_light.md, sixth visit, 6b.
+    # Conversions:
     #   lr 11.5 per 1024 in airbench's decoupled form is 11.5 / (1024 x (1 + 1/(1 - 0.85))) =
     #      1.4648e-3 per image of summed loss = 0.75 per 512 for the mean loss;
     #   weight decay 0.0153 decoupled: 0.0153 x 1024 / 7850.7 per step on the summed loss
@@ -184,12 +184,10 @@ PRESETS["fast-muon"] = {**PRESETS["fast"], "epochs": 8, "batch_size": 2000, "lr"
                         "head_lr_scale": 0.67 / 0.053, "weight_decay": 2e-6 * 2000 / 0.053 / 2000,
                         "lookahead_steps": 0, "optimizer": "muon", "muon_lr": 0.24, "muon_momentum": 0.6,
                         "muon_ns_steps": 3, "logit_scale": 1 / 256, "head_unit_init": True}
-# The default since 2026-11-23: `fast-muon` with its two wide blocks at 320 channels. On one H100
-# (torch 2.11.0+cu130, triton 3.6.0, 2026-11-23) on the JPEG copy (6 runs each, one call) it
-# trained 91.16% in 1.43 s where `fast` trained 90.62% in 1.41 s: the best mean of the settings
-# measured within 1.5 s (10 Muon epochs at 256 channels, 91.08% in 1.42 s, is within the runs'
-# spread; 288 channels 90.86% in 1.38 s); 25 runs in a later call: 91.08% in 1.44 s. Logits stay
-# / 256, as measured (bench/results/first_light.md, sixth visit).
+# The default: `fast-muon` with its two wide blocks at 320 channels, the best mean of the settings
+# measured within 1.5 s on one H100 and a flat optimum of its own knobs; on the JPEG copy only,
+# so far (bench/results/first_light.md, sixth visit 6a-6b, seventh visit 7b). Logits stay / 256,
+# as measured there.
 PRESETS["fast-muon320"] = {**PRESETS["fast-muon"], "widths": (64, 320, 320)}
 DEFAULT_PRESET = "fast-muon320"  # what `python -m fastcifar.train` runs
 
@@ -204,6 +202,19 @@ def parse_window(spec: str) -> tuple[int, int] | None:
     if not 0 <= start < stop:
         raise ValueError(f"expected 0 <= A < B, got {spec!r}")
     return start, stop
+
+
+# Fields that leave the training trajectory alone: where things are, what is logged. A resumed run
+# may change them (run.state refuses a checkpoint written under any other difference), and a run's
+# config hash (run.report.provenance) leaves them out.
+TRAJECTORY_FREE_FIELDS = ("data", "download", "download_set", "cache_dir", "out_dir", "resume", "checkpoint_every",
+                      "save_model", "nvtx", "profile_steps", "dist_timeout_s", "target_acc", "eval_batch_size",
+                      "quiet")
+
+
+def training_settings(cfg: "Config") -> dict:
+    """The fields that shape the training trajectory, as plain data."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAJECTORY_FREE_FIELDS}
 
 
 CHOICES = {

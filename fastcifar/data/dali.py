@@ -32,14 +32,13 @@ import torch
 
 from fastcifar.core.config import CHOICES, ConfigError
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, normalize, pad_images
-from fastcifar.data.loader import PARAM_FIELDS, EpochAhead, epoch_plan, to_device
+from fastcifar.data.loader import PARAM_FIELDS, EpochAhead, TorchLoader, TrainLoader, epoch_plan, to_device
 
 LOADERS = CHOICES["loader"]
-# What "auto" picks per device type: the faster in bench/bench_loader.py. CPU, measured (2 shared
-# cores, loader alone, batch 512, two runs): DALI ~40,000 images/s, torch 6,300-8,300. CUDA (H100,
-# DALI 2.4, 2026-11-22): torch 735,000 images/s at 512 (0.70 ms a batch), DALI 77,000 (6.7 ms: per
-# batch, DALI's Python feed of 5 external sources and its output hand-over take ~3 ms of host time
-# alone); `fast` with DALI took 0.7-1.0 s an epoch against 0.15 with torch.
+# What "auto" picks per device type: the faster in bench/bench_loader.py (bench/results/loader.jsonl,
+# the images_per_s rows). On the CPU DALI is several times faster than the torch ops; on a GPU the
+# torch loader is about ten times faster than DALI, whose per-batch Python feed of 5 external
+# sources and output hand-over cost host time the GPU waits for (first_light.md, fourth visit, 4b).
 AUTO_LOADER = {"cuda": "torch", "cpu": "dali"}
 DECODE_BATCH = 4096  # JPEGs per decode iteration: 15 iterations for the 60,000 images
 
@@ -175,7 +174,7 @@ def _check_images(images, labels) -> tuple[torch.Tensor, torch.Tensor]:
     return images, labels.long()
 
 
-class DaliLoader:
+class DaliLoader(TrainLoader):
     """Training batches of one rank's fixed shard, reshuffled every epoch, last partial batch dropped.
 
     Same constructor and ``set_epoch(run_seed, epoch)`` as ``fastcifar.data.loader.TorchLoader``, plus:
@@ -262,18 +261,11 @@ class DaliLoader:
         self._pipe = pipe
         self._flight = _InFlight(pipe, min(prefetch, steps))
 
-    def __len__(self) -> int:
-        return self.steps
-
     def plain_images(self, n: int) -> torch.Tensor:
         """The shard's first ``n`` images un-augmented, normalized, fp32, NCHW-shaped (channels-last):
         what a data-dependent init (the whitening conv) reads; the same as TorchLoader's."""
         centre = self.images[:n, self.pad:self.pad + self.size, self.pad:self.pad + self.size]
         return normalize(centre, self.mean, self.std, torch.float32)
-
-    def set_epoch(self, run_seed: int, epoch: int) -> None:
-        """Select the shuffle and augmentation draws of ``epoch`` of the run seeded ``run_seed``."""
-        self.run_seed, self.epoch = run_seed, epoch
 
     def prepare(self, run_seed: int, epoch: int) -> None:
         """Draw that epoch's plan now and start its copy to the device (``loader.EpochAhead``)."""
@@ -448,3 +440,12 @@ def dali_decoder(device: torch.device | str):
             return None
     decode.name = f"dali-{torch.device(device).type}"  # the cache key's decoder: nvJPEG and libjpeg-turbo differ
     return decode
+
+
+def make_train_loader(name: str, images, labels, shard: np.ndarray, batch_size: int, steps: int, *,
+                      kernels: str, **augment) -> TrainLoader:
+    """The training loader ``resolve_loader`` chose: ``DaliLoader`` or ``TorchLoader`` (which
+    augments with ``kernels``: the Triton kernel or the reference)."""
+    if name == "dali":
+        return DaliLoader(images, labels, shard, batch_size, steps, **augment)
+    return TorchLoader(images, labels, shard, batch_size, steps, kernels=kernels, **augment)

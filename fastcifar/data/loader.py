@@ -7,12 +7,13 @@ the padded set in place (``kernels/augment.py``).
 The training shard is copied to the device once and padded once (50,000 x 40 x 40 x 3 bytes =
 240 MB for the whole set), so an epoch moves no images from the host: each batch is a gather of
 indices and ``fastcifar.ops.augment`` does the rest. The epoch's order and random parameters come from
-``epoch_plan``, drawn on the host (the DALI loader's draws exactly; ~6 ms for 50,000 images on
-one shared CPU core, 2026-11-22) and copied to the device once per epoch (6 int64 per image),
-while the GPU still runs the epoch before (``EpochAhead``).
+``epoch_plan``, drawn on the host (the DALI loader's draws exactly) and copied to the device once
+per epoch (6 int64 per image), while the GPU still runs the epoch before (``EpochAhead``).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import torch
@@ -54,11 +55,10 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class EpochAhead:
     """One epoch's plan (order and augmentation draws, on the device) made before the epoch starts.
 
-    Why: drawing an epoch on the host at its start left the GPU idle ~3.5 ms every epoch, and 35-79
-    ms in one epoch of five (`fast`, H100, 10 runs, 2026-11-22: the GPU's own time per epoch was
-    constant; the mean wait 20 ms an epoch, 0.2 s of a 1.6 s run). The trainer asks for the next epoch's
-    plan right after queuing the last step of this one, when the CPU has ~77 ms to spare before the
-    GPU finishes (same runs): the drawing overlaps the GPU, still inside this epoch's clock.
+    Why: drawing an epoch on the host at its start left the GPU idle at every epoch start, and
+    for tens of milliseconds in some (bench/results/first_light.md, third visit, 3b). The trainer
+    asks for the next epoch's plan right after queuing the last step of this one, when the CPU is
+    well ahead of the GPU: the drawing overlaps the GPU, still inside this epoch's clock.
     ``take`` returns the plan made ahead when it is the epoch asked for, else draws it then."""
 
     def __init__(self, make):
@@ -75,7 +75,45 @@ class EpochAhead:
         return plan
 
 
-class TorchLoader:
+class TrainLoader:
+    """What the trainer asks of a training loader (``TorchLoader`` here, ``dali.DaliLoader``): the
+    rank's fixed shard, ``len`` steps of ``batch_size`` an epoch, reshuffled every epoch from
+    ``(run_seed, epoch)``. The optional parts default to nothing, so the trainer calls them all."""
+
+    batch_size: int
+    steps: int
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        raise NotImplementedError
+
+    def set_epoch(self, run_seed: int, epoch: int) -> None:
+        self.run_seed, self.epoch = run_seed, epoch
+
+    def prepare(self, run_seed: int, epoch: int) -> None:
+        """Draw that epoch's plan now, while the device still runs this one (default: at its start)."""
+
+    def plain_images(self, n: int) -> torch.Tensor:
+        """The shard's first ``n`` images un-augmented, normalized, fp32, NCHW-shaped."""
+        raise NotImplementedError
+
+    def bind_static(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """The step's input buffers, for a loader that writes each batch into them itself (default:
+        the step copies each batch in)."""
+
+    def quiesce(self) -> None:
+        """Stop background work that would make CUDA calls during graph capture (default: none)."""
+
+    def first(self, n: int):
+        """The first ``n`` batches of the epoch: the loader itself for a whole epoch, so its iterator
+        runs to its end (DALI finishes its pass there; a pass left suspended is drained by the next)."""
+        return self if n >= len(self) else itertools.islice(self, n)
+
+
+class TorchLoader(TrainLoader):
     """Training batches of one rank's fixed shard, reshuffled every epoch, last partial batch dropped."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, shard: np.ndarray, batch_size: int,
@@ -100,12 +138,6 @@ class TorchLoader:
         self.shard_index = torch.from_numpy(shard).to(torch.int64)  # host copy: epoch_plan hashes it
         self._ahead = EpochAhead(self._device_plan)
         self.set_epoch(0, 0)
-
-    def set_epoch(self, run_seed: int, epoch: int) -> None:
-        self.run_seed, self.epoch = run_seed, epoch
-
-    def __len__(self) -> int:
-        return self.steps
 
     def plain_images(self, n: int) -> torch.Tensor:
         """The shard's first ``n`` images un-augmented (the centre of the padded copy), normalized,

@@ -17,11 +17,11 @@ stays zero and is averaged like the others) and makes the optimizer wait for all
 the current stream waits on the communication stream (no host sync); with gloo ``work.wait()``.
 
 The default cap, 2 MiB, splits ResNet-9's 12.5 MiB of fp16 gradients into 6 collectives whose last
-(layer2 and earlier, 1.3 MB) is all that waits after backward: ~0.05-0.08 ms of a 3-13 ms step on
-8 NVLink GPUs in bench/results/allreduce_model_8gpu.md (a model, not yet measured). The only
-measurement so far is gloo on 2 shared CPU cores (bench/results/allreduce.md): each extra
-collective costs ~1 ms there (0.05 MiB, 11 buckets: +8 ms a step), and 1-25 MiB tie DDP
-(20.2-20.4 vs 20.3 ms); overlap cannot pay on the CPU, where gloo sums on the cores backward uses.
+(layer2 and earlier, 1.3 MB) is all that waits after backward: a small share of the step on 8
+NVLink GPUs in bench/results/allreduce_model_8gpu.md (a model, not a measurement). The only
+measurement so far is gloo on 2 shared CPU cores (bench/results/allreduce.md, the bucket-size
+rows): small buckets cost a collective each, and the sizes from 1 to 25 MiB tie DDP; overlap
+cannot pay on the CPU, where gloo sums on the cores backward uses.
 
     buckets = GradBuckets(model.parameters(), bucket_mb=2.0)   # after the model, before the optimizer
     loss.backward(); buckets.finish(); opt.step(); opt.zero_grad()   # zero_grad keeps the views

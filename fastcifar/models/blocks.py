@@ -21,12 +21,10 @@ KERNELS = CHOICES["kernels"]  # --kernels' choices: one list, in fastcifar.core.
 
 
 def resolve_kernels(requested: str, device: torch.device) -> str:
-    """``auto`` is Triton on CUDA, every block fused, and the torch reference on the CPU. On an H100
-    the fused block beat cuDNN's batchnorm + activation (+ pool) on each of the presets' blocks where
-    eager could be timed (11 of 12), forward + backward as graph replays: 1.05-1.41x where a block
-    does not pool, 2.8-3.7x where it does; `fast`'s graphed step took 2.964 ms against 3.002 ms with
-    cuDNN's batchnorm on its unpooled blocks (2026-11-23, torch 2.11.0+cu130, triton 3.6.0;
-    bench/results/first_light.md). Triton on the CPU runs in Triton's interpreter (correct, slow: for
+    """``auto`` is Triton on CUDA, every block fused, and the torch reference on the CPU: on an H100
+    the fused block beat cuDNN's batchnorm + activation (+ pool) on every preset block that eager
+    could be timed on, pooled or not, and the graphed step was faster with every block fused
+    (bench/results/first_light.md, fifth visit, 5b). Triton on the CPU runs in Triton's interpreter (correct, slow: for
     tests; see ``fastcifar.kernels.module``), which exists only in a process without a GPU: Triton chooses
     interpreter or compiler once per process, at import."""
     if requested not in KERNELS:

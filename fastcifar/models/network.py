@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 
+from fastcifar.models import compiled
 from fastcifar.models.alexnet import AlexNet
+from fastcifar.models.blocks import norm_blocks
 from fastcifar.models.fastnet import FastNet
 from fastcifar.models.resnet9 import ResNet9
 
@@ -35,4 +38,18 @@ def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
     if cfg.bn_scale_frozen:
         for m in norm_layers(model):
             m.weight.requires_grad_(False)  # stays at its init, 1: the next conv's scale absorbs it
+    return model
+
+
+def build_model(cfg, device: torch.device, dtype: torch.dtype, num_classes: int = 10) -> torch.nn.Module:
+    """The network a run trains: ``--kernels``' normalize blocks (a custom op under --compile),
+    channels-last on ``device``, fp16 weights with fp32 batchnorm when ``dtype`` is fp16."""
+    norm = compiled.norm_for(norm_blocks(cfg.kernels, device), cfg.compile)  # custom op under --compile
+    model = make_network(cfg, norm=norm, num_classes=num_classes)
+    model = model.to(device=device, memory_format=torch.channels_last)
+    if dtype == torch.float16:
+        model.half()
+        for m in model.modules():  # batchnorm keeps fp32 parameters and statistics
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.float()
     return model

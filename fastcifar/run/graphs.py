@@ -8,7 +8,7 @@ What makes one graph serve a whole run:
 - inputs live in static buffers (``StaticBatch``) that the loader fills before each replay, with
   one device-to-device copy;
 - the learning-rate schedule is a table on the device, and the step reads its entry through a
-  step counter that is itself a device tensor incremented inside the graph (``DeviceSchedule``),
+  step counter that is itself a device tensor incremented inside the graph (``run.schedule.DeviceSchedule``),
   so no host value is baked into the capture;
 - parameters, gradients, optimizer state and gradient buckets exist before capture (warm-up
   iterations create the gradients) and are only ever updated in place afterwards; restoring the
@@ -29,54 +29,23 @@ from fastcifar.core.config import ConfigError
 from fastcifar.ops.tta import tta_logits
 
 
-def resolve(setting: str, device: torch.device, world_size: int = 1, comm: str = "",
-            why_not: str = "") -> tuple[bool, str]:
+def resolve(setting: str, device: torch.device, blocker: tuple[str, str] = ("", "")) -> tuple[bool, str]:
     """Whether to capture, and a note when ``auto`` turned capture off for a reason worth logging.
-    ``auto`` means on for CUDA; ``on`` where it cannot work is refused. ``why_not``: why the
-    gradient compression cannot be captured (``compress.why_not_capturable``, "" when it can);
-    it counts with several ranks only, since one rank compresses nothing."""
+    ``auto`` means on for CUDA; ``on`` where it cannot work is refused. ``blocker``: why the run's
+    gradient sync cannot be captured, as (the refusal of ``on``, the note for ``auto``)
+    (``dist.sync.capture_blocker``; empty when it can)."""
     if setting not in ("auto", "on", "off"):
         raise ConfigError(f"--cuda-graphs must be auto, on or off, not {setting!r}")
     if device.type != "cuda":
         if setting == "on":
             raise ConfigError("--cuda-graphs on needs a CUDA device; this run is on the CPU")
         return False, ""
-    if world_size > 1 and comm == "ddp":
+    refusal, note = blocker
+    if refusal and setting != "off":
         if setting == "on":
-            raise ConfigError("--cuda-graphs on needs --comm bucketed with several ranks "
-                              "(DistributedDataParallel's reducer cannot be captured)")
-        return False, ""
-    if world_size > 1 and why_not and setting != "off":
-        if setting == "on":
-            raise ConfigError(f"--cuda-graphs on cannot capture this step: {why_not}; use --cuda-graphs off")
-        return False, f"note: CUDA graphs off: {why_not}"
+            raise ConfigError(refusal)
+        return False, note
     return setting != "off", ""
-
-
-class DeviceSchedule:
-    """Per-step values (the learning rate) in a device table, read at a device-side step counter.
-
-    ``apply(target)`` copies the current entry into ``target`` and advances the counter, both as
-    device ops, so a captured graph replays them with the value of each later step."""
-
-    def __init__(self, values: Sequence[float], device: torch.device):
-        if len(values) == 0:
-            raise ValueError("a schedule needs at least one step")
-        self.values = [float(v) for v in values]  # the host copy, for logs
-        self.table = torch.tensor(self.values, dtype=torch.float32, device=device)
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def apply(self, target: torch.Tensor) -> None:
-        # clamp: a step past the end (a warm-up step replayed too often) reuses the last value
-        index = self.counter.clamp(max=len(self.values) - 1)
-        target.copy_(torch.index_select(self.table, 0, index).reshape(target.shape))
-        self.counter.add_(1)
-
-    def reset(self, step: int = 0) -> None:
-        self.counter.fill_(step)
 
 
 class StaticBatch:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from fastcifar.core.signals import StopRun
+from fastcifar.run.component import Component
 
 # A net that predicts every class equally scores ln(classes) (2.30 nats for 10); a mean training
 # loss 10x above that means the logits have blown up, not that learning is slow.
@@ -21,7 +22,9 @@ class Diverged(StopRun):
     exit_code = 4  # 2 is bad input, 3 a lost rank
 
 
-class LossGuard:
+class LossGuard(Component):
+    """The run's component: reads each epoch's record after its evaluation."""
+
     def __init__(self, num_classes: int, factor: float = EXPLODED_FACTOR):
         self.limit = factor * math.log(max(num_classes, 2))
 
@@ -33,3 +36,6 @@ class LossGuard:
         if train_loss > self.limit:
             raise Diverged(f"training diverged: the training loss is {train_loss:.4g} in run {run}, epoch {epoch} "
                            f"(above {self.limit:.3g}, {EXPLODED_FACTOR:g}x a uniform guess); try a lower --lr")
+
+    def epoch_done(self, epoch: int, record) -> None:
+        self.check(record.train_loss, record.run, epoch + 1)

@@ -122,29 +122,6 @@ class NesterovSGD:
             self.lr_scales[name].fill_(value)
 
 
-def warmup_decay_lr(progress: float, epochs: float, warmup_epochs: float, peak: float,
-                    start: float = 0.0, end: float = 0.0) -> float:
-    """Piecewise linear: ``start x peak`` at epoch 0, ``peak`` at ``warmup_epochs``, ``end x peak``
-    at ``epochs`` (the seed recipe: start = end = 0).
-
-    ``progress`` is in epochs (fractional). With no warm-up the rate starts at the peak.
-    """
-    if progress < warmup_epochs:
-        return peak * (start + (1.0 - start) * progress / warmup_epochs)
-    if epochs <= warmup_epochs:
-        return peak
-    left = max(0.0, (epochs - progress) / (epochs - warmup_epochs))  # 1 at the peak, 0 at the end
-    return peak * (end + (1.0 - end) * left)
-
-
-def stepwise_lr(step: int, total: int, warmup_steps: int, peak: float, start: float = 0.0,
-                end: float = 0.0) -> float:
-    """airbench's step-indexed schedule: linear through (0, start x peak), (warmup_steps, peak),
-    (total, end x peak), read at the step's index (step 0 at exactly ``start``; step total - 1
-    stops one step short of ``end``)."""
-    if step < warmup_steps:
-        return peak * (start + (1.0 - start) * step / warmup_steps)
-    return peak * (1.0 + (end - 1.0) * (step - warmup_steps) / max(total - warmup_steps, 1))
 
 
 # --- orthogonalized momentum (Muon-style) ------------------------------------------------------

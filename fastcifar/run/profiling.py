@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator
 
 from fastcifar.core.config import parse_window
+from fastcifar.run.component import Component
 
 import torch
 
@@ -62,7 +63,7 @@ def remove_step_callback(callback: Callable[[], None]) -> None:
 
 
 
-class StepWindow:
+class StepWindow(Component):
     """Profiler start at step boundary A (A timed steps done) and stop at boundary B, for 'A:B'.
 
     The trainer makes one per run (the spec only for run 1), before its first timed step, and
@@ -99,3 +100,17 @@ class StepWindow:
         if self.active:
             self._stop()
             self.active = False
+
+    def after_step(self) -> None:  # the run's component: a boundary after every timed step
+        self.boundary()
+
+    def finish(self, result) -> None:
+        self.close()
+
+
+def graphs_note(nvtx: bool, use_graphs: bool) -> str:
+    """What --nvtx shows when the step is one captured graph ("" when it does not apply)."""
+    if nvtx and use_graphs:
+        return ("note: with CUDA graphs --nvtx marks each step as one range; --cuda-graphs off "
+                "shows its forward, backward, comm and optimizer phases")
+    return ""

@@ -5,8 +5,6 @@
   rate (and weight decay / that, so the decay per step stays); the head at ``head_lr_scale``; the
   whitening bias, which ``RunHooks`` freezes after ``whiten_bias_epochs`` by setting its group's
   rate to 0; with ``--optimizer muon`` the conv filters, which ``make_optimizer`` gives to Muon;
-- ``epoch_lengths`` and ``lr_schedule``: steps per epoch (a fractional epoch count cuts the last
-  one short) and the per-step rates, by epoch progress or by step index (``--lr-at``);
 - ``RunHooks``: what happens at epoch starts and ends and after each step: the data-dependent
   whitening init, the whitening-bias freeze (which also ends backward at the whitening conv, a
   second captured step), lookahead.
@@ -29,7 +27,9 @@ from torch import nn
 from fastcifar.run.averaging import Lookahead
 from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.models.network import norm_layers
-from fastcifar.run.optim import Muon, MuonSGD, NesterovSGD, stepwise_lr, warmup_decay_lr
+from fastcifar.run.component import Component
+from fastcifar.run.optim import Muon, MuonSGD, NesterovSGD
+from fastcifar.run.schedule import epoch_lengths
 
 
 
@@ -81,12 +81,6 @@ def make_optimizer(model: nn.Module, cfg, per_rank_batch: int, peak: float, ctx=
     return MuonSGD(sgd, muon)
 
 
-def epoch_lengths(epochs: float, steps: int) -> list[int]:
-    """Steps in each epoch: ceil(epochs x steps) in all (airbench's count), whole epochs of
-    ``steps`` and a last one cut short when ``epochs`` has a fraction (9.9 x 48: 9 x 48 + 44)."""
-    total = math.ceil(round(epochs * steps, 9))  # round: 1.1 x 10 is 11.000000000000002 in floats
-    return [min(steps, total - start) for start in range(0, total, steps)]
-
 
 def first_steps(loader, n: int):
     """The loader's first ``n`` batches: the loader itself for a whole epoch, so its iterator runs
@@ -94,19 +88,8 @@ def first_steps(loader, n: int):
     return loader if n >= len(loader) else itertools.islice(loader, n)
 
 
-def lr_schedule(cfg, steps: int, peak: float) -> list[float]:
-    """The rate of every step of a run. ``lr_at end``: step i of an epoch reads the piecewise-
-    linear schedule at progress (i + 1) / steps epochs; ``start`` (airbench): step i of the run
-    reads it at i, the warm-up floored to whole steps, int(total x warmup_epochs / epochs)."""
-    total = sum(epoch_lengths(cfg.epochs, steps))
-    if cfg.lr_at == "end":
-        return [warmup_decay_lr((i + 1) / steps, cfg.epochs, cfg.warmup_epochs, peak, cfg.lr_start, cfg.lr_end)
-                for i in range(total)]
-    warm = int(round(total * cfg.warmup_epochs / cfg.epochs, 9))
-    return [stepwise_lr(i, total, warm, peak, cfg.lr_start, cfg.lr_end) for i in range(total)]
 
-
-class RunHooks:
+class RunHooks(Component):
     """Per-run recipe steps the training loop calls: ``warm_up`` (off the clock), ``epoch_start`` (on
     the clock), ``after_step`` and ``epoch_end`` (before the clock stops), ``finish`` (after the run).
     ``step``: the run's ``graphs.TrainStep``, told when the bias freeze changes what backward does."""
@@ -137,8 +120,8 @@ class RunHooks:
         the hooks do on it: capture the step as it runs after the bias freeze (the freeze then
         switches graphs instead of capturing on the clock), and whiten random images into a
         scratch copy of the whitening conv, so the first run's whitening init does not pay for
-        loading cuSOLVER's eigensolver and the float64 kernels (epoch 1 of a process's first `fast`
-        run took 243 ms against 167 ms in later runs, H100, 2026-11-22)."""
+        loading cuSOLVER's eigensolver and the float64 kernels (the first run's epoch 1 was
+        markedly slower than later runs' without it: first_light.md, second visit, 2c)."""
         if isinstance(self.model, FastNet) and self.cfg.whiten_images:
             conv = copy.deepcopy(self.model.whiten)
             n, device = math.ceil(self.cfg.whiten_images / self.ctx.world_size), conv.weight.device
@@ -175,7 +158,7 @@ class RunHooks:
         if self.lookahead is not None:
             self.lookahead.step()
 
-    def finish(self) -> None:
+    def finish(self, result=None) -> None:
         """At the run's end: the whitening bias requires grad again, as it does in the model file
         (a caller fine-tuning ``run.model`` or building optimizer groups over it sees it as saved)."""
         if isinstance(self.model, FastNet):

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from pathlib import Path
 import torch
 
 from fastcifar.core.atomic import write_atomic
-from fastcifar.core.config import ConfigError
+from fastcifar.core.config import ConfigError, training_settings
 
 TIMING_PROTOCOL = ("train time: summed per-epoch training time (on-device augmentation included), "
                    "device synchronized at each epoch's start and end; per-epoch evaluation and the "
@@ -69,6 +71,42 @@ def versions() -> dict:
         "triton": version_of("triton"), "numpy": version_of("numpy"),
         "dali": version_of("nvidia-dali-cuda130"), "fastcifar": version_of("fastcifar"),
     }
+
+
+def _git(*args: str) -> str:
+    """A git command in the package's checkout ("" outside one, or without git)."""
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _gpu(device: torch.device) -> tuple[str | None, str | None]:
+    """The GPU's name and driver version (nvidia-smi; without it the driver stays unknown)."""
+    if device.type != "cuda":
+        return None, None
+    name, index = torch.cuda.get_device_name(device), device.index or 0
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=name,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        smi_name, driver = (v.strip() for v in out.stdout.strip().split(",")[:2])
+        return smi_name or name, driver or None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return name, None
+
+
+def provenance(cfg, device: torch.device) -> dict:
+    """What a result was measured with beyond the versions: the commit (with whether tracked files
+    differed from it), a hash of the settings that shape training (paths and logging left out:
+    run.state's rule for a resume), and the GPU's name and driver."""
+    commit = _git("rev-parse", "HEAD") or None
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    settings = json.dumps(training_settings(cfg), sort_keys=True, default=str)
+    gpu, driver = _gpu(device)
+    return {"commit": commit, "dirty": dirty, "config_hash": hashlib.sha256(settings.encode()).hexdigest()[:16],
+            "gpu": gpu, "driver": driver}
 
 
 def device_info(device: torch.device, world_size: int) -> dict:
@@ -260,6 +298,11 @@ class RunLog:
         name = "" if dev["name"] in ("", dev["type"]) else f" {dev['name']}"
         self.line(f"fastcifar {meta['versions']['fastcifar'] or '(source)'} | preset {self.cfg.preset} | "
                   f"{dev['type']}{name} x{dev['world_size']} | torch {meta['versions']['torch']}")
+        prov = meta.get("provenance")
+        if prov:
+            commit = (prov["commit"] or "unknown")[:12] + (" (dirty)" if prov["dirty"] else "")
+            gpu = f" | gpu {prov['gpu']}, driver {prov['driver'] or 'unknown'}" if prov["gpu"] else ""
+            self.line(f"commit {commit} | config {prov['config_hash']}{gpu}", terminal=False)
         engine = meta.get("engine")
         if engine:
             self.line("engine: " + ", ".join(f"{k} {v}" for k, v in engine.items()))

@@ -23,16 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastcifar.core.config import Config
+from fastcifar.core.config import Config, training_settings
 from fastcifar.models.files import CheckpointError, _check_shapes, host_state, write_atomic
+from fastcifar.run.component import Component
+from fastcifar.run.report import EpochRecord
 
 STATE_FORMAT = "fastcifar.state/1"
 STATE_NAME = "checkpoint.pt"
-# Fields a resumed run may change: where things are, what is logged. Every other field shapes the
-# training trajectory, so a checkpoint written under another value is refused.
-RESUME_FREE_FIELDS = ("data", "download", "download_set", "cache_dir", "out_dir", "resume", "checkpoint_every",
-                      "save_model", "nvtx", "profile_steps", "dist_timeout_s", "target_acc", "eval_batch_size",
-                      "quiet")
 
 
 def _rng_state() -> dict:
@@ -60,9 +57,6 @@ def _gist(exc: Exception) -> str:
     return f"{type(exc).__name__}: {line[:160]}"
 
 
-def _training_config(cfg: Config) -> dict:
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUME_FREE_FIELDS}
-
 
 def save_state(path, *, cfg: Config, ctx, epochs_done: int, model, opt, schedule, hooks, loader, records) -> None:
     """Every rank calls this after epoch ``epochs_done`` (its evaluation included); rank 0 writes."""
@@ -76,7 +70,7 @@ def save_state(path, *, cfg: Config, ctx, epochs_done: int, model, opt, schedule
         dist.gather_object(mine, ranks, dst=0)
     if not ctx.is_main:
         return
-    state = {"format": STATE_FORMAT, "config": json.dumps(_training_config(cfg), sort_keys=True),
+    state = {"format": STATE_FORMAT, "config": json.dumps(training_settings(cfg), sort_keys=True),
              "world_size": ctx.world_size, "epochs_done": epochs_done, "steps_per_epoch": len(loader),
              "model": host_state(model),
              "optimizer": opt.state_dict(), "schedule_step": int(schedule.counter.item()),
@@ -117,7 +111,7 @@ def _read_state(path, cfg: Config, world_size: int) -> dict:
         raise CheckpointError(f"--resume {path}: not a readable checkpoint ({_gist(exc)})") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise CheckpointError(f"--resume {path}: not a fastcifar training checkpoint (expected {STATE_FORMAT})")
-    saved, now = json.loads(state["config"]), json.loads(json.dumps(_training_config(cfg), sort_keys=True))
+    saved, now = json.loads(state["config"]), json.loads(json.dumps(training_settings(cfg), sort_keys=True))
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if differ:
         k = differ[0]
@@ -154,3 +148,30 @@ def restore(state: dict, *, ctx, model, opt, schedule, hooks, loader, source: st
     loader.set_epoch(mine["loader"]["seed"], mine["loader"]["epoch"])
     _set_rng_state(mine["rng"])
     return state["epochs_done"], state["records"]
+
+
+class Checkpoints(Component):
+    """``--resume`` and ``--checkpoint-every`` as a run's component. ``parts``: the run's objects a
+    state covers (ctx, model, opt, schedule, hooks, loader); ``resume``: a checked state
+    (``load_state``) or None; ``every``: save after every this many epochs (0: never), off the
+    clock, every rank taking part (its RNGs and lookahead copy), rank 0 writing."""
+
+    def __init__(self, cfg: Config, log, parts: dict, epochs: int, resume: dict | None, every: int):
+        self.cfg, self.log, self.parts, self.epochs = cfg, log, parts, epochs
+        self.resume, self.every = resume, every
+        self.result = None
+
+    def start(self, result) -> int | None:
+        """Weights, momentum, schedule, lookahead, RNGs, loader: as after the checkpoint's epoch."""
+        self.result = result
+        if self.resume is None:
+            return None
+        start_epoch, records = restore(self.resume, source=self.cfg.resume, **self.parts)
+        result.epochs = [EpochRecord(**r) for r in records]
+        self.log.line(f"resumed from {self.cfg.resume} after epoch {start_epoch}")
+        return start_epoch
+
+    def epoch_done(self, epoch: int, record) -> None:
+        if self.every and (epoch + 1) % self.every == 0 and epoch + 1 < self.epochs:
+            save_state(self.log.dir and self.log.dir / STATE_NAME, cfg=self.cfg, epochs_done=epoch + 1,
+                       records=self.result.epochs, **self.parts)

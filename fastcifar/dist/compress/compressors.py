@@ -86,8 +86,9 @@ def _add_at(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, n: int) 
     """``out[idx] += values / n``, ``idx`` without repeats (one rank's payload: each address is added
     once, so the GPU's atomic adds are deterministic here): k reads and writes where decompressing
     first costs a d-long zero fill, scatter, division and add (4 passes over the chunk per rank:
-    20.0 against 1.5 ms for 8 ranks' TopK at K = 1%, d = 2M, one CPU thread of an AMD EPYC, torch
-    2.14.1, 2026-11-22; a gather-add-scatter ``index_put_`` took 6.5). The same sums, bit for bit,
+    more than ten times slower for 8 ranks' TopK at K = 1%, d = 2M on one CPU thread: the
+    compress_ms rows of bench/results/compress.jsonl; a gather-add-scatter ``index_put_`` sat between
+    the two). The same sums, bit for bit,
     but for the sign of a zero (a coordinate every rank sends as -0 comes out +0)."""
     out.index_add_(0, idx, values / n)
 

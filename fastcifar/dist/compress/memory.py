@@ -31,8 +31,8 @@ class ErrorFeedback:
         """``update`` with ``sent`` as the payload itself: the compressor takes it off at its own
         coordinates (``accumulate`` with n = -1: the same bits as ``update``), not through a d-long
         zero fill and scatter first. The gather transport's path, every step: with the sparse add of
-        the mean, its finish went 5.7 -> 2.0 ms for 8 ranks' TopK at K = 1%, d = 2M (one CPU thread
-        of an AMD EPYC, torch 2.14.1, 2026-11-22)."""
+        the mean, its finish took about a third of the time for 8 ranks' TopK at K = 1%, d = 2M on
+        one CPU thread (bench/results/compress.md, the TopK rows)."""
         e = self.residual[key]
         e.copy_(compensated)
         compressor.accumulate(e, payload, ctx, -1)

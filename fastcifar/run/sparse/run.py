@@ -12,13 +12,14 @@ import torch
 
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
 from fastcifar.models.files import write_atomic
+from fastcifar.run.component import Component
 from fastcifar.run.sparse import fisher, masks
 from fastcifar.run.sparse.diffs import DiffWriter
 from fastcifar.dist.local_sgd import LocalSGD
 from fastcifar.run.sparse.update import MaskedOptimizer
 
 
-class SparseRun:
+class SparseRun(Component):
     def __init__(self, cfg, model: torch.nn.Module, opt, train_loader, ctx, log, run: int, seed: int):
         self.cfg, self.model, self.loader, self.ctx, self.log = cfg, model, train_loader, ctx, log
         self.run, self.seed = run, seed
@@ -59,11 +60,11 @@ class SparseRun:
         if self.local is not None:
             self.local.epoch_end()
 
-    def epoch_done(self, epoch: int, test_acc: float) -> None:
+    def epoch_done(self, epoch: int, record) -> None:
         if self.diffs is not None:
-            self.log.line(self.diffs.epoch(epoch + 1, test_acc))
+            self.log.line(self.diffs.epoch(epoch + 1, record.test_acc))
 
-    def finish(self) -> None:
+    def finish(self, result=None) -> None:
         if self.local is not None:
             self.record["local_sgd"]["merges"] = self.local.merges
         if self.diffs is not None:

@@ -1,0 +1,101 @@
+"""A run's components (``component.Component``), chosen from the settings in one place.
+
+``Session`` is what every run of one invocation shares; ``for_run`` lists the components of one
+run, in the order the trainer calls them at each point. The order matters where two act at the
+same point: after a step the recipe's lookahead syncs before local SGD merges, the profiler window
+counts the step, and the watchdog hears last; after an epoch's evaluation a sparse diff is written,
+the guard may stop the run, a checkpoint is saved, then the watchdog hears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastcifar.core.config import Config
+from fastcifar.dist import compress, distributed
+from fastcifar.dist.sync import GradientSync
+from fastcifar.models import files
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
+from fastcifar.run import profiling
+from fastcifar.run.component import Component, Components
+from fastcifar.run.guard import LossGuard
+from fastcifar.run.recipe import RunHooks
+from fastcifar.run.report import RunLog
+from fastcifar.run.sparse.run import SparseRun
+from fastcifar.run.state import Checkpoints
+
+
+@dataclass
+class Session:
+    """What every run of one invocation shares: the settings, the ranks, the data and the logs."""
+    cfg: Config
+    ctx: distributed.DistContext
+    dtype: torch.dtype
+    train_loader: object  # data.loader.TrainLoader
+    test_set: object  # data.loader.EvalSet
+    log: RunLog
+    progress: object  # run.progress.Progress
+    use_graphs: bool
+    classes: tuple[str, ...]
+    resume: dict | None = None  # a checked training state (run.state.load_state), for run 1..N
+
+
+class Watchdog(Component):
+    """Several ranks: a stalled peer ends this rank too, also inside graph replays (distributed.py)."""
+
+    def __init__(self, session: Session):
+        cfg, ctx = session.cfg, session.ctx
+        self.dog = distributed.ProgressWatchdog(cfg.dist_timeout_s, ctx, enabled=ctx.distributed)
+
+    def after_step(self) -> None:
+        self.dog.beat()
+
+    def epoch_done(self, epoch: int, record) -> None:
+        self.dog.beat()
+
+    def finish(self, result) -> None:
+        self.dog.close()
+
+
+class SyncCleanup(Component):
+    """The gradient sync's compression statistics, and its hooks removed at the end (the run's
+    model outlives the run)."""
+
+    def __init__(self, sync: GradientSync, log: RunLog, run: int):
+        self.sync, self.log, self.run = sync, log, run
+
+    def finish(self, result) -> None:
+        compress.log_stats(self.sync.compression, self.log, self.run)
+        self.sync.remove()
+
+
+class ModelFile(Component):
+    """``--save-model``: the evaluated (lookahead-averaged) weights in the run folder, off the clock."""
+
+    def __init__(self, session: Session, run: int):
+        self.cfg, self.log, self.run, self.classes = session.cfg, session.log, run, session.classes
+
+    def finish(self, result) -> None:
+        path = files.model_path(self.log.dir, self.run, self.cfg.runs)
+        result.model_path = str(files.save_model(path, result.model, self.cfg, self.classes, result.test_acc,
+                                                 CIFAR10_MEAN, CIFAR10_STD))
+        self.log.line(f"model: {result.model_path}")
+
+
+def for_run(session: Session, run: int, parts: dict, sync: GradientSync, sparse: SparseRun,
+            epochs: int) -> Components:
+    """The components of run ``run`` (0: an unlogged warm-up run, which saves and resumes nothing).
+    ``parts``: the run's objects a training state covers (run.state)."""
+    cfg, log = session.cfg, session.log
+    members: list[Component] = [parts["hooks"], sparse]  # built after warm-up: the window may start at 0
+    members.append(profiling.StepWindow(cfg.profile_steps if run == 1 else ""))  # nsys range, profiler steps
+    members.append(LossGuard(num_classes=len(session.classes)))  # NaN or exploded loss ends the run
+    members.append(Checkpoints(cfg, log, parts, epochs, session.resume if run else None,
+                               cfg.checkpoint_every if run else 0))
+    members.append(SyncCleanup(sync, log, run))
+    if cfg.save_model and log.dir is not None:
+        members.append(ModelFile(session, run))
+    members.append(Watchdog(session))
+    return Components(members)

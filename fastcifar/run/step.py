@@ -1,0 +1,60 @@
+"""The training step and the evaluation pass the trainer runs: the step is the function that runs
+eagerly or is captured as a CUDA graph (``graphs.TrainStep``); ``bench/bench_step.py`` times the
+same one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastcifar.data.loader import EvalSet
+from fastcifar.dist import distributed
+from fastcifar.run import profiling
+from fastcifar.run.graphs import EvalStep
+from fastcifar.run.optim import NesterovSGD
+from fastcifar.run.schedule import DeviceSchedule
+
+
+def make_step(net, opt: NesterovSGD, schedule: DeviceSchedule, label_smoothing: float,
+              markers=profiling.markers(False), buckets=None):
+    """One training step on a batch: the function that runs eagerly or is captured. ``buckets``
+    (several ranks, --comm bucketed: ``dist.comm.GradBuckets``) average the gradients during
+    backward; ``markers`` (push, pop) put NVTX ranges around its phases for nsys (no-ops unless
+    --nvtx on CUDA)."""
+    push, pop = markers
+
+    def step(images, labels):
+        schedule.apply(opt.lr)  # device-side: the captured graph reads each step's rate
+        push("forward")
+        logits = net(images)
+        loss = F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=label_smoothing)
+        pop()
+        push("backward")  # with --comm ddp the gradient all-reduce runs inside backward, on its own stream
+        loss.backward()
+        pop()
+        if buckets is not None:
+            push("comm")
+            buckets.finish()  # the optimizer waits (a stream wait on GPU) for every bucket's average
+            pop()
+        push("optimizer")
+        opt.step()
+        opt.zero_grad()  # in place, so bucketed gradients stay views into their buckets
+        pop()
+        return loss.detach(), (logits.argmax(1) == labels).sum()
+    return step
+
+
+def evaluate(model, eval_step: EvalStep, test_set: EvalSet, ctx) -> tuple[float, float]:
+    """Test loss and accuracy (%) over all ranks' slices of the test set."""
+    model.eval()
+    eval_step.reset()
+    for images, labels in test_set:
+        eval_step(images, labels)
+    total_loss, total_correct, count = distributed.all_sum(
+        [eval_step.loss_sum.item(), float(eval_step.correct.item()), float(len(test_set.labels))], ctx, ctx.device)
+    return total_loss / count, 100.0 * total_correct / count
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

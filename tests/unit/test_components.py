@@ -1,0 +1,112 @@
+"""What the trainer calls, when: the components of a run (run.component) relative to the clock and
+to graph capture, pinned on the CPU so a move of the code cannot move a hook across the clock.
+
+The clock starts and stops at the trainer's two ``synchronize`` calls around an epoch's steps; the
+capture is ``TrainStep.warm_up_and_capture``. A recording component joins the run's list."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cli import FAST_SHORT
+from conftest import write_official
+from fastcifar import train
+from fastcifar.core.config import parse_args
+from fastcifar.dist import distributed
+from fastcifar.run import components
+from fastcifar.run.component import Component, Components
+from fastcifar.run.graphs import TrainStep
+
+
+class Recorder(Component):
+    def __init__(self, events):
+        self.events = events
+
+    def start(self, result):
+        self.events.append("start")
+
+    def epoch_start(self, epoch):
+        self.events.append(f"epoch_start {epoch}")
+
+    def after_step(self):
+        self.events.append("step")
+
+    def epoch_end(self, epoch):
+        self.events.append(f"epoch_end {epoch}")
+
+    def epoch_done(self, epoch, record):
+        self.events.append(f"epoch_done {epoch} acc={record.test_acc is not None}")
+
+    def finish(self, result):
+        self.events.append(f"finish acc={result.test_acc == result.epochs[-1].test_acc}")
+
+
+@pytest.fixture
+def recorded(tmp_path, monkeypatch):
+    data, _ = write_official(tmp_path / "data", per_batch=40, n_test=50)
+    events, members = [], []
+    real_for_run, real_capture = components.for_run, TrainStep.warm_up_and_capture
+
+    def for_run(*args, **kwargs):
+        run = real_for_run(*args, **kwargs)
+        members.append([type(c).__name__ for c in run.members])
+        return Components([*run.members, Recorder(events)])
+
+    def capture(self, *args, **kwargs):
+        events.append("capture")
+        return real_capture(self, *args, **kwargs)
+
+    monkeypatch.setattr(components, "for_run", for_run)
+    monkeypatch.setattr(TrainStep, "warm_up_and_capture", capture)
+    monkeypatch.setattr(train, "synchronize", lambda device: events.append("clock"))
+    argv = [*FAST_SHORT, "--epochs", "2", "--batch-size", "50", "--data", str(data), "--out-dir", str(tmp_path / "runs"),
+            "--quiet", "--loader", "torch", "--checkpoint-every", "1"]
+    cfg = parse_args([str(a) for a in argv])
+    ctx = distributed.setup("cpu", 60)
+    try:
+        (result,) = train.run(cfg, ctx)
+    finally:
+        distributed.teardown(ctx)
+    return events, members, result
+
+
+def test_hooks_sit_where_the_clock_and_the_capture_put_them(recorded):
+    events, _, result = recorded
+    steps = 4  # 200 training images, batch 50
+    per_epoch = ["clock", "epoch_start {e}", *["step"] * steps, "epoch_end {e}", "clock", "epoch_done {e} acc=True"]
+    # the trainer's capture, then the recipe's second variant (bias frozen), both before start
+    want = ["capture", "capture", "start"] + [x.format(e=e) for e in range(2) for x in per_epoch] + ["finish acc=True"]
+    assert events == want
+    assert len(result.epochs) == 2
+
+
+def test_the_run_components_and_their_order(recorded):
+    _, members, _ = recorded
+    assert members == [["RunHooks", "SparseRun", "StepWindow", "LossGuard", "Checkpoints", "SyncCleanup",
+                        "ModelFile", "Watchdog"]]
+
+
+def test_components_call_only_overridden_after_step():
+    class Quiet(Component):
+        pass
+
+    class Loud(Component):
+        def __init__(self):
+            self.n = 0
+
+        def after_step(self):
+            self.n += 1
+
+    loud = Loud()
+    group = Components([Quiet(), loud, Quiet()])
+    group.after_step()
+    assert loud.n == 1 and len(group._after_step) == 1
+    assert group.start(None) == 0  # nobody resumes: epoch 0
+
+
+def test_start_takes_a_resumes_epoch():
+    class Resume(Component):
+        def start(self, result):
+            return 3
+    assert Components([Component(), Resume(), Component()]).start(None) == 3
