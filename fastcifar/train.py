@@ -70,8 +70,8 @@ _DDP_OWN_BUFFERS = ({"forward_sync_buffers": False}
                     else {"broadcast_buffers": False})
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train") -> int:
+    cfg = parse_args(argv, prog=prog)
     ctx = None
     previous = signals.install()  # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run (signals.py)
     try:
