@@ -75,7 +75,7 @@ def help_text(prog: str = "fastcifar") -> str:
     lines = [usage(prog), "", "fastcifar: a fast CIFAR-10 trainer, and tools for the models it writes.", "",
              "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
-    lines += ["", f"'{prog} COMMAND --help' gives a command's options."]
+    lines += ["", f"'{prog} COMMAND --help' gives a command's options; '{prog} --version' the version."]
     return "\n".join(lines)
 
 
@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None, prog: str = "fastcifar") -> int:
     name, rest = argv[0], argv[1:]
     if name in ("-h", "--help") and not rest:
         print(help_text(prog))
+        return 0
+    if name == "--version" and not rest:
+        from fastcifar import __version__
+        print(f"fastcifar {__version__}")
         return 0
     if name not in COMMANDS:
         print(f"fastcifar: error: unknown command {name!r}; choose from {', '.join(COMMANDS)} "

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import fastcifar
 from fastcifar import cli, evaluate, export, train
 from fastcifar.core.config import DEFAULT_PRESET, Config, build_parser, from_preset
 from fastcifar.models.files import load_model
@@ -42,6 +43,11 @@ def test_help_lists_every_command_in_one_line_each(capsys):
     for name in COMMANDS:
         (line,) = [line for line in out.splitlines() if line.strip().startswith(name + " ")]
         assert len(line.split()) > 2, line  # the name and what it does
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"fastcifar {fastcifar.__version__}"
 
 
 @pytest.mark.parametrize("argv", [[], ["bogus"], ["--train"]], ids=["none", "unknown", "a flag"])
@@ -176,7 +182,8 @@ def test_evaluate_suggests_no_download_flag(trained, tmp_path, capsys):
     for data, what in [(tmp_path / "missing", "no such file or folder"), (tmp_path / "empty", "empty folder")]:
         assert evaluate.main([str(model), "--data", str(data)]) == 2
         line = one_line_error(capsys.readouterr().err)
-        assert line.startswith(f"fastcifar: error: {data}: {what}; to fetch CIFAR-10 by hand"), line
+        assert line.startswith(f"fastcifar: error: {data}: {what}; for official CIFAR-10, fetch "
+                               "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz by hand"), line
         assert "--download" not in line
     with pytest.raises(SystemExit):  # evaluate indeed has no such flag
         evaluate.main([str(model), "--data", str(tmp_path), "--download"])

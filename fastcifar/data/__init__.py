@@ -71,8 +71,8 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
     command without that flag, such as evaluate, passes False)."""
     path = Path(path).expanduser()
     spec = OFFICIAL_SETS.get(download_set, OFFICIAL_SETS["cifar10"])
-    hint = (f"pass --download to fetch official {spec.title} there, or " if offer_download else "") + \
-        fetch_by_hand(path, spec)
+    hint = (f"pass --download to fetch official {spec.title} there, or " if offer_download
+            else f"for official {spec.title}, ") + fetch_by_hand(path, spec)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     if path.is_file():
         if not path.name.endswith(ARCHIVE_SUFFIXES):

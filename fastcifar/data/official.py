@@ -156,7 +156,7 @@ def read_archive(path: Path) -> Dataset:
 
 def fetch_by_hand(root: Path, spec: OfficialSet = CIFAR10) -> str:
     """How to do the download's work by hand, for an error message."""
-    return (f"to fetch {spec.title} by hand, download {spec.url} (MD5 {spec.md5}) and put {spec.archive} "
+    return (f"fetch {spec.url} by hand (MD5 {spec.md5}) and put {spec.archive} "
             f"in {root}{'' if str(root).endswith('/') else '/'}")
 
 
