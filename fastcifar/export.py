@@ -40,6 +40,15 @@ from fastcifar.models.files import load_model
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 11  # reflect padding and the ops the networks use are all there by 11
+
+
+def max_opset() -> int:
+    """The newest opset torch's TorchScript-based exporter writes (20 in torch 2.14)."""
+    try:
+        from torch.onnx import _constants
+        return int(_constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET)
+    except (ImportError, AttributeError):  # a torch that moved it: let the exporter judge
+        return 10**6
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
 CHECK_TOLERANCE = 1e-4  # onnxruntime against PyTorch after the export: max |difference| / max(1, max |logit|)
 
@@ -93,12 +102,14 @@ def check_with_onnxruntime(blob: bytes, net: torch.nn.Module, mean, std) -> floa
 def export(model_path, out, *, opset: int = DEFAULT_OPSET, force: bool = False, log=print) -> Path:
     """Write the model file ``model_path`` as the ONNX file ``out`` (contract: module docstring)."""
     out = Path(out)
-    if opset < MIN_OPSET:
-        raise ConfigError(f"--opset must be at least {MIN_OPSET}, not {opset}")
-    if out.exists() and not force:
-        raise ConfigError(f"{out} exists; pass --force to overwrite it")
+    if not MIN_OPSET <= opset <= max_opset():  # before the exporter, which prints its graph on a bad one
+        newest = max_opset()
+        allowed = f"lie in {MIN_OPSET}..{newest}" if newest < 10**6 else f"be at least {MIN_OPSET}"
+        raise ConfigError(f"--opset must {allowed}, not {opset}")
     if out.is_dir():
         raise ConfigError(f"{out} is a folder; --onnx takes a file name, e.g. {out / 'model.onnx'}")
+    if out.exists() and not force:
+        raise ConfigError(f"{out} exists; pass --force to overwrite it")
     net, info = load_model(model_path, "cpu")
     try:
         blob = onnx_bytes(net, info.mean, info.std, opset)
@@ -136,10 +147,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.export"
     parser.add_argument("model", help="a model file written by the trainer (model.safetensors)")
     parser.add_argument("--onnx", required=True, metavar="OUT.onnx", help="the ONNX file to write")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET,
-                        help=f"ONNX opset version (default: {DEFAULT_OPSET}; at least {MIN_OPSET})")
+                        help=f"ONNX opset version, {MIN_OPSET}..{max_opset()} (default: {DEFAULT_OPSET})")
     parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
     args = parser.parse_args(argv)
-    return run_command(lambda: (export(args.model, args.onnx, opset=args.opset, force=args.force), 0)[1])
+    return run_command(lambda: _run(args))
+
+
+def _run(args) -> int:
+    export(args.model, args.onnx, opset=args.opset, force=args.force)
+    return 0
 
 
 if __name__ == "__main__":

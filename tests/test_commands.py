@@ -236,16 +236,19 @@ def test_export_refuses_an_existing_file_unless_force(trained, tmp_path, capsys)
     assert out.read_bytes() != b"mine" and sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
 
 
-@pytest.mark.parametrize("case", ["no onnx", "opset 5", "not a model"])
+@pytest.mark.parametrize("case", ["no onnx", "opset 5", "opset 99", "a folder", "not a model"])
 def test_export_errors_are_one_line_and_write_nothing(case, trained, tmp_path, capsys, monkeypatch):
     model, _, _ = trained
     argv = [str(model), "--onnx", str(tmp_path / "out" / "m.onnx")]
     if case == "no onnx":
         monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
         message = "export needs the onnx package: pip install onnx"
-    elif case == "opset 5":
-        argv += ["--opset", "5"]
-        message = "--opset must be at least 11, not 5"
+    elif case.startswith("opset"):  # 99: refused before the exporter, which would print its whole graph
+        argv += ["--opset", case.split()[1]]
+        message = f"--opset must lie in 11..{export.max_opset()}, not {case.split()[1]}"
+    elif case == "a folder":
+        argv[2] = str(tmp_path)
+        message = "is a folder; --onnx takes a file name"
     else:
         argv[0] = str(tmp_path / "m.safetensors")
         Path(argv[0]).write_bytes(b"not safetensors")
