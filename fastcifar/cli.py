@@ -58,7 +58,7 @@ def make_callable(module_name: str, function) -> None:
 
 # name -> (module, one line for `fastcifar --help`)
 COMMANDS = {
-    "train": ("fastcifar.train", "train a network on CIFAR (default preset: FastNet, fast-muon320); one device or torchrun"),
+    "train": ("fastcifar.train", "train a network on CIFAR (default: {default}), on one device or under torchrun"),
     "evaluate": ("fastcifar.evaluate", "test accuracy, overall and per class, of a saved model"),
     "predict": ("fastcifar.predict", "top classes, with probabilities, of your own images"),
     "checkpoint": ("fastcifar.checkpoint", "inspect sparse diffs, or restore a model file from a chain of them"),
@@ -74,7 +74,9 @@ def help_text(prog: str = "fastcifar") -> str:
     width = max(map(len, COMMANDS))
     lines = [usage(prog), "", "fastcifar: a fast CIFAR-10 trainer, and tools for the models it writes.", "",
              "commands:"]
-    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    from fastcifar.core.config import ARCH_NAMES, DEFAULT_PRESET, from_preset
+    default = f"{ARCH_NAMES[from_preset(DEFAULT_PRESET).arch]}, preset {DEFAULT_PRESET}"
+    lines += [f"  {name:<{width}}  {text.format(default=default)}" for name, (_, text) in COMMANDS.items()]
     lines += ["", f"'{prog} COMMAND --help' gives a command's options; '{prog} --version' the version."]
     return "\n".join(lines)
 
