@@ -1,5 +1,12 @@
-"""Command-line plumbing shared by the commands (train, evaluate, predict, checkpoint): the one-line
-error and exit status, and modules that are also functions. Only the command modules import it.
+"""Command-line plumbing shared by the commands (train, evaluate, predict, checkpoint, export): the
+one-line error and exit status, modules that are also functions, and the ``fastcifar`` command.
+
+    fastcifar train|evaluate|predict|checkpoint|export [ARGS ...]     (also python -m fastcifar ...)
+
+``main`` is the installed ``fastcifar`` console script: it hands ARGS to the named command's own
+``main(argv, prog="fastcifar NAME")``, so ``fastcifar train ARGS`` is ``python -m fastcifar.train
+ARGS`` (and ``fastcifar-train ARGS``) under another name. The command modules are imported by name
+when called (they import this module: a plain import would be a cycle).
 
 Naming: ``fastcifar.train`` is also the trainer module (``python -m fastcifar.train``), and
 importing a submodule sets the package attribute of that name to the module, replacing any
@@ -47,3 +54,51 @@ def make_callable(module_name: str, function) -> None:
     module = sys.modules[module_name]
     module.__class__ = CallableModule
     module.__api_call__ = function
+
+
+# name -> (module, one line for `fastcifar --help`)
+COMMANDS = {
+    "train": ("fastcifar.train", "train a network on CIFAR (default: {default}), on one device or under torchrun"),
+    "evaluate": ("fastcifar.evaluate", "test accuracy, overall and per class, of a saved model"),
+    "predict": ("fastcifar.predict", "top classes, with probabilities, of your own images"),
+    "checkpoint": ("fastcifar.checkpoint", "inspect sparse diffs, or restore a model file from a chain of them"),
+    "export": ("fastcifar.export", "write a saved model as an ONNX file (for onnxruntime and others)"),
+}
+
+
+def usage(prog: str = "fastcifar") -> str:
+    return f"usage: {prog} {{{','.join(COMMANDS)}}} [ARGS ...]"
+
+
+def help_text(prog: str = "fastcifar") -> str:
+    width = max(map(len, COMMANDS))
+    lines = [usage(prog), "", "fastcifar: a fast CIFAR-10 trainer, and tools for the models it writes.", "",
+             "commands:"]
+    from fastcifar.core.config import ARCH_NAMES, DEFAULT_PRESET, from_preset
+    default = f"{ARCH_NAMES[from_preset(DEFAULT_PRESET).arch]}, preset {DEFAULT_PRESET}"
+    lines += [f"  {name:<{width}}  {text.format(default=default)}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", f"'{prog} COMMAND --help' gives a command's options; '{prog} --version' the version."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str = "fastcifar") -> int:
+    """``fastcifar COMMAND ARGS``: the exit status of the command; 2 with the usage (no command) or
+    one line (an unknown one); 0 after ``--help``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        print(help_text(prog), file=sys.stderr)
+        return 2
+    name, rest = argv[0], argv[1:]
+    if name in ("-h", "--help") and not rest:
+        print(help_text(prog))
+        return 0
+    if name == "--version" and not rest:
+        from fastcifar import __version__
+        print(f"fastcifar {__version__}")
+        return 0
+    if name not in COMMANDS:
+        print(f"fastcifar: error: unknown command {name!r}; choose from {', '.join(COMMANDS)} "
+              f"('{prog} --help' says what each does)", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])  # by name: the commands import this module
+    return module.main(rest, prog=f"{prog} {name}")

@@ -90,7 +90,7 @@ def evaluate(model, data, *, tta: int | None = None, subset: int | None = None, 
     net, info = resolve_model(model, device)
     cfg = info.config
     if not isinstance(data, Dataset):
-        data = load_dataset(data, cache_dir=cache_dir, log=log)
+        data = load_dataset(data, cache_dir=cache_dir, log=log, offer_download=False)  # evaluate has no --download
     check_classes(info, data)
     subset = cfg.subset if subset is None else subset
     if subset:
@@ -100,8 +100,8 @@ def evaluate(model, data, *, tta: int | None = None, subset: int | None = None, 
                            tta=resolve_tta(tta, cfg), batch_size=batch_size or cfg.eval_batch_size, device=device)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastcifar.evaluate",
+def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.evaluate") -> int:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Test accuracy (overall and per class) of a saved model.")
     parser.add_argument("model", help="a model file written by the trainer (model.safetensors)")
     parser.add_argument("--data", required=True, help="the data set, in any layout the trainer accepts")

@@ -99,8 +99,8 @@ def predict(model, images, *, top: int = 3, tta: int | None = None, device="cpu"
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastcifar.predict",
+def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.predict") -> int:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Top classes, with probabilities, of each image.")
     parser.add_argument("model", help="a model file written by the trainer (model.safetensors)")
     parser.add_argument("images", nargs="+", help="image files or folders of images")

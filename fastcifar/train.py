@@ -51,8 +51,8 @@ from fastcifar.run.sparse.run import SparseRun
 PROCESS_START = process_start_time()
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train") -> int:
+    cfg = parse_args(argv, prog=prog)
     ctx = None
     previous = signals.install()  # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run (signals.py)
     try:

@@ -51,7 +51,7 @@ print("EXAMPLE OK")
     assert "EXAMPLE OK" in proc.stdout and "cat.png [(" in proc.stdout
 
 
-@pytest.mark.parametrize("module", ["fastcifar.train", "fastcifar.evaluate", "fastcifar.predict"])
+@pytest.mark.parametrize("module", ["fastcifar.train", "fastcifar.evaluate", "fastcifar.predict", "fastcifar.export"])
 def test_python_m_help_prints_no_warning(module):
     proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=env(), capture_output=True,
                           text=True, timeout=300)

@@ -85,6 +85,9 @@ def test_wheel_installs_kernels_under_fastcifar(tmp_path):
     expected |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "fastcifar").rglob("*.py")}
     assert expected <= set(names), f"missing from the wheel: {sorted(expected - set(names))}"
     assert not [n for n in names if n.startswith("kernels/")], "a top-level kernels package is in the wheel"
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "fastcifar = fastcifar.cli:main" in scripts and "fastcifar-train = fastcifar.train:main" in scripts
 
 
 def test_triton_kernels_on_cpu_leave_no_triton_interpret_behind():

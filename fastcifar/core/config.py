@@ -46,7 +46,7 @@ class Config:
     # --- recipe ---
     epochs: float = 24  # passes over the training set; a fraction cuts the last one short (9.9: ceil(9.9 x steps) steps)
     batch_size: int = 512  # images per step, global: split evenly over the ranks
-    lr: float = 0.4  # peak, for the mean loss, per 512 images of global batch (linear scaling)
+    lr: float = 0.4  # peak rate for the mean loss, per 512 images of global batch: the run peaks at lr x batch-size / 512 (the log's lr column)
     warmup_epochs: float = 5.0  # from lr-start x peak up to the peak, then to lr-end x peak; scales with --epochs unless given
     lr_start: float = 0.0  # rate at the first step, as a fraction of the peak
     lr_end: float = 0.0  # rate at the last step, as a fraction of the peak
@@ -424,30 +424,84 @@ def _parse_epochs(text: str) -> float:
 
 def _comments() -> dict[str, str]:
     """Field name -> the comment after it in this file: --help shows the units written there."""
+    return {name: text for name, (_, text) in _field_notes().items()}
+
+
+def _field_notes() -> dict[str, tuple[str, str]]:
+    """Field name -> (its ``# --- section ---`` in Config, the comment after it)."""
     import inspect
     import re
-    out = {}
+    out, section = {}, ""
     for line in inspect.getsource(Config).splitlines():
+        head = re.match(r"\s+# --- (.*?) ---", line)
+        if head:
+            section = head.group(1)
+            continue
         m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.*)$", line)
         if m:
-            out[m.group(1)] = m.group(2)
+            out[m.group(1)] = (section, m.group(2))
     return out
 
 
-def build_parser(base: Config) -> argparse.ArgumentParser:
+# --help: the basic options first, then one group per kind; the other fields follow their section
+# in Config (a section not named here becomes a group of its own, after these).
+BASIC_FIELDS = ("data", "download", "device", "epochs", "batch_size", "lr", "runs", "seed", "subset", "out_dir")
+HELP_GROUPS = (  # (title, Config sections it holds)
+    ("data", ("data",)),
+    ("model", ("model",)),
+    ("recipe", ("recipe",)),
+    ("recipe: airbench94 parity and Muon", ("recipe, issue 14: airbench94 parity, its former departures, "
+                                            "orthogonalized momentum",)),
+    ("engines", ("engine",)),
+    ("distributed (torchrun)", ("distributed",)),
+    ("compressed gradient communication", ("compressed gradient communication (fastcifar.dist.compress; "
+                                           "several ranks, --comm bucketed)",)),
+    ("sparse training and local SGD", ("sparse training (fastcifar.run.sparse)",)),
+    ("checkpoints and model files", ("checkpoints (fastcifar.checkpoint)",)),
+    ("output and logging", ("runs and reporting",)),
+)
+# fields whose Config section is not the group they read best in
+HELP_GROUP_OF = {"comm": "distributed", "bucket_mb": "distributed", "dist_timeout_s": "distributed",
+                 "muon_shard": "distributed", "nvtx": "runs and reporting", "profile_steps": "runs and reporting"}
+ARCH_NAMES = {"resnet9": "ResNet-9", "fastnet": "FastNet", "alexnet": "AlexNet"}
+
+
+def _description() -> str:
+    d = from_preset(DEFAULT_PRESET)
+    optimizer = {"muon": "Muon on the conv filters", "sgd": "Nesterov SGD"}[d.optimizer]
+    return (f"Train a network on CIFAR-10 (or CIFAR-100, or your own image folders), on one device or "
+            f"data-parallel under torchrun. The default preset, {DEFAULT_PRESET}, trains "
+            f"{ARCH_NAMES[d.arch]} {'/'.join(map(str, d.widths))} for {d.epochs:g} epochs at batch "
+            f"{d.batch_size} with {optimizer}; --preset resnet9 is the ResNet-9 seed recipe. Every field of "
+            f"the run's config has a flag; the preset sets their defaults. --lr is the peak learning rate "
+            f"for the mean loss per 512 images of global batch: the run's peak is --lr x --batch-size / 512 "
+            f"(the default preset: {d.lr:g} x {d.batch_size} / 512 = {d.lr * d.batch_size / 512:.4g}), and "
+            f"the log's lr column prints the rate at each epoch's last step on that scale (the peak times "
+            f"the schedule).")
+
+
+def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argparse.ArgumentParser:
     parser = _OneLineParser(
-        prog="python -m fastcifar.train", allow_abbrev=False,  # --warmup-epo would pass for --warmup-epochs
-        description="Train ResNet-style networks on CIFAR-10, on one device or under torchrun. "
-                    "Every field of the run's config has a flag; a preset sets their defaults.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--preset", default=base.preset, choices=list(PRESETS),
-                        help="named recipe that sets the defaults below")
-    help_of = _comments()
+        prog=prog, allow_abbrev=False,  # --warmup-epo would pass for --warmup-epochs
+        usage="%(prog)s [--preset NAME] [--data PATH] [--download] [--device DEVICE] [OPTION ...]",
+        description=_description(), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    notes = _field_notes()
+    groups = {"basic": parser.add_argument_group("basic options")}
+    groups["basic"].add_argument("--preset", default=base.preset, choices=list(PRESETS),
+                                 help="named recipe that sets the defaults below")
+    for title, sections in HELP_GROUPS:
+        group = parser.add_argument_group(title)
+        for section in sections:
+            groups[section] = group
     for f in fields(Config):
         if not f.metadata.get("cli", True):
             continue
+        section, note = notes.get(f.name, ("", ""))
+        section = "basic" if f.name in BASIC_FIELDS else HELP_GROUP_OF.get(f.name, section)
+        if section not in groups:  # a section added to Config since HELP_GROUPS was written
+            groups[section] = parser.add_argument_group(section or "other")
         default = getattr(base, f.name)
-        kwargs: dict[str, Any] = {"default": default, "help": help_of.get(f.name, "").replace("%", "%%")}
+        kwargs: dict[str, Any] = {"default": default, "help": note.replace("%", "%%")}
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif f.name == "tta":  # a level; bare --tta means flip TTA, --no-tta (below) means none
@@ -460,19 +514,21 @@ def build_parser(base: Config) -> argparse.ArgumentParser:
             kwargs["type"] = type(default)
         if f.name in CHOICES:
             kwargs["choices"] = CHOICES[f.name]
-        parser.add_argument(f"--{_flag(f.name)}", dest=f.name, **kwargs)
-    parser.add_argument("--no-tta", dest="tta", action="store_const", const=0, help="same as --tta 0")
+        groups[section].add_argument(f"--{_flag(f.name)}", dest=f.name, **kwargs)
+        if f.name == "tta":
+            groups[section].add_argument("--no-tta", dest="tta", action="store_const", const=0,
+                                         help="same as --tta 0")
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
+def parse_args(argv: list[str] | None = None, prog: str = "python -m fastcifar.train") -> Config:
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset", default=DEFAULT_PRESET)
     known, _ = pre.parse_known_args(argv)
     if known.preset not in PRESETS:
-        build_parser(Config()).error(f"unknown preset {known.preset!r}; choose from {', '.join(PRESETS)}")
-    args = vars(build_parser(from_preset(known.preset)).parse_args(argv))
+        build_parser(Config(), prog).error(f"unknown preset {known.preset!r}; choose from {', '.join(PRESETS)}")
+    args = vars(build_parser(from_preset(known.preset), prog).parse_args(argv))
     preset = args.pop("preset")
     # no abbreviations (allow_abbrev=False), so the flag is given exactly as --warmup-epochs[=V]
     if not any(a == "--warmup-epochs" or a.startswith("--warmup-epochs=") for a in argv):

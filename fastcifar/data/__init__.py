@@ -7,7 +7,8 @@
   - an image folder ``train/<class>/*``, ``test/<class>/*`` (or its single subfolder), or a
     ``.tar.gz`` of one, decoded once and cached as uint8 arrays.
 With ``download=True`` a path holding none of these gets the official archive of
-``download_set`` (cifar10 | cifar100), MD5-checked. The class count is the data's: 10, 100, or
+``download_set`` (cifar10 | cifar100), MD5-checked. Without it, the error says how to get the data:
+``--download`` where the command has it (``offer_download``), and how to fetch it by hand. The class count is the data's: 10, 100, or
 an image folder's number of class folders.
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 from fastcifar.data.dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
 from fastcifar.core.errors import DataError
 from fastcifar.data.folder import BatchDecoder, cache_path, decoder_name, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
-from fastcifar.data.official import OFFICIAL_SETS, download, read_archive, read_batch_dir, set_of_folder
+from fastcifar.data.official import OFFICIAL_SETS, download, fetch_by_hand, read_archive, read_batch_dir, set_of_folder
 
 __all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "shard_indices"]
 
@@ -63,11 +64,15 @@ def _read_any_archive(path: Path, decode: BatchDecoder | None) -> Dataset:
 
 def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: str | Path | None = None,
                  log: Callable[[str], None] = print, decode: BatchDecoder | None = None,
-                 download_set: str = "cifar10") -> Dataset:
+                 download_set: str = "cifar10", offer_download: bool = True) -> Dataset:
     """Load CIFAR from ``path`` in any layout above; raise DataError on anything unusable.
     ``decode`` decodes an image folder's files in batches when no cache holds them (PIL when None,
-    or for any batch it declines)."""
+    or for any batch it declines). ``offer_download``: the messages suggest ``--download`` (a
+    command without that flag, such as evaluate, passes False)."""
     path = Path(path).expanduser()
+    spec = OFFICIAL_SETS.get(download_set, OFFICIAL_SETS["cifar10"])
+    hint = (f"pass --download to fetch official {spec.title} there, or " if offer_download
+            else f"for official {spec.title}, ") + fetch_by_hand(path, spec)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     if path.is_file():
         if not path.name.endswith(ARCHIVE_SUFFIXES):
@@ -86,11 +91,13 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
             return _cached(root, cache, read_folder, decode, log)
         if download_missing:
             return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
+        if not any(path.iterdir()):
+            raise DataError(f"{path}: empty folder; {hint}")
         raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, cifar-100-python/, their .tar.gz, "
-                        f"or train/ and test/ class folders); pass --download to fetch official CIFAR-10")
+                        f"or train/ and test/ class folders); {hint}")
     if download_missing:
         return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
-    raise DataError(f"{path}: no such file or folder; pass --download to fetch official CIFAR-10 there")
+    raise DataError(f"{path}: no such file or folder; {hint}")
 
 
 def shard_indices(n: int, rank: int, world_size: int, seed: int = 0) -> np.ndarray:

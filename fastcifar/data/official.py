@@ -154,17 +154,47 @@ def read_archive(path: Path) -> Dataset:
         raise DataError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from None
 
 
+def fetch_by_hand(root: Path, spec: OfficialSet = CIFAR10) -> str:
+    """How to do the download's work by hand, for an error message."""
+    return (f"fetch {spec.url} by hand (MD5 {spec.md5}) and put {spec.archive} "
+            f"in {root}{'' if str(root).endswith('/') else '/'}")
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
 def download(root: Path, progress=print, spec: OfficialSet = CIFAR10) -> Path:
     """Fetch the release archive of ``spec`` into ``root`` and verify its MD5; returns its path.
 
     torchvision's ``download_url`` fetches (with a progress bar); the MD5 is checked here, after
     the fetch. It writes into a temporary folder inside ``root``, renamed into place only once the
     checksum matched, so an interrupted or corrupted download never leaves a file that looks
-    finished. An archive already there with the right checksum is kept.
+    finished. An archive already there with the right checksum is kept. A failed download says
+    how to fetch the archive by hand and removes the folders it made for it (when still empty), so
+    no empty ``data/`` is left to puzzle the next run.
     """
+    made = _missing_folders(root)
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        return _fetch(root, progress, spec)
+    except BaseException:  # also an interrupt: the folders this call made go, if still empty
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _fetch(root: Path, progress, spec: OfficialSet) -> Path:
     from torchvision.datasets.utils import check_integrity, download_url  # late: a second of import
     url, md5 = spec.url, spec.md5
-    root.mkdir(parents=True, exist_ok=True)
     target = root / spec.archive
     if target.is_file():
         if check_integrity(str(target), md5):
@@ -177,10 +207,10 @@ def download(root: Path, progress=print, spec: OfficialSet = CIFAR10) -> Path:
         try:  # the MD5 is checked below, not by download_url: a mismatch then reads apart from a failed fetch
             download_url(url, staging, filename=spec.archive)
         except (RuntimeError, urllib.error.URLError, OSError, ValueError) as exc:
-            raise DataError(f"download of {url} failed: {exc}") from None
+            raise DataError(f"download of {url} failed: {exc}; {fetch_by_hand(root, spec)}") from None
         # what makes the fetch safe: torchvision may retry an https address over plain http
         if not check_integrity(str(fetched), md5):
-            raise DataError(f"{url}: checksum mismatch (expected MD5 {md5})")
+            raise DataError(f"{url}: checksum mismatch (expected MD5 {md5}); {fetch_by_hand(root, spec)}")
         os.replace(fetched, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -44,6 +44,14 @@ TSV_COLUMNS = ("run", "epoch", "lr", "train_time", "train_loss", "train_acc",
                "test_time", "test_loss", "test_acc", "total_train_time")
 
 
+def lr_note(cfg) -> str:
+    """What the epoch lines' lr column is, with the run's numbers (config.py's learning-rate rule)."""
+    muon = f"; Muon's filter step: --muon-lr {cfg.muon_lr:g} on the same schedule" if cfg.optimizer == "muon" else ""
+    return (f"lr: the base learning rate at the epoch's last step, for the mean loss over the global batch of "
+            f"{cfg.batch_size}; its peak is --lr {cfg.lr:g} x {cfg.batch_size}/512 = "
+            f"{cfg.lr * cfg.batch_size / 512:.4f}{muon}")
+
+
 def process_start_time() -> float:
     """Unix time at which this process started (Linux /proc), else the time of this import."""
     try:
@@ -321,6 +329,8 @@ class RunLog:
         self._write(self._tsv, "\t".join(f"{getattr(r, c):.6g}" if isinstance(getattr(r, c), float)
                                          else str(getattr(r, c)) for c in TSV_COLUMNS) + "\n")
         if r.epoch == 1 or not self._epochs_logged:  # a resumed run starts past epoch 1
+            if not self._epochs_logged:
+                self.line(lr_note(self.cfg))
             self.line(EPOCH_HEADER)
         self._epochs_logged += 1
         self.line(f"{r.run:>4} {r.epoch:>5} {r.lr:>8.4f} {r.train_loss:>10.4f} {r.train_acc:>9.2f} "
