@@ -7,7 +7,7 @@ N x 32 x 32 x 3), ``labels`` (int64, N) and ``classes`` (a list of names).
 Why: the race (scripts/gpu_visit.sh race) times fastcifar against the public airbench94 script on
 the same machine and the same images; that script decodes nothing itself and reads these two
 files from its ``cifar10/`` folder, so pointing it at our images means writing them there. Each
-file is written atomically (``report.write_atomic``): an interrupted export leaves no file a later
+file is written atomically (``core.atomic.write_atomic``): an interrupted export leaves no file a later
 run would trust. Bad input is one line on stderr and exit 2.
 """
 
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
 from fastcifar.data import DataError, load_dataset  # noqa: E402
-from fastcifar.run.report import write_atomic  # noqa: E402
+from fastcifar.core.atomic import write_atomic  # noqa: E402
 
 
 def export(data: str | Path, out: str | Path, log=print) -> list[Path]:
