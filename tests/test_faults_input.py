@@ -83,3 +83,20 @@ def test_out_of_range_options_are_one_line_before_any_work(args, message, tmp_pa
 def test_api_config_of_wrong_types_is_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         validate(dataclasses.replace(from_preset("resnet9"), **overrides))
+
+
+# --- item 2: --kernels triton without a GPU is Triton's interpreter: refused unless asked for ------
+
+def test_triton_kernels_without_a_gpu_are_refused_unless_asked_for(tmp_path, capfd, monkeypatch):
+    from fastcifar.models.blocks import resolve_kernels
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU, also on one with
+    monkeypatch.delenv("FASTCIFAR_ALLOW_INTERPRETER", raising=False)
+    folder, _ = write_official(tmp_path / "d")
+    for device in (["--device", "cpu"], ["--device", "auto"]):
+        code, line = _train_cli(["--data", folder, *SHORT, *device, "--kernels", "triton"], tmp_path, capfd)
+        assert code == 2 and line.startswith("fastcifar: error: --kernels triton without a GPU runs Triton's "
+                                             "interpreter"), line
+        assert "--kernels torch" in line and "FASTCIFAR_ALLOW_INTERPRETER=1" in line
+    assert resolve_kernels("auto", torch.device("cpu")) == "torch"  # the default is not affected
+    monkeypatch.setenv("FASTCIFAR_ALLOW_INTERPRETER", "1")  # the tests' opt-in: the interpreter runs
+    assert resolve_kernels("triton", torch.device("cpu")) == "triton"
