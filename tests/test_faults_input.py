@@ -100,3 +100,81 @@ def test_triton_kernels_without_a_gpu_are_refused_unless_asked_for(tmp_path, cap
     assert resolve_kernels("auto", torch.device("cpu")) == "torch"  # the default is not affected
     monkeypatch.setenv("FASTCIFAR_ALLOW_INTERPRETER", "1")  # the tests' opt-in: the interpreter runs
     assert resolve_kernels("triton", torch.device("cpu")) == "triton"
+
+
+# --- item 3: a tampered training checkpoint: every field checked against the run ----------------
+
+RESUMED = [*SHORT, "--epochs", "3"]  # resnet9, 3 epochs: a checkpoint after epoch 2 has one left
+
+
+def _state(cfg, epochs_done=2, steps=4):
+    """A training checkpoint as save_state writes it after ``epochs_done`` epochs of ``steps``
+    steps (weights of a stand-in: the checks here come before any model is built)."""
+    from fastcifar.run.state import STATE_FORMAT, _training_config
+    records = [{"run": 1, "epoch": e + 1, "lr": 0.1, "train_time": 1.0, "train_loss": 2.0, "train_acc": 20.0,
+                "test_time": 0.5, "test_loss": 2.1, "test_acc": 19.0, "total_train_time": e + 1.0}
+               for e in range(epochs_done)]
+    rank = {"rng": {"torch": torch.get_rng_state(), "cuda": [], "numpy": (torch.zeros(624, dtype=torch.int64), 0, 0, 0.0),
+                    "python": None}, "hooks": {"lookahead": None}, "loader": {"seed": cfg.seed, "epoch": epochs_done - 1}}
+    return {"format": STATE_FORMAT, "config": json.dumps(_training_config(cfg), sort_keys=True), "world_size": 1,
+            "epochs_done": epochs_done, "steps_per_epoch": steps, "model": {"w": torch.zeros(3)}, "optimizer": {},
+            "schedule_step": epochs_done * steps, "records": records, "ranks": [rank], "torch": str(torch.__version__)}
+
+
+def _set(state, field, value):
+    if field.startswith("loader."):
+        state["ranks"][0]["loader"][field.split(".")[1]] = value
+    elif value is _DROP:
+        del state[field]
+    else:
+        state[field] = value
+    return state
+
+
+_DROP = object()
+_NAN_MODEL = {"w": torch.tensor([0.0, float("nan")])}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("epochs_done", 99, "field epochs_done is 99, this run has 3 epochs: it must lie in 0..2 (nothing left to train)"),
+    ("epochs_done", 3, "field epochs_done is 3, this run has 3 epochs"),
+    ("epochs_done", -1, "field epochs_done is -1"),
+    ("epochs_done", 1.5, "field epochs_done is 1.5"),
+    ("epochs_done", "2", "field epochs_done is '2'"),
+    ("steps_per_epoch", 0, "field steps_per_epoch is 0"),
+    ("schedule_step", 10**12, "field schedule_step is 1000000000000, 2 epochs of 4 steps end at step 8"),
+    ("records", [], "field records holds 0 entries, expected one per epoch done (2)"),
+    ("records", "x", "field records holds str entries"),
+    ("world_size", "1", "field world_size is '1'"),
+    ("ranks", [], "field ranks holds 0 entries, expected one per rank (1)"),
+    ("loader.seed", 7, "field ranks entry 0: loader seed 7, this run's is 0"),
+    ("loader.epoch", -5, "field ranks entry 0: loader epoch -5, expected 0..2"),
+    ("config", 5, "field config is not the JSON of a config"),
+    ("config", "{not json", "field config is not the JSON of a config"),
+    ("model", _NAN_MODEL, "field model w holds NaN or infinite values"),
+    ("optimizer", _DROP, "field optimizer is missing"),
+])
+def test_tampered_checkpoint_fields_are_refused_by_name(field, value, message, tmp_path):
+    from fastcifar.core.config import parse_args
+    from fastcifar.run.state import _read_state
+    from fastcifar.models.files import CheckpointError
+    cfg = parse_args(RESUMED)
+    good = tmp_path / "good.pt"
+    torch.save(_state(cfg), good)
+    assert _read_state(good, cfg, 1)["epochs_done"] == 2  # the untampered file passes
+    bad = tmp_path / "checkpoint.pt"
+    torch.save(_set(_state(cfg), field, value), bad)
+    with pytest.raises(CheckpointError) as err:
+        _read_state(bad, cfg, 1)
+    assert str(err.value) == f"--resume {bad}: {message}" or str(err.value).startswith(f"--resume {bad}: {message}")
+
+
+@pytest.mark.parametrize("epochs_done", [99, -1])
+def test_tampered_checkpoint_is_one_line_and_writes_nothing(epochs_done, tmp_path, capfd):
+    from fastcifar.core.config import parse_args
+    path = tmp_path / "checkpoint.pt"
+    torch.save(_set(_state(parse_args(RESUMED)), "epochs_done", epochs_done), path)
+    folder, _ = write_official(tmp_path / "d")
+    code, line = _train_cli(["--data", folder, *RESUMED, "--resume", path], tmp_path, capfd)
+    assert code == 2 and line.startswith(f"fastcifar: error: --resume {path}: field epochs_done is {epochs_done}")
+
