@@ -178,3 +178,90 @@ def test_tampered_checkpoint_is_one_line_and_writes_nothing(epochs_done, tmp_pat
     code, line = _train_cli(["--data", folder, *RESUMED, "--resume", path], tmp_path, capfd)
     assert code == 2 and line.startswith(f"fastcifar: error: --resume {path}: field epochs_done is {epochs_done}")
 
+
+# --- item 7: hostile model metadata and weights: checked before anything is built ---------------
+
+def _model_file(tmp_path, meta_changes=None, tensor_changes=None, name="m.safetensors"):
+    """A legitimate model file of a tiny FastNet, then its metadata or tensors changed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from fastcifar.models.files import save_model
+    from fastcifar.models.network import make_network
+    from fastcifar.ops.norm_act_pool import NormActPool
+    torch.manual_seed(0)
+    cfg = from_preset("fast", widths=(8, 16, 16))
+    path = save_model(tmp_path / "good.safetensors", make_network(cfg, NormActPool, 10), cfg,
+                      [f"c{i}" for i in range(10)], 50.0, (125.0, 123.0, 114.0), (63.0, 62.0, 66.0))
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for key, change in (meta_changes or {}).items():
+        meta[key] = change(meta[key]) if callable(change) else change
+    for key, change in (tensor_changes or {}).items():
+        tensors[key] = change(tensors[key])
+    save_file(tensors, str(tmp_path / name), metadata=meta)
+    return tmp_path / name
+
+
+def _config_with(**changes):
+    def change(text):
+        return json.dumps({**json.loads(text), **changes})
+    return change
+
+
+def _nan_at_0(t):
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("meta, tensors, message", [
+    ({"std": "[0, 0, 0]"}, None, "unusable metadata: std must be 3 finite numbers (one per channel), each positive"),
+    ({"std": '["a", "b", "c"]'}, None, "unusable metadata: std must be 3 finite numbers"),
+    ({"std": "[1, 2]"}, None, "unusable metadata: std must be 3 finite numbers"),
+    ({"std": "[1, NaN, 2]"}, None, "unusable metadata: std must be 3 finite numbers"),
+    ({"mean": "[Infinity, 0, 0]"}, None, "unusable metadata: mean must be 3 finite numbers"),
+    ({"mean": '"abc"'}, None, "unusable metadata: mean must be 3 finite numbers"),
+    ({"config": _config_with(widths=[8, 30000, 16])}, None,
+     "unusable metadata: config --widths: each must lie in 1..4096 channels, not 30000"),
+    ({"config": _config_with(widths="wide")}, None, "unusable metadata: config --widths must be a list of whole numbers"),
+    ({"config": _config_with(arch=5)}, None, "unusable metadata: config --arch must be a string, not 5"),
+    ({"config": _config_with(whiten_kernel=9)}, None, "unusable metadata: config --whiten-kernel must be one of 2, 3"),
+    ({"config": "[1, 2]"}, None, "unusable metadata (ValueError: config is a list, not a JSON object)"),
+    ({"classes": "[]"}, None, "unusable metadata: classes must be 1..10000 names"),
+    ({"classes": "[1, 2, 3]"}, None, "unusable metadata: classes must be 1..10000 names"),
+    ({"test_acc": "nan"}, None, "unusable metadata: test_acc must lie in 0..100, not nan"),
+    (None, {"fc.weight": _nan_at_0}, "fc.weight holds NaN or infinite values"),
+    (None, {"whiten.weight": lambda t: torch.full_like(t, float("inf"))}, "whiten.weight holds NaN or infinite"),
+])
+def test_hostile_model_files_are_refused_before_building(meta, tensors, message, tmp_path, monkeypatch):
+    from fastcifar.models import network
+    from fastcifar.models.files import CheckpointError, load_model
+    assert load_model(_model_file(tmp_path, name="plain.safetensors"))[1].classes[0] == "c0"  # untampered: loads
+    path = _model_file(tmp_path, meta, tensors)
+    if meta:  # metadata is refused before any network (and its weights) is allocated
+        monkeypatch.setattr(network, "make_network", lambda *a, **k: pytest.fail("built a network"))
+    with pytest.raises(CheckpointError) as err:
+        load_model(path)
+    assert str(err.value).startswith(f"{path}: {message}"), str(err.value)
+
+
+@pytest.mark.parametrize("command", ["evaluate", "predict"])
+@pytest.mark.parametrize("meta, tensors", [({"std": "[0, 0, 0]"}, None), ({"std": '"x"'}, None),
+                                           ({"config": _config_with(widths=[8, 30000, 16])}, None),
+                                           (None, {"fc.weight": _nan_at_0})])
+def test_hostile_model_is_one_line_in_evaluate_and_predict(command, meta, tensors, tmp_path, capfd):
+    from PIL import Image
+    from fastcifar.evaluate import main as evaluate_main
+    from fastcifar.predict import main as predict_main
+    path = _model_file(tmp_path, meta, tensors)
+    folder, _ = write_official(tmp_path / "d")
+    image = tmp_path / "x.png"
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(image)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv = [str(path), "--data", str(folder)] if command == "evaluate" else [str(path), str(image)]
+    code = (evaluate_main if command == "evaluate" else predict_main)(argv)
+    captured = capfd.readouterr()
+    assert code == 2 and captured.out == ""
+    line = one_line_error(captured.err)
+    assert line.startswith(f"fastcifar: error: {path}: "), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
