@@ -265,3 +265,42 @@ def test_hostile_model_is_one_line_in_evaluate_and_predict(command, meta, tensor
     line = one_line_error(captured.err)
     assert line.startswith(f"fastcifar: error: {path}: "), line
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+# --- item 10: official labels must be integers in range -----------------------------------------
+
+def _batch_with_labels(images, labels) -> bytes:
+    """batch_bytes with the labels as given (conftest's converts them to int)."""
+    data = images.transpose(0, 3, 1, 2).reshape(len(images), -1)
+    return pickle.dumps({b"batch_label": b"tampered", b"labels": labels, b"data": data,
+                         b"filenames": [b"x.png"] * len(images)}, protocol=2)
+
+
+@pytest.mark.parametrize("make_labels, message", [
+    (lambda y: [int(v) + 0.7 for v in y], "labels must be a list of integers, got float"),
+    (lambda y: [str(int(v)) for v in y], "labels must be a list of integers, got str"),
+    (lambda y: [bool(v % 2) for v in y], "labels must be a list of integers, got bool"),
+    (lambda y: np.asarray(y, np.float64), "labels must be a list of integers, got ndarray of float64"),
+    (lambda y: [10] + [int(v) for v in y[1:]], "labels outside 0..9 (one is 10; CIFAR-10 has 10 classes)"),
+    (lambda y: [-1] + [int(v) for v in y[1:]], "labels outside 0..9 (one is -1;"),
+])
+def test_official_labels_that_are_not_integers_in_range_are_refused(make_labels, message, tmp_path, capfd):
+    from fastcifar.data.official import read_batch_dir
+    folder, arrays = write_official(tmp_path / "d")
+    x, y = arrays["train"]
+    (folder / "data_batch_1").write_bytes(_batch_with_labels(x[:40], make_labels(y[:40])))
+    with pytest.raises(DataError) as err:
+        read_batch_dir(folder)
+    assert str(err.value).startswith(f"{folder}/data_batch_1: ") and message in str(err.value), str(err.value)
+    code, line = _train_cli(["--data", folder, *SHORT, "--epochs", "1"], tmp_path, capfd)
+    assert code == 2 and line.startswith(f"fastcifar: error: {folder}/data_batch_1: ") and message in line
+
+
+def test_official_integer_labels_of_numpy_types_still_read(tmp_path):
+    from fastcifar.data.official import read_batch_dir
+    folder, arrays = write_official(tmp_path / "d")
+    x, y = arrays["train"]
+    (folder / "data_batch_1").write_bytes(_batch_with_labels(x[:40], [np.int64(v) for v in y[:40]]))
+    (folder / "data_batch_2").write_bytes(_batch_with_labels(x[40:80], np.asarray(y[40:80], np.uint8)))
+    data = read_batch_dir(folder)
+    assert data.train_labels.dtype == np.int64 and np.array_equal(data.train_labels, y)
