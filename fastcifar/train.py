@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import os
 import sys
 import time
@@ -49,7 +50,7 @@ from fastcifar.models import files
 from fastcifar.run import graphs, profiling, recipe, report, state
 from fastcifar.core import signals
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
-from fastcifar.core.config import Config, ConfigError, parse_args, validate
+from fastcifar.core.config import MAX_STEPS, Config, ConfigError, parse_args, validate
 from fastcifar.data.dali import DaliLoader, dali_decoder, resolve_loader
 from fastcifar.data import DataError, load_dataset, shard_indices
 from fastcifar.run.graphs import DeviceSchedule, EvalStep, StaticBatch, TrainStep
@@ -145,6 +146,9 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     if steps == 0:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set "
                           f"({len(data.train_labels)} images over {ctx.world_size} ranks)")
+    if math.ceil(cfg.epochs * steps) > MAX_STEPS:  # the schedule holds one rate per step (recipe.lr_schedule)
+        raise ConfigError(f"--epochs {cfg.epochs} x {steps} steps per epoch (--batch-size {cfg.batch_size}) is "
+                          f"{math.ceil(cfg.epochs * steps)} steps, more than {MAX_STEPS}: fewer epochs or a larger batch")
     shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
     augment = dict(pad=cfg.crop_pad, pad_mode=cfg.pad_mode, cutout=cfg.cutout, flip=cfg.flip,
                    flip_mode=cfg.flip_mode, dtype=dtype, device=ctx.device, rank=ctx.rank)

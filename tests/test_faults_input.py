@@ -304,3 +304,21 @@ def test_official_integer_labels_of_numpy_types_still_read(tmp_path):
     (folder / "data_batch_2").write_bytes(_batch_with_labels(x[40:80], np.asarray(y[40:80], np.uint8)))
     data = read_batch_dir(folder)
     assert data.train_labels.dtype == np.int64 and np.array_equal(data.train_labels, y)
+
+
+def test_epochs_times_steps_beyond_the_schedules_bound_is_one_line(tmp_path, capfd, monkeypatch):
+    """The schedule holds one rate per step: a run of more than MAX_STEPS steps is refused once the
+    data fixes the steps per epoch, before the run folder (a small bound here: tiny data)."""
+    from fastcifar import train
+    monkeypatch.setattr(train, "MAX_STEPS", 100)
+    folder, _ = write_official(tmp_path / "d")  # 200 images: 200 steps per epoch at batch 1
+    code, line = _train_cli(["--data", folder, *SHORT, "--batch-size", "1", "--epochs", "1000"], tmp_path, capfd)
+    assert code == 2 and line == ("fastcifar: error: --epochs 1000 x 200 steps per epoch (--batch-size 1) is "
+                                  "200000 steps, more than 100: fewer epochs or a larger batch")
+
+
+def test_model_metadata_of_the_boolean_tta_era_still_loads():
+    from fastcifar.core.config import check_fields
+    from fastcifar.models.files import config_from_dict
+    cfg = config_from_dict({"tta": True, "widths": [64, 128, 256, 512]})
+    assert cfg.tta == 1 and type(cfg.tta) is int and check_fields(cfg) is cfg

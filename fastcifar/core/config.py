@@ -248,6 +248,7 @@ MAX_EPOCHS = 1000
 MAX_RUNS = 1000
 MAX_WIDTH = 4096  # channels of one layer
 MAX_BATCH = 65536  # images per step (training, global) or per evaluation batch (per rank)
+MAX_STEPS = 10**6  # training steps of a run (epochs x steps per epoch; the trainer checks, it knows the data)
 RANGES: dict[str, tuple[float | None, float | None, str]] = {
     "subset": (0, None, "[)"),
     "whiten_eps": (0, None, "()"),

@@ -62,6 +62,8 @@ def config_from_dict(values: dict) -> Config:
     kwargs = {}
     for name, value in values.items():
         if name in known:
+            if name == "tta" and isinstance(value, bool):  # a level since 598525c, a flag before
+                value = int(value)
             kwargs[name] = tuple(value) if isinstance(getattr(Config, name, None), tuple) else value
     return Config(**kwargs)
 
