@@ -283,7 +283,7 @@ RANGES: dict[str, tuple[float | None, float | None, str]] = {
     "bucket_mb": (0, 1024, "(]"),
     "eval_batch_size": (1, MAX_BATCH, "[]"),
     "warmup_steps": (0, 1000, "[]"),
-    "dist_timeout_s": (0, None, "()"),
+    "dist_timeout_s": (0, 10**6, "(]"),  # seconds; datetime.timedelta overflows far above
     "compress_ratio": (0, 1, "(]"),
     "compress_threshold": (0, None, "[)"),
     "qsgd_levels": (1, 32767, "[]"),  # int8 on the wire up to 127, int16 beyond
