@@ -10,15 +10,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
-from fractions import Fraction
+from dataclasses import fields
 
 import numpy as np
 import pytest
 import torch
 
 from cli import SHORT, run_dirs
-from conftest import batch_bytes, make_images, one_line_error, write_official
-from fastcifar.core.config import CHOICES, RANGES, Config, ConfigError, fields, from_preset, validate
+from conftest import one_line_error, write_official
+from fastcifar.core.config import CHOICES, PRESETS, RANGES, Config, ConfigError, from_preset, validate
 from fastcifar.core.errors import DataError
 from fastcifar.train import main as train_main
 
@@ -47,11 +47,8 @@ def test_every_numeric_field_has_a_range_in_one_table():
         assert low is not None and (high is None or low < high), name
     for name in ("epochs", "runs", "batch_size", "eval_batch_size"):  # they size memory or time
         assert RANGES[name][1] is not None, f"--{name} has no upper bound"
-    for name in PRESET_NAMES:
+    for name in PRESETS:
         validate(from_preset(name))  # every preset lies within the ranges
-
-
-PRESET_NAMES = ("resnet9", "apple8", "alexnet", "fast", "fast-departures", "fast-muon", "fast-muon320")
 
 
 @pytest.mark.parametrize("args, message", [
