@@ -30,7 +30,7 @@ import torch
 
 from fastcifar import cli
 from fastcifar.core import signals
-from fastcifar.core.config import Config, ConfigError, parse_args, validate
+from fastcifar.core.config import Config, ConfigError, check_run_length, parse_args, validate
 from fastcifar.data import DataError, load_dataset, shard_indices
 from fastcifar.data.dali import dali_decoder, make_train_loader, resolve_loader
 from fastcifar.data.loader import EvalSet
@@ -125,6 +125,10 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     if steps == 0:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set "
                           f"({len(data.train_labels)} images over {ctx.world_size} ranks)")
+    if math.ceil(cfg.epochs * steps) > MAX_STEPS:  # the schedule holds one rate per step (recipe.lr_schedule)
+        raise ConfigError(f"--epochs {cfg.epochs} x {steps} steps per epoch (--batch-size {cfg.batch_size}) is "
+                          f"{math.ceil(cfg.epochs * steps)} steps, more than {MAX_STEPS}: fewer epochs or a larger batch")
+    check_run_length(cfg, steps)  # the schedule holds one rate per step
     shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
     train_loader = make_train_loader(loader_name, data.train_images, data.train_labels, shard, per_rank_batch, steps,
                                      kernels=kernels, pad=cfg.crop_pad, pad_mode=cfg.pad_mode, cutout=cfg.cutout,

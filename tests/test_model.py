@@ -79,6 +79,10 @@ def test_kernel_paths_resolve_and_build(monkeypatch):
     assert resolve_kernels("auto", torch.device("cuda")) == "triton"
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "is_available", lambda: False)
+        m.delenv("FASTCIFAR_ALLOW_INTERPRETER", raising=False)  # minutes per epoch: refused unless asked for
+        with pytest.raises(ConfigError, match="FASTCIFAR_ALLOW_INTERPRETER=1"):
+            resolve_kernels("triton", torch.device("cpu"))
+        m.setenv("FASTCIFAR_ALLOW_INTERPRETER", "1")
         assert resolve_kernels("triton", torch.device("cpu")) == "triton"  # Triton's interpreter
         m.setattr(torch.cuda, "is_available", lambda: True)  # Triton compiles: CPU tensors would fail at launch
         with pytest.raises(ConfigError, match="--kernels triton on the CPU"):

@@ -113,7 +113,7 @@ def test_overrides_and_presets():
 
 @pytest.mark.parametrize("args, message", [
     (["--epochs", "x"], "invalid epoch count"),
-    (["--epochs", "0"], "--epochs must be positive"),
+    (["--epochs", "0"], "--epochs must lie in (0, 1000], not 0"),
     (["--preset", "nope"], "unknown preset"),
     (["--pad-mode", "wrap"], "invalid choice"),
     (["--warmup-epochs", "30"], "--warmup-epochs must lie in"),

@@ -42,6 +42,7 @@ class OfficialSet:
     meta: str  # holds the class names
     label_key: str
     names_key: str
+    num_classes: int = 10  # labels lie in 0..num_classes-1
 
 
 CIFAR10 = OfficialSet("cifar10", "CIFAR-10", "cifar-10-python.tar.gz",
@@ -50,7 +51,7 @@ CIFAR10 = OfficialSet("cifar10", "CIFAR-10", "cifar-10-python.tar.gz",
                       "batches.meta", "labels", "label_names")
 CIFAR100 = OfficialSet("cifar100", "CIFAR-100", "cifar-100-python.tar.gz",
                        "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85",
-                       "cifar-100-python", ("train",), "test", "meta", "fine_labels", "fine_label_names")
+                       "cifar-100-python", ("train",), "test", "meta", "fine_labels", "fine_label_names", 100)
 OFFICIAL_SETS = {s.name: s for s in (CIFAR10, CIFAR100)}
 
 # What a CIFAR batch pickle may reference: numpy's array reconstruction (and bytes), nothing else.
@@ -88,11 +89,32 @@ def decode_batch(raw: bytes, where: str, spec: OfficialSet = CIFAR10) -> tuple[n
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise DataError(f"{where}: images must be uint8 rows of 3072 values (32x32 RGB), "
                         f"got {data.dtype} {data.shape}")
-    labels = np.asarray(batch[spec.label_key], dtype=np.int64)
+    labels = _labels(batch[spec.label_key], where, spec)
     if labels.shape != (data.shape[0],):
         raise DataError(f"{where}: {data.shape[0]} images but {labels.size} labels")
     images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)  # planes -> NHWC
     return np.ascontiguousarray(images), labels
+
+
+def _labels(raw, where: str, spec: OfficialSet) -> np.ndarray:
+    """The labels as int64, refused (DataError naming the file) unless each is an integer (a
+    Python int or a numpy integer, not a bool, float or string) in 0..num_classes-1: a float label
+    was once truncated and a string one converted, silently."""
+    if isinstance(raw, np.ndarray):
+        ok = raw.ndim == 1 and raw.dtype.kind in "iu"
+    else:
+        ok = isinstance(raw, (list, tuple)) and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in raw)
+    if not ok:
+        kinds = sorted({type(v).__name__ for v in raw}) if isinstance(raw, (list, tuple)) else [
+            f"{type(raw).__name__} of {raw.dtype}" if isinstance(raw, np.ndarray) else type(raw).__name__]
+        raise DataError(f"{where}: labels must be a list of integers, got {', '.join(kinds[:3])}")
+    labels = np.asarray([int(v) for v in raw] if not isinstance(raw, np.ndarray) else raw)
+    if labels.size and (labels.min() < 0 or labels.max() >= spec.num_classes):
+        bad = labels[(labels < 0) | (labels >= spec.num_classes)][0]
+        raise DataError(f"{where}: labels outside 0..{spec.num_classes - 1} (one is {bad}; {spec.title} has "
+                        f"{spec.num_classes} classes)")
+    return labels.astype(np.int64)
 
 
 def _class_names(read, source: str, spec: OfficialSet) -> tuple[str, ...]:

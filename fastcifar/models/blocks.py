@@ -8,6 +8,7 @@ can replace it without touching a network's definition: ``norm_blocks`` picks on
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
@@ -18,6 +19,7 @@ from fastcifar.ops.norm_act_pool import NormActPool
 
 NormFactory = Callable[..., nn.Module]
 KERNELS = CHOICES["kernels"]  # --kernels' choices: one list, in fastcifar.core.config
+ALLOW_INTERPRETER = "FASTCIFAR_ALLOW_INTERPRETER"  # "1": --kernels triton without a GPU runs (slowly)
 
 
 def resolve_kernels(requested: str, device: torch.device) -> str:
@@ -26,13 +28,18 @@ def resolve_kernels(requested: str, device: torch.device) -> str:
     could be timed on, pooled or not, and the graphed step was faster with every block fused
     (bench/results/first_light.md, fifth visit, 5b). Triton on the CPU runs in Triton's interpreter (correct, slow: for
     tests; see ``fastcifar.kernels.module``), which exists only in a process without a GPU: Triton chooses
-    interpreter or compiler once per process, at import."""
+    interpreter or compiler once per process, at import. It takes minutes per epoch, so it is refused
+    unless the environment sets ``FASTCIFAR_ALLOW_INTERPRETER=1`` (the tests that train through it)."""
     if requested not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, not {requested!r}")
     kernels = ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
     if kernels == "triton" and device.type != "cuda" and torch.cuda.is_available():
         raise ConfigError("--kernels triton on the CPU needs Triton's interpreter, which a machine with a GPU "
                           "does not run (Triton compiles for the GPU there): use --kernels torch or --device cuda")
+    if kernels == "triton" and device.type != "cuda" and os.environ.get(ALLOW_INTERPRETER) != "1":
+        # issue 48: it used to run, silently, for minutes per epoch
+        raise ConfigError(f"--kernels triton without a GPU runs Triton's interpreter, minutes per epoch (it is "
+                          f"there for tests): use --kernels torch, or set {ALLOW_INTERPRETER}=1 to run it anyway")
     return kernels
 
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from fastcifar.core import atomic
-from fastcifar.core.config import Config
+from fastcifar.core.config import Config, ConfigError, check_fields
 from fastcifar.core.errors import DataError
 
 MODEL_FORMAT = "fastcifar.model/1"
@@ -61,6 +62,8 @@ def config_from_dict(values: dict) -> Config:
     kwargs = {}
     for name, value in values.items():
         if name in known:
+            if name == "tta" and isinstance(value, bool):  # a level since 598525c, a flag before
+                value = int(value)
             kwargs[name] = tuple(value) if isinstance(getattr(Config, name, None), tuple) else value
     return Config(**kwargs)
 
@@ -128,14 +131,40 @@ def read_model_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, meta
 
 
+MAX_CLASSES = 10000  # classes a model file may name: their count sizes the last layer
+
+
 def model_info(meta: dict[str, str], source: str) -> ModelInfo:
-    """A model file's metadata, parsed; CheckpointError if any of it is missing or malformed."""
+    """A model file's metadata, parsed and checked before anything is built from it: the config's
+    fields against their types and ranges (``check_fields``: a width of 30000 is refused before a
+    32 GB allocation), the class names, 3 finite means and 3 finite positive stds, the accuracy;
+    CheckpointError (one line) if any of it is missing or malformed."""
     try:
-        return ModelInfo(config_from_dict(json.loads(meta["config"])), tuple(json.loads(meta["classes"])),
+        values = json.loads(meta["config"])
+        if not isinstance(values, dict):
+            raise ValueError(f"config is a {type(values).__name__}, not a JSON object")
+        info = ModelInfo(config_from_dict(values), tuple(json.loads(meta["classes"])),
                          tuple(json.loads(meta["mean"])), tuple(json.loads(meta["std"])),
                          float(meta["test_acc"]) if meta.get("test_acc") else None)
     except Exception as exc:
         raise CheckpointError(f"{source}: unusable metadata ({type(exc).__name__}: {exc})") from None
+    try:
+        check_fields(info.config)
+    except ConfigError as exc:
+        raise CheckpointError(f"{source}: unusable metadata: config {exc}") from None
+    if not 1 <= len(info.classes) <= MAX_CLASSES or not all(isinstance(c, str) for c in info.classes):
+        raise CheckpointError(f"{source}: unusable metadata: classes must be 1..{MAX_CLASSES} names, "
+                              f"not {len(info.classes)} of types {sorted({type(c).__name__ for c in info.classes})}")
+    for name in ("mean", "std"):
+        values = getattr(info, name)
+        numbers_ok = len(values) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              and math.isfinite(v) for v in values)
+        if not numbers_ok or (name == "std" and min(values) <= 0):
+            raise CheckpointError(f"{source}: unusable metadata: {name} must be 3 finite numbers (one per channel)"
+                                  f"{', each positive' if name == 'std' else ''}, not {list(values)}")
+    if info.test_acc is not None and not 0 <= info.test_acc <= 100:  # nan fails both
+        raise CheckpointError(f"{source}: unusable metadata: test_acc must lie in 0..100, not {info.test_acc}")
+    return info
 
 
 def network_from_weights(tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str,
@@ -151,6 +180,7 @@ def network_from_weights(tensors: dict[str, torch.Tensor], meta: dict[str, str],
     except Exception as exc:
         raise CheckpointError(f"{source}: unusable metadata ({type(exc).__name__}: {exc})") from None
     _check_shapes(model.state_dict(), tensors, source)
+    _check_finite(tensors, source)
     model.load_state_dict(tensors)
     return model.to(device=device, memory_format=torch.channels_last).eval(), info
 
@@ -164,6 +194,13 @@ def _check_shapes(want: dict, got: dict, source: str) -> None:
         if tuple(got[name].shape) != tuple(t.shape):
             raise CheckpointError(f"{source}: {name} has shape {tuple(got[name].shape)}, "
                                   f"the model's is {tuple(t.shape)}")
+
+
+def _check_finite(tensors: dict, source: str) -> None:
+    """NaN or infinite weights would evaluate to "loss nan" and exit 0: refuse them by name."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{source}: {name} holds NaN or infinite values")
 
 
 def model_path(run_dir, run: int, runs: int) -> Path:

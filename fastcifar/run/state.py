@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import random
 from pathlib import Path
 
@@ -30,6 +31,9 @@ from fastcifar.run.report import EpochRecord
 
 STATE_FORMAT = "fastcifar.state/1"
 STATE_NAME = "checkpoint.pt"
+# What a checkpoint holds (save_state); a file without one of them is refused by name.
+STATE_KEYS = ("format", "config", "world_size", "epochs_done", "steps_per_epoch", "model", "optimizer",
+              "schedule_step", "records", "ranks")
 
 
 def _rng_state() -> dict:
@@ -111,17 +115,86 @@ def _read_state(path, cfg: Config, world_size: int) -> dict:
         raise CheckpointError(f"--resume {path}: not a readable checkpoint ({_gist(exc)})") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise CheckpointError(f"--resume {path}: not a fastcifar training checkpoint (expected {STATE_FORMAT})")
-    saved, now = json.loads(state["config"]), json.loads(json.dumps(training_settings(cfg), sort_keys=True))
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"--resume {path}: field {missing[0]} is missing")
+    try:
+        saved = json.loads(state["config"]) if isinstance(state["config"], str) else None
+    except ValueError:
+        saved = None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"--resume {path}: field config is not the JSON of a config")
+    now = json.loads(json.dumps(training_settings(cfg), sort_keys=True))
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if differ:
         k = differ[0]
         raise CheckpointError(f"--resume {path}: written with --{k.replace('_', '-')} {saved.get(k)}, this run "
                               f"has {now.get(k)}" + (f" (and {len(differ) - 1} more settings differ)"
                                                      if len(differ) > 1 else ""))
+    if not _is_int(state["world_size"]):
+        raise CheckpointError(f"--resume {path}: field world_size is {state['world_size']!r}, not a rank count")
     if state["world_size"] != world_size:
         raise CheckpointError(f"--resume {path}: written by {state['world_size']} ranks, this run has {world_size} "
                               f"(each rank's shard depends on the count)")
+    _check_progress(state, cfg, f"--resume {path}")
     return state
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_progress(state: dict, cfg: Config, where: str) -> None:
+    """Issue 48: every field a resume reads, type- and range-checked against this run, so a
+    tampered file is one line (CheckpointError naming the field) before anything is written;
+    epochs_done 99 of a 3-epoch run once trained nothing and wrote a model, -1 a traceback."""
+    def bad(name: str, problem: str) -> CheckpointError:
+        return CheckpointError(f"{where}: field {name} {problem}")
+
+    epochs = math.ceil(cfg.epochs)  # a fractional --epochs cuts the last one short
+    done = state["epochs_done"]
+    if not _is_int(done) or not 0 <= done < epochs:
+        raise bad("epochs_done", f"is {done!r}, this run has {epochs} epochs: it must lie in 0..{epochs - 1}"
+                  + (" (nothing left to train)" if _is_int(done) and done >= epochs else ""))
+    steps = state["steps_per_epoch"]
+    if not _is_int(steps) or steps < 1:
+        raise bad("steps_per_epoch", f"is {steps!r}, not a positive step count")
+    if not _is_int(state["schedule_step"]) or state["schedule_step"] != done * steps:
+        raise bad("schedule_step", f"is {state['schedule_step']!r}, {done} epochs of {steps} steps end at "
+                  f"step {done * steps}")
+    records = state["records"]
+    if not isinstance(records, list) or len(records) != done:
+        raise bad("records", f"holds {len(records) if isinstance(records, list) else type(records).__name__} "
+                  f"entries, expected one per epoch done ({done})")
+    names = {f.name for f in dataclasses.fields(EpochRecord)}
+    for i, record in enumerate(records):
+        if (not isinstance(record, dict) or set(record) != names or record["epoch"] != i + 1
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in record.values())):
+            raise bad("records", f"entry {i} is not the record of epoch {i + 1}")
+    ranks = state["ranks"]
+    if not isinstance(ranks, list) or len(ranks) != state["world_size"]:
+        raise bad("ranks", f"holds {len(ranks) if isinstance(ranks, list) else type(ranks).__name__} entries, "
+                  f"expected one per rank ({state['world_size']})")
+    for r, mine in enumerate(ranks):
+        if not isinstance(mine, dict) or not {"rng", "hooks", "loader"} <= set(mine) \
+                or not isinstance(mine["rng"], dict) or not isinstance(mine["hooks"], dict) \
+                or not isinstance(mine["loader"], dict):
+            raise bad("ranks", f"entry {r} is not a rank's state (rng, hooks, loader)")
+        seed, epoch = mine["loader"].get("seed"), mine["loader"].get("epoch")
+        if not _is_int(seed) or seed != cfg.seed:  # --resume holds run 1, seeded --seed
+            raise bad("ranks", f"entry {r}: loader seed {seed!r}, this run's is {cfg.seed}")
+        if not _is_int(epoch) or not 0 <= epoch <= done:
+            raise bad("ranks", f"entry {r}: loader epoch {epoch!r}, expected 0..{done}")
+    model = state["model"]
+    if not isinstance(model, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                              for k, t in model.items()):
+        raise bad("model", "is not a dict of named tensors")
+    for name, t in model.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise bad("model", f"{name} holds NaN or infinite values")
+    if not isinstance(state["optimizer"], dict):
+        raise bad("optimizer", "is not an optimizer state")
 
 
 def restore(state: dict, *, ctx, model, opt, schedule, hooks, loader, source: str = "checkpoint") -> tuple[int, list]:
@@ -142,11 +215,15 @@ def restore(state: dict, *, ctx, model, opt, schedule, hooks, loader, source: st
                 t.copy_(state["model"][name])
         opt.load_state_dict(state["optimizer"])
         hooks.load_state_dict(mine["hooks"])
-    except (ValueError, RuntimeError, KeyError) as exc:
-        raise CheckpointError(f"--resume {source}: {exc}") from None
+    except (ValueError, RuntimeError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise CheckpointError(f"--resume {source}: {_gist(exc)}") from None
     schedule.reset(state["schedule_step"])
     loader.set_epoch(mine["loader"]["seed"], mine["loader"]["epoch"])
-    _set_rng_state(mine["rng"])
+    try:
+        _set_rng_state(mine["rng"])
+    except (ValueError, RuntimeError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise CheckpointError(f"--resume {source}: field ranks: entry {ctx.rank}'s rng state is unusable "
+                              f"({_gist(exc)})") from None
     return state["epochs_done"], state["records"]
 
 
