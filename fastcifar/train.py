@@ -122,13 +122,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
                         decode=decode, download_set=cfg.download_set).subset(cfg.subset)
     per_rank_batch = cfg.batch_size // ctx.world_size
     steps = len(data.train_labels) // ctx.world_size // per_rank_batch
-    if steps == 0:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set "
-                          f"({len(data.train_labels)} images over {ctx.world_size} ranks)")
-    if math.ceil(cfg.epochs * steps) > MAX_STEPS:  # the schedule holds one rate per step (recipe.lr_schedule)
-        raise ConfigError(f"--epochs {cfg.epochs} x {steps} steps per epoch (--batch-size {cfg.batch_size}) is "
-                          f"{math.ceil(cfg.epochs * steps)} steps, more than {MAX_STEPS}: fewer epochs or a larger batch")
-    check_run_length(cfg, steps)  # the schedule holds one rate per step
+    check_run_length(cfg, steps, len(data.train_labels), ctx.world_size)  # 1..MAX_STEPS steps in all
     shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
     train_loader = make_train_loader(loader_name, data.train_images, data.train_labels, shard, per_rank_batch, steps,
                                      kernels=kernels, pad=cfg.crop_pad, pad_mode=cfg.pad_mode, cutout=cfg.cutout,

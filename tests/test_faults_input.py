@@ -107,7 +107,8 @@ RESUMED = [*SHORT, "--epochs", "3"]  # resnet9, 3 epochs: a checkpoint after epo
 def _state(cfg, epochs_done=2, steps=4):
     """A training checkpoint as save_state writes it after ``epochs_done`` epochs of ``steps``
     steps (weights of a stand-in: the checks here come before any model is built)."""
-    from fastcifar.run.state import STATE_FORMAT, _training_config
+    from fastcifar.core.config import training_settings as _training_config
+    from fastcifar.run.state import STATE_FORMAT
     records = [{"run": 1, "epoch": e + 1, "lr": 0.1, "train_time": 1.0, "train_loss": 2.0, "train_acc": 20.0,
                 "test_time": 0.5, "test_loss": 2.1, "test_acc": 19.0, "total_train_time": e + 1.0}
                for e in range(epochs_done)]
@@ -306,8 +307,8 @@ def test_official_integer_labels_of_numpy_types_still_read(tmp_path):
 def test_epochs_times_steps_beyond_the_schedules_bound_is_one_line(tmp_path, capfd, monkeypatch):
     """The schedule holds one rate per step: a run of more than MAX_STEPS steps is refused once the
     data fixes the steps per epoch, before the run folder (a small bound here: tiny data)."""
-    from fastcifar import train
-    monkeypatch.setattr(train, "MAX_STEPS", 100)
+    from fastcifar.core import config
+    monkeypatch.setattr(config, "MAX_STEPS", 100)
     folder, _ = write_official(tmp_path / "d")  # 200 images: 200 steps per epoch at batch 1
     code, line = _train_cli(["--data", folder, *SHORT, "--batch-size", "1", "--epochs", "1000"], tmp_path, capfd)
     assert code == 2 and line == ("fastcifar: error: --epochs 1000 x 200 steps per epoch (--batch-size 1) is "

@@ -607,9 +607,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastcifar.t
     return from_preset(preset, **args)
 
 
-def check_run_length(cfg: Config, steps_per_epoch: int) -> None:
-    """Refuse a run of more than MAX_STEPS steps in all, once the data fixes the steps per epoch
-    (the schedule holds one rate per step): one line, before the run folder is made."""
+def check_run_length(cfg: Config, steps_per_epoch: int, images: int, world_size: int) -> None:
+    """Once the data fixes the steps per epoch: refuse a batch larger than the training set, and a
+    run of more than MAX_STEPS steps in all (the schedule holds one rate per step). One line,
+    before the run folder is made."""
+    if steps_per_epoch == 0:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set "
+                          f"({images} images over {world_size} ranks)")
     total = math.ceil(cfg.epochs * steps_per_epoch)
     if total > MAX_STEPS:
         raise ConfigError(f"--epochs {cfg.epochs} x {steps_per_epoch} steps per epoch (--batch-size {cfg.batch_size}) is "
