@@ -15,6 +15,7 @@ mid-write leaves the previous checkpoint whole.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import io
 import json
 import random
@@ -23,11 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastcifar.core import atomic
 from fastcifar.core.config import Config
 from fastcifar.models.files import CheckpointError, _check_shapes, host_state, write_atomic
 
 STATE_FORMAT = "fastcifar.state/1"
 STATE_NAME = "checkpoint.pt"
+# What a run writes beside its checkpoint (core.atomic's temporaries of these are its own to clear)
+RUN_FILES = ("summary.json", "model*.safetensors", "sparse-run*.json")
 # Fields a resumed run may change: where things are, what is logged. Every other field shapes the
 # training trajectory, so a checkpoint written under another value is refused.
 RESUME_FREE_FIELDS = ("data", "download", "download_set", "cache_dir", "out_dir", "resume", "checkpoint_every",
@@ -111,6 +115,8 @@ def _read_state(path, cfg: Config, world_size: int) -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"--resume {path}: no such checkpoint file")
+    # the run that wrote it was stopped, maybe by SIGKILL mid-write: clear its stale temporaries
+    atomic.remove_stale(path.parent, (glob.escape(path.name), *RUN_FILES))
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, foreign pickle, garbage: all unusable
