@@ -30,27 +30,25 @@ def quiet(_msg):
     pass
 
 
-def as_nobody():
-    """A preexec_fn that drops root to nobody, so file permissions apply; None when impossible."""
+def without_permission_override() -> list[str]:
+    """A command prefix under which file permissions apply to root too (root ignores them): the
+    capabilities that override them dropped with setpriv. The test is skipped when that is
+    impossible (not root, no setpriv)."""
     if os.geteuid() != 0:
-        return None
-
-    def drop():
-        os.setgroups([])
-        os.setgid(65534)
-        os.setuid(65534)
-    return drop
-
-
-def run_module(module: str, args, preexec=None, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
+        pytest.skip("not root: the test changes modes that would then lock out the owner")
+    caps = "-dac_override,-dac_read_search"
+    prefix = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--"]
+    try:
+        subprocess.run([*prefix, sys.executable, "-c", "pass"], check=True, timeout=60, capture_output=True)
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("setpriv cannot drop the capabilities here")
+    return prefix
 
 
 # ---------------------------------------------------------------------------------------------
 # Item 8: write_atomic leaves the old file or the new one, never a temporary
 
-STEPS = ["open", "fdopen", "fsync", "chmod", "replace", "close", "mkstemp"]
+STEPS = ["open", "fsync", "chmod", "replace", "close", "mkstemp"]
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -136,3 +134,228 @@ def test_resume_clears_the_stale_temporaries_beside_its_checkpoint(tmp_path):
     with pytest.raises(CheckpointError):
         state._read_state(ckpt, Config(), 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 4: an image that is not 32x32, or a decompression bomb, is refused by its header
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` but whose pixel data is a few bytes: decoding
+    it would fail, so a refusal naming its size shows the header was checked before any decode."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
+            + chunk(b"IEND", b""))
+
+
+def one_image(root: Path, split: str = "train") -> Path:
+    return sorted((root / split).rglob("*.png"))[0]
+
+
+@pytest.mark.parametrize("size, message", [
+    ((20000, 20000), "image too large to decode \\(Image size \\(400000000 pixels\\) exceeds limit"),  # PIL's error
+    ((10000, 10000), "image too large to decode \\(Image size \\(100000000 pixels\\) exceeds limit"),  # PIL's warning
+    ((9000, 9000), "image is 9000x9000, too large to decode \\(at most 67108864 pixels\\)"),
+    ((40, 30), "image is 40x30, expected 32x32")])
+def test_an_image_of_another_size_is_refused_by_its_header(tmp_path, recwarn, size, message):
+    root, _ = write_image_folder(tmp_path / "imgs", n_train=20, n_test=10)
+    bad = one_image(root)
+    bad.write_bytes(png_header(*size))
+    with pytest.raises(DataError, match=f"{bad}: {message}"):
+        load_dataset(root, cache_dir=tmp_path / "cache", log=quiet)
+    assert not [w for w in recwarn if "DecompressionBomb" in type(w.message).__name__]
+
+
+def test_train_refuses_a_decompression_bomb_in_one_line(tmp_path):
+    root, _ = write_image_folder(tmp_path / "imgs", n_train=20, n_test=10)
+    bad = one_image(root, "test")
+    bad.write_bytes(png_header(20000, 20000))
+    out = tmp_path / "runs"
+    proc = run_train(["--data", root, "--out-dir", out, "--cache-dir", tmp_path / "cache", *SHORT])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = one_line_error(proc.stderr)
+    assert line.startswith("fastcifar: error: ") and str(bad) in line and "too large to decode" in line, line
+    assert not run_dirs(out)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    import torch
+    from fastcifar.core.config import from_preset
+    from fastcifar.models.files import save_model
+    from fastcifar.models.network import make_network
+    from fastcifar.ops.norm_act_pool import NormActPool
+    torch.manual_seed(0)
+    cfg = from_preset("fast", widths=(8, 16, 16))
+    model = make_network(cfg, NormActPool, 10)
+    classes = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+    return save_model(tmp_path_factory.mktemp("model") / "model.safetensors", model, cfg, classes, 50.0,
+                      (125.0,) * 3, (60.0,) * 3)
+
+
+def predict(args, capsys):
+    from fastcifar.predict import main
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    return code, [line for line in out.err.splitlines() if line.strip()], out.out
+
+
+def test_predict_refuses_a_decompression_bomb_by_its_header_and_classifies_the_rest(model_file, tmp_path, capsys):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(folder / "ok.png")
+    (folder / "bomb.png").write_bytes(png_header(20000, 20000))
+    code, err, out = predict([model_file, folder], capsys)
+    assert code == 1
+    assert len(err) == 1 and err[0].startswith(f"{folder / 'bomb.png'}: image too large to decode (Image size (400000000")
+    assert "ok.png: " in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 5: every OS error is one line naming the path and the OS's reason
+
+def test_an_unreadable_image_is_named_with_the_os_reason(tmp_path, monkeypatch):
+    root, _ = write_image_folder(tmp_path / "imgs", n_train=20, n_test=10)
+    bad = one_image(root)
+    from fastcifar.core import readfile
+    real = os.open
+
+    def deny(path, *args, **kwargs):
+        if str(path) == str(bad):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(readfile.os, "open", deny)
+    with pytest.raises(DataError, match=f"{bad.name}: cannot read image: Permission denied$"):
+        load_dataset(root, cache_dir=tmp_path / "cache", log=quiet)
+
+
+def test_a_fifo_or_a_loop_among_the_images_is_named_not_waited_on_or_skipped(tmp_path):
+    root, _ = write_image_folder(tmp_path / "imgs", n_train=20, n_test=10)
+    bad = one_image(root)
+    bad.unlink()
+    os.mkfifo(bad)  # reading it would block for ever
+    with pytest.raises(DataError, match=f"{bad.name}: cannot read image: a FIFO \\(named pipe\\), not a regular file"):
+        load_dataset(root, cache_dir=tmp_path / "cache", log=quiet)
+    bad.unlink()
+    bad.symlink_to(bad.name)  # a loop
+    with pytest.raises(DataError, match=f"{bad.name}: cannot read image: Too many levels of symbolic links"):
+        load_dataset(root, cache_dir=tmp_path / "cache", log=quiet)
+
+
+def test_an_unreadable_class_folder_is_named_not_called_a_class_mismatch(tmp_path, monkeypatch):
+    root, _ = write_image_folder(tmp_path / "imgs", n_train=20, n_test=10)
+    locked = root / "test" / "truck"
+    real = os.scandir
+
+    def deny(path="."):
+        if str(path) == str(locked):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path)
+    monkeypatch.setattr(os, "scandir", deny)
+    with pytest.raises(DataError, match=f"{locked}: cannot read folder: Permission denied$"):
+        load_dataset(root, cache_dir=tmp_path / "cache", log=quiet)
+
+
+@pytest.mark.parametrize("what", ["fifo", "dev-zero", "folder", "unreadable"])
+def test_an_official_batch_that_is_not_a_readable_file_says_why(tmp_path, monkeypatch, what):
+    folder, _ = write_official(tmp_path / "data")
+    batch = folder / "data_batch_2"
+    batch.unlink()
+    expected = {"fifo": "a FIFO \\(named pipe\\), not a regular file",
+                "dev-zero": "a character device, not a regular file", "folder": "a folder, not a regular file",
+                "unreadable": "Permission denied"}[what]
+    if what == "fifo":
+        os.mkfifo(batch)
+    elif what == "dev-zero":
+        batch.symlink_to("/dev/zero")
+    elif what == "folder":
+        batch.mkdir()
+    else:
+        batch.write_bytes(b"x")
+        from fastcifar.core import readfile
+        real = os.open
+        monkeypatch.setattr(readfile.os, "open", lambda p, *a, **k: (_ for _ in ()).throw(
+            PermissionError(errno.EACCES, "Permission denied", str(p))) if str(p) == str(batch) else real(p, *a, **k))
+    with pytest.raises(DataError, match=f"{batch}: cannot read CIFAR-10 batch file: {expected}$"):
+        load_dataset(folder, log=quiet)
+
+
+def test_a_batch_folder_not_named_as_released_with_a_fifo_batch_is_still_read_as_one(tmp_path):
+    folder, _ = write_official(tmp_path / "data")
+    plain = folder.rename(tmp_path / "mine")
+    (plain / "data_batch_1").unlink()
+    os.mkfifo(plain / "data_batch_1")
+    with pytest.raises(DataError, match="data_batch_1: cannot read CIFAR-10 batch file: a FIFO"):
+        load_dataset(plain, log=quiet)
+
+
+def test_data_that_is_a_device_is_not_called_missing(tmp_path):
+    with pytest.raises(DataError, match="^/dev/zero: a character device, not a data file or folder$"):
+        load_dataset("/dev/zero", log=quiet)
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop.name)
+    with pytest.raises(DataError, match="loop: Too many levels of symbolic links$"):
+        load_dataset(loop, log=quiet)
+
+
+def test_train_with_an_unreadable_batch_enforced_is_one_line(tmp_path):
+    """The real thing, without monkeypatching: permissions enforced, the batch is mode 000."""
+    prefix = without_permission_override()
+    folder, _ = write_official(tmp_path / "data")
+    (folder / "data_batch_3").chmod(0)
+    proc = subprocess.run([*prefix, sys.executable, "-m", "fastcifar.train", "--data", str(folder), "--out-dir",
+                           str(tmp_path / "runs"), *SHORT], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = one_line_error(proc.stderr)
+    assert line == f"fastcifar: error: {folder / 'data_batch_3'}: cannot read CIFAR-10 batch file: Permission denied"
+
+
+def test_out_dir_inside_a_folder_it_may_not_enter_is_one_line(tmp_path, monkeypatch):
+    from fastcifar.run import report
+    locked = tmp_path / "locked"
+    real = os.stat
+
+    def stat_(path, *args, **kwargs):
+        if str(path).startswith(str(locked) + "/"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+    locked.mkdir()
+    monkeypatch.setattr(report.os, "stat", stat_)
+    with pytest.raises(report.OutputError, match=f"--out-dir {locked}/runs: {locked}/runs: Permission denied$"):
+        report.check_out_dir(locked / "runs")
+
+
+def test_out_dir_inside_a_folder_it_may_not_enter_enforced(tmp_path):
+    prefix = without_permission_override()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    code = ("import sys\nfrom fastcifar.run import report\n"
+            "try:\n    report.check_out_dir(sys.argv[1])\nexcept report.OutputError as e:\n    print(e)\n")
+    proc = subprocess.run([*prefix, sys.executable, "-c", code, str(locked / "runs")], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    assert proc.stdout.strip() == f"--out-dir {locked}/runs: {locked}/runs: Permission denied"
+
+
+@pytest.mark.parametrize("what", ["unreadable", "fifo", "loop"])
+def test_a_model_file_that_cannot_be_read_says_why(model_file, tmp_path, monkeypatch, what):
+    from fastcifar.models.files import CheckpointError, load_model
+    bad = tmp_path / "model.safetensors"
+    if what == "unreadable":
+        bad.write_bytes(model_file.read_bytes())
+        from fastcifar.core import readfile
+        real = os.open
+        monkeypatch.setattr(readfile.os, "open", lambda p, *a, **k: (_ for _ in ()).throw(
+            PermissionError(errno.EACCES, "Permission denied", str(p))) if str(p) == str(bad) else real(p, *a, **k))
+    elif what == "fifo":
+        os.mkfifo(bad)
+    else:
+        bad.symlink_to(bad.name)
+    expected = {"unreadable": "Permission denied", "fifo": "a FIFO \\(named pipe\\), not a regular file",
+                "loop": "Too many levels of symbolic links"}[what]
+    with pytest.raises(CheckpointError, match=f"{bad}: cannot read model file: {expected}$"):
+        load_model(bad)

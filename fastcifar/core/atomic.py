@@ -46,6 +46,13 @@ def fsync_dir(folder: str | Path) -> None:
         os.close(fd)
 
 
+def _write_file(tmp: str | Path, blob: bytes) -> None:
+    with open(tmp, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it the target
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
     """``data`` into a temporary file beside ``path``, fsynced, then renamed to it and the folder
     fsynced: a crash, a signal or a full disk mid-write leaves the previous file whole (and no
@@ -55,11 +62,8 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
     remove_stale(path.parent, glob.escape(path.name))  # what a killed writer of this file left
     tmp = temporary_name(path)  # named before it exists: the finally below can always remove it
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644))
+        _write_file(tmp, blob)
         os.chmod(tmp, 0o644)  # whatever the umask: as readable as the run's other files
         os.replace(tmp, path)
     finally:

@@ -13,6 +13,7 @@ an image folder's number of class folders.
 
 from __future__ import annotations
 
+import os
 import tarfile
 from pathlib import Path, PurePosixPath
 from typing import Callable
@@ -21,8 +22,9 @@ import numpy as np
 
 from fastcifar.data.dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
 from fastcifar.core.errors import DataError
+from fastcifar.core.readfile import kind, why
 from fastcifar.data.folder import BatchDecoder, cache_path, decoder_name, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
-from fastcifar.data.official import OFFICIAL_SETS, download, read_archive, read_batch_dir, set_of_folder
+from fastcifar.data.official import OFFICIAL_SETS, check_input, download, is_file_like, read_archive, read_batch_dir, set_of_folder
 
 __all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "shard_indices"]
 
@@ -64,17 +66,26 @@ def _read_any_archive(path: Path, decode: BatchDecoder | None) -> Dataset:
 def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: str | Path | None = None,
                  log: Callable[[str], None] = print, decode: BatchDecoder | None = None,
                  download_set: str = "cifar10") -> Dataset:
-    """Load CIFAR from ``path`` in any layout above; raise DataError on anything unusable.
+    """Load CIFAR from ``path`` in any layout above; raise DataError on anything unusable (an
+    OSError the readers do not name themselves included: one line with the path and the OS's reason).
     ``decode`` decodes an image folder's files in batches when no cache holds them (PIL when None,
     or for any batch it declines)."""
     path = Path(path).expanduser()
+    try:
+        return _load(path, download_missing, cache_dir, log, decode, download_set)
+    except OSError as exc:
+        raise DataError(f"{exc.filename or path}: {why(exc)}") from None
+
+
+def _load(path: Path, download_missing: bool, cache_dir, log, decode, download_set: str) -> Dataset:
     cache = Path(cache_dir).expanduser() if cache_dir else None
     if path.is_file():
         if not path.name.endswith(ARCHIVE_SUFFIXES):
             raise DataError(f"{path}: unknown layout (expected a .tar.gz archive or a folder)")
+        check_input(path, "archive")
         return _cached(path, cache, _read_any_archive, decode, log)
     if path.is_dir():
-        if set_of_folder(path) is not None or (path / "data_batch_1").is_file():
+        if set_of_folder(path) is not None or is_file_like(path / "data_batch_1"):
             return read_batch_dir(path)
         for spec in OFFICIAL_SETS.values():
             if (path / spec.folder).is_dir():
@@ -88,6 +99,12 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
             return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
         raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, cifar-100-python/, their .tar.gz, "
                         f"or train/ and test/ class folders); pass --download to fetch official CIFAR-10")
+    if os.path.lexists(path):  # a FIFO, a device, a symlink loop, or behind a folder it may not enter
+        try:
+            reason = f"{kind(path.stat().st_mode)}, not a data file or folder"
+        except OSError as exc:
+            reason = why(exc)
+        raise DataError(f"{path}: {reason}")
     if download_missing:
         return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
     raise DataError(f"{path}: no such file or folder; pass --download to fetch official CIFAR-10 there")

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import stat
 import statistics
 import sys
 import time
@@ -159,11 +160,17 @@ def check_out_dir(root: str | Path) -> None:
     writable. Nothing is created here; ``RunLog.start`` makes the folder."""
     path = Path(root).expanduser().absolute()
     probe = path
-    while not probe.exists():
-        if probe.parent == probe:
+    while True:
+        try:
+            mode = os.stat(probe).st_mode
             break
-        probe = probe.parent
-    if not probe.is_dir():
+        except (FileNotFoundError, NotADirectoryError):  # not there yet, or under a file: look above
+            if probe.parent == probe:
+                raise OutputError(f"--out-dir {root}: no existing folder above it") from None
+            probe = probe.parent
+        except OSError as exc:  # e.g. inside a folder it may not enter: the OS's reason
+            raise OutputError(f"--out-dir {root}: {probe}: {_why(exc)}") from None
+    if not stat.S_ISDIR(mode):
         raise OutputError(f"--out-dir {root}: {probe} is not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise OutputError(f"--out-dir {root}: {probe} is not writable")
