@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastcifar: error: {where}{exc}", file=sys.stderr)
         return 2
     except signals.StopRun as exc:  # interrupted (130, 143) or diverged (4): logs closed, summary written
-        report.stop_open_logs(type(exc).__name__.lower(), str(exc))
+        report.stop_open_logs(type(exc).__name__.lower(), distributed.stop_reason(exc))
         if os.environ.get("RANK", "0") == "0":
             print(f"fastcifar: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         # one line, also when the watchdog sees the stall in the same second (it then prints it)
         distributed.report_failure(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
                                    f"{distributed.failure_message(exc, cfg.dist_timeout_s)}")
-        report.stop_open_logs("failed", str(exc))
+        report.stop_open_logs("failed", distributed.failure_message(exc, cfg.dist_timeout_s))
         ctx = None
         return 3
     finally:
@@ -278,7 +278,8 @@ def train_one_run(cfg, ctx, run, seed, dtype, train_loader, test_set, log, progr
     eval_step.prepare()
 
     # Several ranks: a stalled peer must end this rank too, also inside graph replays (distributed.py).
-    watchdog = distributed.ProgressWatchdog(cfg.dist_timeout_s, ctx, enabled=ctx.distributed)
+    watchdog = distributed.ProgressWatchdog(cfg.dist_timeout_s, ctx, enabled=ctx.distributed,
+                                            on_stall=lambda why: report.stop_open_logs("failed", why))
     guard = LossGuard(num_classes=len(classes))  # NaN or exploded loss ends the run
     window = profiling.StepWindow(cfg.profile_steps if run == 1 else "")  # nsys capture range, profiler steps
     total_train_time, start_epoch = 0.0, 0

@@ -359,3 +359,152 @@ def test_a_model_file_that_cannot_be_read_says_why(model_file, tmp_path, monkeyp
                 "loop": "Too many levels of symbolic links"}[what]
     with pytest.raises(CheckpointError, match=f"{bad}: cannot read model file: {expected}$"):
         load_model(bad)
+
+
+@pytest.mark.parametrize("what", ["loop", "fifo"])
+def test_predict_reports_a_symlink_loop_or_fifo_in_a_folder_instead_of_skipping_it(model_file, tmp_path, capsys,
+                                                                                     what):
+    """One line naming the file, the others classified, exit 1 (predict's "some could not be read")."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(folder / "ok.png")
+    bad = folder / "bad.png"
+    if what == "loop":
+        bad.symlink_to(bad.name)
+    else:
+        os.mkfifo(bad)  # read blindly, it would wait for a writer for ever
+    code, err, out = predict([model_file, folder], capsys)
+    reason = "Too many levels of symbolic links" if what == "loop" else "a FIFO (named pipe), not a regular file"
+    assert code == 1 and err == [f"{bad}: cannot read: {reason}"]
+    assert "ok.png: " in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Minor: a full disk at start, a resumed run's clocks, DALI's own log line
+
+def start_log(out: Path):
+    from fastcifar.core.config import Config
+    from fastcifar.run.report import RunLog
+    log = RunLog(Config(), str(out), enabled=True, stream=open(os.devnull, "w"))
+    log.start({"versions": {"fastcifar": None, "torch": "x"}, "classes": [],
+               "device": {"type": "cpu", "name": "cpu", "world_size": 1}, "data": "test data"})
+    return log
+
+
+def test_a_full_disk_at_start_leaves_no_run_folder(tmp_path, monkeypatch):
+    from fastcifar.run import report
+    real_open = open
+
+    class Full:
+        def __init__(self, f):
+            self.f, self.name = f, f.name
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            self.f.close()
+
+    monkeypatch.setattr(report, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
+    out = tmp_path / "runs"
+    out.mkdir()
+    with pytest.raises(report.OutputError, match="No space left on device"):
+        start_log(out)
+    assert list(out.iterdir()) == [] and not report._OPEN
+
+
+def test_a_resumed_runs_line_says_what_each_clock_counts(tmp_path):
+    from fastcifar.run.report import TIMING_PROTOCOL, EpochRecord, RunResult
+    log = start_log(tmp_path / "runs")
+    records = [EpochRecord(run=1, epoch=e, lr=0.1, train_time=5.0, train_loss=1.0, train_acc=50.0, test_time=0.1,
+                           test_loss=1.0, test_acc=60.0, total_train_time=5.0 * e) for e in range(1, 6)]
+    for r in records[3:]:  # epochs 4 and 5 trained in this process, 1-3 came from the checkpoint
+        log.epoch(r)
+    log.run_done(RunResult(run=1, seed=0, test_acc=60.0, train_time=25.0, wall_time=12.0, epochs=records), 94.0)
+    log.finish([RunResult(run=1, seed=0, test_acc=60.0, train_time=25.0, wall_time=12.0, epochs=records)])
+    line = next(ln for ln in (log.dir / "log.txt").read_text().splitlines() if ln.startswith("run 1:"))
+    assert line == ("run 1: test_acc 60.00% train 25.00 s over 5 epochs (15.00 s in the 3 before the resume, "
+                    "10.00 s in this process) wall 12.00 s in this process (target 94.00%: missed)")
+    assert "resumed run" in TIMING_PROTOCOL
+
+
+def test_a_fresh_runs_line_is_unchanged(tmp_path):
+    from fastcifar.run.report import EpochRecord, RunResult
+    log = start_log(tmp_path / "runs")
+    rec = EpochRecord(run=1, epoch=1, lr=0.1, train_time=2.0, train_loss=1.0, train_acc=50.0, test_time=0.1,
+                      test_loss=1.0, test_acc=60.0, total_train_time=2.0)
+    log.epoch(rec)
+    log.run_done(RunResult(run=1, seed=0, test_acc=60.0, train_time=2.0, wall_time=9.0, epochs=[rec]), 50.0)
+    log.stop("interrupted", "test")
+    assert "run 1: test_acc 60.00% train 2.00 s wall 9.00 s (target 50.00%: reached)" in (
+        log.dir / "log.txt").read_text()
+
+
+def test_a_truncated_jpeg_gives_no_raw_dali_line(tmp_path):
+    from fastcifar.data import dali as dl
+    have, why = dl.dali_available()
+    if not have:
+        pytest.skip(f"DALI unavailable: {why}")
+    root, _ = write_image_folder(tmp_path / "jpg", n_train=20, n_test=10, fmt="JPEG")
+    bad = next((root / "train").rglob("*.jpeg"))
+    bad.write_bytes(bad.read_bytes()[:len(bad.read_bytes()) // 2])
+    code = ("import sys\nfrom fastcifar.data import DataError, load_dataset\nfrom fastcifar.data.dali import dali_decoder\n"
+            "try:\n    load_dataset(sys.argv[1], cache_dir=sys.argv[2], log=lambda m: None, decode=dali_decoder('cpu'))\n"
+            "except DataError as e:\n    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(root), str(tmp_path / "cache")], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.startswith(f"{bad}: not a readable image"), proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 9: a rank that ends itself for a stalled peer records why
+
+def test_the_watchdog_records_the_cause_in_log_and_summary_before_it_ends_the_rank(tmp_path):
+    """The main thread is blocked (here: asleep), so only the watchdog can end the rank; log.txt and
+    summary.json must say why (status "failed"), not be left without a summary."""
+    out = tmp_path / "runs"
+    code = ("import sys, time, torch, os\n"
+            "sys.path.insert(0, 'tests')\n"
+            "from test_faults_os import start_log\n"
+            "from fastcifar.dist.distributed import DistContext, ProgressWatchdog\n"
+            "from fastcifar.run import report\n"
+            "log = start_log(sys.argv[1])\n"
+            "ctx = DistContext(0, 2, 0, torch.device('cpu'), 'gloo')\n"
+            "dog = ProgressWatchdog(1.0, ctx, enabled=True, on_stall=lambda why: report.stop_open_logs('failed', why))\n"
+            "time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    line = one_line_error(proc.stderr)
+    assert line.startswith("fastcifar: error: [rank 0] lost contact with the other ranks"), line
+    (run_dir,) = run_dirs(out)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "lost contact with the other ranks" in summary["stopped"]
+    assert (run_dir / "log.txt").read_text().splitlines()[-1].startswith("stopped (failed): lost contact")
+
+
+def test_the_watchdog_ends_the_rank_even_when_recording_hangs():
+    code = ("import time, torch\n"
+            "from fastcifar.dist import distributed\n"
+            "distributed.RECORD_TIMEOUT_S = 1.0\n"
+            "ctx = distributed.DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
+            "dog = distributed.ProgressWatchdog(1.0, ctx, enabled=True, on_stall=lambda why: time.sleep(120))\n"
+            "time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=50)
+    assert proc.returncode == 3, proc.stderr
+
+
+def test_a_sigterm_under_torchrun_is_not_recorded_as_a_bare_interruption(monkeypatch):
+    from fastcifar.dist.distributed import stop_reason
+    exc = signals.Interrupted(signal.SIGTERM)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert stop_reason(exc) == "interrupted by SIGTERM"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert stop_reason(exc).startswith("interrupted by SIGTERM (from torchrun, which stops every rank when one")
+    assert stop_reason(signals.Interrupted(signal.SIGINT)) == "interrupted by SIGINT"

@@ -23,8 +23,13 @@ or broken DALI into one clear line (``--loader dali``) or a one-line notice (the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+import os
+import re
+import sys
+import tempfile
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -391,6 +396,53 @@ def decode_jpegs(encoded: Sequence[bytes], device: torch.device | str = "cpu", *
         return out
     b = min(batch_size, n)
     steps = -(-n // b)
+    with _dali_log_captured():  # a bad JPEG: DALI's own "[ERROR] [jpeg_parser]" line is not shown
+        return _decode_arrays(arrays, encoded, out, Pipeline, fn, types, device, device_id, size, b, steps,
+                              num_threads)
+
+
+# One record of DALI's (nvImageCodec's) own log on stderr: "[ERROR] [jpeg_parser] Invalid marker",
+# coloured, not always ending in a newline.
+_DALI_LOG = re.compile(rb"(?:\x1b\[[0-9;]*m)?\[(?:ERROR|WARNING|WARN|INFO|DEBUG)\] ?(?:\x1b\[[0-9;]*m)?"
+                       rb"\[[\w .:-]+\][^\n\x1b]*\n?")
+
+
+@contextlib.contextmanager
+def _dali_log_captured():
+    """Run a decode with file descriptor 2 sent to a temporary file: DALI's C++ code logs a bad
+    JPEG there itself, before the error that ``decode_jpegs`` turns into one line. Afterwards what
+    was captured goes back to stderr, less DALI's log records when the decode failed (the one-line
+    error carries their cause). Where fd 2 cannot be redirected, nothing is captured."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        capture = tempfile.TemporaryFile()
+        os.dup2(capture.fileno(), 2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(saved, 2)
+        os.close(saved)
+        capture.seek(0)
+        text = capture.read()
+        capture.close()
+        if failed:
+            text = _DALI_LOG.sub(b"", text)
+        if text.strip():
+            os.write(2, text)
+
+
+def _decode_arrays(arrays, encoded, out, Pipeline, fn, types, device, device_id, size, b, steps, num_threads):
+    n = len(arrays)
     pipe = Pipeline(batch_size=b, num_threads=num_threads, device_id=device_id,
                     prefetch_queue_depth=min(2, steps), exec_dynamic=True)
     with pipe:
