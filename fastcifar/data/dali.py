@@ -485,14 +485,45 @@ def _locate_failure(encoded: Sequence[bytes], lo: int, hi: int, exc: Exception) 
     return f"a JPEG among encoded[{lo}:{hi}] could not be decoded (DALI: {cause})"
 
 
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def jpeg_size(raw) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's frame header, without decoding; None if none is found. A few
+    marker segments are skipped (APPn, DQT): microseconds per image."""
+    data = bytes(raw[:65536]) if len(raw) > 65536 else bytes(raw)
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD8)):  # no length
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if marker in _SOF:
+            if i + 9 > n:
+                return None
+            return int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big")
+        if marker == 0xDA or length < 2:  # scan data before any frame header: not a JPEG we read
+            return None
+        i += 2 + length
+    return None
+
+
 def dali_decoder(device: torch.device | str):
     """A batch decoder for ``fastcifar.data.load_dataset``: DALI decodes an image folder's JPEGs
     (nvJPEG on the GPU, device "mixed"; libjpeg-turbo on the CPU) when no cache holds them. The
     arrays come back to the host once, for the cache; the loader then keeps its shard on the device.
-    It declines (returns None, and PIL decodes) anything that is not all JPEG or fails to decode,
-    so PIL's error names the bad file."""
+    It declines (returns None, and PIL decodes) anything that is not all JPEG, not all 32x32 by
+    its header, or fails to decode, so PIL's error (or its header check) names the bad file."""
     def decode(raws: list, wheres: list):
         if not raws or not all(bytes(r[:2]) == b"\xff\xd8" for r in raws):
+            return None
+        if not all(jpeg_size(r) == (32, 32) for r in raws):  # by the header: a 20000x20000 JPEG is never decoded
             return None
         try:
             return decode_jpegs(raws, device).cpu().numpy()
