@@ -549,3 +549,15 @@ def test_jpeg_size_reads_the_frame_header_and_the_dali_decoder_declines_other_si
     bomb = b"\xff\xd8" + sof + b"\xff\xd9"
     assert dl.jpeg_size(bomb) == (20000, 20000)
     assert dl.dali_decoder("cpu")([bomb], ["bomb.jpeg"]) is None
+
+
+def test_a_resume_from_a_fifo_or_a_folder_says_what_it_is(tmp_path):
+    from fastcifar.core.config import Config
+    from fastcifar.models.files import CheckpointError
+    from fastcifar.run import state
+    fifo = tmp_path / "checkpoint.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="cannot read checkpoint: a FIFO \\(named pipe\\), not a regular file$"):
+        state._read_state(fifo, Config(), 1)
+    with pytest.raises(CheckpointError, match="cannot read checkpoint: a folder, not a regular file$"):
+        state._read_state(tmp_path, Config(), 1)

@@ -26,6 +26,7 @@ import torch
 
 from fastcifar.core import atomic
 from fastcifar.core.config import Config
+from fastcifar.core.readfile import check_regular, why
 from fastcifar.models.files import CheckpointError, _check_shapes, host_state, write_atomic
 
 STATE_FORMAT = "fastcifar.state/1"
@@ -113,8 +114,12 @@ def load_state(path, cfg: Config, ctx) -> dict:
 
 def _read_state(path, cfg: Config, world_size: int) -> dict:
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"--resume {path}: no such checkpoint file")
+    try:
+        check_regular(path)  # the OS's reason for a FIFO, a folder, no permission; never a blocking open
+    except FileNotFoundError:
+        raise CheckpointError(f"--resume {path}: no such checkpoint file") from None
+    except OSError as exc:
+        raise CheckpointError(f"--resume {path}: cannot read checkpoint: {why(exc)}") from None
     # the run that wrote it was stopped, maybe by SIGKILL mid-write: clear its stale temporaries
     atomic.remove_stale(path.parent, (glob.escape(path.name), *RUN_FILES))
     try:
