@@ -426,11 +426,7 @@ def _dali_log_captured():
         yield
         failed = False
     finally:
-        try:
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-        os.dup2(saved, 2)
+        os.dup2(saved, 2)  # first: stderr is whole again whatever happens below
         os.close(saved)
         capture.seek(0)
         text = capture.read()
