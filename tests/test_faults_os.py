@@ -561,3 +561,10 @@ def test_a_resume_from_a_fifo_or_a_folder_says_what_it_is(tmp_path):
         state._read_state(fifo, Config(), 1)
     with pytest.raises(CheckpointError, match="cannot read checkpoint: a folder, not a regular file$"):
         state._read_state(tmp_path, Config(), 1)
+
+
+def test_a_release_archive_that_is_a_fifo_is_named_not_ignored(tmp_path):
+    (tmp_path / "data").mkdir()
+    os.mkfifo(tmp_path / "data" / "cifar-10-python.tar.gz")
+    with pytest.raises(DataError, match="cifar-10-python.tar.gz: cannot read archive: a FIFO \\(named pipe\\)"):
+        load_dataset(tmp_path / "data", log=quiet)

@@ -90,8 +90,9 @@ def _load(path: Path, download_missing: bool, cache_dir, log, decode, download_s
         for spec in OFFICIAL_SETS.values():
             if (path / spec.folder).is_dir():
                 return read_batch_dir(path / spec.folder)
-            if (path / spec.archive).is_file():
-                return read_archive(path / spec.archive)
+            archive = path / spec.archive
+            if archive.exists() and not archive.is_dir():  # a FIFO there is refused by name, not ignored
+                return read_archive(archive)
         root = find_split_root(path)
         if root is not None:
             return _cached(root, cache, read_folder, decode, log)
