@@ -4,7 +4,9 @@
 
 Each argument is an image or a folder (its images, recursively, in sorted order). Every image is
 converted to RGB; one that is not 32x32 is resized to 32x32 (bilinear, aspect ratio not kept) with
-a note on stderr. A file that cannot be read gets one line on stderr and the others still run.
+a note on stderr, up to 8192x8192 pixels: a larger one (a decompression bomb) is refused by its
+header, before its pixels are decoded. A file that cannot be read (missing, no permission, a symlink
+loop, a FIFO, not an image, too large) gets one line on stderr and the others still run.
 Prints, per image, the top classes with their softmax probabilities (the model's TTA level unless
 ``--tta``); ``--json`` prints one JSON document instead. Exit status: 0 when every image was
 classified, 1 when some could not be read, 2 on a bad model file or arguments, or no image at all.
@@ -15,6 +17,7 @@ Also ``fastcifar.predict(model, images)`` from Python (``fastcifar.api``).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -27,7 +30,8 @@ from fastcifar.cli import make_callable, run_command
 from fastcifar.api import resolve_model
 from fastcifar.core.config import CHOICES, ConfigError
 from fastcifar.data import DataError
-from fastcifar.data.folder import IMAGE_SUFFIXES
+from fastcifar.core.readfile import read_regular, why
+from fastcifar.data.folder import IMAGE_SUFFIXES, bomb_warnings_as_errors, open_image
 from fastcifar.evaluate import logits_of, resolve_tta
 
 SIZE = 32
@@ -46,15 +50,19 @@ def image_files(paths) -> list[Path]:
     files = []
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            # not is_file(): a symlink loop or a FIFO named like an image is reported when read, not skipped
+            files += sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES and not f.is_dir())
         else:
             files.append(p)
     return files
 
 
 def read_image(path: Path) -> tuple[np.ndarray, tuple | None]:
-    """(32, 32, 3) uint8 and the original (width, height) if it had to be resized, else None."""
-    with Image.open(path) as img:
+    """(32, 32, 3) uint8 and the original (width, height) if it had to be resized, else None.
+    OSError (the OS's reason) for a file that cannot be read or is not a regular file (a FIFO is
+    refused, not waited on); DataError for an image too large to decode, refused by its header."""
+    raw = read_regular(path)
+    with bomb_warnings_as_errors(), open_image(io.BytesIO(raw), str(path)) as img:
         img = img.convert("RGB")
         size = img.size
         if size != (SIZE, SIZE):
@@ -80,9 +88,17 @@ def predict(model, images, *, top: int = 3, tta: int | None = None, device="cpu"
         for path in image_files(images):
             try:
                 array, resized = read_image(path)
-            except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-                results.append(Prediction(str(path), error=f"not a readable image ({exc})"))
-                warn(f"{path}: not a readable image ({exc})")
+            except DataError as exc:  # too large: the message names the file already
+                error = str(exc).removeprefix(f"{path}: ")
+            except (UnidentifiedImageError, ValueError, SyntaxError, EOFError) as exc:
+                error = f"not a readable image ({exc})"
+            except OSError as exc:
+                error = f"not a readable image ({exc})" if exc.filename is None else f"cannot read: {why(exc)}"
+            else:
+                error = ""
+            if error:
+                results.append(Prediction(str(path), error=error))
+                warn(f"{path}: {error}")
                 continue
             if resized:
                 warn(f"note: {path}: resized from {resized[0]}x{resized[1]} to 32x32")

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
         print(f"fastcifar: error: {where}{exc}", file=sys.stderr)
         return 2
     except signals.StopRun as exc:  # interrupted (130, 143) or diverged (4): logs closed, summary written
-        report.stop_open_logs(type(exc).__name__.lower(), str(exc))
+        report.stop_open_logs(type(exc).__name__.lower(), distributed.stop_reason(exc))
         if os.environ.get("RANK", "0") == "0":
             print(f"fastcifar: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
         # one line, also when the watchdog sees the stall in the same second (it then prints it)
         distributed.report_failure(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
                                    f"{distributed.failure_message(exc, cfg.dist_timeout_s)}")
-        report.stop_open_logs("failed", str(exc))
+        report.stop_open_logs("failed", distributed.failure_message(exc, cfg.dist_timeout_s))
         ctx = None
         return 3
     finally:

@@ -14,6 +14,7 @@ an image folder's number of class folders.
 
 from __future__ import annotations
 
+import os
 import tarfile
 from pathlib import Path, PurePosixPath
 from typing import Callable
@@ -22,8 +23,10 @@ import numpy as np
 
 from fastcifar.data.dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
 from fastcifar.core.errors import DataError
+from fastcifar.core.readfile import kind, why
 from fastcifar.data.folder import BatchDecoder, cache_path, decoder_name, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
-from fastcifar.data.official import OFFICIAL_SETS, download, fetch_by_hand, read_archive, read_batch_dir, set_of_folder
+from fastcifar.data.official import (OFFICIAL_SETS, check_input, download, fetch_by_hand, is_file_like, read_archive,
+                                     read_batch_dir, set_of_folder)
 
 __all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "shard_indices"]
 
@@ -65,7 +68,8 @@ def _read_any_archive(path: Path, decode: BatchDecoder | None) -> Dataset:
 def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: str | Path | None = None,
                  log: Callable[[str], None] = print, decode: BatchDecoder | None = None,
                  download_set: str = "cifar10", offer_download: bool = True) -> Dataset:
-    """Load CIFAR from ``path`` in any layout above; raise DataError on anything unusable.
+    """Load CIFAR from ``path`` in any layout above; raise DataError on anything unusable (an
+    OSError the readers do not name themselves included: one line with the path and the OS's reason).
     ``decode`` decodes an image folder's files in batches when no cache holds them (PIL when None,
     or for any batch it declines). ``offer_download``: the messages suggest ``--download`` (a
     command without that flag, such as evaluate, passes False)."""
@@ -73,19 +77,28 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
     spec = OFFICIAL_SETS.get(download_set, OFFICIAL_SETS["cifar10"])
     hint = (f"pass --download to fetch official {spec.title} there, or " if offer_download
             else f"for official {spec.title}, ") + fetch_by_hand(path, spec)
+    try:
+        return _load(path, download_missing, cache_dir, log, decode, download_set, hint)
+    except OSError as exc:
+        raise DataError(f"{exc.filename or path}: {why(exc)}") from None
+
+
+def _load(path: Path, download_missing: bool, cache_dir, log, decode, download_set: str, hint: str) -> Dataset:
     cache = Path(cache_dir).expanduser() if cache_dir else None
     if path.is_file():
         if not path.name.endswith(ARCHIVE_SUFFIXES):
             raise DataError(f"{path}: unknown layout (expected a .tar.gz archive or a folder)")
+        check_input(path, "archive")
         return _cached(path, cache, _read_any_archive, decode, log)
     if path.is_dir():
-        if set_of_folder(path) is not None or (path / "data_batch_1").is_file():
+        if set_of_folder(path) is not None or is_file_like(path / "data_batch_1"):
             return read_batch_dir(path)
         for spec in OFFICIAL_SETS.values():
             if (path / spec.folder).is_dir():
                 return read_batch_dir(path / spec.folder)
-            if (path / spec.archive).is_file():
-                return read_archive(path / spec.archive)
+            archive = path / spec.archive
+            if archive.exists() and not archive.is_dir():  # a FIFO there is refused by name, not ignored
+                return read_archive(archive)
         root = find_split_root(path)
         if root is not None:
             return _cached(root, cache, read_folder, decode, log)
@@ -95,6 +108,12 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
             raise DataError(f"{path}: empty folder; {hint}")
         raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, cifar-100-python/, their .tar.gz, "
                         f"or train/ and test/ class folders); {hint}")
+    if os.path.lexists(path):  # a FIFO, a device, a symlink loop, or behind a folder it may not enter
+        try:
+            reason = f"{kind(path.stat().st_mode)}, not a data file or folder"
+        except OSError as exc:
+            reason = why(exc)
+        raise DataError(f"{path}: {reason}")
     if download_missing:
         return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
     raise DataError(f"{path}: no such file or folder; {hint}")

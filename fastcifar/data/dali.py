@@ -23,8 +23,13 @@ or broken DALI into one clear line (``--loader dali``) or a one-line notice (the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+import os
+import re
+import sys
+import tempfile
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -383,6 +388,49 @@ def decode_jpegs(encoded: Sequence[bytes], device: torch.device | str = "cpu", *
         return out
     b = min(batch_size, n)
     steps = -(-n // b)
+    with _dali_log_captured():  # a bad JPEG: DALI's own "[ERROR] [jpeg_parser]" line is not shown
+        return _decode_arrays(arrays, encoded, out, Pipeline, fn, types, device, device_id, size, b, steps,
+                              num_threads)
+
+
+# One record of DALI's (nvImageCodec's) own log on stderr: "[ERROR] [jpeg_parser] Invalid marker",
+# coloured, not always ending in a newline.
+_DALI_LOG = re.compile(rb"(?:\x1b\[[0-9;]*m)?\[(?:ERROR|WARNING|WARN|INFO|DEBUG)\] ?(?:\x1b\[[0-9;]*m)?"
+                       rb"\[[\w .:-]+\][^\n\x1b]*\n?")
+
+
+@contextlib.contextmanager
+def _dali_log_captured():
+    """Run a decode with file descriptor 2 sent to a temporary file: DALI's C++ code logs a bad
+    JPEG there itself, before the error that ``decode_jpegs`` turns into one line. Afterwards what
+    was captured goes back to stderr, less DALI's log records when the decode failed (the one-line
+    error carries their cause). Where fd 2 cannot be redirected, nothing is captured."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        capture = tempfile.TemporaryFile()
+        os.dup2(capture.fileno(), 2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        os.dup2(saved, 2)  # first: stderr is whole again whatever happens below
+        os.close(saved)
+        capture.seek(0)
+        text = capture.read()
+        capture.close()
+        if failed:
+            text = _DALI_LOG.sub(b"", text)
+        if text.strip():
+            os.write(2, text)
+
+
+def _decode_arrays(arrays, encoded, out, Pipeline, fn, types, device, device_id, size, b, steps, num_threads):
+    n = len(arrays)
     pipe = Pipeline(batch_size=b, num_threads=num_threads, device_id=device_id,
                     prefetch_queue_depth=min(2, steps), exec_dynamic=True)
     with pipe:
@@ -425,14 +473,45 @@ def _locate_failure(encoded: Sequence[bytes], lo: int, hi: int, exc: Exception) 
     return f"a JPEG among encoded[{lo}:{hi}] could not be decoded (DALI: {cause})"
 
 
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def jpeg_size(raw) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's frame header, without decoding; None if none is found. A few
+    marker segments are skipped (APPn, DQT): microseconds per image."""
+    data = bytes(raw[:65536]) if len(raw) > 65536 else bytes(raw)
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD8)):  # no length
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if marker in _SOF:
+            if i + 9 > n:
+                return None
+            return int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big")
+        if marker == 0xDA or length < 2:  # scan data before any frame header: not a JPEG we read
+            return None
+        i += 2 + length
+    return None
+
+
 def dali_decoder(device: torch.device | str):
     """A batch decoder for ``fastcifar.data.load_dataset``: DALI decodes an image folder's JPEGs
     (nvJPEG on the GPU, device "mixed"; libjpeg-turbo on the CPU) when no cache holds them. The
     arrays come back to the host once, for the cache; the loader then keeps its shard on the device.
-    It declines (returns None, and PIL decodes) anything that is not all JPEG or fails to decode,
-    so PIL's error names the bad file."""
+    It declines (returns None, and PIL decodes) anything that is not all JPEG, not all 32x32 by
+    its header, or fails to decode, so PIL's error (or its header check) names the bad file."""
     def decode(raws: list, wheres: list):
         if not raws or not all(bytes(r[:2]) == b"\xff\xd8" for r in raws):
+            return None
+        if not all(jpeg_size(r) == (32, 32) for r in raws):  # by the header: a 20000x20000 JPEG is never decoded
             return None
         try:
             return decode_jpegs(raws, device).cpu().numpy()

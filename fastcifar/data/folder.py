@@ -8,11 +8,13 @@ leaves a half-written cache that a later start would trust.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import tarfile
 import tempfile
+import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -23,6 +25,7 @@ from PIL import Image, UnidentifiedImageError
 
 from fastcifar.data.dataset import IMAGE_SHAPE, Dataset
 from fastcifar.core.errors import DataError
+from fastcifar.core.readfile import read_regular, why
 
 SPLITS = ("train", "test")
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm"}
@@ -33,7 +36,7 @@ def find_split_root(path: Path) -> Path | None:
     """The folder holding ``train/`` and ``test/``: ``path`` itself or its single subfolder."""
     if (path / "train").is_dir() and (path / "test").is_dir():
         return path
-    subdirs = [p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    subdirs = [Path(e.path) for e in _scan(path) if _is_dir(e) and not e.name.startswith(".")]
     if len(subdirs) == 1:
         return find_split_root(subdirs[0]) if subdirs[0] != path else None
     return None
@@ -58,12 +61,41 @@ def _split_files(entries: list[tuple[PurePosixPath, object]], source: str):
     return tree, tuple(train_classes)
 
 
+MAX_HEADER_PIXELS = 1 << 26  # 8192x8192: predict resizes up to this; larger is refused before decoding
+
+
+def open_image(fp, where: str) -> Image.Image:
+    """``Image.open`` (which reads the header only) with PIL's decompression-bomb guard as a
+    DataError: a 20000x20000 PNG is refused by its header, before any pixel is decoded."""
+    try:
+        img = Image.open(fp)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise DataError(f"{where}: image too large to decode ({exc})") from None
+    w, h = img.size
+    if w * h > MAX_HEADER_PIXELS:
+        img.close()
+        raise DataError(f"{where}: image is {w}x{h}, too large to decode (at most {MAX_HEADER_PIXELS} pixels)")
+    return img
+
+
+@contextlib.contextmanager
+def bomb_warnings_as_errors():
+    """PIL's DecompressionBombWarning (an image of 89M to 179M pixels) as an error, which
+    ``open_image`` turns into one line instead of a warning on stderr. Entered once around a whole
+    decode, in the calling thread: the filters are process-wide, so the decoding threads see them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        yield
+
+
 def _decode(raw: bytes, where: str) -> np.ndarray:
     try:
-        with Image.open(io.BytesIO(raw)) as img:
+        with open_image(io.BytesIO(raw), where) as img:
+            if img.size != IMAGE_SHAPE[1::-1]:  # from the header: the pixels are never decoded
+                raise DataError(f"{where}: image is {img.size[0]}x{img.size[1]}, expected 32x32")
             img = img.convert("RGB")
             array = np.asarray(img, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
         raise DataError(f"{where}: not a readable image ({exc})") from None
     if array.shape != IMAGE_SHAPE:
         raise DataError(f"{where}: image is {array.shape[1]}x{array.shape[0]}, expected 32x32")
@@ -72,10 +104,11 @@ def _decode(raw: bytes, where: str) -> np.ndarray:
 
 def decode_with_pil(raws: list[bytes], wheres: list[str]) -> np.ndarray:
     pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))  # PIL decodes off the GIL
-    try:
-        return np.stack(list(pool.map(_decode, raws, wheres)))
-    finally:  # an error or a signal: drop the queued images instead of decoding them all first
-        pool.shutdown(wait=True, cancel_futures=True)
+    with bomb_warnings_as_errors():
+        try:
+            return np.stack(list(pool.map(_decode, raws, wheres)))
+        finally:  # an error or a signal: drop the queued images instead of decoding them all first
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 # A batch decoder: (encoded images, their names) -> (N, 32, 32, 3) uint8, or None to leave the
@@ -97,12 +130,43 @@ def _decode_tree(tree, classes, read, source: str, decode: BatchDecoder | None =
     return Dataset(*arrays["train"], *arrays["test"], classes, source).validate()
 
 
+def _scan(folder: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(folder) as it:
+            return list(it)
+    except OSError as exc:  # e.g. an unreadable class folder: named, not mistaken for a missing class
+        raise DataError(f"{folder}: cannot read folder: {why(exc)}") from None
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # a symlink loop: not a folder; read as a file, it is refused by name
+        return False
+
+
+def _folder_entries(root: Path) -> list[tuple[PurePosixPath, Path]]:
+    """Every ``<split>/<class>/<file>`` under ``root`` that is not a folder (a FIFO or a symlink
+    loop among the images is kept, and refused by name when read)."""
+    entries = []
+    for split in _scan(root):
+        if split.name not in SPLITS or not _is_dir(split):
+            continue
+        for cls in _scan(Path(split.path)):
+            if _is_dir(cls):
+                entries += [(PurePosixPath(split.name, cls.name, f.name), Path(f.path))
+                            for f in _scan(Path(cls.path)) if not _is_dir(f)]
+    return entries
+
+
 def read_folder(root: Path, decode: BatchDecoder | None = None) -> Dataset:
-    entries = [(PurePosixPath(p.relative_to(root).as_posix()), p) for p in root.rglob("*") if p.is_file()]
-    tree, classes = _split_files(entries, str(root))
+    tree, classes = _split_files(_folder_entries(root), str(root))
 
     def read(p: Path, where: str) -> bytes:
-        return p.read_bytes()
+        try:
+            return read_regular(p)  # a FIFO is refused, not waited on
+        except OSError as exc:
+            raise DataError(f"{where}: cannot read image: {why(exc)}") from None
     return _decode_tree(tree, classes, read, str(root), decode)
 
 

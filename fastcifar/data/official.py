@@ -26,6 +26,7 @@ import numpy as np
 
 from fastcifar.data.dataset import CIFAR10_CLASSES, Dataset
 from fastcifar.core.errors import DataError
+from fastcifar.core.readfile import check_regular, read_regular, why
 
 
 @dataclass(frozen=True)
@@ -136,12 +137,28 @@ def _assemble(read, source: str, spec: OfficialSet = CIFAR10) -> Dataset:
                    test_images, test_labels, _class_names(read, source, spec), source).validate()
 
 
+def is_file_like(path: Path) -> bool:
+    """There and not a folder: a regular file, or a FIFO, device or broken link that the reader
+    then refuses by name (``is_file`` would skip it, and the batch would be called missing)."""
+    return os.path.lexists(path) and not path.is_dir()
+
+
 def set_of_folder(path: Path) -> OfficialSet | None:
     """The official set whose extracted folder ``path`` is, by name or by its files."""
     for spec in OFFICIAL_SETS.values():
-        if path.name == spec.folder or all((path / name).is_file() for name in (*spec.train, spec.test)):
+        # exists, not is_file: a batch that is a FIFO or a device is refused by name when read
+        if path.name == spec.folder or all(is_file_like(path / name) for name in (*spec.train, spec.test)):
             return spec
     return None
+
+
+def check_input(path: Path, what: str) -> None:
+    """An input file that is missing, unreadable or not a regular file: one line with the OS's
+    reason, not the "corrupt archive" a failed read would look like."""
+    try:
+        check_regular(path)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read {what}: {why(exc)}") from None
 
 
 def read_batch_dir(path: Path) -> Dataset:
@@ -150,14 +167,18 @@ def read_batch_dir(path: Path) -> Dataset:
 
     def read(name: str) -> bytes:
         f = path / name
-        if not f.is_file():
-            raise DataError(f"{path}: missing {spec.title} batch file {name!r}")
-        return f.read_bytes()
+        try:
+            return read_regular(f)  # a FIFO or /dev/zero is refused by its type, never read
+        except FileNotFoundError:
+            raise DataError(f"{path}: missing {spec.title} batch file {name!r}") from None
+        except OSError as exc:
+            raise DataError(f"{f}: cannot read {spec.title} batch file: {why(exc)}") from None
     return _assemble(read, str(path), spec)
 
 
 def read_archive(path: Path) -> Dataset:
     """Read a release archive directly, without extracting it to disk."""
+    check_input(path, "archive")
     try:
         with tarfile.open(path, "r:gz") as tar:
             files = [m for m in tar.getmembers() if m.isfile()]

@@ -16,14 +16,17 @@ import datetime
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from fastcifar.core import signals
 from fastcifar.core.config import ConfigError
 
 
@@ -136,16 +139,26 @@ def report_failure(line: str, stream=None) -> bool:
     return True
 
 
+# How long the watchdog lets ``on_stall`` record the cause before it ends the rank regardless: the
+# record is a few small local writes, but the disk may itself be what hangs.
+RECORD_TIMEOUT_S = 10.0
+
+
 class ProgressWatchdog:
     """Ends this rank (one line, exit 3) when the training loop makes no progress for ``timeout_s``.
 
     NCCL's own watchdog bounds eagerly issued collectives, but not those replayed from a CUDA
     graph (PyTorch leaves captured collectives out of it), and a host blocked in a graph launch or
     a device synchronize waits forever for a stalled peer. The loop calls ``beat()`` after every
-    step (a float store: nothing on the hot path); a daemon thread checks once a second."""
+    step (a float store: nothing on the hot path); a daemon thread checks once a second.
 
-    def __init__(self, timeout_s: float, ctx: DistContext, enabled: bool, stream=sys.stderr):
-        self.timeout_s, self.ctx, self.stream = timeout_s, ctx, stream
+    The main thread is blocked, so no ``finally`` of its runs: before ``os._exit`` the watchdog
+    calls ``on_stall(reason)`` (the trainer passes ``report.stop_open_logs``), so log.txt and
+    summary.json record the cause (status "failed"), bounded by ``RECORD_TIMEOUT_S``."""
+
+    def __init__(self, timeout_s: float, ctx: DistContext, enabled: bool, stream=sys.stderr,
+                 on_stall: Callable[[str], None] | None = None):
+        self.timeout_s, self.ctx, self.stream, self.on_stall = timeout_s, ctx, stream, on_stall
         self.last = time.monotonic()
         self._stop = threading.Event()
         self._thread = None
@@ -160,16 +173,43 @@ class ProgressWatchdog:
         while not self._stop.wait(1.0):
             idle = time.monotonic() - self.last
             if idle > self.timeout_s:
-                if not report_failure(f"fastcifar: error: [rank {self.ctx.rank}] lost contact with the other "
-                                      f"ranks (no training progress for {idle:.0f} s, past --dist-timeout-s "
-                                      f"{self.timeout_s:g}: a peer stalled or died)", self.stream):
+                reason = (f"lost contact with the other ranks (no training progress for {idle:.0f} s, past "
+                          f"--dist-timeout-s {self.timeout_s:g}: a peer stalled or died)")
+                if not report_failure(f"fastcifar: error: [rank {self.ctx.rank}] {reason}", self.stream):
                     return  # the main thread saw it first and is ending the rank (exit 3, logs closed)
+                self._record(reason)
                 os._exit(3)  # the main thread is blocked in CUDA or NCCL: nothing else can end it
+
+    def _record(self, reason: str) -> None:
+        """``on_stall(reason)`` in a thread of its own, waited on for at most RECORD_TIMEOUT_S."""
+        if self.on_stall is None:
+            return
+
+        def record():
+            try:
+                self.on_stall(reason)
+            except Exception:  # best effort: the rank ends either way
+                pass
+        t = threading.Thread(target=record, name="fastcifar-watchdog-record", daemon=True)
+        t.start()
+        t.join(RECORD_TIMEOUT_S)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def stop_reason(exc: BaseException) -> str:
+    """Why the run stopped, for log.txt and summary.json. A SIGTERM under torchrun usually means
+    another rank failed (torchrun then stops every rank) rather than a user's stop, and this rank
+    cannot tell which: the reason says so, instead of a bare "interrupted by SIGTERM"."""
+    reason = str(exc)
+    if (isinstance(exc, signals.Interrupted) and exc.signum == signal.SIGTERM
+            and os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        reason += (" (from torchrun, which stops every rank when one of them fails or when it is stopped "
+                   "itself; a failed rank's error is in torchrun's output)")
+    return reason
 
 
 def teardown(ctx: DistContext) -> None:

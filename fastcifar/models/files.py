@@ -34,6 +34,7 @@ import torch
 from fastcifar.core import atomic
 from fastcifar.core.config import Config, ConfigError, check_fields
 from fastcifar.core.errors import DataError
+from fastcifar.core.readfile import check_regular, why
 
 MODEL_FORMAT = "fastcifar.model/1"
 MODEL_NAME = "model.safetensors"
@@ -114,8 +115,12 @@ def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Te
     error), in one read."""
     from safetensors import safe_open
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such {what}")
+    try:
+        check_regular(path)  # the OS's reason (permission, a FIFO, a loop), before safetensors reads it
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such {what}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read {what}: {why(exc)}") from None
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}

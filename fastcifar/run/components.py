@@ -18,7 +18,7 @@ from fastcifar.dist import compress, distributed
 from fastcifar.dist.sync import GradientSync
 from fastcifar.models import files
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
-from fastcifar.run import profiling
+from fastcifar.run import profiling, report
 from fastcifar.run.component import Component, Components
 from fastcifar.run.guard import LossGuard
 from fastcifar.run.recipe import RunHooks
@@ -47,7 +47,9 @@ class Watchdog(Component):
 
     def __init__(self, session: Session):
         cfg, ctx = session.cfg, session.ctx
-        self.dog = distributed.ProgressWatchdog(cfg.dist_timeout_s, ctx, enabled=ctx.distributed)
+        # a stall ends the rank from the watchdog's thread: log.txt and summary.json say why first
+        self.dog = distributed.ProgressWatchdog(cfg.dist_timeout_s, ctx, enabled=ctx.distributed,
+                                                on_stall=lambda why: report.stop_open_logs("failed", why))
 
     def after_step(self) -> None:
         self.dog.beat()

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import stat
 import statistics
 import subprocess
 import sys
@@ -36,7 +37,11 @@ from fastcifar.core.config import ConfigError, training_settings
 TIMING_PROTOCOL = ("train time: summed per-epoch training time (on-device augmentation included), "
                    "device synchronized at each epoch's start and end; per-epoch evaluation and the "
                    "one-off warm-up steps before the clock starts are excluded. wall time: from "
-                   "process start to the end of the run's last evaluation.")
+                   "process start to the end of the run's last evaluation. A resumed run's train time "
+                   "also counts the epochs trained before its checkpoint (their times as recorded "
+                   "there), its wall time this process only, so train time can exceed wall time; "
+                   "the run's line in log.txt then gives the train time before the resume and in "
+                   "this process apart.")
 
 EPOCH_HEADER = f"{'run':>4} {'epoch':>5} {'lr':>8} {'train_loss':>10} {'train_acc':>9} " \
                f"{'test_acc':>8} {'epoch_s':>8} {'train_s':>8}"
@@ -205,11 +210,17 @@ def check_out_dir(root: str | Path) -> None:
     writable. Nothing is created here; ``RunLog.start`` makes the folder."""
     path = Path(root).expanduser().absolute()
     probe = path
-    while not probe.exists():
-        if probe.parent == probe:
+    while True:
+        try:
+            mode = os.stat(probe).st_mode
             break
-        probe = probe.parent
-    if not probe.is_dir():
+        except (FileNotFoundError, NotADirectoryError):  # not there yet, or under a file: look above
+            if probe.parent == probe:
+                raise OutputError(f"--out-dir {root}: no existing folder above it") from None
+            probe = probe.parent
+        except OSError as exc:  # e.g. inside a folder it may not enter: the OS's reason
+            raise OutputError(f"--out-dir {root}: {probe}: {_why(exc)}") from None
+    if not stat.S_ISDIR(mode):
         raise OutputError(f"--out-dir {root}: {probe} is not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise OutputError(f"--out-dir {root}: {probe} is not writable")
@@ -301,7 +312,36 @@ class RunLog:
         self.meta = meta
         if not self.enabled:
             return
-        self._make_dir()
+        try:
+            self._make_dir()
+            self._header(meta)
+        except (OutputError, OSError):  # e.g. a full disk: no run folder of empty logs left behind
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        """Remove what a failed ``start`` created: its open files, their files and the folder."""
+        for f in (self._log, self._tsv):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        if self in _OPEN:
+            _OPEN.remove(self)
+        if self.dir is not None:
+            for name in ("log.txt", "timing_log.tsv"):
+                try:
+                    (self.dir / name).unlink()
+                except OSError:
+                    pass
+            try:
+                self.dir.rmdir()  # only if empty: never anything this run did not write
+            except OSError:
+                pass
+        self._log = self._tsv = self.dir = None
+
+    def _header(self, meta: dict) -> None:
         dev = meta["device"]
         name = "" if dev["name"] in ("", dev["type"]) else f" {dev['name']}"
         self.line(f"fastcifar {meta['versions']['fastcifar'] or '(source)'} | preset {self.cfg.preset} | "
@@ -338,10 +378,17 @@ class RunLog:
 
     def run_done(self, res: RunResult, target_acc: float) -> None:
         self._results.append(res)
-        self._epochs = []
+        here, self._epochs = self._epochs, []  # the epochs this process trained (and logged)
         verdict = "reached" if res.test_acc >= target_acc else "missed"
-        self.line(f"run {res.run}: test_acc {res.test_acc:.2f}% train {res.train_time:.2f} s "
-                  f"wall {res.wall_time:.2f} s (target {target_acc:.2f}%: {verdict})")
+        train, wall = f"train {res.train_time:.2f} s", f"wall {res.wall_time:.2f} s"
+        resumed = len(res.epochs) - len(here)
+        if resumed > 0:  # see TIMING_PROTOCOL: the train clock spans the checkpoint, the wall clock does not
+            mine = sum(r.train_time for r in here)
+            train += (f" over {len(res.epochs)} epochs ({res.train_time - mine:.2f} s in the {resumed} before "
+                      f"the resume, {mine:.2f} s in this process)")
+            wall += " in this process"
+        self.line(f"run {res.run}: test_acc {res.test_acc:.2f}% {train} {wall} "
+                  f"(target {target_acc:.2f}%: {verdict})")
 
     def _summary_doc(self, results: list[RunResult], summary: dict | None, status: str, **extra) -> dict:
         return {**self.meta, "status": status, **extra, "config": dataclasses.asdict(self.cfg),

@@ -15,6 +15,7 @@ mid-write leaves the previous checkpoint whole.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import io
 import json
 import math
@@ -24,7 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastcifar.core import atomic
 from fastcifar.core.config import Config, training_settings
+from fastcifar.core.readfile import check_regular, why
 from fastcifar.models.files import CheckpointError, _check_shapes, host_state, write_atomic
 from fastcifar.run.component import Component
 from fastcifar.run.report import EpochRecord
@@ -34,6 +37,8 @@ STATE_NAME = "checkpoint.pt"
 # What a checkpoint holds (save_state); a file without one of them is refused by name.
 STATE_KEYS = ("format", "config", "world_size", "epochs_done", "steps_per_epoch", "model", "optimizer",
               "schedule_step", "records", "ranks")
+# What a run writes beside its checkpoint (core.atomic's temporaries of these are its own to clear)
+RUN_FILES = ("summary.json", "model*.safetensors", "sparse-run*.json")
 
 
 def _rng_state() -> dict:
@@ -107,8 +112,14 @@ def load_state(path, cfg: Config, ctx) -> dict:
 
 def _read_state(path, cfg: Config, world_size: int) -> dict:
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"--resume {path}: no such checkpoint file")
+    try:
+        check_regular(path)  # the OS's reason for a FIFO, a folder, no permission; never a blocking open
+    except FileNotFoundError:
+        raise CheckpointError(f"--resume {path}: no such checkpoint file") from None
+    except OSError as exc:
+        raise CheckpointError(f"--resume {path}: cannot read checkpoint: {why(exc)}") from None
+    # the run that wrote it was stopped, maybe by SIGKILL mid-write: clear its stale temporaries
+    atomic.remove_stale(path.parent, (glob.escape(path.name), *RUN_FILES))
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, foreign pickle, garbage: all unusable

@@ -1,0 +1,57 @@
+"""Reading an input file the user named, with the OS's own reason when it cannot be read.
+
+A path that is not a regular file (a FIFO, ``/dev/zero``, a folder, a socket) is refused before
+any read: a FIFO would block forever waiting for a writer and ``/dev/zero`` would fill the memory.
+It is opened non-blocking (a FIFO opens at once) and checked with ``fstat``, so what is checked is
+what is read. Every failure is an ``OSError`` whose ``strerror`` says why ("Permission denied",
+"Too many levels of symbolic links", "a FIFO (named pipe), not a regular file"); ``why`` gives it
+for the one-line message.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+class NotRegularFile(OSError):
+    """The path exists but is not a regular file."""
+
+
+def why(exc: OSError) -> str:
+    """The OS's reason, as ``strerror`` has it ("Permission denied"), else the exception's text."""
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _open_regular(path: str | Path) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(errno.EINVAL, f"{kind(mode)}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: str | Path) -> None:
+    """Raise the OSError a read of ``path`` would meet (missing, unreadable, not a regular file)."""
+    os.close(_open_regular(path))
+
+
+def read_regular(path: str | Path) -> bytes:
+    """The bytes of the regular file ``path``; OSError (``NotRegularFile`` for a FIFO, a device, a
+    folder) otherwise."""
+    with os.fdopen(_open_regular(path), "rb") as f:
+        return f.read()
