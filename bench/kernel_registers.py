@@ -152,7 +152,7 @@ def table(rows: list[dict], header: str) -> str:
 
 
 def problems(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """What fails a sweep (main's exit status, tests/test_kernel_compile.py): the rows that did not
+    """What fails a sweep (main's exit status, tests/kernels/test_kernel_compile.py): the rows that did not
     compile, and the compiled rows that spill registers."""
     failed = [r for r in rows if "error" in r]
     spilled = [r for r in rows if "error" not in r and (r["spill_store_bytes"] or r["spill_load_bytes"])]

@@ -24,7 +24,7 @@
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
 # give full value without it and add DALI rows only when it imports.
 # DRY_RUN=1: runs nothing heavy on any machine: each step logs the command it would run (DRY_FAIL=NAME
-# makes step NAME fail); the budget, table and bundles are real. tests/test_gpu_visit.py runs it.
+# makes step NAME fail); the budget, table and bundles are real. tests/harness/test_gpu_visit.py runs it.
 set -uo pipefail
 stage=${1:-}
 case "$stage" in
@@ -119,9 +119,9 @@ check)
   step cuda-tests 240 "$py" -m pytest -q -m cuda tests -p no:cacheprovider
   # the cuda-marked kernel cases (full preset sizes) ran in cuda-tests just above: not twice in one budget;
   # the two loader tests are not cuda-marked but run Triton on CUDA tensors where there is a GPU
-  step kernel-tests 240 "$py" -m pytest -q -m "not cuda" tests/test_kernel_bn_act_pool.py tests/test_kernel_augment.py \
-    tests/test_kernel_cutout.py tests/test_layout.py::test_triton_loader_batch_under_cuda_layouts \
-    tests/test_augment.py::test_loader_with_triton_kernels_equals_the_reference -p no:cacheprovider
+  step kernel-tests 240 "$py" -m pytest -q -m "not cuda" tests/kernels/test_kernel_bn_act_pool.py tests/kernels/test_kernel_augment.py \
+    tests/kernels/test_kernel_cutout.py tests/unit/test_layout.py::test_triton_loader_batch_under_cuda_layouts \
+    tests/unit/test_augment.py::test_loader_with_triton_kernels_equals_the_reference -p no:cacheprovider
   ;;
 engines)
   ensure_data
@@ -207,7 +207,7 @@ dali)
   if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi
   ensure_data
   step dali-version 60 "$py" -c "import nvidia.dali as d; print('dali', d.__version__)"
-  step dali-tests 200 "$py" -m pytest -q tests/test_dali_loader.py -p no:cacheprovider
+  step dali-tests 200 "$py" -m pytest -q tests/unit/test_dali_loader.py -p no:cacheprovider
   for graphs in on off; do
     train "dali-g-$graphs" 120 --subset 10000 --epochs 4 --kernels triton --cuda-graphs "$graphs" --loader dali
   done

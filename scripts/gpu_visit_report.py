@@ -9,7 +9,7 @@ nccl-1rank, dali-g-GRAPHS), its per-epoch train loss, final test accuracy and tr
 (exit 1) when a run's loss did not fall from its first epoch to its last, or when the graphed and
 eager runs of the same kernels end further apart than ``--tol`` (relative train loss; a sanity
 bound over whole epochs, where fp16 and cuDNN's algorithm choice already make eager runs differ:
-step-level equality is tests/test_graphs_cuda.py's job). ``accuracy``: every run found under the
+step-level equality is tests/unit/test_graphs_cuda.py's job). ``accuracy``: every run found under the
 folders (several stages' chunks may be combined), with mean, std and min of the test accuracy.
 ``race``: each preset under RUNS_DIR and the public airbench94 script (its printed log) side by side:
 accuracy mean/std/min, runs below the bar (``--bar``, else this call's ``resnet9`` mean), mean and max

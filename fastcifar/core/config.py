@@ -139,7 +139,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The CIFAR AlexNet of the compressed-communication system (issue 15), on the seed recipe.
     "alexnet": {"arch": "alexnet", "widths": (64, 192, 384, 256, 256)},
     # airbench94 (Jordan, 2024: 94.01% mean over 1,000 runs on one A100) transcribed fact by fact
-    # into this trainer's conventions (the default until 2026-11-23); tests/test_recipe_parity.py
+    # into this trainer's conventions (the default until 2026-11-23); tests/unit/test_recipe_parity.py
     # holds a few of its steps to a plain-PyTorch transcription of the published recipe. Its
     # figures here (JPEG copy only, so far): bench/results/first_light.md, sixth visit, 6b.
     # Conversions:

@@ -18,7 +18,7 @@ import pytest
 from fastcifar.core.config import DEFAULT_PRESET, from_preset
 from fastcifar.run.report import EpochRecord, RunResult
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_visit.sh"
 STAGES = [["check"], ["engines"], ["bench"], ["kernels"], ["accuracy", "resnet9", "3"], ["dali"], ["race"]]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
@@ -76,11 +76,11 @@ def test_check_stage_runs_the_cuda_kernel_cases_once(tmp_path):
     loader tests that are not cuda-marked but run the Triton augmentation on CUDA tensors on a GPU."""
     proc, _ = visit(tmp_path, "check")
     assert "pytest -q -m cuda tests" in proc.stdout
-    assert "pytest -q -m not cuda tests/test_kernel_bn_act_pool.py" in proc.stdout
+    assert "pytest -q -m not cuda tests/kernels/test_kernel_bn_act_pool.py" in proc.stdout
     # the loader tests that run the Triton augmentation on CUDA tensors only on a GPU machine
     kernel_step = next(line for line in proc.stdout.splitlines() if line.startswith("=== kernel-tests"))
-    for test in ("tests/test_layout.py::test_triton_loader_batch_under_cuda_layouts",
-                 "tests/test_augment.py::test_loader_with_triton_kernels_equals_the_reference"):
+    for test in ("tests/unit/test_layout.py::test_triton_loader_batch_under_cuda_layouts",
+                 "tests/unit/test_augment.py::test_loader_with_triton_kernels_equals_the_reference"):
         assert test in kernel_step, kernel_step
         path, name = test.split("::")
         assert f"def {name}(" in (ROOT / path).read_text(), f"{test} no longer exists"

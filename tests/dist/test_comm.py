@@ -24,7 +24,7 @@ from fastcifar.dist.comm import GradBuckets, plan_buckets
 from fastcifar.core.config import Config
 from fastcifar.models.network import build_model
 
-WORKER = Path(__file__).with_name("comm_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "comm_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             "-m", "fastcifar.train"]
 DIST_TIMEOUT_S = 10  # the trainer's --dist-timeout-s in the failure tests

@@ -90,7 +90,7 @@ def test_captured_eval_equals_eager_eval():
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_eager_steps_make_no_host_sync(kernels):
-    """The GPU half of tests/test_sync_free.py: with CUDA's sync debug mode set to "error", one eager
+    """The GPU half of tests/unit/test_sync_free.py: with CUDA's sync debug mode set to "error", one eager
     training step (after warm-up) and one TTA-2 evaluation batch raise on any synchronizing call,
     including the host-to-device copies the CPU test cannot see."""
     model, step = trained(False, kernels)

@@ -1,6 +1,6 @@
 """Compressed gradient communication across 2 and 3 gloo ranks (fastcifar.dist.compress in GradBuckets).
 
-Each rank of tests/compress_worker.py averages its own gradients of a small net through every
+Each rank of tests/helpers/compress_worker.py averages its own gradients of a small net through every
 method, scope and transport; these tests compare the results with the uncompressed average, with
 each other and across ranks, and check the byte counts against the payload sizes.
 """
@@ -20,7 +20,7 @@ from fastcifar.dist.compress import SCOPES
 from test_comm import start_ranks, wait_all
 
 pytestmark = pytest.mark.slow
-WORKER = Path(__file__).with_name("compress_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "compress_worker.py"
 
 
 def _results(tmp_path_factory, world: int, mode: str) -> list:

@@ -113,7 +113,7 @@ def test_bad_sparse_flag_is_one_line_and_writes_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_local_sgd_with_one_step_and_a_full_mask_is_data_parallel():
-    proc = run_train([], launcher=[*TORCHRUN, str(ROOT / "tests" / "sparse_worker.py"), "equivalence", "disjoint"])
+    proc = run_train([], launcher=[*TORCHRUN, str(ROOT / "tests" / "helpers" / "sparse_worker.py"), "equivalence", "disjoint"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} equivalence ok" in proc.stdout and f"rank {rank} disjoint ok" in proc.stdout
@@ -121,7 +121,7 @@ def test_two_ranks_local_sgd_with_one_step_and_a_full_mask_is_data_parallel():
 
 @pytest.mark.slow
 def test_two_ranks_keep_equal_weights_when_a_grad_only_mask_changes():
-    proc = run_train([], launcher=[*TORCHRUN, str(ROOT / "tests" / "sparse_worker.py"), "grad_mask_change",
+    proc = run_train([], launcher=[*TORCHRUN, str(ROOT / "tests" / "helpers" / "sparse_worker.py"), "grad_mask_change",
                                    "grad_mask_change_disjoint"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):

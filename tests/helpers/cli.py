@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A recipe small enough for 2 CPU cores: narrow ResNet-9 (the seed preset), a few epochs, one
 # untimed warm-up step.
 SHORT = ["--preset", "resnet9", "--device", "cpu", "--widths", "8,16,32,64", "--batch-size", "100", "--epochs", "4",

@@ -1,6 +1,6 @@
 """One rank of the compressed-communication tests; test_compress_dist.py starts 2 or 3 of these.
 
-    python tests/compress_worker.py OUT_DIR [full|quick]   # quick: bucket scope only, no training
+    python tests/helpers/compress_worker.py OUT_DIR [full|quick]   # quick: bucket scope only, no training
 
 Every rank runs the same list of cases on its own data (rank-dependent gradients of SmallNet)
 and saves, per case, the averaged buckets, the residuals and the byte counts to

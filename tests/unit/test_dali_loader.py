@@ -23,7 +23,7 @@ from fastcifar.data.dali import (DaliLoader, DaliUnavailableError, JpegDecodeErr
 
 HAVE_DALI, WHY = dali_available()
 needs_dali = pytest.mark.skipif(not HAVE_DALI, reason=f"DALI unavailable: {WHY}")
-JPEG_TAR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "cifar10-jpeg.tar.gz"
+JPEG_TAR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "cifar10-jpeg.tar.gz"
 IDENTITY = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))  # output = source pixel, exactly
 
 

@@ -218,7 +218,7 @@ def test_config_refuses_settings_that_cannot_work():
             validate(Config(**{"compress": "topk", **overrides}))
     validate(Config(compress="topk", cuda_graphs="on"))  # fixed-size payloads can be captured
     # --cuda-graphs on with a payload that cannot be captured: graphs.resolve refuses it, on several
-    # ranks only (tests/test_graphs.py), since one rank compresses nothing
+    # ranks only (tests/unit/test_graphs.py), since one rank compresses nothing
 
 
 def test_alexnet_preset_builds_the_cifar_alexnet():

@@ -1,7 +1,7 @@
 """One rank of the bucketed all-reduce tests; test_comm.py starts two of these with RANK/WORLD_SIZE set.
 
-    python tests/comm_worker.py train OUT_DIR BUCKET_MB [BUCKET_MB ...]   # K steps per bucket size
-    python tests/comm_worker.py shapes                                     # rank r builds a wider model
+    python tests/helpers/comm_worker.py train OUT_DIR BUCKET_MB [BUCKET_MB ...]   # K steps per bucket size
+    python tests/helpers/comm_worker.py shapes                                     # rank r builds a wider model
 
 The model and data are small and simple on purpose: no batchnorm (its batch statistics would differ
 between a rank's half batch and the whole batch) and a mean loss, so the average over ranks of

@@ -1,6 +1,6 @@
 """One rank of the local SGD tests; test_sparse_train.py starts two with torchrun (gloo, CPU).
 
-    python tests/sparse_worker.py equivalence disjoint grad_mask_change grad_mask_change_disjoint
+    python tests/helpers/sparse_worker.py equivalence disjoint grad_mask_change grad_mask_change_disjoint
         equivalence: H=1, a full mask, mean merge == dense data parallel (bucketed gradient averaging)
         disjoint: disjoint masks, H=2, sum merge, momentum reset: what each merge must leave
         grad_mask_change: SparseRun as the trainer drives it, --sparse-update grad, a new mask every

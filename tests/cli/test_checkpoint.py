@@ -55,7 +55,7 @@ def _train_with_checkpoint(root, tiny):
     data, test = write_noisy_official(root / "data")
     out = root / "runs"
     # in this process (no start-up cost); the resume test continues it in a fresh one, which runs
-    # with OMP_NUM_THREADS=1 (tests/cli.py): one thread here too, since CPU convolutions round their
+    # with OMP_NUM_THREADS=1 (tests/helpers/cli.py): one thread here too, since CPU convolutions round their
     # sums differently with another thread count (seen in CI: 1e-6 apart after resume with 2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,0 +1,34 @@
+"""A stalled peer under two gloo ranks: the surviving rank records the cause (issue 48, item 9)."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+import test_comm as comm_tests
+from cli import run_dirs
+from conftest import one_line_error
+
+
+@pytest.mark.slow
+def test_two_ranks_a_stalled_peer_leaves_the_cause_in_rank_0s_log_and_summary(learnable_data, tmp_path):
+    """Two gloo ranks on the CPU (tests/dist/test_comm.py's launch); rank 1 stops (SIGSTOP) mid-training.
+    Rank 0 ends with exit 3 and one line, by gloo's timeout or by the watchdog, whichever sees it
+    first; either way log.txt and summary.json say why."""
+    procs = comm_tests.start_long_training(learnable_data, tmp_path)
+    procs[1].send_signal(signal.SIGSTOP)
+    try:
+        code = procs[0].wait(timeout=comm_tests.DIST_TIMEOUT_S + comm_tests.SLACK_S)
+    finally:
+        procs[1].kill()
+        comm_tests.wait_all(procs, timeout=30)
+    assert code == 3, comm_tests.read(tmp_path, "stderr0")[-2000:]
+    one_line_error(comm_tests.read(tmp_path, "stderr0"))
+    (run_dir,) = run_dirs(tmp_path / "runs")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "lost contact with the other ranks" in summary["stopped"], summary
+    assert summary["unfinished_run_epochs"], "the epochs finished before the stall are kept"
+    last = (run_dir / "log.txt").read_text().splitlines()[-1]
+    assert last.startswith("stopped (failed): lost contact with the other ranks"), last
