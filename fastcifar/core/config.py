@@ -31,6 +31,7 @@ class Config:
     download_set: str = "cifar10"  # which official set --download fetches: cifar10 | cifar100 (fine labels)
     cache_dir: str = ""  # decoded-image cache; "" = next to the data, else ~/.cache/fastcifar
     subset: int = 0  # training images to use, 0 = all; the test set is cut to the same fraction
+    val_split: int = 0  # training images held out (fixed, seeded) for the per-epoch evaluation; the test set is then evaluated once, at the end; 0 = evaluate on the test set every epoch
     loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: the faster measured (dali_loader.AUTO_LOADER)
     # --- model ---
     arch: str = "resnet9"  # network: resnet9 (fastcifar.models.blocks) | fastnet (fastcifar.models.fastnet) | alexnet (fastcifar.models.alexnet)
@@ -280,7 +281,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--bucket-mb must be positive, not {cfg.bucket_mb}")
     if cfg.dist_timeout_s <= 0:
         raise ConfigError(f"--dist-timeout-s must be positive, not {cfg.dist_timeout_s}")
-    for name in ("subset", "warmup_steps", "crop_pad", "cutout", "lr", "weight_decay", "momentum", "lr_start",
+    for name in ("subset", "val_split", "warmup_steps", "crop_pad", "cutout", "lr", "weight_decay", "momentum", "lr_start",
                  "lr_end", "lookahead_steps", "whiten_images", "whiten_bias_epochs"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{_flag(name)} must not be negative, not {getattr(cfg, name)}")
@@ -391,6 +392,18 @@ def _validate_sparse(cfg: Config, world_size: int) -> None:
         if world_size * cfg.sparse_fraction > 1:
             raise ConfigError(f"--mask-layout disjoint deals {world_size} x --sparse-fraction "
                               f"{cfg.sparse_fraction} of the parameters: more than all of them")
+
+
+def full_recipe(cfg: Config) -> bool:
+    """Whether a run is its preset's full recipe on the full data, where the --target-acc bar
+    (94%, set for the full recipes on CIFAR-10) means something: no --subset or --val-split, the
+    preset's network at no narrower widths, and no fewer epochs. A toy run (a CPU smoke test, a
+    sweep's shortened point) gets no "missed" verdict."""
+    if cfg.preset not in PRESETS:
+        return False
+    base = from_preset(cfg.preset)
+    return (cfg.subset == 0 and cfg.val_split == 0 and cfg.arch == base.arch and cfg.epochs >= base.epochs
+            and len(cfg.widths) == len(base.widths) and all(w >= b for w, b in zip(cfg.widths, base.widths)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,6 +535,13 @@ def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argpa
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "python -m fastcifar.train") -> Config:
+    return parse_command_line(argv, prog)[0]
+
+
+def parse_command_line(argv: list[str] | None = None,
+                       prog: str = "python -m fastcifar.train") -> tuple[Config, dict[str, Any]]:
+    """The run's config, and the fields given explicitly on the command line with their values
+    (``--resume`` takes the checkpoint's settings for the others: run.state.resume_settings)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset", default=DEFAULT_PRESET)
@@ -533,4 +553,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastcifar.t
     # no abbreviations (allow_abbrev=False), so the flag is given exactly as --warmup-epochs[=V]
     if not any(a == "--warmup-epochs" or a.startswith("--warmup-epochs=") for a in argv):
         del args["warmup_epochs"]  # from_preset scales the preset's warm-up with a changed --epochs
-    return from_preset(preset, **args)
+    cfg = from_preset(preset, **args)
+    # A second parse with no defaults: only what the command line names (argparse's own trick).
+    quiet = build_parser(from_preset(known.preset), prog)
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(quiet.parse_args(argv))
+    return cfg, {k: (getattr(cfg, k) if k != "preset" else preset) for k in given}
