@@ -141,7 +141,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # airbench94 (Jordan, 2024: 94.01% mean over 1,000 runs on one A100) transcribed fact by fact
     # into this trainer's conventions (the default until 2026-11-23); tests/test_recipe_parity.py
     # holds a few of its steps to a plain-PyTorch transcription of the published recipe. Its
-    # figures here (JPEG copy only, so far): bench/results/first_light.md, sixth visit, 6b.
+    # figures here (JPEG copy only, so far): bench/results/visits/visit-6.md, 6b.
     # Conversions:
     #   lr 11.5 per 1024 in airbench's decoupled form is 11.5 / (1024 x (1 + 1/(1 - 0.85))) =
     #      1.4648e-3 per image of summed loss = 0.75 per 512 for the mean loss;
@@ -187,7 +187,7 @@ PRESETS["fast-muon"] = {**PRESETS["fast"], "epochs": 8, "batch_size": 2000, "lr"
                         "muon_ns_steps": 3, "logit_scale": 1 / 256, "head_unit_init": True}
 # The default: `fast-muon` with its two wide blocks at 320 channels, the best mean of the settings
 # measured within 1.5 s on one H100 and a flat optimum of its own knobs; on the JPEG copy only,
-# so far (bench/results/first_light.md, sixth visit 6a-6b, seventh visit 7b). Logits stay / 256,
+# so far (bench/results/visits/visit-6.md 6a-6b, visit-7.md 7b). Logits stay / 256,
 # as measured there.
 PRESETS["fast-muon320"] = {**PRESETS["fast-muon"], "widths": (64, 320, 320)}
 DEFAULT_PRESET = "fast-muon320"  # what `python -m fastcifar.train` runs
