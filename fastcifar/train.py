@@ -101,6 +101,14 @@ def run(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
 def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> list[RunResult]:
     """``cfg.runs`` runs, logged and summarized; ``warmup_runs`` whole runs before them that are
     neither logged nor returned (bench/bench_train.py: caches, clocks and allocator settle)."""
+    threads = torch.get_num_threads()
+    try:  # on a busy CPU without OMP_NUM_THREADS: fewer threads, for this call only
+        return _train(cfg, ctx, warmup_runs, report.choose_cpu_threads(ctx.device))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int, threads_note: str) -> list[RunResult]:
     # first: a --cuda-graphs on that cannot work is refused before anything is read or written
     use_graphs, graphs_note = graphs.resolve(cfg.cuda_graphs, ctx.device, capture_blocker(cfg, ctx.world_size))
     resume = state.load_state(cfg.resume, cfg, ctx) if cfg.resume else None  # refused before any write
@@ -113,7 +121,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
     kernels = resolve_kernels(cfg.kernels, ctx.device)
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
-    for note in (report.cpu_note(cfg, ctx.device), notice, graphs_note, profiling.graphs_note(cfg.nvtx, use_graphs)):
+    for note in (report.cpu_note(cfg, ctx.device), threads_note, notice, graphs_note, profiling.graphs_note(cfg.nvtx, use_graphs)):
         if note:
             log.line(note)
 

@@ -199,3 +199,23 @@ def test_readme_runs_the_tests_with_python_m_pytest():
     assert "python -m pytest" in readme
     for link in re.findall(r"\]\(((?:docs|bench)/[^)#]+)\)", readme):
         assert (ROOT / link).exists(), f"README links to {link}, which is missing"
+
+
+def test_busy_cpu_gets_fewer_threads_only_when_omp_num_threads_is_unset(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        monkeypatch.setattr("os.getloadavg", lambda: (3.0, 3.0, 3.0))
+        assert report.choose_cpu_threads(torch.device("cpu")) == "" and torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert report.choose_cpu_threads(torch.device("cuda")) == ""
+        monkeypatch.setattr("os.getloadavg", lambda: (0.1, 0.1, 0.1))
+        assert report.choose_cpu_threads(torch.device("cpu")) == "" and torch.get_num_threads() == 2
+        monkeypatch.setattr("os.getloadavg", lambda: (3.0, 3.0, 3.0))
+        note = report.choose_cpu_threads(torch.device("cpu"))
+        assert note.startswith("cpu threads: 1 of 2") and "OMP_NUM_THREADS" in note
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

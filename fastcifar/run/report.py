@@ -77,6 +77,28 @@ def cpu_note(cfg, device: torch.device) -> str:
             f"README's CPU example (--subset 5000 --epochs 2 --widths 32,64,64)")
 
 
+def choose_cpu_threads(device: torch.device) -> str:
+    """On the CPU with OMP_NUM_THREADS unset: fewer threads than cores when other work already
+    keeps them busy (the 1-minute load average), and a line saying so; else nothing. torch's
+    default (a thread per core) contends with that work: on 2 shared cores the README's CPU example
+    ran 10x slower an epoch than with one thread, while on an idle machine the default was faster
+    (bench/results/cpu_threads.jsonl). The caller restores the count afterwards."""
+    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return ""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return ""
+    default = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, min(default, cores - math.ceil(load - 0.25)))
+    if threads >= default:
+        return ""
+    torch.set_num_threads(threads)
+    return (f"cpu threads: {threads} of {default} (load average {load:.1f} on {cores} cores: other work is "
+            f"running; set OMP_NUM_THREADS to choose)")
+
+
 def process_start_time() -> float:
     """Unix time at which this process started (Linux /proc), else the time of this import."""
     try:
