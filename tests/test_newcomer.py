@@ -219,3 +219,16 @@ def test_busy_cpu_gets_fewer_threads_only_when_omp_num_threads_is_unset(monkeypa
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_threads_bench_smoke_writes_nothing(data):
+    import subprocess
+    import sys
+    from cli import bench_results, env
+    before = bench_results()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cpu_threads.py"), "--smoke", "--data", str(data),
+                           "--epochs", "1", "--threads", "1"], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| omp_num_threads | torch_threads | epoch_s_mean |" in proc.stdout and "nothing written" in proc.stdout
+    assert bench_results() == before

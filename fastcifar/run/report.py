@@ -73,8 +73,8 @@ def cpu_note(cfg, device: torch.device) -> str:
     from fastcifar.core.config import full_recipe
     if device.type != "cpu" or not full_recipe(cfg):
         return ""
-    return (f"warning: no GPU: the full {cfg.preset} preset on a CPU takes hours; for a short CPU run see the "
-            f"README's CPU example (--subset 5000 --epochs 2 --widths 32,64,64)")
+    return (f"warning: the full {cfg.preset} preset on a CPU takes hours; for a short CPU run see the README's "
+            f"CPU example (--subset 2000 --epochs 4 --widths 16,32,32 --batch-size 128)")
 
 
 def choose_cpu_threads(device: torch.device) -> str:
