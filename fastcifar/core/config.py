@@ -125,7 +125,7 @@ class Config:
     # --- checkpoints (fastcifar.checkpoint) ---
     save_model: bool = True  # write the final, evaluated weights to the run folder (model.safetensors), off the clock
     checkpoint_every: int = 0  # epochs between training-state checkpoints (run folder's checkpoint.pt); 0 = none
-    resume: str = ""  # training-state checkpoint (checkpoint.pt) to continue from; "" = start fresh
+    resume: str = ""  # training-state checkpoint (checkpoint.pt) to continue from, with its settings (options given must agree); "" = start fresh
     preset: str = field(default="resnet9", metadata={"cli": False})  # the preset this started from
 
 
