@@ -134,7 +134,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "resnet9": {},
     # The 8-GPU seed recipe: ResNet-9 at 256 images per GPU, 2048 global. Only the batch is known
     # (from the issue); every other setting is the seed recipe's, and lr 0.4 per 512 scales
-    # linearly to a peak of 1.6 for the mean loss at 2048 (README, "Learning-rate rule").
+    # linearly to a peak of 1.6 for the mean loss at 2048 (docs/presets.md, "Learning-rate rule").
     "apple8": {"batch_size": 2048},
     # The CIFAR AlexNet of the compressed-communication system (issue 15), on the seed recipe.
     "alexnet": {"arch": "alexnet", "widths": (64, 192, 384, 256, 256)},
