@@ -232,3 +232,22 @@ def test_cpu_threads_bench_smoke_writes_nothing(data):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| omp_num_threads | torch_threads | epoch_s_mean |" in proc.stdout and "nothing written" in proc.stdout
     assert bench_results() == before
+
+
+@pytest.mark.slow
+def test_val_split_on_two_ranks_reports_the_test_set_figure(data, tmp_path, capsys):
+    """gloo, 2 ranks: the same held-out images on both (taken before sharding), each rank evaluates
+    its slice; the run's final test_acc is the whole test set's, as `evaluate` finds it again."""
+    import sys
+    from fastcifar.evaluate import main as evaluate_main
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "fastcifar.train"]
+    out = tmp_path / "runs"
+    proc = run_train(["--data", data, "--out-dir", out, *TINY, "--batch-size", "40", "--epochs", "1",
+                      "--val-split", "40"], launcher=torchrun, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "160 train, 40 validation, 50 test images" in proc.stdout
+    (run_dir,) = run_dirs(out)
+    result = json.loads((run_dir / "summary.json").read_text())["results"][0]
+    assert evaluate_main([str(run_dir / "model.safetensors"), "--data", str(data)]) == 0
+    assert f"test_acc {result['test_acc']:.2f}%" in capsys.readouterr().out
