@@ -30,8 +30,9 @@ import torch
 
 from fastcifar import cli
 from fastcifar.core import signals
-from fastcifar.core.config import Config, ConfigError, check_run_length, parse_args, validate
+from fastcifar.core.config import Config, ConfigError, check_run_length, parse_command_line, validate
 from fastcifar.data import DataError, load_dataset, shard_indices
+from fastcifar.data.dataset import for_run
 from fastcifar.data.dali import dali_decoder, make_train_loader, resolve_loader
 from fastcifar.data.loader import EvalSet
 from fastcifar.dist import distributed
@@ -52,10 +53,12 @@ PROCESS_START = process_start_time()
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train") -> int:
-    cfg = parse_args(argv, prog=prog)
+    cfg, given = parse_command_line(argv, prog=prog)
     ctx = None
     previous = signals.install()  # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run (signals.py)
     try:
+        if cfg.resume:  # the checkpoint's settings; the options given must agree with them
+            cfg = state.resume_settings(cfg, given)
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
         run(cfg, ctx)
         return 0
@@ -110,7 +113,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
     kernels = resolve_kernels(cfg.kernels, ctx.device)
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
-    for note in (notice, graphs_note, profiling.graphs_note(cfg.nvtx, use_graphs)):
+    for note in (report.cpu_note(cfg, ctx.device), report.cpu_threads_note(ctx.device), notice, graphs_note, profiling.graphs_note(cfg.nvtx, use_graphs)):
         if note:
             log.line(note)
 
@@ -118,8 +121,9 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     decode = dali_decoder(ctx.device) if loader_name == "dali" else None  # JPEG folders: DALI decodes once
     if progress.enabled:
         decode = chunked_decoder(decode, progress)
-    data = load_dataset(cfg.data, cfg.download, cfg.cache_dir or None, log=log.line,
-                        decode=decode, download_set=cfg.download_set).subset(cfg.subset)
+    data, val_images, val_labels, notes = for_run(load_dataset(
+        cfg.data, cfg.download, cfg.cache_dir or None, log=log.line, decode=decode, download_set=cfg.download_set),
+        cfg.subset, cfg.val_split)  # --subset, then --val-split's held-out images, before any sharding
     per_rank_batch = cfg.batch_size // ctx.world_size
     steps = len(data.train_labels) // ctx.world_size // per_rank_batch
     check_run_length(cfg, steps, len(data.train_labels), ctx.world_size)  # 1..MAX_STEPS steps in all
@@ -130,6 +134,10 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
                                      rank=ctx.rank)
     test_set = EvalSet(data.test_images, data.test_labels, cfg.eval_batch_size, dtype=dtype,
                        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size)
+    # each epoch's evaluation: the test set, or --val-split's held-out images (the test set then once, at the end)
+    eval_set = test_set if not len(val_labels) else EvalSet(
+        val_images, val_labels, cfg.eval_batch_size, dtype=dtype, device=ctx.device, rank=ctx.rank,
+        world_size=ctx.world_size)
     engine = {"loader": loader_name, "kernels": kernels, "precision": "fp16" if half else "fp32",
               "cuda graphs": "on" if use_graphs else "off"}
     if ctx.distributed:
@@ -137,15 +145,18 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     # the class names once, as "classes" (the header shows a few; log.txt and summary.json all)
     log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
                "provenance": provenance(cfg, ctx.device) if ctx.is_main else {},
-               "data": f"{data.source}: {len(data.train_labels)} train, {len(data.test_labels)} test images, "
-                       f"{len(data.classes)} classes",
+               "data": f"{data.source}: {len(data.train_labels)} train, "
+                       + (f"{len(val_labels)} validation, " if len(val_labels) else "")
+                       + f"{len(data.test_labels)} test images, {len(data.classes)} classes",
                "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "engine": engine,
                "classes": list(data.classes)})
 
+    for note in notes:
+        log.line(note)
     session = components.Session(cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs,
-                                 tuple(data.classes), resume)
+                                 tuple(data.classes), resume, eval_set)
     quiet = components.Session(cfg, ctx, dtype, train_loader, test_set, RunLog(cfg, "", False), Progress(False),
-                               use_graphs, tuple(data.classes))  # a warm-up run logs nothing, draws nothing
+                               use_graphs, tuple(data.classes), None, eval_set)  # a warm-up run logs nothing, draws nothing
     for _ in range(warmup_runs):  # seed + runs: a seed no measured run uses
         train_one_run(quiet, 0, cfg.seed + cfg.runs)
     results = []
@@ -198,11 +209,11 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
     schedule.reset()
     sync.reset()  # error-feedback residuals, compression RNG and counts
     model.eval()
-    eval_step.batch.load(*next(iter(session.test_set)))
+    eval_step.batch.load(*next(iter(session.eval_set)))
     eval_step.prepare()
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
-    run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths))
+    run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
     total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
@@ -229,7 +240,7 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
 
         t1 = time.perf_counter()
         distributed.average_buffers(model.buffers(), ctx.world_size)
-        test_loss, test_acc = evaluate(model, eval_step, session.test_set, ctx)
+        test_loss, test_acc = evaluate(model, eval_step, session.eval_set, ctx)  # --val-split: held-out images
         n_train = epoch_steps * per_rank_batch * ctx.world_size
         train_loss, train_correct = distributed.all_sum(
             [train_step.loss_sum.item(), float(train_step.correct.item())], ctx, ctx.device)
@@ -244,7 +255,7 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
     result.train_time = total_train_time
     result.wall_time = time.time() - PROCESS_START
     result.model, result.classes = model, tuple(session.classes)
-    run_parts.finish(result)  # the whitening bias trainable again, sparse records, the model file, ...
+    run_parts.finish(result)  # the test set after --val-split, the whitening bias trainable again, the model file, ...
     model.zero_grad(set_to_none=True)
     return result
 

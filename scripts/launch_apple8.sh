@@ -8,7 +8,7 @@
 #
 # The flags are the `apple8` preset spelled out (the seed recipe with --batch-size 2048), so this
 # works on branches that do not have the preset yet. The learning rate follows the rule in
-# config.py and the README: 0.4 per 512 of global batch -> a peak of 1.6 at 2048, whatever the
+# config.py and docs/presets.md: 0.4 per 512 of global batch -> a peak of 1.6 at 2048, whatever the
 # number of GPUs. Flags given here come after ours, so they override (argparse keeps the last).
 # Gradients are averaged by fastcifar.dist.comm's buckets (--comm bucketed, 2 MiB); --comm ddp for the
 # stock path. A rank that fails makes torchrun stop the others; one that stalls fails the rest

@@ -32,6 +32,7 @@ class Config:
     download_set: str = "cifar10"  # which official set --download fetches: cifar10 | cifar100 (fine labels)
     cache_dir: str = ""  # decoded-image cache; "" = next to the data, else ~/.cache/fastcifar
     subset: int = 0  # training images to use, 0 = all; the test set is cut to the same fraction
+    val_split: int = 0  # training images held out (fixed, seeded) for the per-epoch evaluation; the test set is then evaluated once, at the end; 0 = evaluate on the test set every epoch
     loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: the faster measured (dali_loader.AUTO_LOADER)
     # --- model ---
     arch: str = "resnet9"  # network: resnet9 (fastcifar.models.blocks) | fastnet (fastcifar.models.fastnet) | alexnet (fastcifar.models.alexnet)
@@ -125,7 +126,7 @@ class Config:
     # --- checkpoints (fastcifar.checkpoint) ---
     save_model: bool = True  # write the final, evaluated weights to the run folder (model.safetensors), off the clock
     checkpoint_every: int = 0  # epochs between training-state checkpoints (run folder's checkpoint.pt); 0 = none
-    resume: str = ""  # training-state checkpoint (checkpoint.pt) to continue from; "" = start fresh
+    resume: str = ""  # training-state checkpoint (checkpoint.pt) to continue from, with its settings (options given must agree); "" = start fresh
     preset: str = field(default="resnet9", metadata={"cli": False})  # the preset this started from
 
 
@@ -134,14 +135,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "resnet9": {},
     # The 8-GPU seed recipe: ResNet-9 at 256 images per GPU, 2048 global. Only the batch is known
     # (from the issue); every other setting is the seed recipe's, and lr 0.4 per 512 scales
-    # linearly to a peak of 1.6 for the mean loss at 2048 (README, "Learning-rate rule").
+    # linearly to a peak of 1.6 for the mean loss at 2048 (docs/presets.md, "Learning-rate rule").
     "apple8": {"batch_size": 2048},
     # The CIFAR AlexNet of the compressed-communication system (issue 15), on the seed recipe.
     "alexnet": {"arch": "alexnet", "widths": (64, 192, 384, 256, 256)},
     # airbench94 (Jordan, 2024: 94.01% mean over 1,000 runs on one A100) transcribed fact by fact
     # into this trainer's conventions (the default until 2026-11-23); tests/unit/test_recipe_parity.py
     # holds a few of its steps to a plain-PyTorch transcription of the published recipe. Its
-    # figures here (JPEG copy only, so far): bench/results/first_light.md, sixth visit, 6b.
+    # figures here (JPEG copy only, so far): bench/results/visits/visit-6.md, 6b.
     # Conversions:
     #   lr 11.5 per 1024 in airbench's decoupled form is 11.5 / (1024 x (1 + 1/(1 - 0.85))) =
     #      1.4648e-3 per image of summed loss = 0.75 per 512 for the mean loss;
@@ -187,7 +188,7 @@ PRESETS["fast-muon"] = {**PRESETS["fast"], "epochs": 8, "batch_size": 2000, "lr"
                         "muon_ns_steps": 3, "logit_scale": 1 / 256, "head_unit_init": True}
 # The default: `fast-muon` with its two wide blocks at 320 channels, the best mean of the settings
 # measured within 1.5 s on one H100 and a flat optimum of its own knobs; on the JPEG copy only,
-# so far (bench/results/first_light.md, sixth visit 6a-6b, seventh visit 7b). Logits stay / 256,
+# so far (bench/results/visits/visit-6.md 6a-6b, visit-7.md 7b). Logits stay / 256,
 # as measured there.
 PRESETS["fast-muon320"] = {**PRESETS["fast-muon"], "widths": (64, 320, 320)}
 DEFAULT_PRESET = "fast-muon320"  # what `python -m fastcifar.train` runs
@@ -262,6 +263,7 @@ MAX_BATCH = 65536  # images per step (training, global) or per evaluation batch 
 MAX_STEPS = 10**6  # training steps of a run (epochs x steps per epoch; the trainer checks, it knows the data)
 RANGES: dict[str, tuple[float | None, float | None, str]] = {
     "subset": (0, None, "[)"),
+    "val_split": (0, None, "[)"),
     "whiten_eps": (0, None, "()"),
     "whiten_images": (0, None, "[)"),
     "whiten_bias_epochs": (0, None, "[)"),
@@ -464,6 +466,18 @@ def _validate_sparse(cfg: Config, world_size: int) -> None:
                               f"{cfg.sparse_fraction} of the parameters: more than all of them")
 
 
+def full_recipe(cfg: Config) -> bool:
+    """Whether a run is its preset's full recipe on the full data, where the --target-acc bar
+    (94%, set for the full recipes on CIFAR-10) means something: no --subset or --val-split, the
+    preset's network at no narrower widths, and no fewer epochs. A toy run (a CPU smoke test, a
+    sweep's shortened point) gets no "missed" verdict."""
+    if cfg.preset not in PRESETS:
+        return False
+    base = from_preset(cfg.preset)
+    return (cfg.subset == 0 and cfg.val_split == 0 and cfg.arch == base.arch and cfg.epochs >= base.epochs
+            and len(cfg.widths) == len(base.widths) and all(w >= b for w, b in zip(cfg.widths, base.widths)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line: --preset, then one flag per field, each defaulting to the preset's value.
 
@@ -593,6 +607,13 @@ def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argpa
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "python -m fastcifar.train") -> Config:
+    return parse_command_line(argv, prog)[0]
+
+
+def parse_command_line(argv: list[str] | None = None,
+                       prog: str = "python -m fastcifar.train") -> tuple[Config, dict[str, Any]]:
+    """The run's config, and the fields given explicitly on the command line with their values
+    (``--resume`` takes the checkpoint's settings for the others: run.state.resume_settings)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset", default=DEFAULT_PRESET)
@@ -604,7 +625,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastcifar.t
     # no abbreviations (allow_abbrev=False), so the flag is given exactly as --warmup-epochs[=V]
     if not any(a == "--warmup-epochs" or a.startswith("--warmup-epochs=") for a in argv):
         del args["warmup_epochs"]  # from_preset scales the preset's warm-up with a changed --epochs
-    return from_preset(preset, **args)
+    cfg = from_preset(preset, **args)
+    # A second parse with no defaults: only what the command line names (argparse's own trick).
+    quiet = build_parser(from_preset(known.preset), prog)
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(quiet.parse_args(argv))
+    return cfg, {k: (getattr(cfg, k) if k != "preset" else preset) for k in given}
 
 
 def check_run_length(cfg: Config, steps_per_epoch: int, images: int, world_size: int) -> None:

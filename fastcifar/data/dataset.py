@@ -55,3 +55,33 @@ class Dataset:
         return Dataset(self.train_images[pick_train], self.train_labels[pick_train],
                        self.test_images[pick_test], self.test_labels[pick_test], self.classes,
                        f"{self.source} (a fixed subset)")  # the counts are printed beside the source
+
+    def hold_out(self, n_val: int) -> tuple["Dataset", np.ndarray, np.ndarray]:
+        """``--val-split``: (the set without ``n_val`` training images, their images, their labels).
+        A fixed choice from a constant seed, the same on every rank, before any sharding; 0 leaves
+        the set as it is (and holds out nothing)."""
+        n_all = len(self.train_labels)
+        if n_val <= 0:
+            return self, self.train_images[:0], self.train_labels[:0]
+        if n_val >= n_all:
+            raise DataError(f"--val-split {n_val} leaves no training images: {self.source} has {n_all}")
+        order = np.random.default_rng(2).permutation(n_all)
+        val, keep = np.sort(order[:n_val]), np.sort(order[n_val:])
+        rest = Dataset(self.train_images[keep], self.train_labels[keep], self.test_images, self.test_labels,
+                       self.classes, self.source)
+        return rest, self.train_images[val], self.train_labels[val]
+
+
+def for_run(data: Dataset, subset: int, val_split: int) -> tuple[Dataset, np.ndarray, np.ndarray, list[str]]:
+    """``--subset`` then ``--val-split`` on a read set: (the training and test sets, the held-out
+    images and labels, lines for the log saying what was cut)."""
+    cut = data.subset(subset)
+    notes = []
+    if len(cut.test_labels) < len(data.test_labels):
+        notes.append(f"--subset {subset}: the test set is cut to the same fraction, {len(cut.test_labels)} of "
+                     f"{len(data.test_labels)} images (its accuracy is noisier than the full set's)")
+    cut, val_images, val_labels = cut.hold_out(val_split)
+    if val_split:
+        notes.append(f"--val-split {val_split}: each epoch is evaluated on {val_split} held-out training "
+                     f"images (val_acc); the test set once, after the last epoch")
+    return cut, val_images, val_labels, notes

@@ -56,7 +56,7 @@ class EpochAhead:
     """One epoch's plan (order and augmentation draws, on the device) made before the epoch starts.
 
     Why: drawing an epoch on the host at its start left the GPU idle at every epoch start, and
-    for tens of milliseconds in some (bench/results/first_light.md, third visit, 3b). The trainer
+    for tens of milliseconds in some (bench/results/visits/visit-3.md, 3b). The trainer
     asks for the next epoch's plan right after queuing the last step of this one, when the CPU is
     well ahead of the GPU: the drawing overlaps the GPU, still inside this epoch's clock.
     ``take`` returns the plan made ahead when it is the epoch asked for, else draws it then."""

@@ -26,7 +26,7 @@ def resolve_kernels(requested: str, device: torch.device) -> str:
     """``auto`` is Triton on CUDA, every block fused, and the torch reference on the CPU: on an H100
     the fused block beat cuDNN's batchnorm + activation (+ pool) on every preset block that eager
     could be timed on, pooled or not, and the graphed step was faster with every block fused
-    (bench/results/first_light.md, fifth visit, 5b). Triton on the CPU runs in Triton's interpreter (correct, slow: for
+    (bench/results/visits/visit-5.md, 5b). Triton on the CPU runs in Triton's interpreter (correct, slow: for
     tests; see ``fastcifar.kernels.module``), which exists only in a process without a GPU: Triton chooses
     interpreter or compiler once per process, at import. It takes minutes per epoch, so it is refused
     unless the environment sets ``FASTCIFAR_ALLOW_INTERPRETER=1`` (the tests that train through it)."""

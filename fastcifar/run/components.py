@@ -25,6 +25,7 @@ from fastcifar.run.recipe import RunHooks
 from fastcifar.run.report import RunLog
 from fastcifar.run.sparse.run import SparseRun
 from fastcifar.run.state import Checkpoints
+from fastcifar.run.step import evaluate
 
 
 @dataclass
@@ -40,6 +41,11 @@ class Session:
     use_graphs: bool
     classes: tuple[str, ...]
     resume: dict | None = None  # a checked training state (run.state.load_state), for run 1..N
+    eval_set: object = None  # each epoch's evaluation: test_set, or --val-split's held-out images
+
+    def __post_init__(self):
+        if self.eval_set is None:
+            self.eval_set = self.test_set
 
 
 class Watchdog(Component):
@@ -86,8 +92,24 @@ class ModelFile(Component):
         self.log.line(f"model: {result.model_path}")
 
 
+class FinalTest(Component):
+    """``--val-split``: the epochs were evaluated on held-out training images; the test set once,
+    after the last epoch, gives the run's figure (``result.test_acc``; the last validation
+    accuracy becomes ``result.val_acc``). Before the model file, which records the test figure."""
+
+    def __init__(self, session: Session, model, eval_step, run: int):
+        self.session, self.model, self.eval_step, self.run = session, model, eval_step, run
+
+    def finish(self, result) -> None:
+        s = self.session
+        _, acc = evaluate(self.model, self.eval_step, s.test_set, s.ctx)
+        result.val_acc, result.test_acc = result.test_acc, acc
+        s.log.line(f"run {self.run}: the test set, evaluated once after the last epoch: test_acc {acc:.2f}% "
+                   f"(last val_acc {result.val_acc:.2f}%)")
+
+
 def for_run(session: Session, run: int, parts: dict, sync: GradientSync, sparse: SparseRun,
-            epochs: int) -> Components:
+            epochs: int, eval_step=None) -> Components:
     """The components of run ``run`` (0: an unlogged warm-up run, which saves and resumes nothing).
     ``parts``: the run's objects a training state covers (run.state)."""
     cfg, log = session.cfg, session.log
@@ -97,6 +119,8 @@ def for_run(session: Session, run: int, parts: dict, sync: GradientSync, sparse:
     members.append(Checkpoints(cfg, log, parts, epochs, session.resume if run else None,
                                cfg.checkpoint_every if run else 0))
     members.append(SyncCleanup(sync, log, run))
+    if session.eval_set is not session.test_set:  # --val-split
+        members.append(FinalTest(session, parts["model"], eval_step, run))
     if cfg.save_model and log.dir is not None:
         members.append(ModelFile(session, run))
     members.append(Watchdog(session))

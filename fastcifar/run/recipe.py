@@ -121,7 +121,7 @@ class RunHooks(Component):
         switches graphs instead of capturing on the clock), and whiten random images into a
         scratch copy of the whitening conv, so the first run's whitening init does not pay for
         loading cuSOLVER's eigensolver and the float64 kernels (the first run's epoch 1 was
-        markedly slower than later runs' without it: first_light.md, second visit, 2c)."""
+        markedly slower than later runs' without it: bench/results/visits/visit-2.md, 2c)."""
         if isinstance(self.model, FastNet) and self.cfg.whiten_images:
             conv = copy.deepcopy(self.model.whiten)
             n, device = math.ceil(self.cfg.whiten_images / self.ctx.world_size), conv.weight.device

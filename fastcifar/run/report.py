@@ -47,6 +47,22 @@ EPOCH_HEADER = f"{'run':>4} {'epoch':>5} {'lr':>8} {'train_loss':>10} {'train_ac
                f"{'test_acc':>8} {'epoch_s':>8} {'train_s':>8}"
 TSV_COLUMNS = ("run", "epoch", "lr", "train_time", "train_loss", "train_acc",
                "test_time", "test_loss", "test_acc", "total_train_time")
+# --val-split: each epoch's evaluation is on held-out training images, so its columns and fields
+# say "val" (an EpochRecord's test_* hold whichever set the epochs were evaluated on)
+VAL_NAMES = {"test_time": "val_time", "test_loss": "val_loss", "test_acc": "val_acc"}
+
+
+def epoch_names(cfg) -> dict:
+    """EpochRecord field -> the name the log, timing_log.tsv and summary.json give it."""
+    return VAL_NAMES if getattr(cfg, "val_split", 0) else {}
+
+
+def target_note(cfg, acc: float, target_acc: float) -> str:
+    """The run line's verdict: reached or missed for a full recipe, else why the bar does not apply."""
+    from fastcifar.core.config import full_recipe
+    if not full_recipe(cfg):
+        return f"target {target_acc:.2f}% applies to the full preset on the full data"
+    return f"target {target_acc:.2f}%: {'reached' if acc >= target_acc else 'missed'}"
 
 
 def lr_note(cfg) -> str:
@@ -55,6 +71,36 @@ def lr_note(cfg) -> str:
     return (f"lr: the base learning rate at the epoch's last step, for the mean loss over the global batch of "
             f"{cfg.batch_size}; its peak is --lr {cfg.lr:g} x {cfg.batch_size}/512 = "
             f"{cfg.lr * cfg.batch_size / 512:.4f}{muon}")
+
+
+def cpu_note(cfg, device: torch.device) -> str:
+    """A full recipe on the CPU: a warning before it starts (hours, with TTA's 6 views each epoch)."""
+    from fastcifar.core.config import full_recipe
+    if device.type != "cpu" or not full_recipe(cfg):
+        return ""
+    return (f"warning: the full {cfg.preset} preset on a CPU takes hours; for a short CPU run see the README's "
+            f"CPU example (--subset 2000 --epochs 4 --widths 16,32,32 --batch-size 128)")
+
+
+def cpu_threads_note(device: torch.device) -> str:
+    """On the CPU with OMP_NUM_THREADS unset while other work keeps the cores busy (the 1-minute
+    load average): a line advising OMP_NUM_THREADS=1; else nothing. torch's default (a thread per
+    core) contends with that work: on 2 shared cores the README's CPU example ran about ten times
+    slower an epoch than with one thread, while on an idle machine the default was faster
+    (bench/results/cpu_threads.jsonl). Advice only: the thread count can change a CPU run's
+    floating-point sums, so the trainer never changes it behind the user's back."""
+    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return ""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return ""
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads <= 1 or cores - math.ceil(load - 0.25) >= threads:
+        return ""
+    return (f"note: load average {load:.1f} on {cores} cores: other work is running, and torch uses {threads} "
+            f"threads; OMP_NUM_THREADS=1 is usually much faster on a shared machine (README, CPU runs)")
 
 
 def process_start_time() -> float:
@@ -146,21 +192,30 @@ class EpochRecord:
 class RunResult:
     run: int
     seed: int
-    test_acc: float  # %, final epoch, with the recipe's evaluation (TTA if on)
+    test_acc: float  # %, final epoch, with the recipe's evaluation (TTA if on); --val-split: the test set once, at the end
     train_time: float  # s, see TIMING_PROTOCOL
     wall_time: float  # s since process start
     epochs: list[EpochRecord] = field(default_factory=list)
     classes: tuple = ()  # class names, in label order (the data's)
     model_path: str = ""  # where its model file was written ("" = not written)
+    val_acc: float | None = None  # --val-split: the last epoch's accuracy on the held-out images
     model: object = field(default=None, repr=False, compare=False)  # the trained network, in memory (not logged)
 
 
-def record(r: RunResult) -> dict:
+def record(r: RunResult, names: dict | None = None) -> dict:
     """A run's metrics as plain data, without the in-memory model or the class names (summary.json
-    holds those once, as "classes": every run of an invocation trains on the same data)."""
+    holds those once, as "classes": every run of an invocation trains on the same data).
+    ``names``: epoch fields renamed (``epoch_names``); no val_acc without --val-split."""
     doc = dataclasses.asdict(dataclasses.replace(r, model=None))
     del doc["model"], doc["classes"]
+    if doc["val_acc"] is None:
+        del doc["val_acc"]
+    doc["epochs"] = [rename(e, names) for e in doc["epochs"]]
     return doc
+
+
+def rename(epoch: dict, names: dict | None) -> dict:
+    return {(names or {}).get(k, k): v for k, v in epoch.items()}
 
 
 HEADER_CLASSES = 3  # class names on the header's data line: CIFAR-100's 100 would fill the terminal
@@ -265,6 +320,7 @@ class RunLog:
         self._results: list[RunResult] = []
         self._epochs: list[EpochRecord] = []  # the current run's, for a summary of a stopped run
         self._epochs_logged = 0  # a resumed run's first logged epoch is past 1: it gets the header
+        self.names = epoch_names(cfg)  # --val-split: val_* columns and fields
         if enabled:
             check_out_dir(out_root)
 
@@ -300,7 +356,7 @@ class RunLog:
         except OSError as exc:
             raise OutputError(f"--out-dir {self.out_root}: cannot create {self.dir}: {_why(exc)}") from None
         _OPEN.append(self)
-        self._write(self._tsv, "\t".join(TSV_COLUMNS) + "\n")  # flushed: even a SIGKILL leaves the header
+        self._write(self._tsv, "\t".join(self.names.get(c, c) for c in TSV_COLUMNS) + "\n")  # flushed: even a SIGKILL leaves the header
         for text in self._pending:
             self._write(self._log, text + "\n")
         self._pending = []
@@ -371,7 +427,7 @@ class RunLog:
         if r.epoch == 1 or not self._epochs_logged:  # a resumed run starts past epoch 1
             if not self._epochs_logged:
                 self.line(lr_note(self.cfg))
-            self.line(EPOCH_HEADER)
+            self.line(EPOCH_HEADER.replace("test_acc", f"{self.names.get('test_acc', 'test_acc'):>8}"))
         self._epochs_logged += 1
         self.line(f"{r.run:>4} {r.epoch:>5} {r.lr:>8.4f} {r.train_loss:>10.4f} {r.train_acc:>9.2f} "
                   f"{r.test_acc:>8.2f} {r.train_time:>8.2f} {r.total_train_time:>8.2f}")
@@ -379,7 +435,6 @@ class RunLog:
     def run_done(self, res: RunResult, target_acc: float) -> None:
         self._results.append(res)
         here, self._epochs = self._epochs, []  # the epochs this process trained (and logged)
-        verdict = "reached" if res.test_acc >= target_acc else "missed"
         train, wall = f"train {res.train_time:.2f} s", f"wall {res.wall_time:.2f} s"
         resumed = len(res.epochs) - len(here)
         if resumed > 0:  # see TIMING_PROTOCOL: the train clock spans the checkpoint, the wall clock does not
@@ -388,12 +443,13 @@ class RunLog:
                       f"the resume, {mine:.2f} s in this process)")
             wall += " in this process"
         self.line(f"run {res.run}: test_acc {res.test_acc:.2f}% {train} {wall} "
-                  f"(target {target_acc:.2f}%: {verdict})")
+                  f"({target_note(self.cfg, res.test_acc, target_acc)})")
 
     def _summary_doc(self, results: list[RunResult], summary: dict | None, status: str, **extra) -> dict:
         return {**self.meta, "status": status, **extra, "config": dataclasses.asdict(self.cfg),
                 "timing_protocol": TIMING_PROTOCOL, "summary": summary,
-                "results": [record(r) for r in results],
+                "epoch_eval_set": "validation" if self.names else "test",
+                "results": [record(r, self.names) for r in results],
                 "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
     def _write_summary(self, doc: dict) -> None:
@@ -431,7 +487,7 @@ class RunLog:
             self._log.write(f"stopped ({status}): {reason}\n")
             self._log.flush()
             summary = summarize(self._results, self.cfg.target_acc) if self._results else None
-            partial = [dataclasses.asdict(r) for r in self._epochs]
+            partial = [rename(dataclasses.asdict(r), self.names) for r in self._epochs]
             self._write_summary(self._summary_doc(self._results, summary, status, stopped=reason,
                                                   unfinished_run_epochs=partial))
         except (OSError, OutputError):

@@ -136,6 +136,7 @@ def _read_state(path, cfg: Config, world_size: int) -> dict:
     if not isinstance(saved, dict):
         raise CheckpointError(f"--resume {path}: field config is not the JSON of a config")
     now = json.loads(json.dumps(training_settings(cfg), sort_keys=True))
+    saved = {**_new_field_defaults(saved), **saved}  # a field added since the checkpoint: its default
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if differ:
         k = differ[0]
@@ -206,6 +207,44 @@ def _check_progress(state: dict, cfg: Config, where: str) -> None:
             raise bad("model", f"{name} holds NaN or infinite values")
     if not isinstance(state["optimizer"], dict):
         raise bad("optimizer", "is not an optimizer state")
+
+
+def _new_field_defaults(saved: dict) -> dict:
+    """Training fields a checkpoint's config lacks (added since it was written), at their defaults:
+    the run it continues had them off."""
+    base = json.loads(json.dumps(training_settings(Config()), sort_keys=True))
+    return {k: v for k, v in base.items() if k not in saved}
+
+
+def _plain(value):
+    return json.loads(json.dumps(value))
+
+
+def resume_settings(cfg: Config, given: dict) -> Config:
+    """``--resume CHECKPOINT`` on the command line: the checkpoint's training settings, with the
+    command line's where-and-what-to-log fields (config.TRAJECTORY_FREE_FIELDS). An option given
+    explicitly (``given``: field -> value) must agree with the checkpoint: CheckpointError, one line
+    naming the option and both values, otherwise. A file that cannot be read leaves ``cfg`` alone:
+    ``load_state`` then says what is wrong with it. The Python API (``fastcifar.train(cfg)``) does
+    not come here: its ``cfg`` must match the checkpoint (``load_state`` checks)."""
+    path = Path(cfg.resume)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        saved = json.loads(state["config"])
+    except Exception:  # missing, unreadable, foreign: load_state says which, in one line
+        return cfg
+    saved = {**_new_field_defaults(saved), **saved}
+    known = {f.name: f for f in dataclasses.fields(Config)}
+    for name, value in sorted(given.items()):
+        if name in saved and _plain(value) != saved[name]:
+            flag = "--" + name.replace("_", "-")
+            shown = ",".join(map(str, saved[name])) if isinstance(saved[name], list) else saved[name]
+            mine = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            raise CheckpointError(f"--resume {path}: written with {flag} {shown}, this run has {mine} (given on "
+                                  f"the command line; leave it out to continue with the checkpoint's)")
+    settings = {k: (tuple(v) if isinstance(known[k].default, tuple) else v)
+                for k, v in saved.items() if k in known}
+    return dataclasses.replace(cfg, **settings)
 
 
 def restore(state: dict, *, ctx, model, opt, schedule, hooks, loader, source: str = "checkpoint") -> tuple[int, list]:

@@ -29,7 +29,8 @@ def env() -> dict:
 def bench_results() -> dict[str, bytes]:
     """Every file in bench/results/ with its content: a benchmark's CPU form must leave it as it
     was, and an appended row changes no file name."""
-    return {p.name: p.read_bytes() for p in sorted((ROOT / "bench" / "results").iterdir())}
+    results = ROOT / "bench" / "results"
+    return {str(p.relative_to(results)): p.read_bytes() for p in sorted(results.rglob("*")) if p.is_file()}
 
 
 def run_train(args, timeout=300, launcher=None) -> subprocess.CompletedProcess:

@@ -147,7 +147,7 @@ def test_failed_decode_leaves_no_cache(tmp_path):
     assert not cache.exists() or not list(cache.iterdir())
 
 
-@pytest.mark.skipif(not SHARED_JPEG.is_file(), reason="shared JPEG CIFAR-10 archive not present")
+@pytest.mark.skipif(not SHARED_JPEG.is_file(), reason="the JPEG copy of CIFAR-10 (cifar10-jpeg.tar.gz) is not present")
 def test_shared_jpeg_archive_loads_as_is(tmp_path):
     ds = load_dataset(SHARED_JPEG, cache_dir=tmp_path / "cache", log=quiet)
     assert ds.train_images.shape == (50000, 32, 32, 3) and ds.test_images.shape == (10000, 32, 32, 3)

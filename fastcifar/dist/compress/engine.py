@@ -175,7 +175,7 @@ class Compression:
         warm = f", dense for the first {self.warmup_steps} steps" if self.warmup_steps else ""
         note = ""
         if self.memory is not None and self.compressor.unbiased:
-            note = " (note: error feedback with an unbiased compressor can diverge, see README)"
+            note = " (note: error feedback with an unbiased compressor can diverge, see docs/compression.md)"
         return f"compression: {self.compressor.describe()}, scope {self.scope}, {self.transport} transport, " \
                f"{ef}{warm}{note}"
 
