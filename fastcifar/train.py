@@ -113,7 +113,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
     kernels = resolve_kernels(cfg.kernels, ctx.device)
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
-    for note in (report.cpu_note(cfg, ctx.device), report.cpu_threads_note(ctx.device), notice, graphs_note, profiling.graphs_note(cfg.nvtx, use_graphs)):
+    for note in (report.cpu_note(cfg, ctx.device), report.cpu_threads_note(ctx.device), notice, graphs_note,
+                 profiling.graphs_note(cfg.nvtx, use_graphs)):
         if note:
             log.line(note)
 
@@ -156,7 +157,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     session = components.Session(cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs,
                                  tuple(data.classes), resume, eval_set)
     quiet = components.Session(cfg, ctx, dtype, train_loader, test_set, RunLog(cfg, "", False), Progress(False),
-                               use_graphs, tuple(data.classes), None, eval_set)  # a warm-up run logs nothing, draws nothing
+                               use_graphs, tuple(data.classes), None, eval_set)  # a warm-up run: no logs, no bars
     for _ in range(warmup_runs):  # seed + runs: a seed no measured run uses
         train_one_run(quiet, 0, cfg.seed + cfg.runs)
     results = []
@@ -226,7 +227,8 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
         t0 = time.perf_counter()
         run_parts.epoch_start(epoch)  # on the clock: epoch 0's data-dependent inits read training images
         batches = profiling.ranged(loader.first(epoch_steps), "data", push, pop)
-        for images, labels in session.progress.steps(batches, epoch_steps, f"run {run} epoch {epoch + 1}/{len(lengths)}"):
+        bar = f"run {run} epoch {epoch + 1}/{len(lengths)}"
+        for images, labels in session.progress.steps(batches, epoch_steps, bar):
             push("step")  # a graph replay shows as this one range: its phases were marked at capture
             train_step(images, labels)
             pop()

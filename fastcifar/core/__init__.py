@@ -1,1 +1,3 @@
-"""Layer 0: the settings (Config, presets, choices), the errors bad input raises, signals, atomic files. Imports nothing of fastcifar."""
+"""Layer 0: the settings (Config, presets, choices), the errors bad input raises, signals, atomic
+files. Imports nothing of fastcifar.
+"""
