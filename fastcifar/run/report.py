@@ -377,14 +377,7 @@ class RunLog:
 
     def _discard(self) -> None:
         """Remove what a failed ``start`` created: its open files, their files and the folder."""
-        for f in (self._log, self._tsv):
-            if f is not None:
-                try:
-                    f.close()
-                except OSError:
-                    pass
-        if self in _OPEN:
-            _OPEN.remove(self)
+        self._close()
         if self.dir is not None:
             for name in ("log.txt", "timing_log.tsv"):
                 try:
@@ -460,6 +453,8 @@ class RunLog:
 
     def _close(self) -> None:
         for f in (self._log, self._tsv):
+            if f is None:  # a start that failed before opening it
+                continue
             try:
                 f.close()
             except OSError:
