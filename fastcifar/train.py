@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
     ctx = None
     previous = signals.install()  # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run (signals.py)
     try:
-        if cfg.resume:  # the checkpoint's settings; the options given must agree with them
-            cfg = state.resume_settings(cfg, given)
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
+        if cfg.resume:  # the checkpoint's settings (rank 0 reads them); the options given must agree
+            cfg = state.resume_settings(cfg, given, ctx)
         run(cfg, ctx)
         return 0
     except (ConfigError, DataError) as exc:

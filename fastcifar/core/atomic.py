@@ -11,23 +11,29 @@ resume (``run.state``) for the whole folder of the checkpoint it reads.
 
 from __future__ import annotations
 
-import errno
 import fnmatch
 import glob
 import os
 import re
 import secrets
+import socket
 import time
 from pathlib import Path
 
-# .<target>.<writer pid>-<8 hex>.tmp; before 2026-11 the same without a pid (tempfile.mkstemp's
-# 8 characters of [a-z0-9_]): those are judged by age alone.
-_TMP = re.compile(r"^\.(?P<target>.+)\.(?:(?P<pid>\d+)-[0-9a-f]{8}|[a-z0-9_]{8})\.tmp$")
+# .<target>.<writer's host>.<writer's pid>-<8 hex>.tmp. Older names (tempfile.mkstemp's 8 characters
+# of [a-z0-9_], or a pid without a host) and another host's are judged by age alone: a pid says
+# nothing about a process on another node sharing the folder.
+_TMP = re.compile(r"^\.(?P<target>.+?)\.(?:(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)-[0-9a-f]{8}|\d+-[0-9a-f]{8}"
+                  r"|[a-z0-9_]{8})\.tmp$")
 STALE_AGE_S = 600.0  # a temporary whose writer cannot be told (another host, old name) is stale after this
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
 def temporary_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    return path.with_name(f".{path.name}.{_host()}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
 
 
 def fsync_dir(folder: str | Path) -> None:
@@ -39,9 +45,8 @@ def fsync_dir(folder: str | Path) -> None:
         return
     try:
         os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
+    except OSError:  # best effort: the rename has happened, and some file systems cannot (EINVAL, ...)
+        pass
     finally:
         os.close(fd)
 
@@ -105,7 +110,7 @@ def remove_stale(folder: str | Path, targets: str | tuple[str, ...], max_age_s: 
             continue
         p = Path(folder) / name
         try:
-            if m["pid"] is not None:
+            if m["pid"] is not None and m["host"] == _host():
                 stale = int(m["pid"]) != os.getpid() and not _alive(int(m["pid"]))
             else:
                 stale = now - p.lstat().st_mtime > max_age_s

@@ -407,6 +407,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--warmup-epochs must lie in 0..{cfg.epochs} (the epochs), not {cfg.warmup_epochs}")
     if not 0 <= cfg.seed <= SEED_MAX - cfg.runs:  # run r uses seed + r - 1; bench's warm-up run seed + runs
         raise ConfigError(f"--seed must lie in 0..2^63-1-runs ({SEED_MAX - cfg.runs}), not {cfg.seed}")
+    if 0 < cfg.val_split < world_size:  # each rank evaluates every world_size-th held-out image
+        raise ConfigError(f"--val-split must be 0 or at least the number of ranks ({world_size}), not {cfg.val_split}")
     max_pad = IMAGE_SIDE - 1 if cfg.pad_mode == "reflect" else IMAGE_SIDE  # reflection needs pad < side
     if cfg.crop_pad > max_pad:
         raise ConfigError(f"--crop-pad must be at most {max_pad} with --pad-mode {cfg.pad_mode} "

@@ -29,7 +29,7 @@ import io
 import os
 import re
 import sys
-import tempfile
+import threading
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -397,36 +397,66 @@ def decode_jpegs(encoded: Sequence[bytes], device: torch.device | str = "cpu", *
 # coloured, not always ending in a newline.
 _DALI_LOG = re.compile(rb"(?:\x1b\[[0-9;]*m)?\[(?:ERROR|WARNING|WARN|INFO|DEBUG)\] ?(?:\x1b\[[0-9;]*m)?"
                        rb"\[[\w .:-]+\][^\n\x1b]*\n?")
+_COLOUR = re.compile(rb"\x1b\[[0-9;]*m")
 
 
 @contextlib.contextmanager
 def _dali_log_captured():
-    """Run a decode with file descriptor 2 sent to a temporary file: DALI's C++ code logs a bad
-    JPEG there itself, before the error that ``decode_jpegs`` turns into one line. Afterwards what
-    was captured goes back to stderr, less DALI's log records when the decode failed (the one-line
-    error carries their cause). Where fd 2 cannot be redirected, nothing is captured."""
+    """Run a decode with file descriptor 2 sent through a pipe: DALI's C++ code logs a bad JPEG there
+    itself, before the error that ``decode_jpegs`` turns into one line. A thread forwards every
+    other line to stderr as it arrives (so a crash inside the decode still shows its message: an
+    abort's or the driver's text never waits in a buffer) and holds back DALI's own log records;
+    afterwards they are written too, unless the decode failed (the one-line error carries their
+    cause). Where fd 2 cannot be redirected, nothing is captured."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
-        capture = tempfile.TemporaryFile()
-        os.dup2(capture.fileno(), 2)
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, 2)
+        os.close(write_end)
     except (OSError, ValueError, AttributeError):
         yield
         return
+    held: list[bytes] = []
+
+    def forward():
+        pending = b""
+        while True:
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                _route(line + b"\n", held, saved)
+        if pending:
+            _route(pending, held, saved)
+
+    thread = threading.Thread(target=forward, name="fastcifar-dali-stderr", daemon=True)
+    thread.start()
     failed = True
     try:
         yield
         failed = False
     finally:
-        os.dup2(saved, 2)  # first: stderr is whole again whatever happens below
+        os.dup2(saved, 2)  # first: stderr is whole again (and the pipe's last writer gone) whatever happens below
+        thread.join(timeout=10)
+        os.close(read_end)
+        if not failed and held:
+            os.write(saved, b"".join(held))
         os.close(saved)
-        capture.seek(0)
-        text = capture.read()
-        capture.close()
-        if failed:
-            text = _DALI_LOG.sub(b"", text)
-        if text.strip():
-            os.write(2, text)
+
+
+def _route(line: bytes, held: list, stderr_fd: int) -> None:
+    """One line from the decode's stderr: DALI's own log record is held back, anything else goes out."""
+    records = _DALI_LOG.findall(line)
+    if not records:
+        os.write(stderr_fd, line)
+        return
+    held.extend(records)
+    rest = _DALI_LOG.sub(b"", line)
+    if _COLOUR.sub(b"", rest).strip():
+        os.write(stderr_fd, rest)
 
 
 def _decode_arrays(arrays, encoded, out, Pipeline, fn, types, device, device_id, size, b, steps, num_threads):

@@ -121,7 +121,7 @@ def for_run(session: Session, run: int, parts: dict, sync: GradientSync, sparse:
     members.append(SyncCleanup(sync, log, run))
     if session.eval_set is not session.test_set:  # --val-split
         members.append(FinalTest(session, parts["model"], eval_step, run))
-    if cfg.save_model and log.dir is not None:
+    members.append(Watchdog(session))  # last to hear of each step; closed before the model file is written
+    if cfg.save_model and log.dir is not None:  # rank 0 alone, no collective: a slow disk ends no rank
         members.append(ModelFile(session, run))
-    members.append(Watchdog(session))
     return Components(members)

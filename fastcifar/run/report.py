@@ -136,7 +136,7 @@ def _git(*args: str) -> str:
     """A git command in the package's checkout ("" outside one, or without git)."""
     try:
         out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                             text=True, timeout=10)
+                             text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
@@ -146,13 +146,15 @@ def _gpu(device: torch.device) -> tuple[str | None, str | None]:
     """The GPU's name and driver version (nvidia-smi; without it the driver stays unknown)."""
     if device.type != "cuda":
         return None, None
-    name, index = torch.cuda.get_device_name(device), device.index or 0
-    try:
-        out = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=name,driver_version",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
-        smi_name, driver = (v.strip() for v in out.stdout.strip().split(",")[:2])
-        return smi_name or name, driver or None
-    except (OSError, subprocess.SubprocessError, ValueError):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = torch.cuda.get_device_name(index)
+    try:  # by UUID: nvidia-smi orders GPUs by bus id and ignores CUDA_VISIBLE_DEVICES, CUDA does neither
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        gpu_id = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        out = subprocess.run(["nvidia-smi", f"--id={gpu_id}", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=5)
+        return name, out.stdout.strip().splitlines()[0].strip() or None
+    except (OSError, subprocess.SubprocessError, IndexError, AttributeError, RuntimeError):
         return name, None
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fastcifar.core import atomic
-from fastcifar.core.config import Config, training_settings
+from fastcifar.core.config import TRAJECTORY_FREE_FIELDS, Config, training_settings
 from fastcifar.core.readfile import check_regular, why
 from fastcifar.models.files import CheckpointError, _check_shapes, host_state, write_atomic
 from fastcifar.run.component import Component
@@ -180,9 +180,11 @@ def _check_progress(state: dict, cfg: Config, where: str) -> None:
                   f"entries, expected one per epoch done ({done})")
     names = {f.name for f in dataclasses.fields(EpochRecord)}
     for i, record in enumerate(records):
+        # numbers throughout; the fields a resume reads (the epoch, the train clock) finite too: a
+        # legitimate run may record a non-finite test loss (fp16 logits), which the guard allows
         if (not isinstance(record, dict) or set(record) != names or record["epoch"] != i + 1
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                           for v in record.values())):
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in record.values())
+                or not math.isfinite(record["total_train_time"])):
             raise bad("records", f"entry {i} is not the record of epoch {i + 1}")
     ranks = state["ranks"]
     if not isinstance(ranks, list) or len(ranks) != state["world_size"]:
@@ -220,13 +222,33 @@ def _plain(value):
     return json.loads(json.dumps(value))
 
 
-def resume_settings(cfg: Config, given: dict) -> Config:
+def resume_settings(cfg: Config, given: dict, ctx=None) -> Config:
     """``--resume CHECKPOINT`` on the command line: the checkpoint's training settings, with the
     command line's where-and-what-to-log fields (config.TRAJECTORY_FREE_FIELDS). An option given
     explicitly (``given``: field -> value) must agree with the checkpoint: CheckpointError, one line
     naming the option and both values, otherwise. A file that cannot be read leaves ``cfg`` alone:
-    ``load_state`` then says what is wrong with it. The Python API (``fastcifar.train(cfg)``) does
-    not come here: its ``cfg`` must match the checkpoint (``load_state`` checks)."""
+    ``load_state`` then says what is wrong with it. With several ranks rank 0 reads the file (ranks
+    on other nodes may not see its --out-dir, as in ``load_state``) and sends every rank the same
+    settings or the same refusal. The Python API (``fastcifar.train(cfg)``) does not come here: its
+    ``cfg`` must match the checkpoint (``load_state`` checks)."""
+    if ctx is None or not ctx.distributed:
+        return _resume_settings(cfg, given)
+    import torch.distributed as dist
+    payload = [None]
+    if ctx.is_main:
+        try:
+            payload = [(_resume_settings(cfg, given), "")]
+        except CheckpointError as exc:
+            payload = [(None, str(exc))]
+    dist.broadcast_object_list(payload, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
+    settings, error = payload[0]
+    if error:
+        raise CheckpointError(error)
+    # rank 0's training settings; where things are and what is logged stay this rank's own
+    return dataclasses.replace(settings, **{k: getattr(cfg, k) for k in TRAJECTORY_FREE_FIELDS})
+
+
+def _resume_settings(cfg: Config, given: dict) -> Config:
     path = Path(cfg.resume)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)

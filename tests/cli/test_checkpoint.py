@@ -293,6 +293,19 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, capsys):
                               str(script)])
     assert bad.returncode == 0 and bad.stdout.count("refused: --resume") == 2, bad.stdout + bad.stderr[-3000:]
     assert "written with --label-smoothing 0.2" in bad.stdout
+    # --resume alone: rank 0 reads the checkpoint's settings and sends them on; rank 1, which cannot
+    # see the file, trains with them too (not with the command line's defaults)
+    script.write_text(RESUME_SETTINGS_RANKS)
+    alone = run_train([dir_a / "checkpoint.pt", "--data", data], launcher=[
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)])
+    want = f"settings epochs=2 widths={state_widths(dir_a)} whiten_bias_epochs=1"
+    assert alone.returncode == 0 and alone.stdout.count(want) == 2, alone.stdout + alone.stderr[-3000:]
+
+
+def state_widths(run_dir) -> tuple:
+    import json as _json
+    saved = _json.loads(torch.load(run_dir / "checkpoint.pt", weights_only=True)["config"])
+    return tuple(saved["widths"])
 
 
 LOAD_STATE_RANKS = """
@@ -308,6 +321,20 @@ try:
     print("epochs_done", state["epochs_done"])
 except checkpoint.CheckpointError as exc:
     print("refused:", exc)
+distributed.teardown(ctx)
+"""
+
+RESUME_SETTINGS_RANKS = """
+import sys
+from fastcifar.run import state
+from fastcifar.dist import distributed
+from fastcifar.core.config import parse_command_line
+path, argv = sys.argv[1], sys.argv[2:]
+ctx = distributed.setup("cpu", 60)
+mine = path if ctx.rank == 0 else path + ".not-on-this-node"
+cfg, given = parse_command_line(["--resume", mine, *argv])
+cfg = state.resume_settings(cfg, given, ctx)
+print(f"settings epochs={cfg.epochs:g} widths={tuple(cfg.widths)} whiten_bias_epochs={cfg.whiten_bias_epochs}")
 distributed.teardown(ctx)
 """
 

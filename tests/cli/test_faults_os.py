@@ -99,21 +99,23 @@ def dead_pid() -> int:
 
 def test_stale_temporaries_of_a_killed_writer_are_removed_and_live_ones_kept(tmp_path):
     old = time_ago = 3600
-    dead = tmp_path / f".checkpoint.pt.{dead_pid()}-0123abcd.tmp"
+    here = atomic._host()
+    dead = tmp_path / f".checkpoint.pt.{here}.{dead_pid()}-0123abcd.tmp"
     legacy = tmp_path / ".summary.json.k3j_h5g6.tmp"  # tempfile.mkstemp's name, before pids
-    live = tmp_path / f".model.safetensors.{os.getppid()}-0123abcd.tmp"  # a live writer: kept
+    live = tmp_path / f".model.safetensors.{here}.{os.getppid()}-0123abcd.tmp"  # a live writer: kept
+    elsewhere = tmp_path / f".checkpoint.pt.another-node.{dead_pid()}-0123abcd.tmp"  # young, another host: kept
     fresh_legacy = tmp_path / ".summary.json.abcdefgh.tmp"  # young: its writer may be running
-    foreign = tmp_path / f".notes.txt.{dead_pid()}-0123abcd.tmp"  # not one of the run's files
-    for p in (dead, legacy, live, fresh_legacy, foreign):
+    foreign = tmp_path / f".notes.txt.{here}.{dead_pid()}-0123abcd.tmp"  # not one of the run's files
+    for p in (dead, legacy, live, fresh_legacy, foreign, elsewhere):
         p.write_bytes(b"")
     os.utime(legacy, (os.path.getmtime(legacy) - time_ago, os.path.getmtime(legacy) - old))
     removed = atomic.remove_stale(tmp_path, ("checkpoint.pt", "summary.json", "model*.safetensors"))
     assert sorted(removed) == sorted([dead, legacy])
-    assert live.exists() and fresh_legacy.exists() and foreign.exists()
+    assert live.exists() and fresh_legacy.exists() and foreign.exists() and elsewhere.exists()
 
 
 def test_write_atomic_clears_its_targets_stale_temporaries(tmp_path):
-    stale = tmp_path / f".summary.json.{dead_pid()}-0123abcd.tmp"
+    stale = tmp_path / f".summary.json.{atomic._host()}.{dead_pid()}-0123abcd.tmp"
     stale.write_bytes(b"")
     atomic.write_atomic(tmp_path / "summary.json", "{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
@@ -128,7 +130,7 @@ def test_resume_clears_the_stale_temporaries_beside_its_checkpoint(tmp_path):
     ckpt = tmp_path / "checkpoint.pt"
     ckpt.write_bytes(b"not a checkpoint")
     pid = dead_pid()
-    stale = [tmp_path / f".{n}.{pid}-0123abcd.tmp" for n in ("checkpoint.pt", "summary.json", "model.safetensors")]
+    stale = [tmp_path / f".{n}.{atomic._host()}.{pid}-0123abcd.tmp" for n in ("checkpoint.pt", "summary.json", "model.safetensors")]
     for p in stale:
         p.write_bytes(b"")
     with pytest.raises(CheckpointError):
@@ -545,3 +547,20 @@ def test_a_release_archive_that_is_a_fifo_is_named_not_ignored(tmp_path):
     os.mkfifo(tmp_path / "data" / "cifar-10-python.tar.gz")
     with pytest.raises(DataError, match="cifar-10-python.tar.gz: cannot read archive: a FIFO \\(named pipe\\)"):
         load_dataset(tmp_path / "data", log=quiet)
+
+
+def test_dali_log_capture_forwards_other_lines_and_holds_dalis_own(capfd):
+    """During a decode, fd 2 goes through a pipe: another line passes straight through (a crash's
+    message is never left in a buffer), DALI's own record is dropped when the decode fails and
+    written when it succeeds."""
+    from fastcifar.data import dali as dl
+    record = b"\x1b[31m[ERROR] [jpeg_parser] Invalid marker\x1b[0m\n"
+    with pytest.raises(RuntimeError):
+        with dl._dali_log_captured():
+            os.write(2, b"a driver's message\n" + record)
+            raise RuntimeError("decode failed")
+    err = capfd.readouterr().err
+    assert "a driver's message" in err and "jpeg_parser" not in err
+    with dl._dali_log_captured():
+        os.write(2, record)
+    assert "jpeg_parser" in capfd.readouterr().err

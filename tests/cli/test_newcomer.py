@@ -253,3 +253,12 @@ def test_val_split_on_two_ranks_reports_the_test_set_figure(data, tmp_path, caps
     result = json.loads((run_dir / "summary.json").read_text())["results"][0]
     assert evaluate_main([str(run_dir / "model.safetensors"), "--data", str(data)]) == 0
     assert f"test_acc {result['test_acc']:.2f}%" in capsys.readouterr().out
+
+
+def test_val_split_below_the_rank_count_is_refused():
+    """Each rank evaluates every world_size-th held-out image: fewer than the ranks would leave a
+    rank with none (its first evaluation batch would not exist)."""
+    from fastcifar.core.config import ConfigError, from_preset, validate
+    validate(from_preset("fast", val_split=2), world_size=2)
+    with pytest.raises(ConfigError, match="--val-split must be 0 or at least the number of ranks \\(8\\), not 3"):
+        validate(from_preset("fast", val_split=3), world_size=8)

@@ -84,7 +84,7 @@ def test_hooks_sit_where_the_clock_and_the_capture_put_them(recorded):
 def test_the_run_components_and_their_order(recorded):
     _, members, _ = recorded
     assert members == [["RunHooks", "SparseRun", "StepWindow", "LossGuard", "Checkpoints", "SyncCleanup",
-                        "ModelFile", "Watchdog"]]
+                        "Watchdog", "ModelFile"]]
 
 
 def test_components_call_only_overridden_after_step():

@@ -25,18 +25,22 @@ def test_commit_and_config_hash():
     assert prov["gpu"] is None and prov["driver"] is None
 
 
-def test_gpu_name_and_driver_from_nvidia_smi(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "torch's name")
+def test_gpu_name_from_torch_and_driver_from_nvidia_smi_by_uuid(monkeypatch):
+    """nvidia-smi is asked by the device's UUID (its own index order is the bus's and ignores
+    CUDA_VISIBLE_DEVICES); the name is torch's, the device the run uses."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"torch's name of {device}")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="abcd-1234"))
     calls = []
 
     def smi(args, **kw):
         calls.append(args)
-        return subprocess.CompletedProcess(args, 0, stdout="NVIDIA H100 80GB HBM3, 580.159.04\n", stderr="")
+        return subprocess.CompletedProcess(args, 0, stdout="580.159.04\n", stderr="")
     monkeypatch.setattr(report.subprocess, "run", smi)
-    assert report._gpu(torch.device("cuda", 3)) == ("NVIDIA H100 80GB HBM3", "580.159.04")
-    assert "--id=3" in calls[0]
+    assert report._gpu(torch.device("cuda", 3)) == ("torch's name of 3", "580.159.04")
+    assert "--id=GPU-abcd-1234" in calls[0]
 
     def missing(args, **kw):
         raise FileNotFoundError("nvidia-smi")
     monkeypatch.setattr(report.subprocess, "run", missing)
-    assert report._gpu(torch.device("cuda", 0)) == ("torch's name", None)
+    assert report._gpu(torch.device("cuda", 0)) == ("torch's name of 0", None)

@@ -14,7 +14,7 @@ from conftest import one_line_error
 
 @pytest.mark.slow
 def test_two_ranks_a_stalled_peer_leaves_the_cause_in_rank_0s_log_and_summary(learnable_data, tmp_path):
-    """Two gloo ranks on the CPU (tests/dist/test_comm.py's launch); rank 1 stops (SIGSTOP) mid-training.
+    """Two gloo ranks on the CPU (tests/distributed/test_comm.py's launch); rank 1 stops (SIGSTOP) mid-training.
     Rank 0 ends with exit 3 and one line, by gloo's timeout or by the watchdog, whichever sees it
     first; either way log.txt and summary.json say why."""
     procs = comm_tests.start_long_training(learnable_data, tmp_path)
