@@ -94,20 +94,26 @@ def load_state(path, cfg: Config, ctx) -> dict:
     CheckpointError (one line, on every rank) otherwise. ``restore`` then puts it into the run's
     objects. Rank 0 reads the file and sends it to the others: rank 0 alone wrote it, into its own
     node's --out-dir, which ranks on other nodes may not see."""
+    return _on_rank0(ctx, lambda: _read_state(path, cfg, ctx.world_size))
+
+
+def _on_rank0(ctx, read):
+    """``read()`` on rank 0 alone, and its answer, or its CheckpointError, on every rank (each
+    raises the same one line)."""
     if not ctx.distributed:
-        return _read_state(path, cfg, ctx.world_size)
+        return read()
     import torch.distributed as dist
     payload = [None]
     if ctx.is_main:
         try:
-            payload = [(_read_state(path, cfg, ctx.world_size), "")]
+            payload = [(read(), "")]
         except CheckpointError as exc:
             payload = [(None, str(exc))]
     dist.broadcast_object_list(payload, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
-    state, error = payload[0]
+    answer, error = payload[0]
     if error:
         raise CheckpointError(error)
-    return state
+    return answer
 
 
 def _read_state(path, cfg: Config, world_size: int) -> dict:
@@ -233,17 +239,7 @@ def resume_settings(cfg: Config, given: dict, ctx=None) -> Config:
     ``cfg`` must match the checkpoint (``load_state`` checks)."""
     if ctx is None or not ctx.distributed:
         return _resume_settings(cfg, given)
-    import torch.distributed as dist
-    payload = [None]
-    if ctx.is_main:
-        try:
-            payload = [(_resume_settings(cfg, given), "")]
-        except CheckpointError as exc:
-            payload = [(None, str(exc))]
-    dist.broadcast_object_list(payload, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
-    settings, error = payload[0]
-    if error:
-        raise CheckpointError(error)
+    settings = _on_rank0(ctx, lambda: _resume_settings(cfg, given))
     # rank 0's training settings; where things are and what is logged stay this rank's own
     return dataclasses.replace(settings, **{k: getattr(cfg, k) for k in TRAJECTORY_FREE_FIELDS})
 
