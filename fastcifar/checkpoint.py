@@ -21,6 +21,7 @@ from fastcifar.cli import run_command
 from fastcifar.evaluate import evaluate
 from fastcifar.models.files import MODEL_FORMAT, model_info, network_from_weights, read_safetensors, save_weights
 from fastcifar.run.sparse import diffs
+from fastcifar.core.config import OneLineParser
 
 
 def evaluate_state(state: dict[str, torch.Tensor], meta: dict[str, str], data: str) -> float:
@@ -47,15 +48,17 @@ def inspect_lines(path: str | Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.checkpoint") -> int:
-    parser = argparse.ArgumentParser(prog=prog,
-                                     description="Inspect sparse diffs, or restore a model from a base file "
-                                                 "and a chain of them.")
+    parser = OneLineParser(prog=prog,
+                           description="Inspect sparse diffs, or restore a model from a base file "
+                                       "and a chain of them.")
     sub = parser.add_subparsers(dest="command", required=True)
-    ins = sub.add_parser("inspect", help="what each file holds")
-    ins.add_argument("files", nargs="+")
-    res = sub.add_parser("restore", help="base file + diffs in epoch order -> one model file")
-    res.add_argument("base")
-    res.add_argument("diffs", nargs="*")
+    ins = sub.add_parser("inspect", help="what each file holds",
+                         description="What each model file or sparse diff (--sparse-checkpoints) holds.")
+    ins.add_argument("files", nargs="+", help="model files or sparse diffs (RUN/sparse/runN/*.safetensors)")
+    res = sub.add_parser("restore", help="base file + diffs in epoch order -> one model file",
+                         description="A model file from a sparse-diff chain: the base, then the diffs in epoch order.")
+    res.add_argument("base", help="the chain's base model file (RUN/sparse/runN/base.safetensors)")
+    res.add_argument("diffs", nargs="*", help="the diffs to apply, in epoch order")
     res.add_argument("--out", default="", help="model file to write (the base's format); empty: none")
     res.add_argument("--data", default="", help="evaluate the restored model on this data's test set")
     args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ from fastcifar.core.config import CHOICES, ConfigError
 from fastcifar.data import DataError, Dataset, load_dataset
 from fastcifar.data.loader import EvalSet
 from fastcifar.ops.tta import tta_logits
+from fastcifar.core.config import OneLineParser
 
 
 @dataclass
@@ -101,8 +102,8 @@ def evaluate(model, data, *, tta: int | None = None, subset: int | None = None, 
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.evaluate") -> int:
-    parser = argparse.ArgumentParser(prog=prog,
-                                     description="Test accuracy (overall and per class) of a saved model.")
+    parser = OneLineParser(prog=prog,
+                           description="Test accuracy (overall and per class) of a saved model.")
     parser.add_argument("model", help="a model file written by the trainer (model.safetensors)")
     parser.add_argument("--data", required=True, help="the data set, in any layout the trainer accepts")
     parser.add_argument("--tta", type=int, choices=CHOICES["tta"], default=None,

@@ -19,7 +19,7 @@ augmentation: the logits are the plain forward's, ``fastcifar.predict --tta 0``'
 onnxruntime is installed the written file is run once on random images and checked against the
 PyTorch model.
 
-Installing: ``pip install 'fastcifar[onnx]'`` (onnx and onnxruntime); training never needs them.
+Installing: ``pip install -e '.[onnx]'`` from the checkout (onnx and onnxruntime); training never needs them.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import ConfigError
 from fastcifar.data import DataError
 from fastcifar.models.files import load_model
+from fastcifar.core.config import OneLineParser
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 11  # reflect padding and the ops the networks use are all there by 11
@@ -72,7 +73,7 @@ def onnx_bytes(net: torch.nn.Module, mean, std, opset: int = DEFAULT_OPSET) -> b
     try:
         import onnx  # noqa: F401  # the TorchScript exporter writes its protobuf with it
     except ImportError:
-        raise ConfigError("export needs the onnx package: pip install onnx (or 'fastcifar[onnx]')") from None
+        raise ConfigError("export needs the onnx package: pip install onnx (or pip install -e '.[onnx]' in the checkout)") from None
     model = Normalized(net.float().cpu().eval(), mean, std).eval()
     example = torch.rand(2, 3, 32, 32) * 255
     buffer = io.BytesIO()
@@ -121,8 +122,9 @@ def export(model_path, out, *, opset: int = DEFAULT_OPSET, force: bool = False, 
     if diff is not None and not diff <= CHECK_TOLERANCE:
         raise DataError(f"the exported graph disagrees with the model (relative logit difference {diff:.3g} "
                         f"> {CHECK_TOLERANCE:g} under onnxruntime); nothing written")
+    if not out.parent.is_dir():  # a typo in the path would quietly make folders
+        raise ConfigError(f"{out.parent}: no such folder (make it first)")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(out, blob)
     except OSError as exc:
         raise DataError(f"cannot write {out}: {exc.strerror or type(exc).__name__}") from None
@@ -136,14 +138,14 @@ def export(model_path, out, *, opset: int = DEFAULT_OPSET, force: bool = False, 
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.export") -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog, description=(
             "Write a saved model as an ONNX file. Input 'images': float32 (N, 3, 32, 32), RGB pixel "
             "values 0..255 (uint8 values as floats, channels first), any batch size N; the model "
             "file's normalization is baked in as the graph's first step. Output 'logits': float32 "
             "(N, classes) in the model file's class order. Eval mode, fp32, no test-time augmentation "
             "(the logits of predict --tta 0). Needs the onnx package; with onnxruntime installed the "
-            "file is checked against the PyTorch model. pip install 'fastcifar[onnx]' installs both."))
+            "file is checked against the PyTorch model. pip install -e '.[onnx]' installs both."))
     parser.add_argument("model", help="a model file written by the trainer (model.safetensors)")
     parser.add_argument("--onnx", required=True, metavar="OUT.onnx", help="the ONNX file to write")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET,

@@ -33,6 +33,7 @@ from fastcifar.data import DataError
 from fastcifar.core.readfile import read_regular, why
 from fastcifar.data.folder import IMAGE_SUFFIXES, bomb_warnings_as_errors, open_image
 from fastcifar.evaluate import logits_of, resolve_tta
+from fastcifar.core.config import OneLineParser
 
 SIZE = 32
 
@@ -90,7 +91,9 @@ def predict(model, images, *, top: int = 3, tta: int | None = None, device="cpu"
                 array, resized = read_image(path)
             except DataError as exc:  # too large: the message names the file already
                 error = str(exc).removeprefix(f"{path}: ")
-            except (UnidentifiedImageError, ValueError, SyntaxError, EOFError) as exc:
+            except UnidentifiedImageError:
+                error = "not a readable image (no format PIL knows)"
+            except (ValueError, SyntaxError, EOFError) as exc:
                 error = f"not a readable image ({exc})"
             except OSError as exc:
                 error = f"not a readable image ({exc})" if exc.filename is None else f"cannot read: {why(exc)}"
@@ -116,8 +119,8 @@ def predict(model, images, *, top: int = 3, tta: int | None = None, device="cpu"
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.predict") -> int:
-    parser = argparse.ArgumentParser(prog=prog,
-                                     description="Top classes, with probabilities, of each image.")
+    parser = OneLineParser(prog=prog,
+                           description="Top classes, with probabilities, of each image.")
     parser.add_argument("model", help="a model file written by the trainer (model.safetensors)")
     parser.add_argument("images", nargs="+", help="image files or folders of images")
     parser.add_argument("--top", type=int, default=3, help="classes to print per image")

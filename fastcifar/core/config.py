@@ -33,9 +33,9 @@ class Config:
     cache_dir: str = ""  # decoded-image cache; "" = next to the data, else ~/.cache/fastcifar
     subset: int = 0  # training images to use, 0 = all; the test set is cut to the same fraction
     val_split: int = 0  # training images held out (fixed, seeded) for the per-epoch evaluation; the test set is then evaluated once, at the end; 0 = evaluate on the test set every epoch
-    loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: the faster measured (dali_loader.AUTO_LOADER)
+    loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: torch on CUDA, dali on the CPU (the faster measured: fastcifar.data.dali.AUTO_LOADER)
     # --- model ---
-    arch: str = "resnet9"  # network: resnet9 (fastcifar.models.blocks) | fastnet (fastcifar.models.fastnet) | alexnet (fastcifar.models.alexnet)
+    arch: str = "resnet9"  # network: resnet9 (fastcifar.models.resnet9) | fastnet (fastcifar.models.fastnet) | alexnet (fastcifar.models.alexnet)
     widths: tuple = (64, 128, 256, 512)  # channels (each 1..4096): resnet9 prep,layer1,layer2,layer3; fastnet its 3 blocks; alexnet its 5 convs
     whiten_kernel: int = 2  # fastnet: side of the patches its first conv whitens (2*3*side^2 channels)
     whiten_eps: float = 5e-4  # fastnet: added to each patch eigenvalue before the 1/sqrt scaling (damps smaller ones)
@@ -55,7 +55,7 @@ class Config:
     bias_lr_scale: float = 1.0  # batchnorm shifts: rate x this, weight decay / this (same decay per step)
     momentum: float = 0.9  # SGD momentum, in [0, 1)
     nesterov: bool = True  # Nesterov momentum
-    weight_decay: float = 5e-4  # per example scale: x per-rank batch on the summed loss
+    weight_decay: float = 5e-4  # per example (the step multiplies it by the per-rank batch, as it sums the loss: docs/presets.md, learning-rate rule)
     label_smoothing: float = 0.2  # cross-entropy label smoothing
     lookahead_steps: int = 0  # every this many steps slow weights move toward the trained ones and replace them; 0 = off
     lookahead_decay: float = 0.7738  # slow weights' share at the last sync (0.95^5), ramping up from 0 as progress^3
@@ -66,7 +66,7 @@ class Config:
     cutout: int = 8  # side of the zeroed square, pixels; 0 = off
     tta: int = 1  # test-time augmentation: 0 none | 1 mean logits of image and mirror | 2 also 1-px shifts (6 views)
     # --- recipe, issue 14: airbench94 parity, its former departures, orthogonalized momentum ---
-    bn_eps: float = 1e-5  # added to the batch variance in batchnorm (torch's default; airbench: 1e-12)
+    bn_eps: float = 1e-5  # added to the batch variance in batchnorm (torch: 1e-5; airbench: 1e-12)
     whiten_centred: bool = False  # fastnet: whiten with the patches' covariance (centred), not their second moment
     lr_at: str = "end"  # step i's rate: end (at progress (i+1)/steps of its epoch) | start (at i of ceil(epochs x steps), warm-up floored to whole steps: airbench)
     lookahead_start_epoch: int = 0  # lookahead's slow copy taken at the first sync step of this epoch; 0 = at the start
@@ -102,6 +102,7 @@ class Config:
     eval_batch_size: int = 1000  # images per evaluation batch, per rank (1..65536)
     warmup_steps: int = 3  # untimed training steps before the clock starts (0..1000); state restored after
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the run
+    compile: bool = False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
     # --- compressed gradient communication (fastcifar.dist.compress; several ranks, --comm bucketed) ---
     compress: str = "none"  # none (plain all-reduce) | fp16 | bf16 | topk | randomk | threshold | terngrad | qsgd | powersgd
     compress_ratio: float = 0.01  # topk/randomk: fraction K of each chunk's coordinates sent, 0 < K <= 1
@@ -116,7 +117,6 @@ class Config:
     terngrad_clip: bool = False  # terngrad: clip to +-2.5 standard deviations before ternarizing
     nvtx: bool = False  # NVTX ranges around data, forward, backward, optimizer (for nsys); off: no CUDA calls
     profile_steps: str = ""  # A:B: cudaProfilerStart after A timed steps of run 1, Stop after B (nsys capture range)
-    compile: bool = False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
     # --- runs and reporting ---
     runs: int = 1  # independent runs in one process (1..1000), seeds seed, seed+1, ...
     seed: int = 0  # seed of the first run
@@ -487,11 +487,30 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Errors as one line on stderr and exit 2 (argparse's own prints the usage first)."""
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's default as a user types it: 6 significant digits (a preset's derived rates are
+    long fractions), widths comma-separated; nothing for a flag without one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, argparse.SUPPRESS):
+            return text
+        value = action.default
+        if isinstance(value, float):
+            shown = f"{value:.6g}"
+        elif isinstance(value, (tuple, list)):
+            shown = ",".join(map(str, value))
+        else:
+            shown = str(value)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Errors as one line on stderr, ``fastcifar: error: ...``, and exit 2, as every other bad input
+    (argparse's own prints the usage first). Every command's parser is one."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"fastcifar: error: {message} (see {self.prog} --help)\n")
 
 
 def _parse_widths(text: str) -> tuple:
@@ -568,10 +587,10 @@ def _description() -> str:
 
 
 def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argparse.ArgumentParser:
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog=prog, allow_abbrev=False,  # --warmup-epo would pass for --warmup-epochs
         usage="%(prog)s [--preset NAME] [--data PATH] [--download] [--device DEVICE] [OPTION ...]",
-        description=_description(), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=_description(), formatter_class=_HelpFormatter)
     notes = _field_notes()
     groups = {"basic": parser.add_argument_group("basic options")}
     groups["basic"].add_argument("--preset", default=base.preset, choices=list(PRESETS),
@@ -642,7 +661,7 @@ def check_run_length(cfg: Config, steps_per_epoch: int, images: int, world_size:
     before the run folder is made."""
     if steps_per_epoch == 0:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set "
-                          f"({images} images over {world_size} ranks)")
+                          f"({images} images over {world_size} rank{'s' if world_size > 1 else ''})")
     total = math.ceil(cfg.epochs * steps_per_epoch)
     if total > MAX_STEPS:
         raise ConfigError(f"--epochs {cfg.epochs} x {steps_per_epoch} steps per epoch (--batch-size {cfg.batch_size}) is "

@@ -95,7 +95,9 @@ def _decode(raw: bytes, where: str) -> np.ndarray:
                 raise DataError(f"{where}: image is {img.size[0]}x{img.size[1]}, expected 32x32")
             img = img.convert("RGB")
             array = np.asarray(img, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
+    except UnidentifiedImageError:
+        raise DataError(f"{where}: not a readable image (no format PIL knows)") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
         raise DataError(f"{where}: not a readable image ({exc})") from None
     if array.shape != IMAGE_SHAPE:
         raise DataError(f"{where}: image is {array.shape[1]}x{array.shape[0]}, expected 32x32")

@@ -125,7 +125,19 @@ def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Te
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
     except Exception as exc:  # safetensors reports a damaged header or short file in several types
+        if _is_torch_archive(path):
+            raise CheckpointError(f"{path}: a training checkpoint (for --resume), not a {what}; the run's "
+                                  f"model is {path.with_name(MODEL_NAME)}") from None
         raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {exc})") from None
+
+
+def _is_torch_archive(path: Path) -> bool:
+    """A torch.save zip (checkpoint.pt), by its first bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
 
 
 def read_model_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

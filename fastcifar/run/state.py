@@ -123,7 +123,8 @@ def _read_state(path, cfg: Config, world_size: int) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"--resume {path}: no such checkpoint file") from None
     except OSError as exc:
-        raise CheckpointError(f"--resume {path}: cannot read checkpoint: {why(exc)}") from None
+        hint = f" (did you mean {path / STATE_NAME}?)" if path.is_dir() else ""
+        raise CheckpointError(f"--resume {path}: cannot read checkpoint: {why(exc)}{hint}") from None
     # the run that wrote it was stopped, maybe by SIGKILL mid-write: clear its stale temporaries
     atomic.remove_stale(path.parent, (glob.escape(path.name), *RUN_FILES))
     try:
@@ -309,6 +310,9 @@ class Checkpoints(Component):
     def start(self, result) -> int | None:
         """Weights, momentum, schedule, lookahead, RNGs, loader: as after the checkpoint's epoch."""
         self.result = result
+        if self.every and self.every >= self.epochs:
+            self.log.line(f"note: --checkpoint-every {self.every} with {self.epochs} epochs writes no checkpoint "
+                          f"(none is written after the last epoch: the model file holds that)")
         if self.resume is None:
             return None
         start_epoch, records = restore(self.resume, source=self.cfg.resume, **self.parts)

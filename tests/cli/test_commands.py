@@ -269,3 +269,48 @@ def test_export_leaves_the_model_as_loaded(trained):
     blob = export.onnx_bytes(net, info.mean, info.std)
     assert blob[:2] and not net.training
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_export_makes_no_folders_and_the_checkpoint_is_not_a_model(trained, tmp_path, capsys):
+    """A typo in --onnx's folder is refused (it made folders); a training checkpoint handed where a
+    model file belongs says what it is and where the model is."""
+    pytest.importorskip("onnx", reason="onnx is not installed (pip install -e '.[onnx]')")
+    model, _, _ = trained
+    assert export.main([str(model), "--onnx", str(tmp_path / "typo" / "m.onnx")]) == 2
+    assert one_line_error(capsys.readouterr().err) == f"fastcifar: error: {tmp_path / 'typo'}: no such folder (make it first)"
+    assert not (tmp_path / "typo").exists()
+    ckpt = tmp_path / "checkpoint.pt"
+    torch.save({"format": "fastcifar.state/1"}, ckpt)
+    assert export.main([str(ckpt), "--onnx", str(tmp_path / "m.onnx")]) == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert "a training checkpoint (for --resume)" in line and str(tmp_path / "model.safetensors") in line
+
+
+@pytest.mark.parametrize("command,argv", [("evaluate", ["--tta", "5", "m"]), ("predict", ["m"]),
+                                          ("checkpoint", []), ("export", ["m"])])
+def test_every_commands_usage_errors_are_one_line(command, argv, capsys):
+    """argparse's own errors print the usage first; every command's are one line like all bad input."""
+    with pytest.raises(SystemExit) as stop:  # argparse exits; the console script's status is 2
+        cli.main([command, *argv])
+    assert stop.value.code == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert line.startswith("fastcifar: error: ") and line.endswith(f"(see fastcifar {command} --help)")
+
+
+def test_checkpoint_every_past_the_last_epoch_says_none_is_written(trained, tmp_path):
+    _, _, data = trained
+    out = tmp_path / "runs"
+    assert train.main(["--data", str(data), "--out-dir", str(out), *FAST_SHORT, "--epochs", "1", "--quiet",
+                       "--checkpoint-every", "1"]) == 0
+    (run_dir,) = out.glob("*")
+    assert "note: --checkpoint-every 1 with 1 epochs writes no checkpoint" in (run_dir / "log.txt").read_text()
+    assert not (run_dir / "checkpoint.pt").exists()
+
+
+def test_train_help_shows_defaults_as_typed(capsys):
+    """Defaults as a user would type them: widths comma-separated, derived rates to 6 digits."""
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    out = capsys.readouterr().out
+    assert "(default: 64,320,320)" in out and "(default: 3.77358e-05)" in out
+    assert "3.773584905660377e-05" not in out and "(default: None)" not in out

@@ -538,7 +538,7 @@ def test_a_resume_from_a_fifo_or_a_folder_says_what_it_is(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(CheckpointError, match="cannot read checkpoint: a FIFO \\(named pipe\\), not a regular file$"):
         state._read_state(fifo, Config(), 1)
-    with pytest.raises(CheckpointError, match="cannot read checkpoint: a folder, not a regular file$"):
+    with pytest.raises(CheckpointError, match="cannot read checkpoint: a folder, not a regular file \\(did you mean .*checkpoint.pt\\?\\)$"):
         state._read_state(tmp_path, Config(), 1)
 
 
