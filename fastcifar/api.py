@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fastcifar.models.files import CheckpointError, ModelInfo, load_model
+from fastcifar.models.files import ModelInfo, load_model
 from fastcifar.core.config import Config, ConfigError
 from fastcifar.data import DataError
 from fastcifar.ops.norm_act_pool import as_plain_torch

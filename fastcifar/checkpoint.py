@@ -11,7 +11,6 @@ prints the accuracy.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 

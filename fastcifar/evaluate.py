@@ -14,7 +14,6 @@ Also ``fastcifar.evaluate(model, data)`` from Python (``fastcifar.api``).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 

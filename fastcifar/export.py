@@ -24,7 +24,6 @@ Installing: ``pip install -e '.[onnx]'`` from the checkout (onnx and onnxruntime
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
 import warnings

@@ -16,7 +16,6 @@ Also ``fastcifar.predict(model, images)`` from Python (``fastcifar.api``).
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys

@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import torch
 
 ARCHS = (80, 90)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fastcifar.core.config import Config
+from fastcifar.data.loader import EvalSet, TrainLoader
 from fastcifar.dist import compress, distributed
 from fastcifar.dist.sync import GradientSync
 from fastcifar.models import files
@@ -21,7 +22,7 @@ from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
 from fastcifar.run import profiling, report
 from fastcifar.run.component import Component, Components
 from fastcifar.run.guard import LossGuard
-from fastcifar.run.recipe import RunHooks
+from fastcifar.run.progress import Progress
 from fastcifar.run.report import RunLog
 from fastcifar.run.sparse.run import SparseRun
 from fastcifar.run.state import Checkpoints
@@ -34,14 +35,14 @@ class Session:
     cfg: Config
     ctx: distributed.DistContext
     dtype: torch.dtype
-    train_loader: object  # data.loader.TrainLoader
-    test_set: object  # data.loader.EvalSet
+    train_loader: TrainLoader
+    test_set: EvalSet
     log: RunLog
-    progress: object  # run.progress.Progress
+    progress: Progress
     use_graphs: bool
     classes: tuple[str, ...]
     resume: dict | None = None  # a checked training state (run.state.load_state), for run 1..N
-    eval_set: object = None  # each epoch's evaluation: test_set, or --val-split's held-out images
+    eval_set: EvalSet | None = None  # each epoch's evaluation: test_set, or --val-split's held-out images
 
     def __post_init__(self):
         if self.eval_set is None:

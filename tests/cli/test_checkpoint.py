@@ -16,7 +16,6 @@ from cli import run_dirs, run_train
 from conftest import CLASSES, batch_bytes, make_images, one_line_error
 from fastcifar.core import atomic
 from fastcifar.models.network import make_network
-from fastcifar.run import report
 from fastcifar.models.files import CheckpointError, load_model, save_model
 from fastcifar.core.config import from_preset
 from fastcifar.evaluate import evaluate

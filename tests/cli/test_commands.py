@@ -156,7 +156,7 @@ def test_a_failed_download_says_how_to_fetch_by_hand_and_leaves_no_folder(where,
     line = one_line_error(capsys.readouterr().err)
     assert line.startswith("fastcifar: error: download of https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz "
                            "failed") and "Temporary failure" in line
-    assert f"by hand" in line and f"put cifar-10-python.tar.gz in {data}/" in line
+    assert "by hand" in line and f"put cifar-10-python.tar.gz in {data}/" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "no empty data folder (nor its parents) left"
     assert train.main(argv) == 2  # the next run, without --download
     line = one_line_error(capsys.readouterr().err)

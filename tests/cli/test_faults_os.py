@@ -62,7 +62,7 @@ def test_a_signal_at_any_step_of_write_atomic_leaves_no_temporary(tmp_path, monk
     real = getattr(owner, step)
 
     def then_signal(*args, **kwargs):
-        out = real(*args, **kwargs)
+        real(*args, **kwargs)  # the step happens; the signal lands just after it
         raise signals.Interrupted(signal.SIGTERM)
     monkeypatch.setattr(owner, step, then_signal)
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from safetensors import safe_open
 
 from cli import ROOT, run_dirs, run_train
 from conftest import make_images, one_line_error, write_official
-from fastcifar.core.config import Config, DEFAULT_PRESET, from_preset, full_recipe, parse_command_line
+from fastcifar.core.config import DEFAULT_PRESET, from_preset, full_recipe, parse_command_line
 from fastcifar.data import DataError
 from fastcifar.data.dataset import Dataset, for_run
 from fastcifar.run import report

@@ -7,7 +7,6 @@ capture is ``TrainStep.warm_up_and_capture``. A recording component joins the ru
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cli import FAST_SHORT
 from conftest import write_official
