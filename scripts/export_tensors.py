@@ -1,12 +1,12 @@
 """Write any data set fastcifar reads as ``train.pt`` and ``test.pt`` in the form the GPU-resident
-CIFAR loaders of the public speedrun scripts (airbench) read: a dict of ``images`` (uint8,
+CIFAR loaders of the public speedrun scripts (airbench, hiverge) read: a dict of ``images`` (uint8,
 N x 32 x 32 x 3), ``labels`` (int64, N) and ``classes`` (a list of names).
 
     python scripts/export_tensors.py --data PATH --out DIR
 
-Why: the race (scripts/gpu_visit.sh race) times fastcifar against the public airbench94 script on
-the same machine and the same images; that script decodes nothing itself and reads these two
-files from its ``cifar10/`` folder, so pointing it at our images means writing them there. Each
+Why: the race (scripts/gpu_visit.sh race, scripts/race.py) times fastcifar against the public
+scripts on the same machine and the same images; they decode nothing themselves and read these two
+files from their ``cifar10/`` folder, so pointing them at our images means writing them there. Each
 file is written atomically (``core.atomic.write_atomic``): an interrupted export leaves no file a later
 run would trust. Bad input is one line on stderr and exit 2.
 """

@@ -12,13 +12,14 @@
 #   bash scripts/gpu_visit.sh bench                    # (c) step (the default preset, resnet9), augmentation and loader benchmarks
 #   bash scripts/gpu_visit.sh kernels                  # (c') the fused bn/act/pool kernel vs eager and torch.compile
 #   bash scripts/gpu_visit.sh accuracy PRESET [SEED]   # (d) runs of PRESET from SEED until the stage budget
-#   bash scripts/gpu_visit.sh race [AIRBENCH94_PY]     # (e) the default preset x25, resnet9 and the public airbench94 script
+#   bash scripts/gpu_visit.sh race                     # (e) official data: the default preset x25 beside the public scripts x25
 #   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
 #
-# Race: AIRBENCH94_PY (default .stage/airbench/airbench94.py) is a copy of the public script kept in
-# an ignored folder, unchanged; scripts/export_tensors.py writes our images where its loader reads
-# them (cifar10/{train,test}.pt under its working folder). RACE_PRESETS (the default preset) names the
-# presets raced, RACE_RUNS (25) and BAR_RUNS (3) set the run counts of each and of resnet9.
+# Race (scripts/race.py): fastcifar's default preset (RACE_PRESETS names others), then each public
+# script whose copy is in RACE_SCRIPTS (default .stage/race, ignored: cifar10_speedrun.py of
+# hiverge/cifar10-speedrun, airbench94_muon.py and legacy/airbench94.py of KellerJordan/cifar10-airbench,
+# at the commits race.py names), RACE_RUNS (25) runs each; the table and one row per trainer in
+# bench/results/official.jsonl (RACE_CALL and RACE_COMMIT name the call and the commit in them).
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines and bench stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -29,7 +30,7 @@ set -uo pipefail
 stage=${1:-}
 case "$stage" in
   check|engines|bench|kernels|accuracy|race|dali) ;;
-  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race [AIRBENCH94_PY]|dali" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|dali" >&2; exit 2 ;;
 esac
 tag=$stage
 [ "$stage" = accuracy ] && tag="accuracy-${2:-}"
@@ -179,29 +180,34 @@ accuracy)
   step accuracy-table 60 "$py" scripts/gpu_visit_report.py accuracy "$work/runs" --out "$work/figures.md"
   ;;
 race)
-  airbench=${2:-.stage/airbench/airbench94.py}
-  [ -e "$data" ] || { note "the race needs real data: \$DATA or .stage/data/cifar10-jpeg.tar.gz"; failed=1; exit; }
-  [ -f "$airbench" ] || { note "no airbench94 script at $airbench (a copy of the public one, kept in an ignored folder)"; failed=1; exit; }
-  airbench=$(cd "$(dirname "$airbench")" && pwd)/$(basename "$airbench")
-  # the default preset unless RACE_PRESETS names others (e.g. "fast-muon320 fast": the old default
-  # beside it); settled before airbench94 spends its minutes, so a race never ends without a contender
+  # official CIFAR-10 ($DATA: the folder `stage.sh cifar10` rebuilds there) for every trainer
+  [ -e "$data" ] || { note "the race needs real data: \$DATA (official CIFAR-10, bash ../shared/device/stage.sh cifar10)"; failed=1; exit; }
   presets=${RACE_PRESETS:-}
   if [ -z "$presets" ] && default=$(default_preset); then presets=${default% *}; fi
   [ -n "$presets" ] || { note "no preset to race: the default preset could not be read (default-preset.log)"; failed=1; exit; }
-  mkdir -p "$work/airbench"
-  # its loader reads cifar10/{train,test}.pt under its working folder (else it tries a download, which
-  # fails offline); it runs 25 seeds and prints each
-  if step export-tensors 120 "$py" scripts/export_tensors.py --data "$data" --out "$work/airbench/cifar10"; then
-    step airbench94 240 bash -c "cd '$work/airbench' && '$py' '$airbench'"
-  else
-    rows+=("| airbench94 | skipped: no exported images | 0 |")
-  fi
+  runs=${RACE_RUNS:-25}
+  race="$work/race"
+  # fastcifar first: a race cut short still has its contender (a cut-off trainer writes the runs it
+  # finished to summary.json, a public script's log holds the rows it printed)
   for preset in $presets; do
-    train "$preset-runs" 200 --preset "$preset" --seed 0 --runs "${RACE_RUNS:-25}"
+    train "$preset-runs" 240 --preset "$preset" --seed 0 --runs "$runs" --quiet
   done
-  train resnet9-runs 120 --preset resnet9 --seed 0 --runs "${BAR_RUNS:-3}"
-  step race-table 60 "$py" scripts/gpu_visit_report.py race "$work/runs" --airbench-log "$work/airbench94.log" \
-    --out "$work/figures.md"
+  # the public scripts read cifar10/{train,test}.pt under their working folder (else they download,
+  # which fails offline); scripts/race.py copies each with only the run count (and hiverge's sleep
+  # between runs) changed, checked against the commit its row names
+  if step export-tensors 120 "$py" scripts/export_tensors.py --data "$data" --out "$race/cifar10" &&
+     step prepare-peers 30 "$py" scripts/race.py prepare "${RACE_SCRIPTS:-.stage/race}" "$race" --images "$race/cifar10" --runs "$runs"; then
+    # the record first; each keeps 40 s for the table; a cut-off script's finished runs still count
+    for peer in hiverge:cifar10_speedrun.py:200 airbench94_muon:airbench94_muon.py:180 airbench94:airbench94.py:150; do
+      IFS=: read -r name file limit <<<"$peer"
+      [ "$dry" = 1 ] || [ -f "$race/$name/$file" ] || continue  # not staged: prepare-peers said so
+      room=$((budget - SECONDS - 40)); [ "$limit" -gt "$room" ] && limit=$room
+      [ "$limit" -ge 30 ] || { rows+=("| $name | skipped: stage budget spent | 0 |"); continue; }
+      step "$name" "$limit" bash -c "cd '$race/$name' && exec '$py' '$file'"
+    done
+  fi
+  step race-table 60 "$py" scripts/race.py report "$work" --fastcifar "$work/runs" --data "$data" \
+    --jsonl bench/results/official.jsonl --call "${RACE_CALL:-}" --commit "${RACE_COMMIT:-}" --out "$work/figures.md"
   ;;
 dali)
   if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi

@@ -142,7 +142,7 @@ def _git(*args: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
-def _gpu(device: torch.device) -> tuple[str | None, str | None]:
+def gpu_identity(device: torch.device) -> tuple[str | None, str | None]:
     """The GPU's name and driver version (nvidia-smi; without it the driver stays unknown)."""
     if device.type != "cuda":
         return None, None
@@ -165,7 +165,7 @@ def provenance(cfg, device: torch.device) -> dict:
     commit = _git("rev-parse", "HEAD") or None
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
     settings = json.dumps(training_settings(cfg), sort_keys=True, default=str)
-    gpu, driver = _gpu(device)
+    gpu, driver = gpu_identity(device)
     return {"commit": commit, "dirty": dirty, "config_hash": hashlib.sha256(settings.encode()).hexdigest()[:16],
             "gpu": gpu, "driver": driver}
 

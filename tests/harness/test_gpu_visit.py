@@ -28,9 +28,6 @@ def visit(tmp_path, *args, **env):
     out = tmp_path / "out"
     data = tmp_path / "cifar.tar.gz"
     data.write_bytes(b"")  # the dry run only checks that it exists
-    if args[:1] == ("race",) and len(args) == 1:  # the public script's copy: the dry run checks it exists
-        (tmp_path / "airbench94.py").write_text("")
-        args = (*args, str(tmp_path / "airbench94.py"))
     e = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "DATA": str(data), "PYTHON": sys.executable, **env}
     proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=e, capture_output=True, text=True,
                           timeout=120)
@@ -103,20 +100,29 @@ def test_two_accuracy_stages_in_one_call_keep_both_tables(tmp_path):
     assert len([p for p in tree(out) if p.is_file()]) <= MAX_FILES
 
 
-def test_race_stage_runs_the_public_script_in_the_folder_its_loader_reads(tmp_path):
-    proc, out = visit(tmp_path, "race", RACE_RUNS="25", BAR_RUNS="4")
+def test_race_stage_runs_fastcifar_first_then_each_public_script_in_the_folder_its_loader_reads(tmp_path):
+    proc, out = visit(tmp_path, "race", RACE_RUNS="25", RACE_CALL="visit 8", RACE_COMMIT="abc1234")
+    assert proc.returncode == 0, proc.stdout[-2000:]
     table = (out / "race-table.md").read_text()
-    for name in ("export-tensors", "airbench94", f"{DEFAULT_PRESET}-runs", "resnet9-runs", "race-table"):
-        assert f"| {name} |" in table, table
-    lines = proc.stdout.splitlines()
-    export = next(line for line in lines if line.startswith("dry run:") and "export_tensors.py" in line)
-    folder = export.split("--out ")[1].strip()
-    assert folder.endswith("/airbench/cifar10")  # airbench94 reads cifar10/{train,test}.pt under its cwd
-    airbench = next(line for line in lines if line.startswith("dry run:") and "airbench94.py" in line)
-    assert f"cd '{folder[:-len('/cifar10')]}'" in airbench and str(tmp_path / "airbench94.py") in airbench
+    names = [f"{DEFAULT_PRESET}-runs", "export-tensors", "prepare-peers", "hiverge", "airbench94_muon",
+             "airbench94", "race-table"]
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == names, table  # in this order: the contender before the public scripts' minutes
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("dry run:")]
     assert any(f"--preset {DEFAULT_PRESET} --seed 0 --runs 25" in line for line in lines)
-    assert any("--preset resnet9 --seed 0 --runs 4" in line for line in lines)
-    assert not any("--preset fast --seed" in line for line in lines)  # the default alone unless named
+    assert not any("--preset fast --seed" in line or "resnet9" in line for line in lines)  # the default alone
+    folder = next(line for line in lines if "export_tensors.py" in line).split("--out ")[1].strip()
+    assert folder.endswith("/race/cifar10")
+    prepare = next(line for line in lines if "race.py prepare" in line)
+    assert f"--images {folder} --runs 25" in prepare and ".stage/race" in prepare
+    for name, file in (("hiverge", "cifar10_speedrun.py"), ("airbench94_muon", "airbench94_muon.py"),
+                       ("airbench94", "airbench94.py")):  # each in its own folder, where race.py links cifar10
+        run = next(line for line in lines if line.endswith(f"'{file}'"))
+        assert f"cd '{folder[:-len('cifar10')]}{name}'" in run
+    report = next(line for line in lines if "race.py report" in line)
+    for part in (f"--data {tmp_path / 'cifar.tar.gz'}", "--jsonl bench/results/official.jsonl", "--call visit 8",
+                 "--commit abc1234"):
+        assert part in report, report
 
 
 def test_race_stage_races_the_presets_it_is_given(tmp_path):
@@ -126,30 +132,45 @@ def test_race_stage_races_the_presets_it_is_given(tmp_path):
     assert any("--preset fast --seed 0 --runs 5" in line for line in proc.stdout.splitlines())
 
 
-def test_race_stage_without_a_preset_to_race_fails_before_the_public_script(tmp_path):
+def test_race_stage_without_a_preset_to_race_fails_before_the_public_scripts(tmp_path):
     """When the default preset cannot be read (here: no Python at all), the race stops at once,
-    not after airbench94's minutes with only the bar in its table."""
+    not after the public scripts' minutes with no contender in its table."""
     proc, out = visit(tmp_path, "race", PYTHON="false")
     assert proc.returncode == 1
     assert "no preset to race" in proc.stdout
-    assert not any(line.startswith("=== airbench94") for line in proc.stdout.splitlines())
+    assert not any(line.startswith("=== hiverge") for line in proc.stdout.splitlines())
     proc, out = visit(tmp_path, "bench", PYTHON="false")
     assert proc.returncode == 1
     assert "| bench-step-default | FAIL: the default preset could not be read" in (out / "bench-table.md").read_text()
 
 
-def test_race_stage_skips_the_public_script_when_the_export_fails(tmp_path):
-    proc, out = visit(tmp_path, "race", DRY_FAIL="export-tensors")
+@pytest.mark.parametrize("failing", ["export-tensors", "prepare-peers"])
+def test_race_stage_skips_the_public_scripts_without_their_images_but_still_reports(tmp_path, failing):
+    proc, out = visit(tmp_path, "race", DRY_FAIL=failing)
     table = (out / "race-table.md").read_text()
-    assert "| export-tensors | FAIL (exit 1) |" in table
-    assert "| airbench94 | skipped: no exported images |" in table
-    assert not any(line.startswith("=== airbench94") for line in proc.stdout.splitlines())
+    assert f"| {failing} | FAIL (exit 1) |" in table
+    assert not any(line.startswith(("=== hiverge", "=== airbench94")) for line in proc.stdout.splitlines())
+    assert "| race-table | ok |" in table  # fastcifar's runs are still reported and filed
 
 
-def test_race_stage_without_the_public_script_says_so(tmp_path):
-    proc, out = visit(tmp_path, "race", str(tmp_path / "missing.py"))
+def test_race_stage_keeps_time_for_its_table(tmp_path):
+    """The public scripts' limits leave the report 40 s: a script that would run past the budget is
+    cut, and one with under 30 s left is skipped, so the table and the jsonl rows always come."""
+    proc, out = visit(tmp_path, "race", STAGE_BUDGET_S="100")  # a dry run's steps take no time: 60 s of room
+    limits = {line.split()[1]: int(line.split("(limit ")[1].split("s)")[0])
+              for line in proc.stdout.splitlines() if line.startswith("=== ")}
+    assert [limits[name] for name in ("hiverge", "airbench94_muon", "airbench94")] == [60, 60, 60], limits
+    proc, out = visit(tmp_path, "race", STAGE_BUDGET_S="60")  # 20 s of room: no public script starts
+    table = (out / "race-table.md").read_text()
+    for name in ("hiverge", "airbench94_muon", "airbench94"):
+        assert f"| {name} | skipped: stage budget spent |" in table, table
+    assert "| race-table | ok |" in table
+
+
+def test_race_stage_without_data_says_so(tmp_path):
+    proc, out = visit(tmp_path, "race", DATA=str(tmp_path / "missing"))
     assert proc.returncode == 1
-    assert "no airbench94 script at" in proc.stdout
+    assert "the race needs real data" in proc.stdout
     assert (out / "race-table.md").is_file()
 
 
@@ -234,59 +255,6 @@ def test_accuracy_report_combines_chunks(tmp_path):
     proc = report("accuracy", tmp_path / "a", tmp_path / "b")
     assert proc.returncode == 0, proc.stdout
     assert "fast: 2 runs, test acc mean 94.00 ± 1.41 (min 93.00)" in proc.stdout
-
-
-AIRBENCH_LOG = """\
-----------------------------------------------------------------------------------------------
-|  run     |  epoch  |  train_loss  |  train_acc  |  val_acc  |  tta_val_acc  |  total_time_seconds  |
-----------------------------------------------------------------------------------------------
-|       0  |      0  |      1.5176  |     0.6475  |   0.6483  |               |              0.2351  |
-|          |   eval  |      0.9761  |     0.9697  |   0.8951  |       0.9039  |              2.4102  |
-----------------------------------------------------------------------------------------------
-|       1  |      0  |      1.5100  |     0.6400  |   0.6500  |               |              0.2300  |
-|          |   eval  |      0.9700  |     0.9700  |   0.9000  |       0.9101  |              2.6000  |
-----------------------------------------------------------------------------------------------
-Mean: 0.9070    Std: 0.0044
-"""
-
-
-def test_race_report_sets_both_trainers_side_by_side(tmp_path):
-    runs = tmp_path / "runs"
-    write_run(runs, "fast-runs", [1.2, 1.0], preset="fast", acc=90.5)  # train 2.0 s, last epoch's test 0.1 s
-    write_run(runs, "resnet9-runs", [1.0], preset="resnet9", seed=0, acc=91.0)
-    write_run(runs, "fast-muon320-runs", [0.5], preset="fast-muon320", acc=91.2)  # a second contender
-    log = tmp_path / "airbench94.log"
-    log.write_text(AIRBENCH_LOG)
-    proc = report("race", runs, "--airbench-log", log)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "bar: 91.00% (the resnet9 mean in this call)" in proc.stdout
-    assert "| airbench94 (train + eval) | 2 | 90.70 | 0.44 | 90.39 | 1 | 2.505 | 2.600 |" in proc.stdout
-    assert "| fastcifar fast | 1 | 90.50 | 0.00 | 90.50 | 1 | 2.000 | 2.000 |" in proc.stdout
-    assert "| fastcifar fast + eval | 1 | 90.50 | 0.00 | 90.50 | 1 | 2.100 | 2.100 |" in proc.stdout
-    assert "fastcifar fast / airbench94 all runs: 0.798 (train only), 0.838 (+ eval" in proc.stdout
-    assert "fastcifar fast-muon320 / airbench94 all runs: 0.399 (train only), 0.439 (+ eval" in proc.stdout
-    assert "fastcifar resnet9 / airbench94" not in proc.stdout  # the bar is not a contender
-    # without airbench94's first run (its warm-up): 2.6 s
-    assert "| airbench94 runs 2-N (1 = its warm-up) | 1 | 91.01 | 0.00 | 91.01 | 0 | 2.600 | 2.600 |" in proc.stdout
-    assert "fastcifar fast / airbench94 runs 2-N: 0.769 (train only), 0.808 (+ eval" in proc.stdout
-
-    proc = report("race", runs, "--airbench-log", log, "--bar", "91.05")  # given: over the resnet9 mean
-    assert "bar: 91.05% (given)" in proc.stdout and "| airbench94 (train + eval) | 2 | 90.70 | 0.44 | 90.39 | 2 |" in proc.stdout
-
-
-def test_race_report_fails_when_only_the_bar_ran(tmp_path):
-    write_run(tmp_path / "runs", "resnet9-runs", [1.0], preset="resnet9")
-    log = tmp_path / "airbench94.log"
-    log.write_text(AIRBENCH_LOG)
-    proc = report("race", tmp_path / "runs", "--airbench-log", log)
-    assert proc.returncode == 1 and "PROBLEM: no contender under" in proc.stdout
-
-
-def test_race_report_fails_without_airbench_runs(tmp_path):
-    write_run(tmp_path / "runs", "fast-runs", [1.2, 1.0])
-    (tmp_path / "empty.log").write_text("Traceback (most recent call last):\n")
-    proc = report("race", tmp_path / "runs", "--airbench-log", tmp_path / "empty.log")
-    assert proc.returncode == 1 and "PROBLEM: no airbench94 runs in" in proc.stdout
 
 
 # --- export_tensors: our images where the public script's loader reads them ----------------------

@@ -37,10 +37,10 @@ def test_gpu_name_from_torch_and_driver_from_nvidia_smi_by_uuid(monkeypatch):
         calls.append(args)
         return subprocess.CompletedProcess(args, 0, stdout="580.159.04\n", stderr="")
     monkeypatch.setattr(report.subprocess, "run", smi)
-    assert report._gpu(torch.device("cuda", 3)) == ("torch's name of 3", "580.159.04")
+    assert report.gpu_identity(torch.device("cuda", 3)) == ("torch's name of 3", "580.159.04")
     assert "--id=GPU-abcd-1234" in calls[0]
 
     def missing(args, **kw):
         raise FileNotFoundError("nvidia-smi")
     monkeypatch.setattr(report.subprocess, "run", missing)
-    assert report._gpu(torch.device("cuda", 0)) == ("torch's name of 0", None)
+    assert report.gpu_identity(torch.device("cuda", 0)) == ("torch's name of 0", None)

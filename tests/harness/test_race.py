@@ -1,0 +1,203 @@
+"""scripts/race.py: the statistics the race is judged by, each public script's printed results
+(captured lines in race_logs/: hiverge's from its published log of 06c6072 with a cut-off row
+appended, the airbench scripts' printed by their own logging functions), the edits it may make to
+a public script, and its table and jsonl rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastcifar.run.report import EpochRecord, RunResult
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGS = Path(__file__).parent / "race_logs"
+spec = importlib.util.spec_from_file_location("race", ROOT / "scripts" / "race.py")
+race = sys.modules["race"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+spec.loader.exec_module(race)
+
+ENV = {"device": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "torch": "2.11.0+cu130", "triton": "3.6.0"}
+
+
+# --- statistics -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t, df, p", [  # Student's t table: the one-sided tail beyond t
+    (1.711, 24, 0.05), (2.064, 24, 0.025), (2.492, 24, 0.01), (3.467, 24, 0.001),
+    (6.314, 1, 0.05), (12.706, 1, 0.025), (2.228, 10, 0.025), (0.0, 24, 0.5), (-1.711, 24, 0.95)])
+def test_t_tail_matches_the_table(t, df, p):
+    assert race.t_sf(t, df) == pytest.approx(p, rel=2e-3)
+
+
+def test_t_tail_matches_the_closed_forms_of_one_and_two_degrees_of_freedom():
+    for t in (-30.0, -3.0, -0.4, 0.2, 1.0, 2.5, 8.0, 300.0):
+        assert race.t_sf(t, 1) == pytest.approx(0.5 - math.atan(t) / math.pi, rel=1e-10)  # Cauchy
+        assert race.t_sf(t, 2) == pytest.approx(0.5 - t / (2 * math.sqrt(2 + t * t)), rel=1e-10)
+
+
+def test_p_value_is_the_one_sided_t_test_of_a_mean_above_the_bar():
+    accs = [94.1, 94.2, 93.9, 94.3, 94.0]  # mean 94.1, std 0.1581: t = 1.414 on 4 degrees of freedom
+    assert race.p_above(accs, 94.0) == pytest.approx(0.1151, abs=2e-4)
+    assert race.p_above([93.9, 94.0, 93.8], 94.0) > 0.5  # below the bar: no evidence for it
+    assert race.p_above([94.2], 94.0) is None  # one run: no test
+    assert race.p_above([94.2, 94.2], 94.0) == 0.0 and race.p_above([93.8, 93.8], 94.0) == 1.0
+
+
+def test_summary_counts_the_runs_below_the_bar():
+    s = race.summarize([94.5, 93.9, 94.1, 93.99], [1.0, 1.2, 1.1, 1.3], bar=94.0)
+    assert s["runs"] == 4 and s["below_bar"] == 2 and s["acc_min"] == 93.9
+    assert s["acc_mean"] == pytest.approx(94.1225) and s["time_mean_s"] == pytest.approx(1.15) and s["time_max_s"] == 1.3
+    assert 0.0 < s["p_value"] < 1.0
+
+
+# --- the public scripts' printed results ------------------------------------------------------
+
+def test_hiverge_log_gives_its_timed_runs_without_the_warm_up_or_a_cut_off_row():
+    raw = (LOGS / "hiverge.log").read_bytes().decode()
+    assert "\r" in raw  # its progress line ends in a carriage return, its next row follows on the same line
+    runs = race.parse_peer_log(raw)
+    assert [round(a, 2) for a, _ in runs] == [94.28, 93.95, 93.91]  # warm-up (9.92%, 34.7 s) left out
+    assert [t for _, t in runs] == [1.9734, 1.9739, 1.9745]
+
+
+def test_airbench94_muon_log_gives_each_runs_eval_row():
+    runs = race.parse_peer_log((LOGS / "airbench94_muon.log").read_text())
+    assert [round(a, 2) for a, _ in runs] == [94.05, 93.91, 94.12]  # warm-up and the cut-off 4th run left out
+    assert [t for _, t in runs] == [2.58, 2.58, 2.58]  # the eval row's time: the whole run's clock
+
+
+def test_airbench94_log_has_no_warm_up_and_a_seventh_column():
+    runs = race.parse_peer_log((LOGS / "airbench94.log").read_text())
+    assert [round(a, 2) for a, _ in runs] == [93.98, 94.07, 94.02] and {t for _, t in runs} == {3.83}
+
+
+def test_a_log_without_the_table_gives_no_runs():
+    assert race.parse_peer_log("Traceback (most recent call last):\n  ...\nRuntimeError: CUDA error\n") == []
+
+
+# --- the edits the race may make ---------------------------------------------------------------
+
+def fake_script(peer) -> str:
+    return f"import torch\n{peer.run_count[0]}\n" + "".join(f"    {old}\n" for old, _ in peer.other_edits)
+
+
+def test_edits_change_only_the_run_count_and_the_sleep():
+    hiverge = next(p for p in race.PEERS if p.name == "hiverge")
+    out = race.edited(hiverge, fake_script(hiverge), runs=25)
+    assert out == "import torch\nfor run in range(25):\n    pass\n"
+    with pytest.raises(race.RaceError, match="found it 0 times"):
+        race.edited(hiverge, "import torch\n", runs=25)  # another version of the script: refused
+    with pytest.raises(race.RaceError, match="found it 2 times"):
+        race.edited(hiverge, fake_script(hiverge) * 2, runs=25)
+
+
+def test_prepare_copies_each_script_beside_a_link_to_the_images(tmp_path, monkeypatch):
+    scripts, images = tmp_path / "scripts", tmp_path / "images"
+    scripts.mkdir(), images.mkdir()
+    (images / "train.pt").write_bytes(b"x"), (images / "test.pt").write_bytes(b"x")
+    peers = []
+    for peer in race.PEERS[:2]:  # the third is missing: skipped with a line
+        text = fake_script(peer)
+        (scripts / peer.file).write_text(text)
+        peers.append(dataclasses.replace(peer, sha256=hashlib.sha256(text.encode()).hexdigest()))
+    monkeypatch.setattr(race, "PEERS", (*peers, race.PEERS[2]))
+    said = []
+    assert race.prepare(scripts, tmp_path / "work", images, runs=7, log=said.append) == ["hiverge", "airbench94_muon"]
+    assert "range(7)" in (tmp_path / "work" / "hiverge" / "cifar10_speedrun.py").read_text()
+    assert (tmp_path / "work" / "airbench94_muon" / "cifar10" / "test.pt").read_bytes() == b"x"
+    assert any(line.startswith("airbench94: no ") for line in said)
+    # again into the same folder (a second call on a warm machine): the link is replaced
+    assert race.prepare(scripts, tmp_path / "work", images, runs=3, log=said.append) == ["hiverge", "airbench94_muon"]
+
+
+def test_prepare_refuses_a_script_that_is_not_the_named_commit(tmp_path):
+    (tmp_path / "scripts").mkdir(), (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "train.pt").write_bytes(b""), (tmp_path / "images" / "test.pt").write_bytes(b"")
+    (tmp_path / "scripts" / "cifar10_speedrun.py").write_text("print('a newer record')\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "race.py"), "prepare", str(tmp_path / "scripts"),
+                           str(tmp_path / "work"), "--images", str(tmp_path / "images")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "is not hiverge/cifar10-speedrun:cifar10_speedrun.py at 06c6072" in proc.stderr
+    assert not (tmp_path / "work" / "hiverge" / "cifar10_speedrun.py").exists()
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "race.py"), "prepare", str(tmp_path / "scripts"),
+                           str(tmp_path / "work"), "--images", str(tmp_path / "nothing")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no train.pt (scripts/export_tensors.py writes it)" in proc.stderr
+
+
+# --- the report -------------------------------------------------------------------------------
+
+def write_runs(root: Path, preset: str, accs: list[float], train: float = 1.40, test: float = 0.07) -> None:
+    results = []
+    for i, acc in enumerate(accs):
+        epochs = [EpochRecord(run=i + 1, epoch=e + 1, lr=0.1, train_time=train / 2, train_loss=1.0, train_acc=90.0,
+                              test_time=test, test_loss=0.5, test_acc=acc, total_train_time=train / 2 * (e + 1))
+                  for e in range(2)]
+        results.append(dataclasses.asdict(RunResult(run=i + 1, seed=i, test_acc=acc, train_time=train,
+                                                    wall_time=9.0, epochs=epochs)))
+    folder = root / f"{preset}-runs" / "2026-11-26-x"
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"config": {"preset": preset}, "results": results}))
+
+
+def official(tmp_path: Path) -> Path:
+    from conftest import write_official
+    folder, _ = write_official(tmp_path / "data" / "cifar-10-batches-py", per_batch=2, n_test=2)
+    return folder
+
+
+def test_report_rows_count_fastcifar_as_the_public_scripts_count(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("hiverge", "airbench94_muon"):  # airbench94 did not run (no copy, or no time)
+        shutil.copy(LOGS / f"{name}.log", work / f"{name}.log")
+    write_runs(work / "runs", "fast-muon320", [94.1, 94.3, 94.2, 94.4], train=1.40, test=0.07)
+    lines, rows, problems = race.report(work, work / "runs", official(tmp_path), call="visit 8", commit="abc1234",
+                                        env=ENV, today="2026-11-26")
+    assert problems == []
+    assert [r["trainer"] for r in rows] == ["fastcifar:fast-muon320", "hiverge@06c6072", "airbench94_muon@f1c599c"]
+    mine, hiverge, muon = rows
+    for row in rows:  # what the issue asks of every row
+        for key in ("call", "date", "device", "driver", "torch", "triton", "data", "trainer", "runs", "acc_mean",
+                    "acc_std", "acc_min", "below_bar", "p_value", "time_mean_s", "time_max_s", "clock"):
+            assert key in row, (row["trainer"], key)
+        assert row["data"] == "cifar10-official" and row["call"] == "visit 8" and row["commit"] == "abc1234"
+        assert row["device"] == ENV["device"] and row["date"] == "2026-11-26"
+    # fastcifar: its train clock plus the final (TTA) evaluation, the span the public scripts clock
+    assert mine["time_mean_s"] == pytest.approx(1.47) and mine["train_clock_mean_s"] == pytest.approx(1.40)
+    assert mine["runs"] == 4 and mine["below_bar"] == 0 and mine["acc_mean"] == pytest.approx(94.25)
+    assert mine["p_value"] == pytest.approx(race.t_sf(0.25 / (math.sqrt(0.05 / 3) / 2), 3))
+    assert hiverge["runs"] == 3 and hiverge["below_bar"] == 2 and hiverge["time_mean_s"] == pytest.approx(1.97393, abs=1e-5)
+    assert hiverge["ratio_fastcifar_fast-muon320"] == pytest.approx(1.47 / 1.9739333, rel=1e-6)
+    assert muon["ratio_fastcifar_fast-muon320"] == pytest.approx(1.47 / 2.58)
+    text = "\n".join(lines)
+    assert "| fastcifar:fast-muon320 | 4 | 94.25 ± 0.13 (94.10) | 0 |" in text
+    assert "fastcifar:fast-muon320 / hiverge: 1.470 / 1.974 s = **0.745**" in text
+
+
+def test_report_without_fastcifar_runs_fails_but_files_the_public_scripts(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(LOGS / "airbench94.log", work / "airbench94.log")
+    (work / "hiverge.log").write_text("Traceback (most recent call last):\n")
+    jsonl = tmp_path / "official.jsonl"
+    jsonl.write_text('{"earlier": "row"}\n')
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "race.py"), "report", str(work), "--fastcifar",
+                           str(work / "runs"), "--data", str(tmp_path / "jpeg"), "--jsonl", str(jsonl)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "PROBLEM: no fastcifar summary.json under" in proc.stdout
+    assert "PROBLEM: hiverge: no finished run in" in proc.stdout
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert rows[0] == {"earlier": "row"}  # appended, never rewritten
+    assert [r["trainer"] for r in rows[1:]] == ["airbench94@f1c599c"] and rows[1]["data"] == "other:jpeg"
+    assert rows[1]["device"]  # the machine it ran on, as torch names it ("cpu" here)
