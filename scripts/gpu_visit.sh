@@ -18,7 +18,7 @@
 # Race (scripts/race.py): fastcifar's default preset (RACE_PRESETS names others), then each public
 # script whose copy is in RACE_SCRIPTS (default .stage/race, ignored: cifar10_speedrun.py of
 # hiverge/cifar10-speedrun, airbench94_muon.py and legacy/airbench94.py of KellerJordan/cifar10-airbench,
-# at the commits race.py names), RACE_RUNS (25) runs each; the table and one row per trainer in
+# at the commits race.py names; RACE_PEERS picks them and their order), RACE_RUNS (25) runs each; the table and one row per trainer in
 # bench/results/official.jsonl (RACE_CALL and RACE_COMMIT name the call and the commit in them).
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines and bench stages fall back to a synthetic CIFAR-format set when neither exists.
@@ -197,11 +197,18 @@ race)
   # between runs) changed, checked against the commit its row names
   if step export-tensors 120 "$py" scripts/export_tensors.py --data "$data" --out "$race/cifar10" &&
      step prepare-peers 30 "$py" scripts/race.py prepare "${RACE_SCRIPTS:-.stage/race}" "$race" --images "$race/cifar10" --runs "$runs"; then
-    # the record first; each keeps 40 s for the table; a cut-off script's finished runs still count
-    for peer in hiverge:cifar10_speedrun.py:200 airbench94_muon:airbench94_muon.py:180 airbench94:airbench94.py:150; do
-      IFS=: read -r name file limit <<<"$peer"
+    # in RACE_PEERS's order (the record first by default); each may use what is left but 40 s for
+    # the table: their max-autotune compile alone took over 200 s in visit 8, so one call holds
+    # fastcifar and about one script; a cut-off script's finished runs still count
+    for name in ${RACE_PEERS:-hiverge airbench94_muon airbench94}; do
+      case "$name" in
+        hiverge) file=cifar10_speedrun.py ;;
+        airbench94_muon) file=airbench94_muon.py ;;
+        airbench94) file=airbench94.py ;;
+        *) rows+=("| $name | FAIL: not a public script the race knows (hiverge, airbench94_muon, airbench94) | 0 |"); failed=1; continue ;;
+      esac
       [ "$dry" = 1 ] || [ -f "$race/$name/$file" ] || continue  # not staged: prepare-peers said so
-      room=$((budget - SECONDS - 40)); [ "$limit" -gt "$room" ] && limit=$room
+      limit=$((budget - SECONDS - 40))
       [ "$limit" -ge 30 ] || { rows+=("| $name | skipped: stage budget spent | 0 |"); continue; }
       step "$name" "$limit" bash -c "cd '$race/$name' && exec '$py' '$file'"
     done

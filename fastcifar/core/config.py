@@ -141,8 +141,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "alexnet": {"arch": "alexnet", "widths": (64, 192, 384, 256, 256)},
     # airbench94 (Jordan, 2024: 94.01% mean over 1,000 runs on one A100) transcribed fact by fact
     # into this trainer's conventions (the default until 2026-11-23); tests/unit/test_recipe_parity.py
-    # holds a few of its steps to a plain-PyTorch transcription of the published recipe. Its
-    # figures here (JPEG copy only, so far): bench/results/visits/visit-6.md, 6b.
+    # holds a few of its steps to a plain-PyTorch transcription of the published recipe. Not yet
+    # measured on official CIFAR-10 (bench/results/official.jsonl has no row for it).
     # Conversions:
     #   lr 11.5 per 1024 in airbench's decoupled form is 11.5 / (1024 x (1 + 1/(1 - 0.85))) =
     #      1.4648e-3 per image of summed loss = 0.75 per 512 for the mean loss;
@@ -186,10 +186,10 @@ PRESETS["fast-muon"] = {**PRESETS["fast"], "epochs": 8, "batch_size": 2000, "lr"
                         "head_lr_scale": 0.67 / 0.053, "weight_decay": 2e-6 * 2000 / 0.053 / 2000,
                         "lookahead_steps": 0, "optimizer": "muon", "muon_lr": 0.24, "muon_momentum": 0.6,
                         "muon_ns_steps": 3, "logit_scale": 1 / 256, "head_unit_init": True}
-# The default: `fast-muon` with its two wide blocks at 320 channels, the best mean of the settings
-# measured within 1.5 s on one H100 and a flat optimum of its own knobs; on the JPEG copy only,
-# so far (bench/results/visits/visit-6.md 6a-6b, visit-7.md 7b). Logits stay / 256,
-# as measured there.
+# The default: `fast-muon` with its two wide blocks at 320 channels, chosen as the best mean of the
+# settings measured within 1.5 s on one H100 (bench/results/visits/visit-6.md 6a-6b, visit-7.md 7b);
+# logits stay / 256, as measured there. On official CIFAR-10: bench/results/official.jsonl, rows
+# "fastcifar:fast-muon320".
 PRESETS["fast-muon320"] = {**PRESETS["fast-muon"], "widths": (64, 320, 320)}
 DEFAULT_PRESET = "fast-muon320"  # what `python -m fastcifar.train` runs
 

@@ -167,6 +167,15 @@ def test_race_stage_keeps_time_for_its_table(tmp_path):
     assert "| race-table | ok |" in table
 
 
+def test_race_stage_runs_the_public_scripts_it_is_given_in_their_order(tmp_path):
+    proc, out = visit(tmp_path, "race", RACE_PEERS="airbench94 hiverge")
+    started = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("=== ")]
+    assert started[-3:] == ["airbench94", "hiverge", "race-table"] and "airbench94_muon" not in started
+    proc, out = visit(tmp_path, "race", RACE_PEERS="airbench96")  # a typo is a failed step, not a silent skip
+    assert proc.returncode == 1
+    assert "| airbench96 | FAIL: not a public script the race knows" in (out / "race-table.md").read_text()
+
+
 def test_race_stage_without_data_says_so(tmp_path):
     proc, out = visit(tmp_path, "race", DATA=str(tmp_path / "missing"))
     assert proc.returncode == 1
