@@ -132,7 +132,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     train_loader = make_train_loader(loader_name, data.train_images, data.train_labels, shard, per_rank_batch, steps,
                                      kernels=kernels, pad=cfg.crop_pad, pad_mode=cfg.pad_mode, cutout=cfg.cutout,
                                      flip=cfg.flip, flip_mode=cfg.flip_mode, dtype=dtype, device=ctx.device,
-                                     rank=ctx.rank)
+                                     rank=ctx.rank, emulate_ranks=cfg.emulate_ranks)  # N ranks' side by side
     test_set = EvalSet(data.test_images, data.test_labels, cfg.eval_batch_size, dtype=dtype,
                        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size)
     # each epoch's evaluation: the test set, or --val-split's held-out images (the test set then once, at the end)

@@ -612,11 +612,12 @@ def bn_act_pool(x, weight, bias, running_mean, running_var, training: bool, mome
 
 class TritonNormActPool(NormActPool):
     """``NormActPool`` computed by the fused Triton kernels: its constructor, state and math, only
-    ``forward`` differs."""
+    ``normalize`` differs."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return BnActPoolFunction.apply(x, self.weight, self.bias, self.running_mean, self.running_var,
-                                       self.training, self.step_momentum(), self.eps, self.act, self.pool)
+    def normalize(self, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                  momentum: float) -> torch.Tensor:
+        return BnActPoolFunction.apply(x, self.weight, self.bias, running_mean, running_var,
+                                       self.training, momentum, self.eps, self.act, self.pool)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ class Config:
     eval_batch_size: int = 1000  # images per evaluation batch, per rank (1..65536)
     warmup_steps: int = 3  # untimed training steps before the clock starts (0..1000); state restored after
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the run
+    emulate_ranks: int = 1  # one process trains what N ranks train (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged): the N-GPU recipe's accuracy on one device (fastcifar.data.loader.EmulatedRanks); 1 = off
     compile: bool = False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
     # --- compressed gradient communication (fastcifar.dist.compress; several ranks, --comm bucketed) ---
     compress: str = "none"  # none (plain all-reduce) | fp16 | bf16 | topk | randomk | threshold | terngrad | qsgd | powersgd
@@ -297,6 +298,7 @@ RANGES: dict[str, tuple[float | None, float | None, str]] = {
     "eval_batch_size": (1, MAX_BATCH, "[]"),
     "warmup_steps": (0, 1000, "[]"),
     "dist_timeout_s": (0, 10**6, "(]"),  # seconds; datetime.timedelta overflows far above
+    "emulate_ranks": (1, 1024, "[]"),  # the batch must divide over them (validate)
     "compress_ratio": (0, 1, "(]"),
     "compress_threshold": (0, None, "[)"),
     "qsgd_levels": (1, 32767, "[]"),  # int8 on the wire up to 127, int16 beyond
@@ -403,6 +405,7 @@ def check_fields(cfg: Config) -> Config:
 def validate(cfg: Config, world_size: int = 1) -> Config:
     """Reject settings that cannot work, with one sentence naming the field."""
     check_fields(cfg)
+    world_size = _validate_emulated(cfg, world_size)  # below, the emulated ranks count as ranks
     if not 0 <= cfg.warmup_epochs <= cfg.epochs:
         raise ConfigError(f"--warmup-epochs must lie in 0..{cfg.epochs} (the epochs), not {cfg.warmup_epochs}")
     if not 0 <= cfg.seed <= SEED_MAX - cfg.runs:  # run r uses seed + r - 1; bench's warm-up run seed + runs
@@ -440,6 +443,21 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--batch-size {cfg.batch_size} does not divide over {world_size} ranks "
                           f"(the per-rank batch must be a whole number)")
     return cfg
+
+
+def _validate_emulated(cfg: Config, world_size: int) -> int:
+    """``--emulate-ranks N``: one process, and only what it emulates (the shards, the batchnorm
+    statistics per rank, the plain average of gradients); the number of ranks the rest of
+    ``validate`` checks the settings against (N: the batch must divide over them as over N ranks)."""
+    if cfg.emulate_ranks == 1:
+        return world_size
+    if world_size > 1:
+        raise ConfigError(f"--emulate-ranks {cfg.emulate_ranks} emulates ranks in one process, but this run has "
+                          f"{world_size} real ranks (torchrun): use one or the other")
+    if cfg.compress != "none" or cfg.sparse_mask != "none" or cfg.local_steps:
+        raise ConfigError(f"--emulate-ranks {cfg.emulate_ranks} emulates the plain average of gradients; it does "
+                          f"not combine with --compress, --sparse-mask or --local-steps")
+    return cfg.emulate_ranks
 
 
 def _validate_compress(cfg: Config) -> None:
@@ -568,7 +586,8 @@ HELP_GROUPS = (  # (title, Config sections it holds)
 )
 # fields whose Config section is not the group they read best in
 HELP_GROUP_OF = {"comm": "distributed", "bucket_mb": "distributed", "dist_timeout_s": "distributed",
-                 "muon_shard": "distributed", "nvtx": "runs and reporting", "profile_steps": "runs and reporting"}
+                 "muon_shard": "distributed", "nvtx": "runs and reporting", "profile_steps": "runs and reporting",
+                 "emulate_ranks": "distributed"}
 ARCH_NAMES = {"resnet9": "ResNet-9", "fastnet": "FastNet", "alexnet": "AlexNet"}
 
 

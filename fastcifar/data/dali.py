@@ -37,7 +37,9 @@ import torch
 
 from fastcifar.core.config import CHOICES, ConfigError
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, normalize, pad_images
-from fastcifar.data.loader import PARAM_FIELDS, EpochAhead, TorchLoader, TrainLoader, epoch_plan, to_device
+from fastcifar.data import shard_indices
+from fastcifar.data.loader import (PARAM_FIELDS, EmulatedRanks, EpochAhead, TorchLoader, TrainLoader, epoch_plan,
+                                   to_device)
 
 LOADERS = CHOICES["loader"]
 # What "auto" picks per device type: the faster in bench/bench_loader.py (bench/results/loader.jsonl,
@@ -552,9 +554,19 @@ def dali_decoder(device: torch.device | str):
 
 
 def make_train_loader(name: str, images, labels, shard: np.ndarray, batch_size: int, steps: int, *,
-                      kernels: str, **augment) -> TrainLoader:
+                      kernels: str, emulate_ranks: int = 1, **augment) -> TrainLoader:
     """The training loader ``resolve_loader`` chose: ``DaliLoader`` or ``TorchLoader`` (which
-    augments with ``kernels``: the Triton kernel or the reference)."""
+    augments with ``kernels``: the Triton kernel or the reference). ``emulate_ranks`` N > 1 (one
+    process): N of them side by side (``loader.EmulatedRanks``), rank r's over its part of
+    ``shard`` (``shard_indices``: the whole set's shard r of N, as under torchrun) with
+    ``batch_size / N`` images a step."""
+    if emulate_ranks > 1:
+        if augment.pop("rank", 0):
+            raise ValueError("emulated ranks run in one process, rank 0 of 1")
+        per_rank = batch_size // emulate_ranks
+        return EmulatedRanks([make_train_loader(name, images, labels, shard[shard_indices(len(shard), r, emulate_ranks)],
+                                                per_rank, steps, kernels=kernels, rank=r, **augment)
+                              for r in range(emulate_ranks)])
     if name == "dali":
         return DaliLoader(images, labels, shard, batch_size, steps, **augment)
     return TorchLoader(images, labels, shard, batch_size, steps, kernels=kernels, **augment)

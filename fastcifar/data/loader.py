@@ -171,6 +171,51 @@ class TorchLoader(TrainLoader):
             yield images, self.labels[idx]
 
 
+class EmulatedRanks(TrainLoader):
+    """``--emulate-ranks N``: the loaders of N ranks in one process, each step's batch their batches
+    side by side (rank 0's images first). Each is the loader rank r would have under torchrun (its
+    fixed shard, ``epoch_seed(seed, r, epoch)``'s order and augmentation draws), so one device
+    sees exactly the images N ranks see, step by step; the network's batchnorm splits the batch
+    back into the ranks' (``ops.norm_act_pool.PerRankStatistics``). The gradient of the batch's
+    summed loss at the global batch is what N ranks' all-reduce averages, with the step rate the
+    trainer already uses for one process at that batch (``run.recipe.peak_rate``: the rate per
+    image of summed loss is ``lr x batch / 512 / batch`` here, N times that on a rank whose
+    gradient is averaged over N: the same update). ``data.dali.make_train_loader`` builds it."""
+
+    def __init__(self, loaders: list[TrainLoader]):
+        if len({(loader.batch_size, len(loader)) for loader in loaders}) != 1:
+            raise ValueError("emulated ranks need the same batch and steps on every rank")
+        self.loaders = loaders
+        self.batch_size, self.steps = loaders[0].batch_size * len(loaders), len(loaders[0])
+        self.labels = torch.cat([loader.labels for loader in loaders])
+        self.set_epoch(0, 0)
+
+    def set_epoch(self, run_seed: int, epoch: int) -> None:
+        super().set_epoch(run_seed, epoch)
+        for loader in self.loaders:
+            loader.set_epoch(run_seed, epoch)
+
+    def prepare(self, run_seed: int, epoch: int) -> None:
+        for loader in self.loaders:
+            loader.prepare(run_seed, epoch)
+
+    def quiesce(self) -> None:
+        for loader in self.loaders:
+            loader.quiesce()
+
+    def plain_images(self, n: int) -> torch.Tensor:
+        """What N ranks' data-dependent init reads together: each rank's first ``ceil(n / N)``
+        images (``run.recipe.RunHooks.init_whitening`` gives each rank that share, and sums the
+        ranks' patch covariances; here the covariance of their images together)."""
+        share = -(-n // len(self.loaders))
+        return torch.cat([loader.plain_images(share) for loader in self.loaders])
+
+    def __iter__(self):
+        for batches in zip(*self.loaders):
+            images, labels = zip(*batches)
+            yield torch.cat(images), torch.cat(labels)
+
+
 class EvalSet:
     """The test images of one rank (every ``world_size``-th), normalized once, in fixed batches."""
 

@@ -112,15 +112,15 @@ def _custom_op_norm():
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
 
     class CompiledNormActPool(TritonNormActPool):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            momentum = self.step_momentum()
+        def normalize(self, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                      momentum: float) -> torch.Tensor:
             y, _, _, _, _, new_mean, new_var = torch.ops.fastcifar.bn_act_pool_fwd(
-                x, self.weight, self.bias, self.running_mean, self.running_var, self.training, momentum,
+                x, self.weight, self.bias, running_mean, running_var, self.training, momentum,
                 self.eps, self.act, self.pool or _NO_POOL)
             if self.training:  # the op is functional (autograd needs that): the update lands here
                 with torch.no_grad():  # statistics, not a path for gradients into the next step
-                    self.running_mean.copy_(new_mean)
-                    self.running_var.copy_(new_var)
+                    running_mean.copy_(new_mean)
+                    running_var.copy_(new_var)
             return y
 
     return CompiledNormActPool

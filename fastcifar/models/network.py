@@ -14,6 +14,7 @@ from fastcifar.models.alexnet import AlexNet
 from fastcifar.models.blocks import norm_blocks
 from fastcifar.models.fastnet import FastNet
 from fastcifar.models.resnet9 import ResNet9
+from fastcifar.ops.norm_act_pool import per_rank
 
 
 def norm_layers(model: nn.Module) -> list[nn.Module]:
@@ -42,9 +43,11 @@ def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
 
 
 def build_model(cfg, device: torch.device, dtype: torch.dtype, num_classes: int = 10) -> torch.nn.Module:
-    """The network a run trains: ``--kernels``' normalize blocks (a custom op under --compile),
-    channels-last on ``device``, fp16 weights with fp32 batchnorm when ``dtype`` is fp16."""
+    """The network a run trains: ``--kernels``' normalize blocks (a custom op under --compile; with
+    ``--emulate-ranks`` their statistics per emulated rank), channels-last on ``device``, fp16
+    weights with fp32 batchnorm when ``dtype`` is fp16."""
     norm = compiled.norm_for(norm_blocks(cfg.kernels, device), cfg.compile)  # custom op under --compile
+    norm = per_rank(norm, cfg.emulate_ranks)  # --emulate-ranks: batchnorm statistics per emulated rank
     model = make_network(cfg, norm=norm, num_classes=num_classes)
     model = model.to(device=device, memory_format=torch.channels_last)
     if dtype == torch.float16:

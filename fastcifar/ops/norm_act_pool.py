@@ -7,6 +7,7 @@ without importing each other.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -75,11 +76,16 @@ class NormActPool(nn.BatchNorm2d):
         return momentum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        momentum = self.step_momentum()
+        return self.normalize(x, self.running_mean, self.running_var, self.step_momentum())
+
+    def normalize(self, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                  momentum: float) -> torch.Tensor:
+        """The block on ``x`` with these running statistics (updated in place in training, with
+        ``momentum``): what each kernel path (the Triton kernel, its custom op) overrides, so
+        ``PerRankStatistics`` can run any of them once per rank."""
         if self.pool == "before":
             x = F.max_pool2d(x, 2)
-        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                         self.training, momentum, self.eps)
+        x = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, self.training, momentum, self.eps)
         x = activation(x, self.act)
         if self.pool == "after":
             x = F.max_pool2d(x, 2)
@@ -87,6 +93,54 @@ class NormActPool(nn.BatchNorm2d):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, act={self.act}, pool={self.pool}"
+
+
+class PerRankStatistics:
+    """Batchnorm statistics per rank, for a batch that is ``ranks`` ranks' batches side by side
+    (``--emulate-ranks``): mixed into a NormActPool class (``per_rank``), it splits a training
+    batch into ``ranks`` equal chunks along the batch and normalizes each with its own batch mean
+    and variance, as each rank of a data-parallel run normalizes only its own images (on 8 ranks
+    the default preset's 2000 images make 8 batchnorm batches of 250; ghost batchnorm, by another
+    name). Each chunk goes through the class's own ``normalize`` (the plain-torch, Triton or
+    custom-op kernel), so a chunk's output and gradient are what its rank's would be.
+
+    Running statistics: each rank's update is ``r <- (1 - m) r + m s_rank`` (s: the chunk's mean,
+    or its unbiased variance), and ``distributed.average_buffers`` averages the ranks' ``r`` after
+    every epoch. The update is linear, so the average of the ranks' running statistics is the
+    running statistic updated with the average of the chunks' statistics, at every step: this
+    keeps one copy, updates each rank's from it and stores their mean, and holds after each epoch
+    what the average over ranks holds (in fp32 up to rounding order). Momentum None (the
+    cumulative average, m = 1/count) is linear the same way; the count advances once a step, as
+    on each rank. In eval mode nothing is split: the ranks evaluate the same averaged model."""
+
+    ranks: int = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.ranks == 1:
+            return super().forward(x)
+        if x.shape[0] % self.ranks:
+            raise ValueError(f"a training batch of {x.shape[0]} does not split over {self.ranks} emulated ranks")
+        momentum = self.step_momentum()  # once: each rank counts one batch a step
+        means = self.running_mean.expand(self.ranks, -1).clone()  # row r: rank r's running statistics
+        variances = self.running_var.expand(self.ranks, -1).clone()
+        out = torch.cat([self.normalize(chunk, means[r], variances[r], momentum)
+                         for r, chunk in enumerate(x.chunk(self.ranks))])
+        with torch.no_grad():
+            self.running_mean.copy_(means.mean(0))
+            self.running_var.copy_(variances.mean(0))
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _per_rank_class(norm: type, ranks: int) -> type:
+    return type(f"PerRank{norm.__name__}", (PerRankStatistics, norm), {"ranks": ranks})
+
+
+def per_rank(norm, ranks: int):
+    """The norm block factory ``norm`` (a NormActPool class) with batchnorm statistics per emulated
+    rank (``PerRankStatistics``); ``norm`` itself for one rank. Same constructor and state: a
+    model file of an emulated run loads into the plain block."""
+    return norm if ranks == 1 else _per_rank_class(norm, ranks)
 
 
 def as_plain_torch(model: nn.Module) -> nn.Module:

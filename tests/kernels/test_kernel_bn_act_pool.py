@@ -178,6 +178,33 @@ def test_momentum_none_is_cumulative_average(norm):
     assert_close(mod.running_var, ref.running_var, 1e-5, "running_var (cumulative)")
 
 
+def test_emulated_ranks_run_the_triton_block_once_per_rank():
+    """--emulate-ranks with --kernels triton: the per-rank block (ops.norm_act_pool.per_rank) calls
+    the kernel on each rank's chunk, with that rank's running statistics a row of a (ranks, C)
+    table: outputs, every gradient and the running statistics as the per-rank torch block's."""
+    from fastcifar.ops.norm_act_pool import per_rank
+    torch.manual_seed(0)
+    ref = per_rank(NormActPool, 3)(5, act="gelu", pool="before", momentum=0.4).to(DEVICE)
+    mod = per_rank(TritonNormActPool, 3)(5, act="gelu", pool="before", momentum=0.4).to(DEVICE)
+    mod.load_state_dict(ref.state_dict())
+    for step in range(2):
+        # the ranks' chunks are shifted apart: one batchnorm over all 6 images would differ
+        x = (torch.randn(6, 5, 6, 6, device=DEVICE) + torch.arange(6.0, device=DEVICE).view(6, 1, 1, 1) * 2)
+        dy = torch.randn(6, 5, 3, 3, device=DEVICE).contiguous(memory_format=CL)
+        got = []
+        for m in (ref, mod):
+            xx = x.contiguous(memory_format=CL).requires_grad_()
+            m.zero_grad()
+            y = m(xx)
+            y.backward(dy)
+            got.append(dict(y=y, dx=xx.grad, dweight=m.weight.grad, dbias=m.bias.grad,
+                            running_mean=m.running_mean.clone(), running_var=m.running_var.clone()))
+        for k in got[0]:
+            assert_close(got[1][k], got[0][k], 1e-5 if k.startswith("running") else TOL[torch.float32],
+                         f"{k} step {step}")
+    assert int(mod.num_batches_tracked) == 2
+
+
 def test_foreign_gradient_layout():
     """A gradient that is not channels-last (the expanded one of .sum()) still gives the right result."""
     x, weight, bias, rm, rv, _ = _inputs((3, 5, 7, 7), torch.float32, out_pool="after")
