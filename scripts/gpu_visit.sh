@@ -13,6 +13,7 @@
 #   bash scripts/gpu_visit.sh kernels                  # (c') the fused bn/act/pool kernel vs eager and torch.compile
 #   bash scripts/gpu_visit.sh accuracy PRESET [SEED]   # (d) runs of PRESET from SEED until the stage budget
 #   bash scripts/gpu_visit.sh race                     # (e) official data: the default preset x25 beside the public scripts x25
+#   bash scripts/gpu_visit.sh emulated PRESET N [RUNS] # (f) official data: PRESET at N emulated ranks x RUNS (10), rows in multi_gpu.jsonl
 #   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
 #
 # Race (scripts/race.py): fastcifar's default preset (RACE_PRESETS names others), then each public
@@ -20,6 +21,10 @@
 # hiverge/cifar10-speedrun, airbench94_muon.py and legacy/airbench94.py of KellerJordan/cifar10-airbench,
 # at the commits race.py names; RACE_PEERS picks them and their order), RACE_RUNS (25) runs each; the table and one row per trainer in
 # bench/results/official.jsonl (RACE_CALL and RACE_COMMIT name the call and the commit in them).
+# Emulated (issue 46): the N-GPU recipe's accuracy on this one GPU: PRESET with --emulate-ranks N
+# (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged as
+# the all-reduce averages them), RUNS seeds from 0 in one process; the table and one row per set
+# in bench/results/multi_gpu.jsonl (EMULATED_CALL and EMULATED_COMMIT name the call and the commit).
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines and bench stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -29,11 +34,12 @@
 set -uo pipefail
 stage=${1:-}
 case "$stage" in
-  check|engines|bench|kernels|accuracy|race|dali) ;;
-  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|dali" >&2; exit 2 ;;
+  check|engines|bench|kernels|accuracy|race|emulated|dali) ;;
+  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|dali" >&2; exit 2 ;;
 esac
 tag=$stage
 [ "$stage" = accuracy ] && tag="accuracy-${2:-}"
+[ "$stage" = emulated ] && tag="emulated-${2:-}-x${3:-}"
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 out=${OUT:-gpu-visit}
@@ -215,6 +221,18 @@ race)
   fi
   step race-table 60 "$py" scripts/race.py report "$work" --fastcifar "$work/runs" --data "$data" \
     --jsonl bench/results/official.jsonl --call "${RACE_CALL:-}" --commit "${RACE_COMMIT:-}" --out "$work/figures.md"
+  ;;
+emulated)
+  preset=${2:?usage: gpu_visit.sh emulated PRESET N [RUNS]}
+  ranks=${3:?usage: gpu_visit.sh emulated PRESET N [RUNS]}
+  runs=${4:-10}
+  [ -e "$data" ] || { note "emulated needs real data: \$DATA (official CIFAR-10, bash ../shared/device/stage.sh cifar10)"; failed=1; exit; }
+  # one process, as the race runs the default: a cut-off run loses only the run in progress (its
+  # summary.json holds the ones it finished); 40 s kept for the table and the rows
+  train "$preset-x$ranks" $((budget - SECONDS - 40)) --preset "$preset" --emulate-ranks "$ranks" --seed 0 \
+    --runs "$runs" --quiet
+  step emulated-table 60 "$py" scripts/gpu_visit_report.py emulated "$work/runs" --data "$data" \
+    --jsonl bench/results/multi_gpu.jsonl --call "${EMULATED_CALL:-}" --commit "${EMULATED_COMMIT:-}" --out "$work/figures.md"
   ;;
 dali)
   if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi

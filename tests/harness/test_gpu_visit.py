@@ -20,7 +20,8 @@ from fastcifar.run.report import EpochRecord, RunResult
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_visit.sh"
-STAGES = [["check"], ["engines"], ["bench"], ["kernels"], ["accuracy", "resnet9", "3"], ["dali"], ["race"]]
+STAGES = [["check"], ["engines"], ["bench"], ["kernels"], ["accuracy", "resnet9", "3"], ["dali"], ["race"],
+          ["emulated", DEFAULT_PRESET, "8"]]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 
 
@@ -45,7 +46,8 @@ def test_stage_dry_run_fits_the_machines_limits(tmp_path, args):
     files = [p for p in tree(out) if p.is_file()]
     assert 0 < len(files) <= MAX_FILES, files
     assert all(len(p.relative_to(out).parts) <= MAX_DEPTH for p in tree(out))
-    stage = "-".join(args[:2]) if args[0] == "accuracy" else args[0]  # accuracy-PRESET: two in one call
+    # accuracy-PRESET, emulated-PRESET-xN: two in one call keep both
+    stage = {"accuracy": "-".join(args[:2]), "emulated": f"emulated-{'-x'.join(args[1:3])}"}.get(args[0], args[0])
     assert {p.name for p in files} == {f"{stage}-table.md", f"{stage}-logs.tar.gz", f"{stage}-results.tar.gz"}
     table = (out / f"{stage}-table.md").read_text()
     assert "| step | result | seconds |" in table and table in proc.stdout
@@ -183,6 +185,24 @@ def test_race_stage_without_data_says_so(tmp_path):
     assert (out / "race-table.md").is_file()
 
 
+def test_emulated_stage_runs_the_preset_at_n_emulated_ranks_and_files_rows(tmp_path):
+    proc, out = visit(tmp_path, "emulated", DEFAULT_PRESET, "8", EMULATED_CALL="visit 9", EMULATED_COMMIT="abc1234")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    table = (out / f"emulated-{DEFAULT_PRESET}-x8-table.md").read_text()
+    assert f"| {DEFAULT_PRESET}-x8 | ok |" in table and "| emulated-table | ok |" in table, table
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("dry run:")]
+    train = next(line for line in lines if "fastcifar.train" in line)
+    assert f"--preset {DEFAULT_PRESET} --emulate-ranks 8 --seed 0 --runs 10 --quiet" in train
+    assert f"--data {tmp_path / 'cifar.tar.gz'}" in train
+    report = next(line for line in lines if "gpu_visit_report.py emulated" in line)
+    for part in ("--jsonl bench/results/multi_gpu.jsonl", "--call visit 9", "--commit abc1234"):
+        assert part in report, report
+    proc, _ = visit(tmp_path, "emulated", "fast", "4", "25")  # RUNS
+    assert "--preset fast --emulate-ranks 4 --seed 0 --runs 25" in proc.stdout
+    proc, out = visit(tmp_path, "emulated", "fast", "4", DATA=str(tmp_path / "missing"))
+    assert proc.returncode == 1 and "emulated needs real data" in proc.stdout
+
+
 def test_bench_stage_times_the_default_presets_step_first(tmp_path):
     """The race times the default preset, so its step breakdown (its network at its batch) comes first,
     before the budget can run out; the kernel benchmark, graph-replay timed and slow to compile, is a
@@ -222,14 +242,14 @@ def test_unknown_stage_is_refused(tmp_path):
 # --- the report's checks --------------------------------------------------------------------------
 
 
-def write_run(root: Path, name: str, losses, preset="fast", seed=0, acc=91.0):
+def write_run(root: Path, name: str, losses, preset="fast", seed=0, acc=91.0, config=None, **doc):
     epochs = [EpochRecord(run=1, epoch=i + 1, lr=0.1, train_time=1.0, train_loss=v, train_acc=50.0,
                           test_time=0.1, test_loss=v, test_acc=acc, total_train_time=i + 1.0)
               for i, v in enumerate(losses)]
     result = RunResult(run=1, seed=seed, test_acc=acc, train_time=float(len(losses)), wall_time=9.0, epochs=epochs)
-    folder = root / name / "2026-11-22-x"
+    folder = root / name / f"2026-11-22-x{seed}"
     folder.mkdir(parents=True)
-    doc = {"config": {"preset": preset}, "results": [dataclasses.asdict(result)]}
+    doc = {"config": {"preset": preset, **(config or {})}, "results": [dataclasses.asdict(result)], **doc}
     (folder / "summary.json").write_text(json.dumps(doc))
 
 
@@ -264,6 +284,38 @@ def test_accuracy_report_combines_chunks(tmp_path):
     proc = report("accuracy", tmp_path / "a", tmp_path / "b")
     assert proc.returncode == 0, proc.stdout
     assert "fast: 2 runs, test acc mean 94.00 ± 1.41 (min 93.00)" in proc.stdout
+
+
+def test_emulated_report_files_one_row_per_preset_and_rank_count(tmp_path):
+    """Fake runs of the default at 8 emulated ranks (two chunks) and one plain run: one row per set,
+    device and versions from the runs' own summary.json, the data named as the race names it."""
+    runs = tmp_path / "runs"
+    machine = {"device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "world_size": 1},
+               "versions": {"torch": "2.11.0", "triton": "3.6.0"}}
+    accs = [94.1, 93.9, 94.3, 94.2]
+    for seed, acc in enumerate(accs):
+        write_run(runs / f"chunk{seed // 2}", "fast-muon320-x8", [1.0], preset="fast-muon320", seed=seed, acc=acc,
+                  config={"emulate_ranks": 8, "batch_size": 2000}, **machine)
+    write_run(runs / "plain", "fast-muon320", [1.0], preset="fast-muon320", seed=0, acc=94.5,
+              config={"batch_size": 2000}, **machine)  # a summary from before the option: 1 rank
+    jsonl = tmp_path / "multi_gpu.jsonl"
+    jsonl.write_text('{"check": "earlier row"}\n')
+    proc = report("emulated", runs, "--jsonl", jsonl, "--data", tmp_path / "cifar10", "--call", "visit 9",
+                  "--commit", "abc1234")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| fast-muon320 | 8 | 250 | 4 | 94.12 ± 0.17 (93.90) | 1 |" in proc.stdout, proc.stdout
+    assert "has 4 runs; issue 46 asks for at least 10" in proc.stdout
+    earlier, *rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert earlier == {"check": "earlier row"}, "rows are appended"
+    (one,) = [r for r in rows if r["ranks"] == 1]
+    assert one["emulated"] is False and one["runs"] == 1
+    (row,) = [r for r in rows if r["ranks"] == 8]
+    assert row["device"] == "NVIDIA H100 80GB HBM3" and row["torch"] == "2.11.0" and row["emulated"] is True
+    assert row["runs"] == 4 and row["seeds"] == [0, 1, 2, 3] and row["per_rank_batch"] == 250
+    assert row["acc_mean"] == pytest.approx(94.125) and row["acc_std"] == pytest.approx(0.17078251)
+    assert row["acc_min"] == 93.9 and row["below_bar"] == 1
+    assert row["data"] == "other:cifar10" and row["call"] == "visit 9" and row["commit"] == "abc1234"
+    assert report("emulated", tmp_path / "empty").returncode == 1  # no runs: the stage fails
 
 
 # --- export_tensors: our images where the public script's loader reads them ----------------------
