@@ -312,8 +312,9 @@ def stop_open_logs(status: str, reason: str) -> None:
 class RunLog:
     """Rank 0's record of one invocation. ``enabled=False`` makes every call a no-op."""
 
-    def __init__(self, cfg, out_root: str, enabled: bool, stream=sys.stdout):
-        self.cfg, self.enabled, self.stream = cfg, enabled, stream
+    def __init__(self, cfg, out_root: str, enabled: bool, stream=None):
+        # sys.stdout as it is now, not as it was at import: a caller (pytest's capture) may have replaced it since
+        self.cfg, self.enabled, self.stream = cfg, enabled, sys.stdout if stream is None else stream
         self.out_root = out_root
         self.dir: Path | None = None
         self.meta: dict = {}

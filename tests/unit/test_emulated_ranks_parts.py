@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from conftest import one_line_error
 from fastcifar.core.config import ConfigError, from_preset, validate
 from fastcifar.data import shard_indices
-from fastcifar.data.dali import make_train_loader
-from fastcifar.data.loader import EmulatedRanks, TorchLoader
+from fastcifar.data.dali import dali_available, make_train_loader
+from fastcifar.data.loader import EmulatedRanks
 from fastcifar.models.network import build_model, norm_layers
 from fastcifar.ops.norm_act_pool import NormActPool, PerRankStatistics, per_rank
 from fastcifar.run import recipe
@@ -36,15 +36,18 @@ def _data(n=101, seed=0):
     return rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, n).astype(np.int64)
 
 
-def test_emulated_ranks_loader_is_each_ranks_loader_side_by_side():
+@pytest.mark.parametrize("name", ["torch", pytest.param("dali", marks=pytest.mark.skipif(
+    not dali_available()[0], reason="DALI does not import here"))])
+def test_emulated_ranks_loader_is_each_ranks_loader_side_by_side(name):
     """101 images over 3 ranks: shards of 34, 34 and 33; each step's batch is rank 0's, 1's and 2's
     as their own loaders (own shard, own seed per rank and epoch) give them, bit for bit."""
     images, labels = _data()
     ranks, per_rank_batch, steps = 3, 10, 3
-    emulated = make_train_loader("torch", images, labels, shard_indices(101, 0, 1), ranks * per_rank_batch, steps,
+    emulated = make_train_loader(name, images, labels, shard_indices(101, 0, 1), ranks * per_rank_batch, steps,
                                  kernels="torch", emulate_ranks=ranks, rank=0, **AUGMENT)
-    alone = [TorchLoader(images, labels, shard_indices(101, r, ranks), per_rank_batch, steps, rank=r, **AUGMENT)
-             for r in range(ranks)]
+    alone = [make_train_loader(name, images, labels, shard_indices(101, r, ranks), per_rank_batch, steps,
+                               kernels="torch", rank=r, **AUGMENT) for r in range(ranks)]
+    assert all(type(loader) is type(alone[0]) for loader in emulated.loaders)
     assert isinstance(emulated, EmulatedRanks) and emulated.batch_size == 30 and len(emulated) == steps
     for epoch in (0, 1):  # the alternating flip mirrors every other epoch
         emulated.set_epoch(7, epoch)
