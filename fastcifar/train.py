@@ -55,39 +55,52 @@ PROCESS_START = process_start_time()
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train") -> int:
     cfg, given = parse_command_line(argv, prog=prog)
     ctx = None
-    previous = signals.install()  # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run (signals.py)
+    code = 1  # what an unexpected error ends with
+    # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run; also when the main thread is
+    # blocked in a collective (signals.py: a watcher thread then records the stop and ends the process)
+    previous = signals.install(on_blocked=record_stop)
     try:
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
         if cfg.resume:  # the checkpoint's settings (rank 0 reads them); the options given must agree
             cfg = state.resume_settings(cfg, given, ctx)
         run(cfg, ctx)
-        return 0
+        code = 0
     except (ConfigError, DataError) as exc:
         where = f"[rank {ctx.rank}] " if ctx is not None and ctx.distributed else ""
         report.stop_open_logs("failed", str(exc))
         print(f"fastcifar: error: {where}{exc}", file=sys.stderr)
-        return 2
+        code = 2
     except signals.StopRun as exc:  # interrupted (130, 143) or diverged (4): logs closed, summary written
-        report.stop_open_logs(type(exc).__name__.lower(), distributed.stop_reason(exc))
-        if os.environ.get("RANK", "0") == "0":
-            print(f"fastcifar: {exc}", file=sys.stderr)
-        return exc.exit_code
+        if not signals.claim_ending():  # a watcher thread is ending the rank: its record, its status
+            signals.wait_for_claimant()
+        record_stop(exc)
+        code = exc.exit_code
     except RuntimeError as exc:
         if not distributed.is_comm_failure(exc):
             raise
         # Another rank died or stalled. No teardown: a broken group can block in it; exiting frees it.
         # one line, also when the watchdog sees the stall in the same second (it then prints it)
-        distributed.report_failure(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
-                                   f"{distributed.failure_message(exc, cfg.dist_timeout_s)}")
+        if not distributed.report_failure(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
+                                          f"{distributed.failure_message(exc, cfg.dist_timeout_s)}"):
+            signals.wait_for_claimant()
         report.stop_open_logs("failed", distributed.failure_message(exc, cfg.dist_timeout_s))
         ctx = None
-        return 3
+        code = 3
     finally:
         try:
-            if ctx is not None:
-                distributed.teardown(ctx)
+            if ctx is not None and not distributed.teardown(ctx):  # stuck on a collective in flight
+                signals.exit_now(code, sys.exc_info()[1])  # the interpreter's exit could block on it too
         finally:  # last, so the teardown is not interrupted; also when it raises (a Ctrl-C during it)
             signals.restore(previous)  # the caller's Ctrl-C works again
+    return code
+
+
+def record_stop(exc: signals.StopRun) -> None:
+    """An early stop in log.txt and summary.json, and its one line (rank 0): by the main thread, or
+    by the signal watcher when the main thread is blocked and cannot."""
+    report.stop_open_logs(type(exc).__name__.lower(), distributed.stop_reason(exc))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"fastcifar: {exc}", file=sys.stderr, flush=True)
 
 
 def run(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:

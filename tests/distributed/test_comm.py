@@ -242,8 +242,8 @@ def test_batch_that_does_not_divide_fails_on_every_spawned_rank(learnable_data, 
         assert "does not divide over 2 ranks" in read(tmp_path, f"stderr{r}")
 
 
-def start_long_training(learnable_data, tmp_path) -> list[subprocess.Popen]:
-    procs = start_ranks(trainer(learnable_data, tmp_path / "runs", lambda r: ["--epochs", "200"]), tmp_path)
+def start_long_training(learnable_data, tmp_path, extra=()) -> list[subprocess.Popen]:
+    procs = start_ranks(trainer(learnable_data, tmp_path / "runs", lambda r: ["--epochs", "200", *extra]), tmp_path)
     deadline = time.monotonic() + 120
     while "train_loss" not in read(tmp_path, "stdout0"):  # rank 0 printed the epoch header: training
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), read(tmp_path, "stderr0")
