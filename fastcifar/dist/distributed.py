@@ -1,12 +1,14 @@
 """Ranks, devices and process groups: one process per device, launched by torchrun (or alone).
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a process started without them is rank 0 of 1
-and creates no process group. NCCL joins GPU ranks, gloo CPU ranks.
+and creates no process group unless asked to (``--dist-group always``: a real group of one, so the
+multi-rank path runs on one device). NCCL joins GPU ranks, gloo CPU ranks.
 
 Nothing waits forever: every collective is bounded by ``--dist-timeout-s`` (gloo's timeout and
-the progress watchdog's), the start-up handshake by at most ``HANDSHAKE_TIMEOUT_S``. A rank that
-dies closes its gloo sockets and the others fail at once; one that stalls fails them after the
-timeout. The survivors print one line, record the cause in log.txt and summary.json (status
+the progress watchdog's), the start-up handshakes by at most ``HANDSHAKE_TIMEOUT_S``, the waits for
+the data (one rank per node fetches and decodes it: ``load_once_per_node``) by ``data_timeout``. A
+rank that dies closes its gloo sockets and the others fail at once; one that stalls fails them after
+the timeout. The survivors print one line, record the cause in log.txt and summary.json (status
 "failed") and exit 3, whichever thread sees it first. Under NCCL the same holds because
 ``failure_settings`` sets NCCL's own failure handling before the group exists: its watchdog
 aborts the communicators instead of the process, later than fastcifar's (see there).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -24,13 +27,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from fastcifar.core import signals
 from fastcifar.core.config import ConfigError
+from fastcifar.core.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,10 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def setup(requested_device: str, timeout_s: float = 300.0) -> DistContext:
-    """Read torchrun's environment, pick this rank's device and join the process group."""
+def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto") -> DistContext:
+    """Read torchrun's environment, pick this rank's device and join the process group: with several
+    ranks, or also alone with ``group="always"`` (``--dist-group always``), so that one rank builds
+    the gradient buckets, runs their comm stream and captures their collectives as several do."""
     try:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
@@ -70,12 +76,14 @@ def setup(requested_device: str, timeout_s: float = 300.0) -> DistContext:
     except ValueError as exc:
         raise ConfigError(f"bad torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {exc}") from None
     device = pick_device(requested_device, local_rank)
-    if world_size == 1:
+    if world_size == 1 and group != "always":
         return DistContext(0, 1, 0, device, None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout_s = failure_settings(backend, timeout_s)  # NCCL: its failure handling, before the group exists
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:  # alone, not under torchrun: no one to meet
+            kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return DistContext(rank, world_size, local_rank, device, backend)
 
@@ -160,6 +168,107 @@ def check_same(digest: str, what: str, ctx: DistContext, timeout_s: float = HAND
     if differ:
         raise ConfigError(f"ranks disagree on the {what}: rank(s) {', '.join(map(str, differ))} differ from "
                           f"rank 0 (digest {digests[0][:12]}); launch every rank with the same settings and code")
+
+
+# How long a rank waits for the data step of the others (``load_once_per_node``):
+# the official archive is 170 MB, so 600 s lets the one download per node run at 0.3 MB/s (a slow
+# shared link); reading the pickled batches takes about a second, and PIL decodes 60,000 32x32 JPEG
+# files in about 20 s on 2 CPU cores (6,000 in 1.9 s, measured on the CI machine). A longer
+# --dist-timeout-s lengthens it too.
+DATA_TIMEOUT_S = 600.0
+
+T = TypeVar("T")
+# Keys of the waits below in the rendezvous store: numbered in call order, which is the same on
+# every rank, and by torchrun's restart count, so a second run of the Python API in one process, or
+# a restarted worker group that meets the same store, never finds an earlier wait's keys.
+_WAITS = itertools.count()
+
+
+def data_timeout(dist_timeout_s: float) -> float:
+    return max(DATA_TIMEOUT_S, dist_timeout_s)
+
+
+def _store_key(name: str) -> str:
+    return f"fastcifar/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_WAITS)}/{name}"
+
+
+def _store():
+    """The process group's rendezvous store (torch's own store-based barrier waits on it too). The
+    data waits use it rather than a collective: nothing is pending in NCCL while a rank downloads,
+    so neither the group's timeout nor NCCL's watchdog can end a healthy run, and a wait can be
+    longer than --dist-timeout-s."""
+    return dist.distributed_c10d._get_default_store()
+
+
+class PeerDataError(DataError):
+    """Another rank could not load the data: its failure, as this rank reports it."""
+
+
+def _wait(store, keys: list[str], timeout_s: float, failed: str, ctx: DistContext) -> list[str]:
+    """Wait until every key is set; the keys still missing when ``timeout_s`` ran out (none: all
+    set). Raises PeerDataError as soon as a rank has set ``failed``: a second at a time, so a failure
+    elsewhere ends this wait within a second, not at its timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if store.check([failed]):
+            rank, local_rank, detail = json.loads(store.get(failed).decode())
+            who = (f"local rank 0 of this node (rank {rank})" if rank == ctx.rank - ctx.local_rank
+                   else f"rank {rank}" + (" (local rank 0 of its node)" if local_rank == 0 else ""))
+            raise PeerDataError(f"{who} could not load the data: {detail}")
+        left = deadline - time.monotonic()
+        if left < 0.01:  # a store counts its timeout in whole milliseconds, and 0 means no timeout at all
+            return [k for k in keys if not store.check([k])]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=min(1.0, left)))
+            return []
+        except RuntimeError:  # DistStoreError on a timeout; a store that is gone raises again in check
+            if all(store.check([k]) for k in keys):
+                return []
+
+
+def load_once_per_node(load: Callable[[bool], T], ctx: DistContext, doing: str, timeout_s: float) -> T:
+    """``load(True)`` on local rank 0 of each node; the node's other ranks wait for it, then call
+    ``load(False)``: with --download one fetch per node, and one process per node that decodes an
+    image folder and writes its cache, which the others then read. Then every rank waits until all
+    have loaded, so the model handshake that follows waits seconds (it has HANDSHAKE_TIMEOUT_S),
+    not however long the slowest node's download takes. ``doing``: what local rank 0 is busy with,
+    for the message when ``timeout_s`` runs out. A rank that fails to load tells the others, which
+    raise a DataError naming it instead of waiting out the timeout. The waits are on the rendezvous
+    store (``_store``), not in a collective."""
+    if not ctx.distributed:
+        return load(True)
+    store, base = _store(), _store_key("data")
+    first = ctx.rank - ctx.local_rank  # torchrun numbers a node's ranks contiguously
+    mine, failed = f"{base}/node-of-rank-{first}", f"{base}/failed"
+    try:
+        if ctx.local_rank == 0:
+            result = load(True)
+            store.set(mine, "ok")
+        else:
+            if _wait(store, [mine], timeout_s, failed, ctx):
+                raise DataError(f"local rank 0 of this node (rank {first}) is still {doing} after {timeout_s:g} s; "
+                                f"a slower link or disk needs a larger --dist-timeout-s (the data waits "
+                                f"{DATA_TIMEOUT_S:g} s or that, whichever is longer)")
+            result = load(False)
+    except PeerDataError:
+        raise
+    except BaseException as exc:  # this rank's own failure: the others stop waiting for it
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        try:
+            store.set(failed, json.dumps([ctx.rank, ctx.local_rank, detail]))
+        except Exception:  # the store is gone too: the others' wait runs out and says so
+            pass
+        raise
+    ready = [f"{base}/ready/{r}" for r in range(ctx.world_size)]
+    store.set(ready[ctx.rank], "1")
+    missing = _wait(store, ready, timeout_s, failed, ctx)
+    if missing:
+        ranks = ", ".join(k.rsplit("/", 1)[1] for k in missing)
+        raise DataError(f"rank(s) {ranks} still without their data after {timeout_s:g} s (local rank 0 of "
+                        f"their node may still be downloading or decoding it); a slower link or disk needs "
+                        f"a larger --dist-timeout-s (the data waits {DATA_TIMEOUT_S:g} s or that, whichever "
+                        f"is longer)")
+    return result
 
 
 def is_comm_failure(exc: BaseException) -> bool:

@@ -30,6 +30,9 @@ def test_resolve():
     with pytest.raises(ConfigError, match="--comm bucketed"):
         resolve("on", CUDA, ddp)
     assert capture_blocker(Config(comm="ddp"), world_size=1) == ("", "")
+    # --dist-group always: one rank in a group runs DDP's reducer too, which cannot be captured
+    assert capture_blocker(Config(comm="ddp"), world_size=1, grouped=True) == ddp
+    assert capture_blocker(Config(comm="bucketed"), world_size=1, grouped=True) == ("", "")
     with pytest.raises(ConfigError, match="auto, on or off"):
         resolve("yes", CPU)
 
