@@ -162,7 +162,8 @@ def test_race_stage_keeps_time_for_its_table(tmp_path):
     proc, out = visit(tmp_path, "race", STAGE_BUDGET_S="100")  # a dry run's steps take no time: 60 s of room
     limits = {line.split()[1]: int(line.split("(limit ")[1].split("s)")[0])
               for line in proc.stdout.splitlines() if line.startswith("=== ")}
-    assert [limits[name] for name in ("hiverge", "airbench94_muon", "airbench94")] == [60, 60, 60], limits
+    # budget - 40 s less the seconds bash counts as spent: 60 on an idle machine, a few less under load
+    assert all(50 <= limits[name] <= 60 for name in ("hiverge", "airbench94_muon", "airbench94")), limits
     proc, out = visit(tmp_path, "race", STAGE_BUDGET_S="60")  # 20 s of room: no public script starts
     table = (out / "race-table.md").read_text()
     for name in ("hiverge", "airbench94_muon", "airbench94"):
