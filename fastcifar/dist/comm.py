@@ -21,7 +21,8 @@ once its sum has arrived (in ``finish()``, on the comm stream on the GPU), divid
 rank count. Dividing each rank's fp16 gradient first, as this module did until issue 46, flushed
 per-rank values below n x 3e-8 to zero; the sum cannot overflow where one GPU training the global
 batch alone would not (numbers at ``_all_reduce_mean``). For 2, 4 or 8 ranks and fp32 the result is
-bit for bit the former one.
+bit for bit the former one. During a CUDA graph capture a launch checks that the collective is
+issued on a capturing stream (one outside the capture would be missing from every replay).
 
 The default cap, 2 MiB, splits ResNet-9's 12.5 MiB of fp16 gradients into 6 collectives whose last
 (layer2 and earlier, 1.3 MB) is all that waits after backward: a small share of the step on 8
@@ -211,8 +212,15 @@ class GradBuckets:
         if self.stream is not None:
             # The comm stream waits for everything queued so far on the stream backward accumulated
             # this bucket's gradients on; the collective then runs beside the rest of backward.
+            # During a CUDA graph capture that wait is also what pulls the comm stream into the
+            # capture: a collective issued on a stream outside it would run once, now, and be
+            # missing from every replay (ranks training apart, silently), so it is refused.
+            capturing = torch.cuda.is_current_stream_capturing()
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
+                if capturing and not torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(f"gradient bucket {b.index}'s all-reduce would be issued outside the CUDA "
+                                       "graph being captured: the comm stream did not join the capture")
                 b.work = self._average(b)
         else:
             b.work = self._average(b)

@@ -6,6 +6,7 @@ bound every wait: a test that hangs fails at its own timeout instead of stalling
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -278,6 +279,73 @@ def test_two_ranks_average_equals_one_process_as_closely_as_fp32_does(low_precis
     err = (r0["mean"].double() - whole / 2).abs()
     bound = u * (g0.abs() + g1.abs() + whole.abs()) + 16 * U32 * r0["abs_terms"] + 2 * tiny
     assert bool((err <= bound).all()), f"{dtype}: error / bound up to {float((err / bound).max()):.2f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture safety: a collective issued during a CUDA graph capture must be in the capture.
+
+class FakeStream:
+    """A CUDA stream's capture state: ``wait_stream`` on a capturing stream joins the capture,
+    as a CUDA event wait does (``joins=False``: a stream that would not)."""
+
+    def __init__(self, capturing: bool = False, joins: bool = True):
+        self.capturing, self.joins = capturing, joins
+
+    def wait_stream(self, other) -> None:
+        if other.capturing and self.joins:
+            self.capturing = True
+
+
+class FakeWork:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cuda_streams(monkeypatch):
+    """torch.cuda's current stream, stream switch and capture query, over FakeStreams."""
+    state = {"current": FakeStream()}
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, state["current"] = state["current"], s
+        try:
+            yield
+        finally:
+            state["current"] = before
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["current"])
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["current"].capturing)
+    return state
+
+
+def _issued_collectives(state, comm: FakeStream) -> list:
+    """Buckets launched by ``finish`` with ``comm`` as their stream: whether each collective saw a
+    capturing current stream when it was issued."""
+    buckets = GradBuckets(SmallNet().parameters(), bucket_mb=1e-9, communicate=False)
+    buckets.communicate, buckets.stream = True, comm  # the GPU branch, with the collective faked
+    seen = []
+    buckets._all_reduce_mean = lambda flat: seen.append(torch.cuda.is_current_stream_capturing()) or FakeWork()
+    buckets.finish()
+    assert len(seen) == len(buckets) > 1
+    return seen
+
+
+def test_collectives_issued_during_capture_join_it(fake_cuda_streams):
+    fake_cuda_streams["current"] = FakeStream(capturing=True)  # backward runs inside a capture
+    assert all(_issued_collectives(fake_cuda_streams, FakeStream())), "a collective outside the capture"
+    fake_cuda_streams["current"] = FakeStream()  # eager: nothing to join, nothing refused
+    assert not any(_issued_collectives(fake_cuda_streams, FakeStream()))
+
+
+def test_a_collective_outside_the_capture_is_refused(fake_cuda_streams):
+    """A comm stream that did not join the capture would run its all-reduce once, at capture
+    time, and leave it out of every replay: refused with one line, before it is issued."""
+    fake_cuda_streams["current"] = FakeStream(capturing=True)
+    with pytest.raises(RuntimeError, match="gradient bucket 0's all-reduce would be issued outside the CUDA graph "
+                                           "being captured") as err:
+        _issued_collectives(fake_cuda_streams, FakeStream(joins=False))
+    assert "\n" not in str(err.value)
 
 
 # ---------------------------------------------------------------------------------------------
