@@ -56,7 +56,7 @@ def train(config: Config) -> list[TrainedRun]:
         raise ConfigError(f"train() takes a fastcifar.Config, not {type(config).__name__}")
     from fastcifar.run import report
     from fastcifar.core import signals
-    ctx = distributed.setup(config.device, config.dist_timeout_s)
+    ctx = distributed.setup(config.device, config.dist_timeout_s, config.dist_group)
     try:
         results = trainer.run(config, ctx)
     except (ConfigError, DataError) as exc:  # as the command line does: the run folder says why it stopped

@@ -10,7 +10,8 @@ Published figures to beat (theirs, each with its own timing rules): 94% in ~7.8 
 ResNet-9 "bag of tricks" ~26 s on one V100, the single-GPU speedrun scripts 1.98-2.59 s on one A100
 (``bash scripts/gpu_visit.sh race`` runs them beside this trainer).
 
-The story of one invocation: join the ranks, load the data, then for each run build the model and
+The story of one invocation: join the ranks and compare their settings, load the data (one rank
+per node fetches and decodes it, the others read what it left), then for each run build the model and
 optimizer, take a few untimed warm-up steps (and capture the step and evaluation as CUDA graphs),
 restore the initial state, start the clock, set the data-dependent init (the whitening conv reads
 training images, so it is training time), train epoch by epoch with the clock stopped during
@@ -55,44 +56,61 @@ PROCESS_START = process_start_time()
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train") -> int:
     cfg, given = parse_command_line(argv, prog=prog)
     ctx = None
-    previous = signals.install()  # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run (signals.py)
+    code = 1  # what an unexpected error ends with
+    # SIGINT/SIGTERM: one line and exit 130/143, finally blocks run; also when the main thread is
+    # blocked in a collective (signals.py: a watcher thread then records the stop and ends the process)
+    previous = signals.install(on_blocked=record_stop)
     try:
-        ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
+        ctx = distributed.setup(cfg.device, cfg.dist_timeout_s, cfg.dist_group)
+        # The first collective, right after the group forms: ranks launched with different command
+        # lines stop here, before any file is read (a checkpoint, the data).
+        distributed.check_same(distributed.config_digest(cfg), "config", ctx)
         if cfg.resume:  # the checkpoint's settings (rank 0 reads them); the options given must agree
             cfg = state.resume_settings(cfg, given, ctx)
         run(cfg, ctx)
-        return 0
+        code = 0
     except (ConfigError, DataError) as exc:
         where = f"[rank {ctx.rank}] " if ctx is not None and ctx.distributed else ""
         report.stop_open_logs("failed", str(exc))
         print(f"fastcifar: error: {where}{exc}", file=sys.stderr)
-        return 2
+        code = 2
     except signals.StopRun as exc:  # interrupted (130, 143) or diverged (4): logs closed, summary written
-        report.stop_open_logs(type(exc).__name__.lower(), distributed.stop_reason(exc))
-        if os.environ.get("RANK", "0") == "0":
-            print(f"fastcifar: {exc}", file=sys.stderr)
-        return exc.exit_code
+        if not signals.claim_ending():  # a watcher thread is ending the rank: its record, its status
+            signals.wait_for_claimant()
+        record_stop(exc)
+        code = exc.exit_code
     except RuntimeError as exc:
         if not distributed.is_comm_failure(exc):
             raise
         # Another rank died or stalled. No teardown: a broken group can block in it; exiting frees it.
         # one line, also when the watchdog sees the stall in the same second (it then prints it)
-        distributed.report_failure(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
-                                   f"{distributed.failure_message(exc, cfg.dist_timeout_s)}")
+        if not distributed.report_failure(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
+                                          f"{distributed.failure_message(exc, cfg.dist_timeout_s)}"):
+            signals.wait_for_claimant()
         report.stop_open_logs("failed", distributed.failure_message(exc, cfg.dist_timeout_s))
         ctx = None
-        return 3
+        code = 3
     finally:
         try:
-            if ctx is not None:
-                distributed.teardown(ctx)
+            if ctx is not None and not distributed.teardown(ctx):  # stuck on a collective in flight
+                signals.exit_now(code, sys.exc_info()[1])  # the interpreter's exit could block on it too
         finally:  # last, so the teardown is not interrupted; also when it raises (a Ctrl-C during it)
             signals.restore(previous)  # the caller's Ctrl-C works again
+    return code
+
+
+def record_stop(exc: signals.StopRun) -> None:
+    """An early stop in log.txt and summary.json, and its one line (rank 0): by the main thread, or
+    by the signal watcher when the main thread is blocked and cannot."""
+    report.stop_open_logs(type(exc).__name__.lower(), distributed.stop_reason(exc))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"fastcifar: {exc}", file=sys.stderr, flush=True)
 
 
 def run(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
     """Check the settings, then train: the command line and ``fastcifar.train(cfg)`` both come here."""
-    # Before validate: ranks launched with different settings all stop here, none validates alone.
+    # Before validate: ranks given different settings all stop here, none validates alone (the
+    # Python API's first collective; the command line's second, after --resume's settings).
     distributed.check_same(distributed.config_digest(cfg), "config", ctx)
     validate(cfg, ctx.world_size)
     return train(cfg, ctx)
@@ -102,7 +120,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     """``cfg.runs`` runs, logged and summarized; ``warmup_runs`` whole runs before them that are
     neither logged nor returned (bench/bench_train.py: caches, clocks and allocator settle)."""
     # first: a --cuda-graphs on that cannot work is refused before anything is read or written
-    use_graphs, graphs_note = graphs.resolve(cfg.cuda_graphs, ctx.device, capture_blocker(cfg, ctx.world_size))
+    use_graphs, graphs_note = graphs.resolve(cfg.cuda_graphs, ctx.device,
+                                             capture_blocker(cfg, ctx.world_size, ctx.distributed))
     resume = state.load_state(cfg.resume, cfg, ctx) if cfg.resume else None  # refused before any write
     log = RunLog(cfg, cfg.out_dir, enabled=ctx.is_main)  # checks --out-dir; the folder comes at log.start
     progress = Progress.for_rank(ctx.is_main, cfg.quiet)
@@ -118,12 +137,19 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         if note:
             log.line(note)
 
-    # Data: every rank reads the set, keeps its fixed shard on the device, and the same number of steps.
+    # Data: local rank 0 of each node reads the set first, alone fetching it (--download) and writing
+    # the decode cache; the node's other ranks then read what it left. Every rank keeps its fixed
+    # shard on the device and takes the same number of steps.
     decode = dali_decoder(ctx.device) if loader_name == "dali" else None  # JPEG folders: DALI decodes once
     if progress.enabled:
         decode = chunked_decoder(decode, progress)
-    data, val_images, val_labels, notes = for_run(load_dataset(
-        cfg.data, cfg.download, cfg.cache_dir or None, log=log.line, decode=decode, download_set=cfg.download_set),
+
+    def read_data(first: bool):  # first: local rank 0 of the node
+        return load_dataset(cfg.data, cfg.download, cfg.cache_dir or None, log=log.line, decode=decode,
+                            download_set=cfg.download_set, write=first)
+    doing = "downloading or reading the data" if cfg.download else "reading the data"
+    data, val_images, val_labels, notes = for_run(  # every rank's data read before the model handshake
+        distributed.load_once_per_node(read_data, ctx, doing, distributed.data_timeout(cfg.dist_timeout_s)),
         cfg.subset, cfg.val_split)  # --subset, then --val-split's held-out images, before any sharding
     per_rank_batch = cfg.batch_size // ctx.world_size
     steps = len(data.train_labels) // ctx.world_size // per_rank_batch

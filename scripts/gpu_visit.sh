@@ -138,9 +138,12 @@ engines)
       train "k-$kernels-g-$graphs" 150 --subset 10000 --epochs 4 --kernels "$kernels" --cuda-graphs "$graphs" --loader torch
     done
   done
-  # torchrun through $py: a bare torchrun on PATH may belong to another Python than the other steps
+  # torchrun through $py: a bare torchrun on PATH may belong to another Python than the other steps.
+  # --dist-group always: without it one rank forms no group, and no bucket, comm stream or NCCL
+  # collective would run (gpu_visit_report.py fails the step if its run had no group).
   step nccl-1rank 150 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 -m fastcifar.train --data "$data" \
-    --out-dir "$work/runs/nccl-1rank" --subset 10000 --epochs 4 --comm bucketed --cuda-graphs on --loader torch
+    --out-dir "$work/runs/nccl-1rank" --subset 10000 --epochs 4 --comm bucketed --dist-group always \
+    --cuda-graphs on --loader torch
   if dali_ok; then
     train "dali-g-on" 150 --subset 10000 --epochs 4 --kernels triton --cuda-graphs on --loader dali
   fi

@@ -10,7 +10,8 @@ nccl-1rank, dali-g-GRAPHS), its per-epoch train loss, final test accuracy and tr
 (exit 1) when a run's loss did not fall from its first epoch to its last, or when the graphed and
 eager runs of the same kernels end further apart than ``--tol`` (relative train loss; a sanity
 bound over whole epochs, where fp16 and cuDNN's algorithm choice already make eager runs differ:
-step-level equality is tests/unit/test_graphs_cuda.py's job). ``accuracy``: every run found under the
+step-level equality is tests/unit/test_graphs_cuda.py's job), and when the nccl-1rank run formed no
+process group (its engine line names no comm: its buckets and collectives never ran). ``accuracy``: every run found under the
 folders (several stages' chunks may be combined), with mean, std and min of the test accuracy.
 ``emulated``: the runs of ``--emulate-ranks N`` (issue 46: the N-GPU recipe's accuracy, measured on
 one device), one set per preset and N: mean, std, min, runs below 94% and the one-sided p of "mean
@@ -35,6 +36,7 @@ def load_runs(root: Path) -> dict[str, list[dict]]:
         doc = json.loads(path.read_text())
         for result in doc.get("results", []):
             result["_config"] = doc.get("config", {})
+            result["_engine"] = doc.get("engine", {})
             found.setdefault(name, []).append(result)
     return found
 
@@ -53,6 +55,9 @@ def engines(root: Path, tol: float) -> tuple[list[str], list[str]]:
                      f"{r['train_time']:.2f} | {'yes' if fell else 'NO'} |")
         if not fell:
             problems.append(f"{name}: train loss did not fall over its epochs: {losses}")
+        if name == "nccl-1rank" and "comm" not in r["_engine"]:
+            problems.append(f"{name}: the run formed no process group (--dist-group always missing?): "
+                            f"no bucket or collective ran")
     for kernels in ("auto", "triton", "torch"):
         on, off = final.get(f"k-{kernels}-g-on"), final.get(f"k-{kernels}-g-off")
         if on is None or off is None:

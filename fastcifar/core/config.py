@@ -102,6 +102,7 @@ class Config:
     eval_batch_size: int = 1000  # images per evaluation batch, per rank (1..65536)
     warmup_steps: int = 3  # untimed training steps before the clock starts (0..1000); state restored after
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the run
+    dist_group: str = "auto"  # process group: auto (only with several ranks) | always (also for one rank: its gradient buckets, comm stream and captured collectives run, as on several)
     emulate_ranks: int = 1  # one process trains what N ranks train (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged): the N-GPU recipe's accuracy on one device (fastcifar.data.loader.EmulatedRanks); 1 = off
     compile: bool = False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
     # --- compressed gradient communication (fastcifar.dist.compress; several ranks, --comm bucketed) ---
@@ -232,6 +233,7 @@ CHOICES = {
     "precision": ("auto", "fp16", "fp32"),
     "comm": ("bucketed", "ddp"),
     "cuda_graphs": ("auto", "on", "off"),
+    "dist_group": ("auto", "always"),
     "kernels": ("auto", "triton", "torch"),  # fastcifar.models.blocks.KERNELS reads this one
     # fastcifar.dist.compress reads these three: one source, no copy to keep in step
     "compress": ("none", "fp16", "bf16", "topk", "randomk", "threshold", "terngrad", "qsgd", "powersgd"),
@@ -586,6 +588,7 @@ HELP_GROUPS = (  # (title, Config sections it holds)
 )
 # fields whose Config section is not the group they read best in
 HELP_GROUP_OF = {"comm": "distributed", "bucket_mb": "distributed", "dist_timeout_s": "distributed",
+                 "dist_group": "distributed",
                  "muon_shard": "distributed", "nvtx": "runs and reporting", "profile_steps": "runs and reporting",
                  "emulate_ranks": "distributed"}
 ARCH_NAMES = {"resnet9": "ResNet-9", "fastnet": "FastNet", "alexnet": "AlexNet"}

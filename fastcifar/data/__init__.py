@@ -34,19 +34,29 @@ ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 
 
 def _cached(source: Path, cache_dir: Path | None, read: Callable[[Path, BatchDecoder | None], Dataset],
-            decode: BatchDecoder | None, log) -> Dataset:
-    """``read(source, decode)``, through a cache keyed by the source and by the decoder."""
+            decode: BatchDecoder | None, log, write: bool = True) -> Dataset:
+    """``read(source, decode)``, through a cache keyed by the source and by the decoder; the cache
+    is written only when ``write``."""
     target = cache_path(source, cache_dir, decoder_name(decode))
     ds = load_cache(target, str(source))
     if ds is not None:
         return ds
     log(f"decoding {source} once (cache: {target})")
     ds = read(source, decode)
+    if not write:
+        return ds
     try:
         save_cache(target, ds)
     except OSError as exc:  # a read-only place costs speed next time, not this run
         log(f"note: could not write the cache {target}: {exc}")
     return ds
+
+
+def _download(path: Path, log, download_set: str, write: bool) -> Dataset:
+    if not write:  # another process of this node fetched it already; this one only reads
+        raise DataError(f"{path}: still no data after local rank 0 of this node fetched it; "
+                        f"do all ranks of a node see the same --data?")
+    return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
 
 
 def _read_any_archive(path: Path, decode: BatchDecoder | None) -> Dataset:
@@ -67,29 +77,31 @@ def _read_any_archive(path: Path, decode: BatchDecoder | None) -> Dataset:
 
 def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: str | Path | None = None,
                  log: Callable[[str], None] = print, decode: BatchDecoder | None = None,
-                 download_set: str = "cifar10", offer_download: bool = True) -> Dataset:
+                 download_set: str = "cifar10", offer_download: bool = True, write: bool = True) -> Dataset:
     """Load CIFAR from ``path`` in any layout above; raise DataError on anything unusable (an
     OSError the readers do not name themselves included: one line with the path and the OS's reason).
     ``decode`` decodes an image folder's files in batches when no cache holds them (PIL when None,
     or for any batch it declines). ``offer_download``: the messages suggest ``--download`` (a
-    command without that flag, such as evaluate, passes False)."""
+    command without that flag, such as evaluate, passes False). ``write=False``: read only, neither
+    download nor write a cache (a rank whose node's local rank 0 did both already)."""
     path = Path(path).expanduser()
     spec = OFFICIAL_SETS.get(download_set, OFFICIAL_SETS["cifar10"])
     hint = (f"pass --download to fetch official {spec.title} there, or " if offer_download
             else f"for official {spec.title}, ") + fetch_by_hand(path, spec)
     try:
-        return _load(path, download_missing, cache_dir, log, decode, download_set, hint)
+        return _load(path, download_missing, cache_dir, log, decode, download_set, hint, write)
     except OSError as exc:
         raise DataError(f"{exc.filename or path}: {why(exc)}") from None
 
 
-def _load(path: Path, download_missing: bool, cache_dir, log, decode, download_set: str, hint: str) -> Dataset:
+def _load(path: Path, download_missing: bool, cache_dir, log, decode, download_set: str, hint: str,
+          write: bool) -> Dataset:
     cache = Path(cache_dir).expanduser() if cache_dir else None
     if path.is_file():
         if not path.name.endswith(ARCHIVE_SUFFIXES):
             raise DataError(f"{path}: unknown layout (expected a .tar.gz archive or a folder)")
         check_input(path, "archive")
-        return _cached(path, cache, _read_any_archive, decode, log)
+        return _cached(path, cache, _read_any_archive, decode, log, write)
     if path.is_dir():
         if set_of_folder(path) is not None or is_file_like(path / "data_batch_1"):
             return read_batch_dir(path)
@@ -101,9 +113,9 @@ def _load(path: Path, download_missing: bool, cache_dir, log, decode, download_s
                 return read_archive(archive)
         root = find_split_root(path)
         if root is not None:
-            return _cached(root, cache, read_folder, decode, log)
+            return _cached(root, cache, read_folder, decode, log, write)
         if download_missing:
-            return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
+            return _download(path, log, download_set, write)
         if not any(path.iterdir()):
             raise DataError(f"{path}: empty folder; {hint}")
         raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, cifar-100-python/, their .tar.gz, "
@@ -115,7 +127,7 @@ def _load(path: Path, download_missing: bool, cache_dir, log, decode, download_s
             reason = why(exc)
         raise DataError(f"{path}: {reason}")
     if download_missing:
-        return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
+        return _download(path, log, download_set, write)
     raise DataError(f"{path}: no such file or folder; {hint}")
 
 

@@ -16,6 +16,14 @@ bucket k, it waits for k), because collectives must be issued in the same order 
 stays zero and is averaged like the others) and makes the optimizer wait for all of them: on the GPU
 the current stream waits on the communication stream (no host sync); with gloo ``work.wait()``.
 
+The average is a sum, then one division: each bucket is all-reduced with SUM in its own dtype and,
+once its sum has arrived (in ``finish()``, on the comm stream on the GPU), divided in place by the
+rank count. Dividing each rank's fp16 gradient first, as this module did until issue 46, flushed
+per-rank values below n x 3e-8 to zero; the sum cannot overflow where one GPU training the global
+batch alone would not (numbers at ``_all_reduce_mean``). For 2, 4 or 8 ranks and fp32 the result is
+bit for bit the former one. During a CUDA graph capture a launch checks that the collective is
+issued on a capturing stream (one outside the capture would be missing from every replay).
+
 The default cap, 2 MiB, splits ResNet-9's 12.5 MiB of fp16 gradients into 6 collectives whose last
 (layer2 and earlier, 1.3 MB) is all that waits after backward: a small share of the step on 8
 NVLink GPUs in bench/results/allreduce_model_8gpu.md (a model, not a measurement). The only
@@ -99,6 +107,20 @@ def plan_buckets(params, bucket_bytes: int) -> list[Bucket]:
             numel += math.ceil(_span(p) / step) * step
         buckets.append(Bucket(index, dtype, members, offsets, numel))
     return buckets
+
+
+class SumThenDivide:
+    """The handle of one bucket's all-reduce (a c10d Work's ``wait``): waits for the sum over ranks,
+    then divides it by the rank count in place, on the caller's stream (``finish`` calls it on the
+    comm stream, so a captured graph replays the division after each bucket's sum)."""
+
+    def __init__(self, work, flat: torch.Tensor, world_size: int):
+        self.work, self.flat, self.world_size = work, flat, world_size
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.world_size > 1:  # one rank: the sum is the mean, no kernel
+            self.flat.div_(self.world_size)
 
 
 class GradBuckets:
@@ -190,8 +212,15 @@ class GradBuckets:
         if self.stream is not None:
             # The comm stream waits for everything queued so far on the stream backward accumulated
             # this bucket's gradients on; the collective then runs beside the rest of backward.
+            # During a CUDA graph capture that wait is also what pulls the comm stream into the
+            # capture: a collective issued on a stream outside it would run once, now, and be
+            # missing from every replay (ranks training apart, silently), so it is refused.
+            capturing = torch.cuda.is_current_stream_capturing()
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
+                if capturing and not torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(f"gradient bucket {b.index}'s all-reduce would be issued outside the CUDA "
+                                       "graph being captured: the comm stream did not join the capture")
                 b.work = self._average(b)
         else:
             b.work = self._average(b)
@@ -201,14 +230,26 @@ class GradBuckets:
             return self.compression.launch(b, self._all_reduce_mean)
         return self._all_reduce_mean(b.flat)
 
-    def _all_reduce_mean(self, flat: torch.Tensor):
-        # Divide before the sum, for every dtype. fp16: each rank's gradient is at most 65504 (the
-        # fp16 max), so the sum of n gradients could reach n x 65504 and overflow to inf; after
-        # dividing by n it cannot exceed the largest single gradient. fp32 (max 3.4e38) cannot
-        # overflow either way; it takes the same path, and for 2, 4 or 8 ranks dividing by a power
-        # of two is exact, so before or after gives the same bits.
-        flat.div_(self.world_size)
-        return dist.all_reduce(flat, group=self.group, async_op=True)
+    def _all_reduce_mean(self, flat: torch.Tensor) -> SumThenDivide:
+        # Sum, then divide once, in wait() (on the GPU on the comm stream, after the sum arrives).
+        # fp16 keeps 11 significant bits down to 6.1e-5 and a fixed spacing of 6.0e-8 (2^-24)
+        # below: dividing each rank's gradient by n first rounded n times on that grid and
+        # flushed every per-rank value up to n x 3.0e-8 to zero (2.4e-7 on 8 ranks); the sum
+        # keeps them and the division rounds once (in fp32 arithmetic, one rounding to fp16).
+        # For the default preset on 8 ranks, dividing first put 1.5% of each rank's elements on
+        # that grid; 0.3% of the means lie there (bench/results/fp16_grad_range.md).
+        # Overflow: the sum over ranks of each rank's summed-loss gradient is the gradient of the
+        # loss summed over the global batch, which one GPU training that batch alone holds in
+        # fp16 already. Measured there (first epoch, 8 x 250 images): the largest |sum| and the
+        # largest sum of |rank's gradient|, which bounds every partial sum of a ring or tree,
+        # were both 45, 1450x below fp16's 65504.
+        # fp32: for 2, 4 or 8 ranks dividing by a power of two is exact, so these are the bits
+        # dividing first gave. Folding 1/n into the step's rate instead would keep the n-times
+        # larger sum in the bucket, but the optimizer's first fp16 op adds weight decay x w
+        # (rounding at that term's spacing), and DDP, compression, Muon's rate ratio and
+        # checkpointed momentum would need a second gradient convention.
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        return SumThenDivide(work, flat, self.world_size)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -220,11 +261,11 @@ class GradBuckets:
         if self.communicate and self.stream is not None:
             with torch.cuda.stream(self.stream):
                 for b in self.buckets:
-                    b.work.wait()  # the comm stream waits on NCCL's: no host sync
+                    b.work.wait()  # the comm stream waits on NCCL's (no host sync), then divides
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         elif self.communicate:
             for b in self.buckets:
-                b.work.wait()  # gloo: blocks until this bucket's sum is in place
+                b.work.wait()  # gloo: blocks until this bucket's sum is in place, then divides it
         for b in self.buckets:
             b.work = None
             b.pending = len(b.params)

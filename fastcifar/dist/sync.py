@@ -56,11 +56,12 @@ class GradientSync:
             self.buckets.remove()
 
 
-def capture_blocker(cfg, world_size: int) -> tuple[str, str]:
+def capture_blocker(cfg, world_size: int, grouped: bool | None = None) -> tuple[str, str]:
     """Why this run's gradient sync cannot be captured as a CUDA graph: (the refusal of
     ``--cuda-graphs on``, the note logged when ``auto`` turns capture off); ("", "") when it can.
-    One rank syncs nothing, so only several ranks can block capture."""
-    if world_size <= 1:
+    A rank without a process group syncs nothing, so only a group can block capture; ``grouped``:
+    whether there is one (default: several ranks; ``--dist-group always`` gives one rank one too)."""
+    if not (world_size > 1 if grouped is None else grouped):
         return "", ""
     if cfg.comm == "ddp":
         return ("--cuda-graphs on needs --comm bucketed with several ranks "

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from fastcifar.core.config import ConfigError
 from fastcifar.ops.tta import tta_logits
@@ -86,10 +87,30 @@ class StaticBatch:
         return n
 
 
+def capture_error_mode() -> str:
+    """The CUDA stream-capture mode of this process's captures: ``thread_local`` while an NCCL
+    process group exists, ``global`` otherwise.
+
+    NCCL's watchdog thread polls the CUDA events of eagerly issued collectives (the warm-up steps'
+    all-reduces, the start-up handshake) with ``cudaEventQuery``, on its own schedule. In ``global``
+    mode an unsafe call from any thread while a capture is open invalidates that capture, so a poll
+    that lands inside it failed the capture at random (pytorch PRs #104487 and #104555 describe the
+    crash). ``thread_local`` checks only the capturing thread, so the polls are harmless. torch
+    fixed it on the watchdog's side in 2025 (#148594: its event queries run thread-local; #160398,
+    merged 2025-08-12, after 2.8 was released, so by its date first in 2.9: the start-event query
+    too); the project supports torch >= 2.4, so the capture tolerates the polls itself. Captured
+    collectives are never handed to the watchdog (#102542). Without NCCL, ``global`` keeps CUDA's
+    strict check on other threads (a DALI thread's CUDA call during a capture fails it loudly)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return "thread_local"
+    return "global"
+
+
 def capture(body: Callable[[], None], warmup_iters: int,
             stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
     """Run ``body`` ``warmup_iters`` times on a side stream (cuDNN autotuning, Triton compilation,
-    first gradients and allocator growth happen there, as capture requires), then capture it once.
+    first gradients and allocator growth happen there, as capture requires), then capture it once
+    (in ``capture_error_mode()``).
     ``stream``: warm up and capture on this one (torch's own capture stream when None); graphs that
     backprop through another's captured forward need that forward's stream, where autograd runs."""
     side = stream or torch.cuda.Stream()
@@ -100,7 +121,7 @@ def capture(body: Callable[[], None], warmup_iters: int,
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode=capture_error_mode()):
         body()
     return graph
 

@@ -60,7 +60,7 @@ def chunked_decoder(decode: Callable | None, progress: Progress) -> Callable:
     """A ``fastcifar.data`` batch decoder that decodes in chunks under a bar: ``decode`` (DALI)
     per chunk, and PIL for any chunk it declines or when it is None, exactly as the data layer
     would for the whole split (a bad file is still named by PIL)."""
-    from fastcifar.data.folder import decode_with_pil
+    from fastcifar.data.folder import decode_with_pil, decoder_name
 
     def run(raws: list, wheres: list):
         bar = progress.counter(len(raws), "decoding")
@@ -74,6 +74,7 @@ def chunked_decoder(decode: Callable | None, progress: Progress) -> Callable:
             return np.concatenate(parts) if parts else None
         finally:
             bar.close()
+    run.name = decoder_name(decode)  # the cache key's decoder stays DALI's: rank 0 and the others share one cache
     return run
 
 

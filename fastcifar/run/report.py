@@ -33,6 +33,7 @@ import torch
 
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import ConfigError, training_settings
+from fastcifar.core.stats import p_above
 
 TIMING_PROTOCOL = ("train time: summed per-epoch training time (on-device augmentation included), "
                    "device synchronized at each epoch's start and end; per-epoch evaluation and the "
@@ -237,19 +238,22 @@ def summarize(results: list[RunResult], target_acc: float) -> dict:
         "acc_mean": statistics.fmean(accs), "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
         "acc_min": min(accs), "acc_median": statistics.median(accs), "acc_max": max(accs),
         "target_acc": target_acc, "reached": sum(a >= target_acc for a in accs),
+        "p_above_target": p_above(accs, target_acc),  # one-sided t-test of "mean > target" (None for 1 run)
         "train_time_mean": statistics.fmean(times), "train_time_max": max(times),
         "wall_time_max": max(r.wall_time for r in results),
     }
 
 
 def summary_table(s: dict) -> str:
+    p = "-" if s["p_above_target"] is None else f"{s['p_above_target']:.2g}"
     return "\n".join([
-        f"{'runs':>5} {'acc_mean':>8} {'acc_std':>7} {'acc_min':>7} {'acc_med':>7} {'reached':>9} "
+        f"{'runs':>5} {'acc_mean':>8} {'acc_std':>7} {'acc_min':>7} {'acc_med':>7} {'reached':>9} {'p':>8} "
         f"{'time_mean':>9} {'time_max':>8}",
         f"{s['runs']:>5} {s['acc_mean']:>8.2f} {s['acc_std']:>7.2f} {s['acc_min']:>7.2f} "
-        f"{s['acc_median']:>7.2f} {str(s['reached']) + '/' + str(s['runs']):>9} "
+        f"{s['acc_median']:>7.2f} {str(s['reached']) + '/' + str(s['runs']):>9} {p:>8} "
         f"{s['train_time_mean']:>9.2f} {s['train_time_max']:>8.2f}",
-        f"(accuracy in % of the test set; reached: runs at or above {s['target_acc']:.2f}%; times in s)",
+        f"(accuracy in % of the test set; reached: runs at or above {s['target_acc']:.2f}%; p: one-sided "
+        f"t-test of a mean above it; times in s)",
     ])
 
 

@@ -393,3 +393,8 @@ def test_chunked_decoder_under_a_bar_gives_the_same_arrays(tmp_path, monkeypatch
     out = progress_mod.chunked_decoder(every_other, Progress(True, stream))(raws, wheres)
     assert np.array_equal(out, images) and calls == ["img0.png", "img3.png", "img6.png"]
     assert "decoding" in "".join(stream.text)
+    # the cache key names the wrapped decoder: under a bar (rank 0) as without one (the other ranks)
+    from fastcifar.data.folder import decoder_name
+    every_other.name = "dali-cuda"
+    assert decoder_name(progress_mod.chunked_decoder(every_other, Progress(True, stream))) == "dali-cuda"
+    assert decoder_name(progress_mod.chunked_decoder(None, Progress(True, stream))) == "pil"

@@ -10,6 +10,7 @@ import torch
 from cli import FAST_SHORT, SHORT, run_dirs, run_train, summary_of
 from conftest import one_line_error, write_official
 from fastcifar.core.config import DEFAULT_PRESET, Config, build_parser, from_preset, parse_args
+from fastcifar.core.stats import p_above
 from fastcifar.run.report import EPOCH_HEADER, TSV_COLUMNS
 
 pytestmark = pytest.mark.slow
@@ -73,6 +74,8 @@ def test_several_runs_give_a_summary_table(learnable_data, tmp_path):
     assert s["results"][0]["test_acc"] != s["results"][1]["test_acc"] or \
         s["results"][0]["epochs"][0]["train_loss"] != s["results"][1]["epochs"][0]["train_loss"]
     assert "acc_mean" in proc.stdout and "2/2" in proc.stdout
+    accs = [r["test_acc"] for r in s["results"]]  # the t-test of "mean > --target-acc 0": far below 0.05
+    assert s["summary"]["p_above_target"] == pytest.approx(p_above(accs, 0.0)) and s["summary"]["p_above_target"] < 0.05
 
 
 def test_help_lists_every_field():

@@ -6,6 +6,7 @@ bound every wait: a test that hangs fails at its own timeout instead of stalling
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from cli import ROOT, SHORT, run_dirs, run_train, summary_of
-from comm_worker import SmallNet, make_model, reference_params
+from comm_worker import TINY16, SmallNet, make_model, reference_params
 from conftest import one_line_error
 from fastcifar.dist.comm import GradBuckets, plan_buckets
 from fastcifar.core.config import Config
@@ -170,13 +171,19 @@ BUCKET_CASES = {"one bucket": 100.0, "a bucket per tensor": 1e-6, "cap below the
 
 
 @pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory):
+def two_rank_dir(tmp_path_factory) -> Path:
+    """One launch of 2 worker ranks: the training steps (rank{r}.pt), then the fp16 checks (low{r}.pt)."""
     out = tmp_path_factory.mktemp("comm")
     procs = start_ranks(lambda r: [sys.executable, str(WORKER), "train", str(out),
                                    *map(str, BUCKET_CASES.values())], out)
     codes = wait_all(procs, timeout=240)
     assert codes == [0, 0], read(out, "stderr0")[-2000:] + read(out, "stderr1")[-2000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(two_rank_dir):
+    return [torch.load(two_rank_dir / f"rank{r}.pt") for r in range(2)]
 
 
 @pytest.mark.parametrize("case", BUCKET_CASES)
@@ -218,6 +225,130 @@ def test_different_model_shapes_fail_on_every_rank(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# fp16 near its underflow: the bucket sums, then divides once (issue 46).
+
+U16, U32, TINY32 = 2.0 ** -11, 2.0 ** -24, 2.0 ** -149  # unit roundoffs, fp32's smallest subnormal
+
+
+@pytest.fixture(scope="module")
+def low_precision_results(two_rank_dir):
+    return [torch.load(two_rank_dir / f"low{r}.pt") for r in range(2)]
+
+
+def test_fp16_average_keeps_what_dividing_first_flushed(low_precision_results):
+    """Hand-set gradients on 2 ranks. Summed, then halved once, the fp16 mean is within one
+    rounding of the exact mean: |error| <= u16 |mean| + 2^-25 (the sum's relative rounding, and
+    half the spacing 2^-24 of fp16's subnormals for the halving). Dividing first rounded each rank's
+    half on that grid: 2^-24 on both ranks came out 0, odd multiples of it 2^-24 off. fp32 keeps
+    the former bits: halving is exact in binary, before the sum or after."""
+    ranks = [r["set"] for r in low_precision_results]
+    assert ranks[0]["n_buckets"] > 2, "several buckets, fp16 and fp32"
+    for name, mean in ranks[0]["mean"].items():
+        assert torch.equal(mean, ranks[1]["mean"][name]), f"{name}: ranks hold different averages"
+        g0, g1 = ranks[0]["inputs"][name], ranks[1]["inputs"][name]
+        exact = (g0.double() + g1.double()) / 2
+        if name == "fp32":
+            assert torch.equal(mean, g0 / 2 + g1 / 2) and torch.equal(mean, (g0 + g1) / 2), name
+            continue
+        assert mean.dtype == torch.float16
+        err = (mean.double() - exact).abs()
+        bound = U16 * exact.abs() + TINY16 / 2
+        worst = int((err - bound).argmax())
+        assert bool((err <= bound).all()), (f"{name}: element {worst}: mean {float(mean[worst]):.6g}, exact "
+                                            f"{float(exact[worst]):.6g}, error {float(err[worst]):.3g} > bound "
+                                            f"{float(bound[worst]):.3g}")
+    flushed, odd = ranks[0]["mean"]["flush"], ranks[0]["mean"]["odd"]
+    assert bool((flushed.double() == TINY16).all()), f"2^-24 on both ranks averaged to {flushed.tolist()}"
+    assert torch.equal(odd.double(), (ranks[0]["inputs"]["odd"].double() + ranks[1]["inputs"]["odd"].double()) / 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_two_ranks_average_equals_one_process_as_closely_as_fp32_does(low_precision_results, dtype):
+    """A linear layer's summed-loss weight gradients near 1e-7, each rank on half the batch. The
+    average over 2 ranks is one process's gradient over the whole batch, halved, to within what
+    rounding allows, the same bound for fp16 and fp32: each rank's gradient, the process's and the
+    sum of the ranks' round once to the dtype (u x (|g0| + |g1| + |G|)); the matmuls' fp32
+    accumulations (4 and 8 terms) err by up to 16 u32 x the sum of |terms|; the halving and the
+    three roundings' absolute parts stay below 2 x the dtype's smallest subnormal."""
+    r0, r1 = (r[str(dtype)] for r in low_precision_results)
+    assert torch.equal(r0["mean"], r1["mean"]) and torch.equal(r0["one_process"], r1["one_process"])
+    g0, g1, whole = r0["rank_grad"].double(), r1["rank_grad"].double(), r0["one_process"].double()
+    if dtype == torch.float16:  # the case this is about: most of the gradient below fp16's normal range
+        assert float((whole.abs() < 2.0 ** -14).double().mean()) > 0.5, whole
+    u, tiny = (U16, TINY16) if dtype == torch.float16 else (U32, TINY32)
+    err = (r0["mean"].double() - whole / 2).abs()
+    bound = u * (g0.abs() + g1.abs() + whole.abs()) + 16 * U32 * r0["abs_terms"] + 2 * tiny
+    assert bool((err <= bound).all()), f"{dtype}: error / bound up to {float((err / bound).max()):.2f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture safety: a collective issued during a CUDA graph capture must be in the capture.
+
+class FakeStream:
+    """A CUDA stream's capture state: ``wait_stream`` on a capturing stream joins the capture,
+    as a CUDA event wait does (``joins=False``: a stream that would not)."""
+
+    def __init__(self, capturing: bool = False, joins: bool = True):
+        self.capturing, self.joins = capturing, joins
+
+    def wait_stream(self, other) -> None:
+        if other.capturing and self.joins:
+            self.capturing = True
+
+
+class FakeWork:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cuda_streams(monkeypatch):
+    """torch.cuda's current stream, stream switch and capture query, over FakeStreams."""
+    state = {"current": FakeStream()}
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, state["current"] = state["current"], s
+        try:
+            yield
+        finally:
+            state["current"] = before
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["current"])
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["current"].capturing)
+    return state
+
+
+def _issued_collectives(state, comm: FakeStream) -> list:
+    """Buckets launched by ``finish`` with ``comm`` as their stream: whether each collective saw a
+    capturing current stream when it was issued."""
+    buckets = GradBuckets(SmallNet().parameters(), bucket_mb=1e-9, communicate=False)
+    buckets.communicate, buckets.stream = True, comm  # the GPU branch, with the collective faked
+    seen = []
+    buckets._all_reduce_mean = lambda flat: seen.append(torch.cuda.is_current_stream_capturing()) or FakeWork()
+    buckets.finish()
+    assert len(seen) == len(buckets) > 1
+    return seen
+
+
+def test_collectives_issued_during_capture_join_it(fake_cuda_streams):
+    fake_cuda_streams["current"] = FakeStream(capturing=True)  # backward runs inside a capture
+    assert all(_issued_collectives(fake_cuda_streams, FakeStream())), "a collective outside the capture"
+    fake_cuda_streams["current"] = FakeStream()  # eager: nothing to join, nothing refused
+    assert not any(_issued_collectives(fake_cuda_streams, FakeStream()))
+
+
+def test_a_collective_outside_the_capture_is_refused(fake_cuda_streams):
+    """A comm stream that did not join the capture would run its all-reduce once, at capture
+    time, and leave it out of every replay: refused with one line, before it is issued."""
+    fake_cuda_streams["current"] = FakeStream(capturing=True)
+    with pytest.raises(RuntimeError, match="gradient bucket 0's all-reduce would be issued outside the CUDA graph "
+                                           "being captured") as err:
+        _issued_collectives(fake_cuda_streams, FakeStream(joins=False))
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
 # The trainer: bad launches end with one line and a non-zero exit on every rank, within a bound.
 
 def trainer(data, out, extra):
@@ -242,8 +373,8 @@ def test_batch_that_does_not_divide_fails_on_every_spawned_rank(learnable_data, 
         assert "does not divide over 2 ranks" in read(tmp_path, f"stderr{r}")
 
 
-def start_long_training(learnable_data, tmp_path) -> list[subprocess.Popen]:
-    procs = start_ranks(trainer(learnable_data, tmp_path / "runs", lambda r: ["--epochs", "200"]), tmp_path)
+def start_long_training(learnable_data, tmp_path, extra=()) -> list[subprocess.Popen]:
+    procs = start_ranks(trainer(learnable_data, tmp_path / "runs", lambda r: ["--epochs", "200", *extra]), tmp_path)
     deadline = time.monotonic() + 120
     while "train_loss" not in read(tmp_path, "stdout0"):  # rank 0 printed the epoch header: training
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), read(tmp_path, "stderr0")

@@ -64,7 +64,10 @@ def test_engines_stage_covers_every_combination(tmp_path):
     for name in ("k-auto-g-on", "k-auto-g-off", "k-triton-g-on", "k-triton-g-off", "k-torch-g-on", "k-torch-g-off",
                  "nccl-1rank", "engine-checks"):
         assert f"| {name} |" in table, table
-    assert "--nproc_per_node 1" in proc.stdout and "--comm bucketed --cuda-graphs on" in proc.stdout
+    one_rank = [line for line in proc.stdout.splitlines() if "--nproc_per_node 1" in line]
+    # a real NCCL group of one: its buckets, comm stream and captured collectives run
+    assert one_rank and all("--comm bucketed --dist-group always --cuda-graphs on" in line for line in one_rank), \
+        one_rank
     # torchrun of $PYTHON's own torch, as every other step runs $PYTHON
     assert f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 1" in proc.stdout
 
@@ -161,7 +164,8 @@ def test_race_stage_keeps_time_for_its_table(tmp_path):
     proc, out = visit(tmp_path, "race", STAGE_BUDGET_S="100")  # a dry run's steps take no time: 60 s of room
     limits = {line.split()[1]: int(line.split("(limit ")[1].split("s)")[0])
               for line in proc.stdout.splitlines() if line.startswith("=== ")}
-    assert [limits[name] for name in ("hiverge", "airbench94_muon", "airbench94")] == [60, 60, 60], limits
+    # budget - 40 s less the seconds bash counts as spent: 60 on an idle machine, a few less under load
+    assert all(50 <= limits[name] <= 60 for name in ("hiverge", "airbench94_muon", "airbench94")), limits
     proc, out = visit(tmp_path, "race", STAGE_BUDGET_S="60")  # 20 s of room: no public script starts
     table = (out / "race-table.md").read_text()
     for name in ("hiverge", "airbench94_muon", "airbench94"):
@@ -242,14 +246,15 @@ def test_unknown_stage_is_refused(tmp_path):
 # --- the report's checks --------------------------------------------------------------------------
 
 
-def write_run(root: Path, name: str, losses, preset="fast", seed=0, acc=91.0, config=None, **doc):
+def write_run(root: Path, name: str, losses, preset="fast", seed=0, acc=91.0, engine=None, config=None, **doc):
     epochs = [EpochRecord(run=1, epoch=i + 1, lr=0.1, train_time=1.0, train_loss=v, train_acc=50.0,
                           test_time=0.1, test_loss=v, test_acc=acc, total_train_time=i + 1.0)
               for i, v in enumerate(losses)]
     result = RunResult(run=1, seed=seed, test_acc=acc, train_time=float(len(losses)), wall_time=9.0, epochs=epochs)
     folder = root / name / f"2026-11-22-x{seed}"
     folder.mkdir(parents=True)
-    doc = {"config": {"preset": preset, **(config or {})}, "results": [dataclasses.asdict(result)], **doc}
+    doc = {"config": {"preset": preset, **(config or {})}, "results": [dataclasses.asdict(result)],
+           "engine": engine or {}, **doc}
     (folder / "summary.json").write_text(json.dumps(doc))
 
 
@@ -276,6 +281,12 @@ def test_engine_report_passes_agreeing_runs_and_fails_the_rest(tmp_path):
     write_run(apart, "k-torch-g-off", [1.9, 1.4])
     proc = report("engines", apart)
     assert proc.returncode == 1 and "graphed 1.0000 vs eager 1.4000" in proc.stdout
+
+    for engine, ok in (({"comm": "bucketed"}, True), ({}, False)):  # a 1-rank run without a group tests no NCCL
+        one = tmp_path / f"one-rank-{ok}"
+        write_run(one, "nccl-1rank", [1.9, 1.4], engine=engine)
+        proc = report("engines", one)
+        assert (proc.returncode == 0) == ok and ("formed no process group" in proc.stdout) != ok, proc.stdout
 
 
 def test_accuracy_report_combines_chunks(tmp_path):

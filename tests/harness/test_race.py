@@ -1,4 +1,4 @@
-"""scripts/race.py: the statistics the race is judged by, each public script's printed results
+"""scripts/race.py: the figures the race reports (its t-test: tests/unit/test_stats.py), each public script's printed results
 (captured lines in race_logs/: hiverge's from its published log of 06c6072 with a cut-off row
 appended, the airbench scripts' printed by their own logging functions), the edits it may make to
 a public script, and its table and jsonl rows."""
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from fastcifar.core.stats import t_sf
 from fastcifar.run.report import EpochRecord, RunResult
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,27 +30,6 @@ ENV = {"device": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "torch": "2.11
 
 
 # --- statistics -------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("t, df, p", [  # Student's t table: the one-sided tail beyond t
-    (1.711, 24, 0.05), (2.064, 24, 0.025), (2.492, 24, 0.01), (3.467, 24, 0.001),
-    (6.314, 1, 0.05), (12.706, 1, 0.025), (2.228, 10, 0.025), (0.0, 24, 0.5), (-1.711, 24, 0.95)])
-def test_t_tail_matches_the_table(t, df, p):
-    assert race.t_sf(t, df) == pytest.approx(p, rel=2e-3)
-
-
-def test_t_tail_matches_the_closed_forms_of_one_and_two_degrees_of_freedom():
-    for t in (-30.0, -3.0, -0.4, 0.2, 1.0, 2.5, 8.0, 300.0):
-        assert race.t_sf(t, 1) == pytest.approx(0.5 - math.atan(t) / math.pi, rel=1e-10)  # Cauchy
-        assert race.t_sf(t, 2) == pytest.approx(0.5 - t / (2 * math.sqrt(2 + t * t)), rel=1e-10)
-
-
-def test_p_value_is_the_one_sided_t_test_of_a_mean_above_the_bar():
-    accs = [94.1, 94.2, 93.9, 94.3, 94.0]  # mean 94.1, std 0.1581: t = 1.414 on 4 degrees of freedom
-    assert race.p_above(accs, 94.0) == pytest.approx(0.1151, abs=2e-4)
-    assert race.p_above([93.9, 94.0, 93.8], 94.0) > 0.5  # below the bar: no evidence for it
-    assert race.p_above([94.2], 94.0) is None  # one run: no test
-    assert race.p_above([94.2, 94.2], 94.0) == 0.0 and race.p_above([93.8, 93.8], 94.0) == 1.0
-
 
 def test_summary_counts_the_runs_below_the_bar():
     s = race.summarize([94.5, 93.9, 94.1, 93.99], [1.0, 1.2, 1.1, 1.3], bar=94.0)
@@ -175,7 +155,7 @@ def test_report_rows_count_fastcifar_as_the_public_scripts_count(tmp_path):
     # fastcifar: its train clock plus the final (TTA) evaluation, the span the public scripts clock
     assert mine["time_mean_s"] == pytest.approx(1.47) and mine["train_clock_mean_s"] == pytest.approx(1.40)
     assert mine["runs"] == 4 and mine["below_bar"] == 0 and mine["acc_mean"] == pytest.approx(94.25)
-    assert mine["p_value"] == pytest.approx(race.t_sf(0.25 / (math.sqrt(0.05 / 3) / 2), 3))
+    assert mine["p_value"] == pytest.approx(t_sf(0.25 / (math.sqrt(0.05 / 3) / 2), 3))
     assert hiverge["runs"] == 3 and hiverge["below_bar"] == 2 and hiverge["time_mean_s"] == pytest.approx(1.97393, abs=1e-5)
     assert hiverge["ratio_fastcifar_fast-muon320"] == pytest.approx(1.47 / 1.9739333, rel=1e-6)
     assert muon["ratio_fastcifar_fast-muon320"] == pytest.approx(1.47 / 2.58)

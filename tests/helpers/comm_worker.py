@@ -1,6 +1,7 @@
 """One rank of the bucketed all-reduce tests; test_comm.py starts two of these with RANK/WORLD_SIZE set.
 
-    python tests/helpers/comm_worker.py train OUT_DIR BUCKET_MB [BUCKET_MB ...]   # K steps per bucket size
+    python tests/helpers/comm_worker.py train OUT_DIR BUCKET_MB [BUCKET_MB ...]   # K steps per bucket size,
+                                      # then the fp16/fp32 averages near fp16's underflow (low{rank}.pt)
     python tests/helpers/comm_worker.py shapes                                     # rank r builds a wider model
 
 The model and data are small and simple on purpose: no batchnorm (its batch statistics would differ
@@ -94,12 +95,83 @@ def train(out: Path, bucket_sizes: list[float], ctx) -> None:
     torch.save(results, out / f"rank{ctx.rank}.pt")
 
 
+TINY16 = 2.0 ** -24  # fp16's smallest subnormal, and the spacing of every value below 2^-14
+
+
+def low_precision_inputs(rank: int) -> dict:
+    """Each rank's gradients for ``low``, set by hand as if backward had produced them (so the
+    test knows every rank's values): fp16 ones on fp16's subnormal grid and above it, one fp32
+    tensor. The same generator on every rank: each rank keeps its own column."""
+    g = torch.Generator().manual_seed(7)
+    both = lambda t: t[:, rank]  # noqa: E731  (a value per element and rank: the rank's own)
+    ks = torch.randint(-40, 41, (64, 2), generator=g).double()
+    odd = torch.arange(3, 35, 2, dtype=torch.float64)
+    normal = torch.randn(64, 2, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-4, 2, (64, 2), generator=g)
+    return {
+        # 2^-24 on both ranks: dividing first rounds each half (2^-25, a tie) to the even 0
+        "flush": torch.full((16,), TINY16, dtype=torch.float16),
+        # odd multiples of 2^-24 (1.8e-7 .. 2.0e-6) on both ranks: each half is a tie, rounded to even
+        "odd": (odd * TINY16).to(torch.float16),
+        "small": (both(ks) * TINY16).to(torch.float16),  # -2.4e-6 .. 2.4e-6, each rank its own
+        "normal": both(normal).to(torch.float16),
+        "large": torch.full((8,), 30000.0 * (1 + rank / 8), dtype=torch.float16),  # sums to 63750 < 65504
+        "fp32": (both(torch.randn(64, 2, generator=g, dtype=torch.float64)) * 1e-3).float(),
+    }
+
+
+def summed_loss_grad(w0, x, y, dtype, average: bool = False) -> torch.Tensor:
+    """The weight gradient of a linear layer's cross-entropy summed over ``x``'s rows, in
+    ``dtype``; ``average``: through a GradBuckets, averaged over the ranks."""
+    w = w0.to(dtype).requires_grad_(True)
+    buckets = GradBuckets([w], bucket_mb=1.0) if average else None
+    F.cross_entropy(F.linear(x.to(dtype), w).float(), y, reduction="sum").backward()
+    if buckets is not None:
+        buckets.finish()
+        buckets.remove()
+    return w.grad.clone()
+
+
+def low_precision(out: Path, ctx) -> None:
+    """Two checks of the bucket's average where fp16 runs out of digits: (1) hand-set gradients
+    (``low_precision_inputs``) through every bucket; (2) a linear layer in fp16 and in fp32 whose
+    weight gradients lie near 1e-7, each rank on its half of a global batch, with the gradient of
+    one process over the whole batch beside it (every rank computes it: the test compares)."""
+    results = {}
+    values = low_precision_inputs(ctx.rank)
+    params = {name: torch.zeros_like(v, requires_grad=True) for name, v in values.items()}
+    buckets = GradBuckets(list(params.values()), bucket_mb=1e-4)  # several buckets, one per dtype at least
+    for name in reversed(list(params)):  # as backward hands them over: last registered first
+        params[name].grad.copy_(values[name])
+        buckets._on_grad(params[name])
+    buckets.finish()
+    results["set"] = {"inputs": values, "mean": {n: p.grad.clone() for n, p in params.items()},
+                      "n_buckets": len(buckets)}
+    buckets.remove()
+
+    g = torch.Generator().manual_seed(3)
+    x_all = torch.randn(8, 16, generator=g) * 3e-6  # summed-loss weight gradients of ~1e-7 .. 1e-6
+    y_all = torch.randint(0, 4, (8,), generator=g)
+    w0 = torch.randn(4, 16, generator=g)
+    part = slice(4 * ctx.rank, 4 * ctx.rank + 4)
+    for dtype in (torch.float16, torch.float32):
+        x, w = x_all.to(dtype).double(), w0.to(dtype).double()
+        d_logits = torch.softmax(x @ w.T, dim=1) - F.one_hot(y_all, 4)  # each image's, as backward has them
+        results[str(dtype)] = {
+            "rank_grad": summed_loss_grad(w0, x_all[part], y_all[part], dtype),  # this rank's own
+            "mean": summed_loss_grad(w0, x_all[part], y_all[part], dtype, average=True),
+            "one_process": summed_loss_grad(w0, x_all, y_all, dtype),  # the loss summed over all 8
+            # sum over the 8 images of |each image's term|: what a sum's rounding errors scale with
+            "abs_terms": d_logits.abs().T @ x.abs()}
+    torch.save(results, out / f"low{ctx.rank}.pt")
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     ctx = distributed.setup("cpu", timeout_s=20.0)
     try:
-        if argv[0] == "train":
+        if argv[0] == "train":  # one launch for both: each launch costs two torch imports
             train(Path(argv[1]), [float(v) for v in argv[2:]], ctx)
+            low_precision(Path(argv[1]), ctx)
         elif argv[0] == "shapes":
             torch.manual_seed(0)
             model = SmallNet(width=4 + ctx.rank)

@@ -124,7 +124,7 @@ def test_emulated_ranks_steps_equal_ranks_averaging_their_gradients():
     weight decay) in the trainer's step, emulated over 3 ranks, against 3 ranks simulated here:
     each its own plain network and optimizer (at the per-rank batch: rate and decay scaled as
     on a rank), each summing the loss of its own 8 images, the gradients averaged as comm.py
-    averages them (each divided by 3, then summed). fp32: only the summation order differs."""
+    averages them (summed, then divided by 3 once). fp32: only the summation order differs."""
     ranks, per_rank_batch = 3, 8
     cfg = from_preset(widths=(8, 16, 16), batch_size=ranks * per_rank_batch, kernels="torch")
     steps = 3
@@ -151,7 +151,7 @@ def test_emulated_ranks_steps_equal_ranks_averaging_their_gradients():
             F.cross_entropy(replica(x), y, reduction="sum", label_smoothing=cfg.label_smoothing).backward()
         for params in zip(*(r.parameters() for r in replicas)):
             if params[0].grad is not None:
-                mean = sum(p.grad / ranks for p in params)
+                mean = sum(p.grad for p in params) / ranks
                 for p in params:
                     p.grad.copy_(mean)
         for opt_r in rank_opts:

@@ -3,6 +3,8 @@ static buffers, eager train and eval steps over them, and the CPU refusal."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,9 @@ def test_resolve():
     with pytest.raises(ConfigError, match="--comm bucketed"):
         resolve("on", CUDA, ddp)
     assert capture_blocker(Config(comm="ddp"), world_size=1) == ("", "")
+    # --dist-group always: one rank in a group runs DDP's reducer too, which cannot be captured
+    assert capture_blocker(Config(comm="ddp"), world_size=1, grouped=True) == ddp
+    assert capture_blocker(Config(comm="bucketed"), world_size=1, grouped=True) == ("", "")
     with pytest.raises(ConfigError, match="auto, on or off"):
         resolve("yes", CPU)
 
@@ -167,3 +172,31 @@ def test_cuda_graphs_on_is_refused_on_cpu(learnable_data, tmp_path):
     assert proc.returncode == 2
     assert "--cuda-graphs on needs a CUDA device" in one_line_error(proc.stderr)
     assert not run_dirs(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("backend, mode", [(None, "global"), ("gloo", "global"), ("nccl", "thread_local")])
+def test_capture_tolerates_nccls_watchdog_only_beside_nccl(monkeypatch, backend, mode):
+    """With an NCCL group, capture in thread-local mode: NCCL's watchdog thread polls the events of
+    eager collectives whenever it likes, and in the global mode a poll during a capture fails it.
+    Without one, the global mode's stricter check stays. Everything CUDA is faked: the decision
+    and that capture() passes it to torch.cuda.graph are what runs here."""
+    import fastcifar.run.graphs as graphs
+    monkeypatch.setattr(graphs.dist, "is_initialized", lambda: backend is not None)
+    monkeypatch.setattr(graphs.dist, "get_backend", lambda group=None: backend)
+    assert graphs.capture_error_mode() == mode
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+    seen = {}
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        seen["mode"] = capture_error_mode
+        yield
+    for name, fake in {"Stream": Stream, "current_stream": lambda device=None: Stream(), "synchronize": lambda: None,
+                       "stream": lambda s: contextlib.nullcontext(), "CUDAGraph": object, "graph": graph}.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    calls = []
+    graphs.capture(lambda: calls.append(1), warmup_iters=2)
+    assert seen == {"mode": mode} and len(calls) == 3, (seen, calls)

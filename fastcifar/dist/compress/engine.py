@@ -272,9 +272,10 @@ class Compression:
 
     def _launch_dense(self, b, items):
         """The seed: write each rank's reconstruction / n into the bucket, all-reduce it whole.
-        Divided in fp32 before the bucket's dtype rounds it, not through GradBuckets' path (which
-        divides in the bucket): an unbiased reconstruction is up to d/k times the gradient (100x
-        at K = 1%), and an fp16 bucket (max 65504) needs the n-fold headroom of dividing first."""
+        Divided in fp32 before the bucket's dtype rounds it, not through GradBuckets' plain path
+        (which sums in the bucket, then divides): an unbiased reconstruction is up to d/k times the
+        gradient (100x at K = 1%), and an fp16 bucket (max 65504) needs the n-fold headroom of
+        dividing first."""
         comp, n = self.compressor, self.world_size
         for c, g, payload, ctx in items:
             own = comp.decompress(payload, ctx)
