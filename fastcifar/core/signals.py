@@ -171,6 +171,19 @@ class _Watcher:
         os.close(self.write_fd)
 
 
+def _forget_in_child() -> None:
+    """A child forked without exec inherits the wakeup fd: a SIGTERM sent to it (a worker being
+    stopped) would write into the parent's pipe and end a healthy parent. It gets none."""
+    if _watcher is not None:
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:  # not the child's main thread
+            pass
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def install(on_blocked: Callable[[Interrupted], None] | None = None) -> dict:
     """Route SIGINT and SIGTERM to ``Interrupted``, and start the watcher that ends the process
     through ``on_blocked`` when the main thread cannot take them; a no-op outside the main thread
@@ -192,8 +205,10 @@ def install(on_blocked: Callable[[Interrupted], None] | None = None) -> dict:
 
 def restore(previous: dict) -> None:
     """Put back the handlers ``install`` replaced (nothing when it replaced none) and stop the
-    watcher: the run is over, nothing is left for it to end."""
-    global _watcher
+    watcher: the run is over, nothing is left for it to end. The end is unclaimed again: a later
+    run in this process (``fastcifar.api.train``, which installs nothing) must be able to claim it."""
+    global _watcher, _ending
+    _ending = threading.Lock()
     if _watcher is not None and previous and threading.current_thread() is threading.main_thread():
         _watcher.close()
         _watcher = None

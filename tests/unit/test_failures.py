@@ -218,3 +218,40 @@ def test_a_sigterm_the_main_thread_handles_in_time_is_left_to_it(tmp_path):
     proc, _ = run_script(code, record, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "still here", proc.stderr
     assert not record.exists()
+
+
+def test_a_finished_run_leaves_the_end_unclaimed_for_the_next_in_the_same_process():
+    """``fastcifar.api.train`` installs no handlers: after a ``main`` that claimed the end (a handled
+    stop), a later run's watchdog must still be able to claim it, or a stalled peer would hang it."""
+    from fastcifar.core import signals
+    previous = signals.install()
+    try:
+        assert signals.claim_ending()
+        assert not signals.claim_ending()  # claimed: later threads stay silent
+    finally:
+        signals.restore(previous)
+    assert signals.claim_ending()
+    signals.restore({})
+
+
+def test_a_forked_child_does_not_signal_through_the_parents_wakeup_pipe(tmp_path):
+    """A child forked without exec (a worker) inherits the wakeup fd; stopping it with SIGTERM must
+    not reach the parent's watcher, which would end a healthy parent with 143."""
+    code = ("import os, signal, sys, time\n"
+            "from fastcifar.core import signals\n" + SHORT_WAITS +
+            "previous = signals.install(on_blocked=lambda exc: open(sys.argv[1], 'w').write('watcher'))\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    signal.signal(signal.SIGTERM, lambda *a: os._exit(0))\n"
+            "    time.sleep(30)\n"
+            "    os._exit(1)\n"
+            "time.sleep(0.5)\n"
+            "os.kill(pid, signal.SIGTERM)\n"
+            "os.waitpid(pid, 0)\n"
+            "time.sleep(2.5)\n"  # past the watcher's waits
+            "signals.restore(previous)\n"
+            "print('still here')\n")
+    record = tmp_path / "record"
+    proc, _ = run_script(code, record, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "still here", proc.stderr
+    assert not record.exists()
