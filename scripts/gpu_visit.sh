@@ -9,7 +9,7 @@
 #
 #   bash scripts/gpu_visit.sh check                    # (a) versions, CUDA tests, kernels at the presets' shapes
 #   bash scripts/gpu_visit.sh engines                  # (b) 4 short epochs per engine combination + 1-rank NCCL
-#   bash scripts/gpu_visit.sh bench                    # (c) step (the default preset, resnet9), augmentation and loader benchmarks
+#   bash scripts/gpu_visit.sh bench                    # (c) step (the default preset, one of its 8 ranks, resnet9), augmentation and loader benchmarks
 #   bash scripts/gpu_visit.sh kernels                  # (c') the fused bn/act/pool kernel vs eager and torch.compile
 #   bash scripts/gpu_visit.sh accuracy PRESET [SEED]   # (d) runs of PRESET from SEED until the stage budget
 #   bash scripts/gpu_visit.sh race                     # (e) official data: the default preset x25 beside the public scripts x25
@@ -153,6 +153,9 @@ bench)
   ensure_data
   if default=$(default_preset); then  # the default preset's network at its batch, first
     step bench-step-default 100 "$py" bench/bench_step.py --preset "${default% *}" --batches "${default#* }"
+    # issue 46: the step one of 8 ranks takes (the default's batch / 8 images, buckets and graphs on),
+    # as rank 0 of a fake 8-rank group: compute and the buckets' launches, no communication
+    step bench-step-8rank 100 "$py" bench/bench_step.py --preset "${default% *}" --fake-world 8 --graphs on --kernels auto
   else
     rows+=("| bench-step-default | FAIL: the default preset could not be read (default-preset.log) | 0 |"); failed=1
   fi
