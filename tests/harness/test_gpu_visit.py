@@ -21,7 +21,7 @@ from fastcifar.run.report import EpochRecord, RunResult
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_visit.sh"
 STAGES = [["check"], ["engines"], ["bench"], ["kernels"], ["accuracy", "resnet9", "3"], ["dali"], ["race"],
-          ["emulated", DEFAULT_PRESET, "8"]]
+          ["emulated", DEFAULT_PRESET, "8"], ["nccl2"]]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 
 
