@@ -11,8 +11,17 @@ and without the tracer. The same trace splits the step by kernel name into convs
 optimizer, other and idle (ms per step), with the top 5 kernels and the kernels per step.
 ``--preset fast`` times that preset's network (FastNet) instead of the default ResNet-9.
 
+``--fake-world N`` times the step one rank of an N-rank run takes (issue 46: the 8-GPU shapes on
+one GPU): the process is rank 0 of a fake N-rank group (``torch.testing._internal.distributed.fake_pg``),
+``--batches`` are global batches (default: the preset's) split over the N ranks, and the step is
+built as the trainer builds a rank's, gradient buckets (``--comm bucketed``) and all. The fake
+group's collectives complete at once without moving data, so the figure is the step's compute plus
+the buckets' launch and division overheads: no communication (bench_allreduce.py and the 8-GPU model
+in bench/results/ price that).
+
     python bench/bench_step.py                      # on a GPU: the full table, rows to bench/results/step.jsonl
     python bench/bench_step.py --preset fast-muon320 --batches 2000    # the default preset's network and batch
+    python bench/bench_step.py --preset fast-muon320 --fake-world 8 --graphs on --kernels auto   # rank 0 of 8: 250 images
     python bench/bench_step.py --smoke              # the script's logic on the CPU, tiny, nothing written
 
 The step is the trainer's own (``fastcifar.run.step.make_step`` inside ``fastcifar.run.graphs.TrainStep``),
@@ -39,10 +48,12 @@ SMOKE = smoke_mode()
 import torch  # noqa: E402
 
 from fastcifar.core.config import Config, from_preset  # noqa: E402
-from fastcifar.run.schedule import DeviceSchedule
+from fastcifar.dist.distributed import DistContext  # noqa: E402
+from fastcifar.dist.sync import GradientSync  # noqa: E402
+from fastcifar.run.schedule import DeviceSchedule  # noqa: E402
 from fastcifar.run.graphs import StaticBatch, TrainStep, capture  # noqa: E402
 from fastcifar.run.recipe import make_optimizer, peak_rate  # noqa: E402
-from fastcifar.models.network import build_model
+from fastcifar.models.network import build_model  # noqa: E402
 from fastcifar.run.step import make_step  # noqa: E402
 
 
@@ -69,15 +80,21 @@ def conv_flops_per_image(model: torch.nn.Module, device, dtype) -> float:
     return total
 
 
-def build_step(cfg: Config, batch: int, graphs: bool, device, dtype):
+def build_step(cfg: Config, batch: int, graphs: bool, device, dtype, ctx: DistContext | None = None):
+    """The trainer's step on ``batch`` images: (model, step, images, labels, sync). With ``ctx`` (a
+    rank of a process group: ``fake_group``) it is a rank's step, built as train.py builds it:
+    ``GradientSync`` (gradient buckets for --comm bucketed) around the model, the optimizer for the
+    per-rank batch ``batch``; ``sync`` is None without ``ctx``."""
     torch.manual_seed(0)
     model = build_model(cfg, device, dtype)
+    sync = GradientSync(model, cfg, ctx, seed=0) if ctx is not None else None
     # the trainer's optimizer for cfg (its parameter groups; Muon + SGD for fast-muon), at a constant peak rate
     peak = peak_rate(cfg, batch)
-    opt = make_optimizer(model, cfg, batch, peak)
+    opt = make_optimizer(model, cfg, batch, peak, ctx)
     schedule = DeviceSchedule([peak] * 10_000, device)
-    step = TrainStep(make_step(model, opt, schedule, cfg.label_smoothing), StaticBatch(batch, dtype, device),
-                     capture=graphs)
+    net, buckets = (sync.net, sync.buckets) if sync is not None else (model, None)
+    step = TrainStep(make_step(net, opt, schedule, cfg.label_smoothing, buckets=buckets),
+                     StaticBatch(batch, dtype, device), capture=graphs)
     g = torch.Generator(device=device).manual_seed(0)
     images = torch.randn(batch, 3, 32, 32, device=device, generator=g).to(dtype).contiguous(
         memory_format=torch.channels_last)
@@ -85,7 +102,30 @@ def build_step(cfg: Config, batch: int, graphs: bool, device, dtype):
     step.batch.load(images, labels)
     model.train()
     step.warm_up_and_capture(3)
-    return model, step, images, labels
+    return model, step, images, labels, sync
+
+
+# What a row timed under --fake-world says about its world (the jsonl field "world_emulated").
+FAKE_WORLD = ("rank 0 of a fake process group (torch.testing._internal.distributed.fake_pg): its collectives "
+              "complete at once without moving data, so the step is compute plus the buckets' launch and "
+              "division overheads, no communication")
+
+
+def fake_group(world: int, device) -> DistContext:
+    """Make this process rank 0 of a fake ``world``-rank group (the default group, so GradBuckets and
+    Muon's sharding issue their collectives to it) and return the rank's context. The module has
+    lived at this path, with ``FakeStore`` and the backend name "fake", since torch 2.1 (2.11 and
+    2.14 included); it is internal, so a release that moves it ends the run with one line."""
+    import torch.distributed as dist
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    except ImportError as exc:
+        print(f"bench_step: --fake-world needs torch's fake process group "
+              f"(torch.testing._internal.distributed.fake_pg), which this torch {torch.__version__} lacks: {exc}",
+              file=sys.stderr)
+        sys.exit(2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    return DistContext(rank=0, world_size=world, local_rank=0, device=device, backend="fake")
 
 
 def time_steps(step, images, labels, device, window: int, repeats: int) -> float:
@@ -210,9 +250,11 @@ def graph_node_gap_us(nodes: int = 200, replays: int = 10) -> dict:
             "traced": (span_ms - per["busy_ms"]) * 1e3 / nodes, "kernel": per["busy_ms"] * 1e3 / nodes}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[256, 512], help="images per GPU per step")
+    parser.add_argument("--batches", type=int, nargs="+",
+                        help="images per GPU per step (default 256 512); with --fake-world, global images per "
+                        "step split over the ranks (default: the preset's batch)")
     parser.add_argument("--preset", help="the network of this preset (e.g. fast: FastNet 64/256/256, GELU); "
                         "default the ResNet-9 of the config's defaults")
     parser.add_argument("--kernels", nargs="+", default=["torch", "triton"], choices=["torch", "triton", "auto"],
@@ -220,13 +262,28 @@ def main() -> int:
     parser.add_argument("--graphs", nargs="+", default=["off", "on"], choices=["off", "on"])
     parser.add_argument("--window", type=int, default=20, help="steps per timed window")
     parser.add_argument("--repeats", type=int, default=5, help="timed windows; the median is reported")
+    parser.add_argument("--fake-world", type=int, metavar="N",
+                        help="time rank 0's step of an N-rank run (per-rank batch = batch / N, gradient buckets "
+                        "issuing their all-reduces to a fake N-rank group, which completes them at once)")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     base = from_preset(args.preset) if args.preset else Config()
+    world = args.fake_world or 1
+    if args.batches is None:
+        args.batches = [base.batch_size] if args.fake_world else [256, 512]
+    if args.fake_world is not None and not 1 <= args.fake_world <= 1024:
+        print(f"bench_step: --fake-world must lie in 1..1024 ranks, not {args.fake_world}", file=sys.stderr)
+        return 2
+    for batch in args.batches if args.fake_world else ():  # before anything is measured, as the trainer refuses it
+        if batch < world or batch % world:
+            print(f"bench_step: --batches {batch} does not divide over --fake-world {world} ranks "
+                  f"(the per-rank batch must be a whole number of images)", file=sys.stderr)
+            return 2
     if SMOKE:
         device, dtype = torch.device("cpu"), torch.float32
-        args.batches, args.kernels, args.graphs, args.window, args.repeats = [4], ["torch"], ["off"], 2, 1
+        smoke_batch = 2 * world if args.fake_world else 4
+        args.batches, args.kernels, args.graphs, args.window, args.repeats = [smoke_batch], ["torch"], ["off"], 2, 1
         widths = (8, 16, 32) if base.arch == "fastnet" else (8, 16, 32, 64)
     else:
         require_cuda("bench_step")
@@ -245,25 +302,39 @@ def main() -> int:
     print()
 
     net = f"{base.arch} ({args.preset})" if args.preset else base.arch
+    ctx = fake_group(args.fake_world, device) if args.fake_world else None  # a rank's step: buckets, collectives
     rows = []
-    for batch in args.batches:
+    for global_batch in args.batches:
+        batch = global_batch // world  # images per GPU per step
         for kernels in args.kernels:
-            cfg = dataclasses.replace(base, widths=widths, kernels=kernels)
+            cfg = dataclasses.replace(base, widths=widths, kernels=kernels, comm="bucketed")
             for graphs in args.graphs:
-                model, step, images, labels = build_step(cfg, batch, graphs == "on", device, dtype)
+                model, step, images, labels, sync = build_step(cfg, batch, graphs == "on", device, dtype, ctx)
                 flops = 3 * conv_flops_per_image(model, device, dtype) * batch
                 model.train()
                 ms = time_steps(step, images, labels, device, args.window, args.repeats)
                 parts = profile_steps(step, images, labels)
-                rows.append({"net": net, "batch": batch, "kernels": kernels, "graphs": graphs, "step_ms": ms,
+                ranks = {} if ctx is None else {
+                    "world_size": world, "global_batch": global_batch, "world_emulated": FAKE_WORLD,
+                    "buckets": len(sync.buckets) if sync.buckets is not None else 0}
+                rows.append({"net": net, "batch": batch, **ranks, "kernels": kernels, "graphs": graphs, "step_ms": ms,
                              "images_per_s": batch / ms * 1e3, "floor_ms": flops / (tflops * 1e12) * 1e3,
                              "gpu_idle_pct": 100 * parts["idle_share"] if parts else None,
                              "idle_vs_step_pct": idle_against_step(parts["busy_ms"], ms) if parts else None,
                              **{k: v for k, v in parts.items() if k != "idle_share"},
                              **({"graph_gap_plain_us": gap["plain"], "graph_gap_traced_us": gap["traced"]} if gap else {})})
-                del model, step
-    columns = ["net", "batch", "kernels", "graphs", "step_ms", "images_per_s", "floor_ms", "gpu_idle_pct",
+                if sync is not None:
+                    sync.remove()
+                del model, step, sync
+    if ctx is not None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    per_rank = ["world_size", "global_batch", "buckets"] if ctx is not None else []
+    columns = ["net", "batch", *per_rank, "kernels", "graphs", "step_ms", "images_per_s", "floor_ms", "gpu_idle_pct",
                "busy_ms", "idle_vs_step_pct", "kernels_per_step"]
+    if ctx is not None:
+        print(f"the step of rank 0 of {world} ranks: batch = images per rank (global_batch / world_size), "
+              f"images_per_s per rank; {FAKE_WORLD}.\n")
     print(markdown_table(rows, columns))
     parts = [f"{p}_ms" for p in PHASES] + ["idle_ms"]
     if any("idle_ms" in r for r in rows):

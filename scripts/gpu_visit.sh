@@ -9,11 +9,12 @@
 #
 #   bash scripts/gpu_visit.sh check                    # (a) versions, CUDA tests, kernels at the presets' shapes
 #   bash scripts/gpu_visit.sh engines                  # (b) 4 short epochs per engine combination + 1-rank NCCL
-#   bash scripts/gpu_visit.sh bench                    # (c) step (the default preset, resnet9), augmentation and loader benchmarks
+#   bash scripts/gpu_visit.sh bench                    # (c) step (the default preset, one of its 8 ranks, resnet9), augmentation and loader benchmarks
 #   bash scripts/gpu_visit.sh kernels                  # (c') the fused bn/act/pool kernel vs eager and torch.compile
 #   bash scripts/gpu_visit.sh accuracy PRESET [SEED]   # (d) runs of PRESET from SEED until the stage budget
 #   bash scripts/gpu_visit.sh race                     # (e) official data: the default preset x25 beside the public scripts x25
 #   bash scripts/gpu_visit.sh emulated PRESET N [RUNS] # (f) official data: PRESET at N emulated ranks x RUNS (10), rows in multi_gpu.jsonl
+#   bash scripts/gpu_visit.sh nccl2                    # (g) two NCCL ranks on the one GPU: match one process, survive a kill -9
 #   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
 #
 # Race (scripts/race.py): fastcifar's default preset (RACE_PRESETS names others), then each public
@@ -25,8 +26,15 @@
 # (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged as
 # the all-reduce averages them), RUNS seeds from 0 in one process; the table and one row per set
 # in bench/results/multi_gpu.jsonl (EMULATED_CALL and EMULATED_COMMIT name the call and the commit).
+# nccl2 (issue 46): two NCCL ranks on this one GPU through scripts/rank_env.sh (both on cuda:0 by
+# FASTCIFAR_SHARE_GPU=1, which is for testing only; an NCCL_HOSTID per rank, since NCCL refuses two
+# ranks on one device of one host, so it joins them over sockets); graphs on, bucketed. The 2-rank
+# run against one process training the same (--emulate-ranks 2) and the plain run over the same
+# global batch; then rank 1 killed (SIGKILL) mid-training, rank 0 must end with one line and exit 3
+# within --dist-timeout-s + 11 s (scripts/kill_rank.py). The table, NCCL's transport or its refusal,
+# one row per check in bench/results/multi_gpu.jsonl (NCCL2_CALL and NCCL2_COMMIT name the call and commit).
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
-# engines and bench stages fall back to a synthetic CIFAR-format set when neither exists.
+# engines, bench and nccl2 stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
 # give full value without it and add DALI rows only when it imports.
 # DRY_RUN=1: runs nothing heavy on any machine: each step logs the command it would run (DRY_FAIL=NAME
@@ -34,8 +42,8 @@
 set -uo pipefail
 stage=${1:-}
 case "$stage" in
-  check|engines|bench|kernels|accuracy|race|emulated|dali) ;;
-  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|dali" >&2; exit 2 ;;
+  check|engines|bench|kernels|accuracy|race|emulated|nccl2|dali) ;;
+  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|nccl2|dali" >&2; exit 2 ;;
 esac
 tag=$stage
 [ "$stage" = accuracy ] && tag="accuracy-${2:-}"
@@ -153,6 +161,9 @@ bench)
   ensure_data
   if default=$(default_preset); then  # the default preset's network at its batch, first
     step bench-step-default 100 "$py" bench/bench_step.py --preset "${default% *}" --batches "${default#* }"
+    # issue 46: the step one of 8 ranks takes (the default's batch / 8 images, buckets and graphs on),
+    # as rank 0 of a fake 8-rank group: compute and the buckets' launches, no communication
+    step bench-step-8rank 100 "$py" bench/bench_step.py --preset "${default% *}" --fake-world 8 --graphs on --kernels auto
   else
     rows+=("| bench-step-default | FAIL: the default preset could not be read (default-preset.log) | 0 |"); failed=1
   fi
@@ -236,6 +247,25 @@ emulated)
     --runs "$runs" --quiet
   step emulated-table 60 "$py" scripts/gpu_visit_report.py emulated "$work/runs" --data "$data" \
     --jsonl bench/results/multi_gpu.jsonl --call "${EMULATED_CALL:-}" --commit "${EMULATED_COMMIT:-}" --out "$work/figures.md"
+  ;;
+nccl2)
+  ensure_data
+  short=(--subset 10000 --epochs 2 --cuda-graphs on --comm bucketed --loader torch)
+  # torchrun runs the wrapper (--no-python: its entry is a program, here bash), which sets the rank's
+  # environment and execs the trainer; a failed run's log keeps NCCL's refusal for the report
+  step nccl2-ranks 180 "$py" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
+    bash scripts/rank_env.sh "$py" -m fastcifar.train --data "$data" --out-dir "$work/runs/nccl2-ranks" "${short[@]}"
+  # what the 2 ranks train, in one process (their shards, draws and batchnorm statistics), and plain
+  train nccl2-emulated 120 --emulate-ranks 2 "${short[@]}"
+  train nccl2-1rank 120 "${short[@]}"
+  # the ranks started without torchrun, whose agent would stop rank 0 itself (SIGTERM) once rank 1
+  # died; kill_rank.py appends --dist-timeout-s 10 and --out-dir, and 200 epochs outlast the kill
+  step nccl2-kill 150 "$py" scripts/kill_rank.py --ranks 2 --kill 1 --after-s 3 --dist-timeout-s 10 --ready-s 90 --out "$work/kill" -- \
+    bash scripts/rank_env.sh "$py" -m fastcifar.train --data "$data" --subset 10000 --epochs 200 --cuda-graphs on \
+    --comm bucketed --loader torch
+  step nccl2-checks 60 "$py" scripts/gpu_visit_report.py nccl2 "$work/runs" --log "$work/nccl2-ranks.log" \
+    --kill "$work/kill/kill.json" --jsonl bench/results/multi_gpu.jsonl --call "${NCCL2_CALL:-}" \
+    --commit "${NCCL2_COMMIT:-}" --out "$work/figures.md"
   ;;
 dali)
   if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi

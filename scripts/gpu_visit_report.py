@@ -4,6 +4,8 @@
     python scripts/gpu_visit_report.py accuracy RUNS_DIR... [--out FIGURES.md]
     python scripts/gpu_visit_report.py emulated RUNS_DIR... [--data PATH] [--jsonl FILE] [--call NAME]
                                        [--commit C] [--out FIGURES.md]
+    python scripts/gpu_visit_report.py nccl2 RUNS_DIR --log RANKS_LOG --kill KILL_JSON [--jsonl FILE]
+                                       [--call NAME] [--commit C] [--out FIGURES.md]
 
 ``engines``: one row per engine combination (the folder name under RUNS_DIR: k-KERNELS-g-GRAPHS,
 nccl-1rank, dali-g-GRAPHS), its per-epoch train loss, final test accuracy and train time; fails
@@ -16,13 +18,18 @@ folders (several stages' chunks may be combined), with mean, std and min of the 
 ``emulated``: the runs of ``--emulate-ranks N`` (issue 46: the N-GPU recipe's accuracy, measured on
 one device), one set per preset and N: mean, std, min, runs below 94% and the one-sided p of "mean
 > 94%" (scripts/race.py's figures), and one row per set appended to ``--jsonl``
-(bench/results/multi_gpu.jsonl). The race's report is scripts/race.py.
+(bench/results/multi_gpu.jsonl). ``nccl2``: two NCCL ranks on one GPU (gpu_visit.sh nccl2): the
+2-rank run's per-epoch train loss against one process training the same (``--emulate-ranks 2``)
+and against the plain run over the same global batch, NCCL's transport or, when the 2-rank run
+failed, NCCL's refusal from its log, and the kill test's verdict (scripts/kill_rank.py's
+kill.json); one row per check appended to ``--jsonl``. The race's report is scripts/race.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -37,6 +44,8 @@ def load_runs(root: Path) -> dict[str, list[dict]]:
         for result in doc.get("results", []):
             result["_config"] = doc.get("config", {})
             result["_engine"] = doc.get("engine", {})
+            result["_device"] = doc.get("device", {})
+            result["_versions"] = doc.get("versions", {})
             found.setdefault(name, []).append(result)
     return found
 
@@ -136,24 +145,130 @@ def emulated(roots: list[Path], data: Path | None = None, call: str = "", commit
     return lines, rows, problems
 
 
+# The 2-rank run against one process training exactly what the 2 ranks train (--emulate-ranks 2:
+# their shards, draws and per-rank batchnorm statistics), where only the fp16 all-reduce's rounding
+# and summation order differ: within 1% a epoch, 8x the most that graphed and eager runs of one
+# engine have differed by (0.12%, visits 1-6). Against the plain run over the same global batch,
+# whose batchnorms normalize over all 2000 images, not each rank's 1000: the engines stage's 5%.
+RANKS_TOL, PLAIN_TOL = 0.01, 0.05
+RANKS, EMULATED, PLAIN = "nccl2-ranks", "nccl2-emulated", "nccl2-1rank"  # gpu_visit.sh nccl2's run folders
+
+
+def nccl_refusal(log: str) -> str:
+    """NCCL's own line from a failed run's log: its duplicate-GPU refusal first, else its first
+    warning or error line; "" when NCCL said nothing."""
+    lines = [line.strip() for line in log.splitlines()]
+    for needles in (("Duplicate GPU detected",), ("NCCL WARN", "ncclInvalidUsage", "NCCL error", "DistBackendError")):
+        hit = next((line for line in lines if any(n in line for n in needles)), "")
+        if hit:
+            return hit[:300]
+    return ""
+
+
+def nccl_transport(log: str) -> str | None:
+    """The transport NCCL chose between the ranks, from its NCCL_DEBUG=INFO channel lines ("via NET/Socket/0")."""
+    m = re.search(r"\bvia (NET/\S+|P2P\S*|SHM\S*)", log)
+    return m.group(1) if m else None
+
+
+def largest_gap(losses: list[float], reference: list[float]) -> float | None:
+    """The largest relative per-epoch difference; None when the runs have different epoch counts."""
+    if not losses or len(losses) != len(reference):
+        return None
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+def nccl2(root: Path, log: Path | None, kill: Path | None, call: str = "", commit: str = "",
+          today: str | None = None) -> tuple[list[str], list[dict], list[str]]:
+    """(table lines, jsonl rows, problems) of gpu_visit.sh nccl2: two NCCL ranks on one GPU."""
+    import datetime as dt
+
+    runs = load_runs(root)
+    log_text = log.read_text(errors="replace") if log is not None and log.is_file() else ""
+    first = {name: results[0] for name, results in runs.items() if results}
+    some = next(iter(first.values()), {})
+    base = {"call": call, "date": today or dt.date.today().isoformat(), "device": some.get("_device", {}).get("name"),
+            "torch": some.get("_versions", {}).get("torch"), "commit": commit or None, "world_size": 2,
+            "backend": "nccl"}
+    lines = ["two NCCL ranks on one GPU (scripts/rank_env.sh: FASTCIFAR_SHARE_GPU=1, an NCCL_HOSTID per rank)", "",
+             "| run | ranks | train loss by epoch | test acc % | train s |", "|---|---|---|---|---|"]
+    losses = {}
+    for name, ranks in ((RANKS, "2 (NCCL)"), (EMULATED, "1 (2 emulated)"), (PLAIN, "1")):
+        r = first.get(name)
+        if r is None:
+            lines.append(f"| {name} | {ranks} | no summary.json | | |")
+            continue
+        losses[name] = [e["train_loss"] for e in r["epochs"]]
+        lines.append(f"| {name} | {ranks} | {' > '.join(f'{v:.4f}' for v in losses[name])} | {r['test_acc']:.2f} | "
+                     f"{r['train_time']:.2f} |")
+    problems, rows = [], []
+    row = {**base, "check": "nccl-2-ranks-one-gpu", "transport": nccl_transport(log_text)}
+    ranks_run = first.get(RANKS)
+    if ranks_run is None:
+        refusal = nccl_refusal(log_text)
+        row.update(ok=False, message=f"NCCL: {refusal}" if refusal else
+                   f"the 2-rank run left no summary.json and NCCL said nothing (see {log.name if log else 'its log'})")
+        problems.append(f"2 ranks on one GPU did not train: {row['message']}")
+    else:
+        checks = []
+        if ranks_run["_device"].get("world_size") != 2 or "comm" not in ranks_run["_engine"]:
+            checks.append(f"the {RANKS} run was not 2 ranks in a process group "
+                          f"(world size {ranks_run['_device'].get('world_size')}, engine {ranks_run['_engine']})")
+        for name, tol, what in ((EMULATED, RANKS_TOL, "--emulate-ranks 2"), (PLAIN, PLAIN_TOL, "1 rank")):
+            if name not in losses:
+                checks.append(f"no {name} run to compare with")
+                continue
+            gap = largest_gap(losses[RANKS], losses[name])
+            row[f"gap_{name.split('-')[1]}_pct"] = None if gap is None else round(100 * gap, 3)
+            if gap is None:
+                checks.append(f"{RANKS} and {name} trained different epoch counts")
+                continue
+            lines.append(f"\n2 ranks vs {what} over the same global batch: per-epoch train loss at most "
+                         f"{100 * gap:.2f}% apart (bound {100 * tol:g}%)")
+            if not gap <= tol:
+                checks.append(f"2 ranks vs {what}: train loss {100 * gap:.2f}% apart, past {100 * tol:g}%")
+        row.update(ok=not checks, message="; ".join(checks) or "2 ranks trained and matched one process over the "
+                   f"global batch (transport {row['transport'] or 'not logged'})",
+                   train_loss=losses[RANKS], reference_train_loss={k: v for k, v in losses.items() if k != RANKS})
+        problems += checks
+    lines.append(f"\nNCCL transport: {row['transport'] or 'not in the log'}; {row['message']}")
+    rows.append(row)
+
+    verdict = json.loads(kill.read_text()) if kill is not None and kill.is_file() else None
+    if verdict is None:
+        problems.append(f"no kill verdict ({kill}): the kill step did not run or was cut short")
+    else:
+        rows.append({**base, "check": "nccl-2-ranks-kill", "ok": verdict["ok"], "message": verdict["message"],
+                     "seconds": verdict.get("seconds"), "bound_s": verdict["bound_s"],
+                     "dist_timeout_s": verdict["dist_timeout_s"], "survivors": verdict["survivors"]})
+        lines.append(f"\nkill -9 of rank {verdict['killed']}: {'ok' if verdict['ok'] else 'FAIL'}: {verdict['message']}")
+        if not verdict["ok"]:
+            problems.append(f"kill test: {verdict['message']}")
+    return lines, rows, problems
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("engines", "accuracy", "emulated"))
+    p.add_argument("what", choices=("engines", "accuracy", "emulated", "nccl2"))
     p.add_argument("roots", nargs="+", type=Path)
     p.add_argument("--out", type=Path, help="also write the table here")
     p.add_argument("--tol", type=float, default=0.05, help="graphed vs eager final train loss, relative")
     p.add_argument("--data", type=Path, help="emulated: the data set the runs read (names it in the rows)")
-    p.add_argument("--jsonl", type=Path, help="emulated: append one row per set here")
-    p.add_argument("--call", default="", help="emulated: names this call in the rows")
-    p.add_argument("--commit", default="", help="emulated: the project's commit (the GPU machine's copy has no .git)")
+    p.add_argument("--jsonl", type=Path, help="emulated, nccl2: append one row per set (check) here")
+    p.add_argument("--call", default="", help="emulated, nccl2: names this call in the rows")
+    p.add_argument("--commit", default="", help="emulated, nccl2: the project's commit (the GPU machine's copy has no .git)")
+    p.add_argument("--log", type=Path, help="nccl2: the 2-rank run's log (NCCL's transport or refusal)")
+    p.add_argument("--kill", type=Path, help="nccl2: scripts/kill_rank.py's kill.json")
     args = p.parse_args(argv)
     rows = []
     if args.what == "engines":
         lines, problems = engines(args.roots[0], args.tol)
     elif args.what == "accuracy":
         lines, problems = accuracy(args.roots)
-    else:
+    elif args.what == "emulated":
         lines, rows, problems = emulated(args.roots, args.data, args.call, args.commit)
+    else:
+        lines, rows, problems = nccl2(args.roots[0], args.log, args.kill, args.call, args.commit)
     text = "\n".join(lines + [f"\nPROBLEM: {m}" for m in problems]) + "\n"
     print(text)
     if args.out:

@@ -54,15 +54,26 @@ class DistContext:
         return self.backend is not None
 
 
+# "1": several ranks of a node may share its GPUs, local rank r on GPU r mod (the GPU count). For
+# testing only (scripts/rank_env.sh sets it: NCCL's multi-rank path on a machine with one GPU); a
+# real run gives each rank a GPU of its own, and two ranks on one GPU only share its time.
+SHARE_GPU = "FASTCIFAR_SHARE_GPU"
+
+
 def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but PyTorch sees no CUDA GPU")
-    if local_rank >= torch.cuda.device_count():
-        raise ConfigError(f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    count = torch.cuda.device_count()
+    share = os.environ.get(SHARE_GPU, "0")
+    if share not in ("0", "1"):
+        raise ConfigError(f"{SHARE_GPU} must be 0 or 1 (1: ranks share the GPUs, for testing only), not {share!r}")
+    if share == "0" and local_rank >= count:
+        raise ConfigError(f"local rank {local_rank} has no GPU: this machine has {count}")
+    index = local_rank % count
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto") -> DistContext:

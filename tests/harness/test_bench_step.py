@@ -102,3 +102,58 @@ def test_the_timed_step_has_the_trainers_optimizer_for_the_preset(bench_step, mo
     cfg = dataclasses.replace(from_preset("fast-muon"), widths=(8, 16, 32))
     bench_step.build_step(cfg, 2, False, torch.device("cpu"), torch.float32)
     assert len(made) == 1 and isinstance(made[0], MuonSGD)
+
+
+def test_fake_world_times_a_ranks_step_whose_buckets_all_reduce_to_the_fake_group(bench_step, monkeypatch):
+    """--fake-world N: the step is built as rank 0 of N builds it (GradientSync's buckets over the
+    per-rank batch) and every step issues one all-reduce per bucket to the fake N-rank group."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from fastcifar.core.config import from_preset
+
+    sizes, real = [], dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: sizes.append(tensor.numel()) or real(tensor, *a, **k))
+    cpu = torch.device("cpu")
+    ctx = bench_step.fake_group(4, cpu)
+    sync = None
+    try:
+        assert (dist.get_backend(), dist.get_world_size(), dist.get_rank()) == ("fake", 4, 0)
+        # small buckets, so the plan has several (the shrunk network's gradients are about 60 KB)
+        cfg = dataclasses.replace(from_preset(DEFAULT_PRESET), widths=(8, 16, 32), bucket_mb=0.02)
+        model, step, images, labels, sync = bench_step.build_step(cfg, 3, False, cpu, torch.float32, ctx)
+        buckets = sync.buckets.buckets
+        assert len(buckets) >= 2 and sync.buckets.world_size == 4
+        assert step.batch.images.shape[0] == 3 and images.shape[0] == 3  # the per-rank batch
+        sizes.clear()  # the warm-up steps' collectives
+        bench_step.time_steps(step, images, labels, cpu, window=2, repeats=1)
+        assert sizes == 2 * [b.numel for b in buckets], (sizes, [b.numel for b in buckets])
+    finally:
+        if sync is not None:
+            sync.remove()
+        dist.destroy_process_group()
+
+
+def test_fake_world_refuses_a_batch_that_does_not_divide_over_the_ranks(bench_step, capsys):
+    assert bench_step.main(["--fake-world", "3", "--batches", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("bench_step: --batches 10 does not divide over --fake-world 3 ranks "
+                   "(the per-rank batch must be a whole number of images)\n")
+    assert bench_step.main(["--fake-world", "0"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_smoke_run_of_a_ranks_step_at_a_fake_world(tmp_path):
+    """The whole --fake-world path on the CPU: the table says the world is a fake group's, with the
+    per-rank and global batch; nothing is written."""
+    before = bench_results()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py"), "--smoke", "--preset", DEFAULT_PRESET,
+                           "--fake-world", "8"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| batch | world_size | global_batch | buckets |" in proc.stdout
+    assert f"| fastnet ({DEFAULT_PRESET}) | 2 | 8 | 16 | 1 | torch | off |" in proc.stdout, proc.stdout
+    assert "rank 0 of a fake process group" in proc.stdout and "no communication" in proc.stdout
+    assert bench_results() == before

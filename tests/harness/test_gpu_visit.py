@@ -21,7 +21,7 @@ from fastcifar.run.report import EpochRecord, RunResult
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_visit.sh"
 STAGES = [["check"], ["engines"], ["bench"], ["kernels"], ["accuracy", "resnet9", "3"], ["dali"], ["race"],
-          ["emulated", DEFAULT_PRESET, "8"]]
+          ["emulated", DEFAULT_PRESET, "8"], ["nccl2"]]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 
 
@@ -216,6 +216,9 @@ def test_bench_stage_times_the_default_presets_step_first(tmp_path):
              if line.startswith("| bench-")]
     assert steps[0] == "bench-step-default" and "bench-bn" not in steps, steps
     assert f"bench_step.py --preset {DEFAULT_PRESET} --batches {from_preset().batch_size}" in proc.stdout
+    # then one of its 8 ranks' step (issue 46), graphs on, as rank 0 of a fake 8-rank group
+    assert steps[1] == "bench-step-8rank", steps
+    assert f"bench_step.py --preset {DEFAULT_PRESET} --fake-world 8 --graphs on --kernels auto" in proc.stdout
     proc, out = visit(tmp_path, "kernels")
     assert "| bench-bn | ok |" in (out / "kernels-table.md").read_text()
     # the default preset's blocks, in both the benchmark and the launch sweep
