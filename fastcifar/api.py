@@ -56,6 +56,7 @@ def train(config: Config) -> list[TrainedRun]:
         raise ConfigError(f"train() takes a fastcifar.Config, not {type(config).__name__}")
     from fastcifar.run import report
     from fastcifar.core import signals
+    signals.new_run()  # no handlers here, but the end must be unclaimed for this run's watchdog
     ctx = distributed.setup(config.device, config.dist_timeout_s, config.dist_group)
     try:
         results = trainer.run(config, ctx)

@@ -171,6 +171,15 @@ class _Watcher:
         os.close(self.write_fd)
 
 
+def new_run() -> None:
+    """A new run in this process starts with the end unclaimed: ``install`` does it for the command
+    line; ``fastcifar.api.train``, which installs no handlers, calls this, or after a ``main`` that
+    claimed the end (pytest, a notebook) its watchdog could never claim it and a stalled peer would
+    hang the run."""
+    global _ending
+    _ending = threading.Lock()
+
+
 def _forget_in_child() -> None:
     """A child forked without exec inherits the wakeup fd: a SIGTERM sent to it (a worker being
     stopped) would write into the parent's pipe and end a healthy parent. It gets none."""
@@ -190,8 +199,8 @@ def install(on_blocked: Callable[[Interrupted], None] | None = None) -> dict:
     (where Python cannot set handlers, e.g. a test calling ``main`` from a worker thread). Returns
     the handlers it replaced, for ``restore``: a caller in a longer-lived process (pytest, a
     notebook) gets its own Ctrl-C back after the run."""
-    global _stopping, _ending, _watcher
-    _ending = threading.Lock()  # a new run in the same process (pytest calling ``main``) starts unclaimed
+    global _stopping, _watcher
+    new_run()  # a new run in the same process (pytest calling ``main``) starts unclaimed
     if threading.current_thread() is not threading.main_thread():
         return {}
     _stopping = False
@@ -205,10 +214,9 @@ def install(on_blocked: Callable[[Interrupted], None] | None = None) -> dict:
 
 def restore(previous: dict) -> None:
     """Put back the handlers ``install`` replaced (nothing when it replaced none) and stop the
-    watcher: the run is over, nothing is left for it to end. The end is unclaimed again: a later
-    run in this process (``fastcifar.api.train``, which installs nothing) must be able to claim it."""
-    global _watcher, _ending
-    _ending = threading.Lock()
+    watcher: the run is over, nothing is left for it to end. The end stays claimed: the progress
+    watchdog may still be running until the process exits, and must stay silent (``new_run``)."""
+    global _watcher
     if _watcher is not None and previous and threading.current_thread() is threading.main_thread():
         _watcher.close()
         _watcher = None

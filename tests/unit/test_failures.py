@@ -220,18 +220,23 @@ def test_a_sigterm_the_main_thread_handles_in_time_is_left_to_it(tmp_path):
     assert not record.exists()
 
 
-def test_a_finished_run_leaves_the_end_unclaimed_for_the_next_in_the_same_process():
-    """``fastcifar.api.train`` installs no handlers: after a ``main`` that claimed the end (a handled
-    stop), a later run's watchdog must still be able to claim it, or a stalled peer would hang it."""
+def test_the_end_stays_claimed_after_restore_and_a_new_api_run_unclaims_it(monkeypatch):
+    """After ``main`` claimed the end and restored the handlers, the progress watchdog (still alive
+    until the process exits) must stay silent: one line, not two. ``fastcifar.api.train`` installs
+    no handlers, so it unclaims the end itself, or a stalled peer would leave its watchdog unable
+    to end the rank."""
+    from fastcifar import api
     from fastcifar.core import signals
+    from fastcifar.core.config import Config
     previous = signals.install()
-    try:
-        assert signals.claim_ending()
-        assert not signals.claim_ending()  # claimed: later threads stay silent
-    finally:
-        signals.restore(previous)
     assert signals.claim_ending()
-    signals.restore({})
+    signals.restore(previous)
+    assert not signals.claim_ending()  # restore leaves it claimed
+    monkeypatch.setattr(distributed, "setup", lambda *args: (_ for _ in ()).throw(RuntimeError("stop here")))
+    with pytest.raises(RuntimeError, match="stop here"):
+        api.train(Config())
+    assert signals.claim_ending()  # api.train began a new run: unclaimed
+    signals.new_run()
 
 
 def test_a_forked_child_does_not_signal_through_the_parents_wakeup_pipe(tmp_path):
