@@ -46,6 +46,7 @@ def load_runs(root: Path) -> dict[str, list[dict]]:
             result["_engine"] = doc.get("engine", {})
             result["_device"] = doc.get("device", {})
             result["_versions"] = doc.get("versions", {})
+            result["_provenance"] = doc.get("provenance", {})
             found.setdefault(name, []).append(result)
     return found
 
@@ -128,7 +129,8 @@ def emulated(roots: list[Path], data: Path | None = None, call: str = "", commit
         s = summarize([r["test_acc"] for r in results], [r["train_time"] for r in results], BAR)
         batch = doc.get("config", {}).get("batch_size", 0)
         row = {"call": call, "date": today or dt.date.today().isoformat(),
-               "device": doc.get("device", {}).get("name"), "torch": versions.get("torch"),
+               "device": doc.get("device", {}).get("name"), "driver": doc.get("provenance", {}).get("driver"),
+               "torch": versions.get("torch"),
                "triton": versions.get("triton"), "commit": commit or None,
                "data": data_name(data) if data else doc.get("data"), "preset": preset, "emulated": ranks > 1,
                "ranks": ranks, "per_rank_batch": batch // ranks, **s,
@@ -188,7 +190,8 @@ def nccl2(root: Path, log: Path | None, kill: Path | None, call: str = "", commi
     first = {name: results[0] for name, results in runs.items() if results}
     some = next(iter(first.values()), {})
     base = {"call": call, "date": today or dt.date.today().isoformat(), "device": some.get("_device", {}).get("name"),
-            "torch": some.get("_versions", {}).get("torch"), "commit": commit or None, "world_size": 2,
+            "driver": some.get("_provenance", {}).get("driver"), "torch": some.get("_versions", {}).get("torch"),
+            "triton": some.get("_versions", {}).get("triton"), "commit": commit or None, "world_size": 2,
             "backend": "nccl"}
     lines = ["two NCCL ranks on one GPU (scripts/rank_env.sh: FASTCIFAR_SHARE_GPU=1, an NCCL_HOSTID per rank)", "",
              "| run | ranks | train loss by epoch | test acc % | train s |", "|---|---|---|---|---|"]
@@ -269,14 +272,8 @@ def main(argv=None) -> int:
         lines, rows, problems = emulated(args.roots, args.data, args.call, args.commit)
     else:
         lines, rows, problems = nccl2(args.roots[0], args.log, args.kill, args.call, args.commit)
-    text = "\n".join(lines + [f"\nPROBLEM: {m}" for m in problems]) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
-    if args.jsonl and rows:
-        with open(args.jsonl, "a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    from race import write_report
+    write_report(lines, problems, rows, args.out, args.jsonl)
     return 1 if problems else 0
 
 

@@ -111,6 +111,7 @@ def parse_peer_log(text: str) -> list[tuple[float, float]]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         if "epoch" in cells and "tta_val_acc" in cells:
             columns = {name: i for i, name in enumerate(cells)}
+            time_col = next(i for name, i in columns.items() if name.endswith("time_seconds"))
             continue
         if columns is None or len(cells) != len(columns):
             continue
@@ -118,7 +119,6 @@ def parse_peer_log(text: str) -> list[tuple[float, float]]:
             current = cells[columns["run"]]
         if cells[columns["epoch"]] != "eval" or current == "warmup":
             continue
-        time_col = next(i for name, i in columns.items() if name.endswith("time_seconds"))
         try:
             runs.append((100.0 * float(cells[columns["tta_val_acc"]]), float(cells[time_col])))
         except ValueError:
@@ -248,29 +248,41 @@ def report(work: Path, fastcifar: Path, data: Path, bar: float = BAR, call: str 
                      f"{clock.split(';')[0]} |")
         return s
 
-    mine = {}
+    peer_means = {name: statistics.fmean(t for _, t in runs) for name, runs in peers.items()}
+    mine = {}  # {preset: {peer: fastcifar's mean time counted as that peer counts}}
     for preset, results in sorted(contenders.items()):
         accs = [r["test_acc"] for r in results]
         own = [r["train_time"] for r in results]
-        counted = {peer: [COUNTED_AS[peer](r) for r in results] for peer in peers}
-        as_peers = [with_final_evaluation(r) for r in results]
-        mine[preset] = {peer: statistics.fmean(t) for peer, t in counted.items()}
-        add(f"fastcifar:{preset}", accs, as_peers, COUNTED_CLOCK, train_clock_mean_s=statistics.fmean(own),
-            train_clock_max_s=max(own), train_clock=FASTCIFAR_CLOCK)
+        mine[preset] = {peer: statistics.fmean(COUNTED_AS[peer](r) for r in results) for peer in peers}
+        add(f"fastcifar:{preset}", accs, [with_final_evaluation(r) for r in results], COUNTED_CLOCK,
+            train_clock_mean_s=statistics.fmean(own), train_clock_max_s=max(own), train_clock=FASTCIFAR_CLOCK)
     for peer in PEERS:
         if peer.name not in peers:
             continue
         accs, times = zip(*peers[peer.name])
-        ratios = {f"ratio_fastcifar_{p}": m[peer.name] / statistics.fmean(times) for p, m in mine.items()}
+        ratios = {f"ratio_fastcifar_{p}": m[peer.name] / peer_means[peer.name] for p, m in mine.items()}
         add(f"{peer.name}@{peer.commit[:7]}", list(accs), list(times), peer.clock, **ratios)
     for preset, means in mine.items():
         for name, mean in means.items():
-            peer_mean = next(r["time_mean_s"] for r in rows if r["trainer"].startswith(f"{name}@"))
-            lines.append(f"\nfastcifar:{preset} / {name}: {mean:.3f} / {peer_mean:.3f} s = "
-                         f"**{mean / peer_mean:.3f}** (counted as {name} counts)")
+            lines.append(f"\nfastcifar:{preset} / {name}: {mean:.3f} / {peer_means[name]:.3f} s = "
+                         f"**{mean / peer_means[name]:.3f}** (counted as {name} counts)")
     lines.append(f"\nclocks: fastcifar {COUNTED_CLOCK} (own train clock in the jsonl's train_clock_mean_s); "
                  + "; ".join(f"{p.name}: {p.clock}" for p in PEERS if p.name in peers))
     return lines, rows, problems
+
+
+def write_report(lines: list[str], problems: list[str], rows: list[dict], out: Path | None,
+                 jsonl: Path | None) -> None:
+    """Print the table and its problems, append them to ``out`` and the rows to ``jsonl`` (also
+    scripts/gpu_visit_report.py's way of filing its reports)."""
+    text = "\n".join(lines + [f"\nPROBLEM: {m}" for m in problems]) + "\n"
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write(text)
+    if jsonl and rows:
+        with open(jsonl, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def main(argv=None) -> int:
@@ -301,14 +313,7 @@ def main(argv=None) -> int:
     except (RaceError, OSError) as exc:
         print(f"race: {exc}", file=sys.stderr)
         return 2
-    text = "\n".join(lines + [f"\nPROBLEM: {m}" for m in problems]) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
-    if args.jsonl and rows:
-        with open(args.jsonl, "a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    write_report(lines, problems, rows, args.out, args.jsonl)
     return 1 if not any(r["trainer"].startswith("fastcifar:") for r in rows) else 0
 
 
