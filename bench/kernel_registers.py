@@ -45,6 +45,11 @@ DEFAULT_BLOCKS = [(2000, 64 if c == 64 else 320, s, pool) for _, c, s, pool in F
 PRESET_BLOCKS = ([(b, c, s, "gelu", pool) for b, c, s, pool in FAST_BLOCKS]
                  + [(b, c, s, "relu", pool) for b, c, s, pool in RESNET9_BLOCKS]
                  + [(b, c, s, "gelu", pool) for b, c, s, pool in DEFAULT_BLOCKS])
+# (batch, c_in, c_out, map side, pool) of each conv the default preset fuses with --fused-conv
+# (kernels/conv_stats.py): its blocks' two convs, the first pooling before its batchnorm
+DEFAULT_CONVS = [(2000, 24, 64, 31, "before"), (2000, 64, 64, 15, None), (2000, 64, 320, 15, "before"),
+                 (2000, 320, 320, 7, None), (2000, 320, 320, 7, "before"), (2000, 320, 320, 3, None)]
+ODD_CONVS = [(3, 5, 7, 7, None), (3, 5, 7, 7, "before"), (2, 3, 70, 9, None)]
 # odd shapes: two with every pool mode, one more odd map pooled before; each listed once
 ODD_BLOCKS = ([(3, 5, 7, pool) for pool in (None, "before", "after")]
               + [(2, 24, 6, pool) for pool in (None, "before", "after")] + [(1, 3, 9, "before")])
@@ -59,6 +64,16 @@ def bn_call(batch, channels, side, pool, dtype, act, training) -> Callable[[], N
         dy = torch.empty_like(y, memory_format=torch.channels_last)
         bn_act_pool_backward(dy, saved, vec(), vec(), x.shape, training, act, pool)
     call.__name__ = f"bn_act_pool {dtype} {act} pool={pool} training={training} {batch}x{channels}x{side}x{side}"
+    return call
+
+
+def conv_call(batch, c_in, c_out, side, pool, dtype, training) -> Callable[[], None]:
+    def call():
+        from fastcifar.kernels.conv_stats import conv_stats_forward
+        x = torch.empty(batch, c_in, side, side, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        w = torch.empty(c_out, c_in, 3, 3, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        conv_stats_forward(x, w, training, pool)
+    call.__name__ = f"conv_stats {dtype} pool={pool} training={training} {batch}x{c_in}->{c_out}x{side}x{side}"
     return call
 
 
@@ -87,10 +102,10 @@ def cutout_call(batch, channels, side, size, dtype) -> Callable[[], None]:
 
 def calls(which: str) -> list[Callable[[], None]]:
     """``ci``: one of each kind the presets launch (fp16 on the GPU: `fast`'s GELU with pool before BN,
-    training and evaluation; `resnet9`'s ReLU with pool after; the augmentation and cutout) and an
-    odd fp32 shape with CELU, about 20 compiles per arch; ``presets``: every block of the `fast`,
-    `resnet9` and default (`fast-muon320`) presets in fp16, training and evaluation, with the
-    augmentation and cutout; ``full``: every dtype x activation x pool x mode over the presets' and
+    training and evaluation; `resnet9`'s ReLU with pool after; the augmentation and cutout; the
+    fused conv pooled and not) and an odd fp32 shape with CELU, about 25 compiles per arch;
+    ``presets``: every block of the `fast`, `resnet9` and default (`fast-muon320`) presets in fp16,
+    training and evaluation, with the augmentation, cutout and the default's fused convs; ``full``: every dtype x activation x pool x mode over the presets' and
     odd shapes, every augmentation and cutout dtype."""
     out = []
     if which == "ci":
@@ -98,11 +113,14 @@ def calls(which: str) -> list[Callable[[], None]]:
         out += [bn_call(1024, 64, 31, "before", fp16, "gelu", True), bn_call(1024, 64, 15, None, fp16, "gelu", True),
                 bn_call(1024, 256, 7, "before", fp16, "gelu", False),
                 bn_call(512, 128, 32, "after", fp16, "relu", True), bn_call(3, 5, 7, None, torch.float32, "celu", True),
-                augment_call(1024, 50000, 2, 0, fp16, True), cutout_call(512, 3, 32, 8, fp16)]
+                augment_call(1024, 50000, 2, 0, fp16, True), cutout_call(512, 3, 32, 8, fp16),
+                conv_call(2000, 24, 64, 31, "before", fp16, True), conv_call(2000, 320, 320, 7, None, fp16, True),
+                conv_call(2000, 320, 320, 7, "before", fp16, False)]
         return out
     if which == "presets":
         for training in (True, False):
             out += [bn_call(b, c, s, pool, torch.float16, act, training) for b, c, s, act, pool in PRESET_BLOCKS]
+            out += [conv_call(b, ci, co, s, pool, torch.float16, training) for b, ci, co, s, pool in DEFAULT_CONVS]
         return out + [augment_call(1024, 50000, 2, 0, torch.float16, True),
                       augment_call(512, 50000, 4, 8, torch.float16, True), cutout_call(512, 3, 32, 8, torch.float16)]
     if which != "full":
@@ -117,6 +135,8 @@ def calls(which: str) -> list[Callable[[], None]]:
                     augment_call(512, 50000 if indexed else 512, 4, 8, dtype, indexed),
                     augment_call(5, 7, 1, 3, dtype, indexed)]
         out += [cutout_call(512, 3, 32, 8, dtype), cutout_call(3, 5, 7, 3, dtype)]
+        for training in (True, False):
+            out += [conv_call(b, ci, co, s, pool, dtype, training) for b, ci, co, s, pool in DEFAULT_CONVS + ODD_CONVS]
     return out
 
 

@@ -130,7 +130,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv algorithm once
 
-    kernels = resolve_kernels(cfg.kernels, ctx.device)
+    kernels = resolve_kernels(cfg.kernels, ctx.device, cfg.fused_conv)  # refused before anything is written
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
     for note in (report.cpu_note(cfg, ctx.device), report.cpu_threads_note(ctx.device), notice, graphs_note,
                  profiling.graphs_note(cfg.nvtx, use_graphs)):
@@ -167,6 +167,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         world_size=ctx.world_size)
     engine = {"loader": loader_name, "kernels": kernels, "precision": "fp16" if half else "fp32",
               "cuda graphs": "on" if use_graphs else "off"}
+    if cfg.fused_conv:
+        engine["conv"] = "fused with the batchnorm statistics"
     if ctx.distributed:
         engine["comm"] = cfg.comm
     # the class names once, as "classes" (the header shows a few; log.txt and summary.json all)

@@ -484,8 +484,7 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
     _check_args(act, pool)
     check_activation(x)
     n, c, h, w = x.shape
-    for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
-        _check_channel_vector(t, name, c, x.device)
+    _check_block_vectors(weight, bias, running_mean, running_var, c, x.device)
     if pool is not None and (h < 2 or w < 2):
         raise ValueError(f"2x2 max-pool needs maps of at least 2x2, got {h}x{w}")
     ho, wo = (h // 2, w // 2) if pool else (h, w)
@@ -497,8 +496,7 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
         src = _empty((n, c, ho, wo), x.dtype, dev, channels_last=True)
         idx = _empty((n, c, ho, wo), torch.int8, dev, channels_last=True)
     bn_rows = src.numel() // c
-    mean = _empty((c,), torch.float32, dev)
-    rstd = _empty((c,), torch.float32, dev)
+    partials = None
     if training:
         if bn_rows < 2:
             raise ValueError(f"expected more than 1 value per channel when training, got input of shape {tuple(x.shape)}")
@@ -509,24 +507,71 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
         _stats_kernel[(chunks, c_blocks)](
             x, src, idx, pmean, pm2, bn_rows, c, h, w, ho, wo, rows_per_prog,
             POOL=pool == "before", STATS=True, BLOCK_R=br, BLOCK_C=block_c, num_warps=warps)
+        partials = Partials(pmean, pm2, rows_per_prog)
+    elif pool == "before":
+        rows_per_prog, chunks = _chunking(bn_rows, c_blocks, pblock_r, programs)
+        _stats_kernel[(chunks, c_blocks)](
+            x, src, idx, src, src, bn_rows, c, h, w, ho, wo, rows_per_prog,
+            POOL=True, STATS=False, BLOCK_R=pblock_r, BLOCK_C=block_c, num_warps=warps)
+    return normalize_partials(src, idx, partials, (n, c, h, w), weight, bias, running_mean, running_var,
+                              momentum, eps, act, pool)
+
+
+class Partials(NamedTuple):
+    """Stage 1's output, the batch statistics in (chunk, channel) pieces: each chunk's mean and M2
+    (sum of squared deviations from its mean) over ``rows_per_prog`` consecutive rows of the map the
+    batchnorm normalizes (the last chunk: what is left). ``_stats_kernel`` writes them, and so does
+    a producer of that map that sees its values anyway (``kernels/conv_stats.py``, the conv)."""
+    pmean: torch.Tensor
+    pm2: torch.Tensor
+    rows_per_prog: int
+
+
+def _check_block_vectors(weight, bias, running_mean, running_var, c: int, device) -> None:
+    for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
+        _check_channel_vector(t, name, c, device)
+
+
+def normalize_partials(src, idx, partials: Optional[Partials], x_shape, weight, bias, running_mean, running_var,
+                       momentum: float, eps: float, act: str = "relu", pool: Optional[str] = None):
+    """Stage 2 and the apply, from stage 1's ``partials`` (training) or the running statistics
+    (``partials`` None: eval mode). ``src``: the map the batchnorm normalizes (x, or for "before" the
+    pooled z with its int8 argmax ``idx``), channels-last; ``x_shape``: the block's input shape.
+    Returns (y, saved) as ``bn_act_pool_forward``."""
+    _check_args(act, pool)
+    check_activation(src, "src")
+    n, c, h, w = x_shape
+    ho, wo = (h // 2, w // 2) if pool else (h, w)
+    expected = (n, c, ho, wo) if pool == "before" else (n, c, h, w)
+    if tuple(src.shape) != expected:
+        raise ValueError(f"src must have shape {expected} for pool={pool!r} on input {tuple(x_shape)}, "
+                         f"got {tuple(src.shape)}")
+    dev = src.device
+    _check_block_vectors(weight, bias, running_mean, running_var, c, dev)
+    block_r, pblock_r, block_c, c_blocks, warps, _ = _tiling(c, pool)
+    bn_rows = src.numel() // c
+    mean = _empty((c,), torch.float32, dev)
+    rstd = _empty((c,), torch.float32, dev)
+    if partials is not None:
+        chunks = partials.pmean.shape[0]
+        if partials.pmean.shape != (chunks, c) or partials.pm2.shape != (chunks, c) or \
+                chunks != triton.cdiv(bn_rows, partials.rows_per_prog):
+            raise ValueError(f"partials of shape {tuple(partials.pmean.shape)}/{tuple(partials.pm2.shape)} do not "
+                             f"cover {bn_rows} rows of {c} channels in chunks of {partials.rows_per_prog}")
         chunks_p2, fin_c, fin_programs = _finalize_tiling(chunks, c)
         _stats_finalize_kernel[(fin_programs,)](
-            pmean, pm2, mean, rstd, running_mean, running_var, bn_rows, c, rows_per_prog, chunks,
-            float(momentum), float(eps), CHUNKS=chunks_p2, BLOCK_C=fin_c, num_warps=FINALIZE_WARPS)
+            partials.pmean, partials.pm2, mean, rstd, running_mean, running_var, bn_rows, c,
+            partials.rows_per_prog, chunks, float(momentum), float(eps), CHUNKS=chunks_p2, BLOCK_C=fin_c,
+            num_warps=FINALIZE_WARPS)
     else:
-        if pool == "before":
-            rows_per_prog, chunks = _chunking(bn_rows, c_blocks, pblock_r, programs)
-            _stats_kernel[(chunks, c_blocks)](
-                x, src, idx, mean, mean, bn_rows, c, h, w, ho, wo, rows_per_prog,
-                POOL=True, STATS=False, BLOCK_R=pblock_r, BLOCK_C=block_c, num_warps=warps)
         mean.copy_(running_mean)  # a copy: backward must see the statistics this forward used
         torch.rsqrt(running_var + eps, out=rstd)
 
-    y = _empty((n, c, ho, wo), x.dtype, dev, channels_last=True)
+    y = _empty((n, c, ho, wo), src.dtype, dev, channels_last=True)
     out_rows = n * ho * wo
     if pool == "after":
         _apply_kernel[(triton.cdiv(out_rows, pblock_r), c_blocks)](
-            x, y, mean, rstd, weight, bias, out_rows, c, h, w, ho, wo,
+            src, y, mean, rstd, weight, bias, out_rows, c, h, w, ho, wo,
             ACT=ACT_IDS[act], POOL_AFTER=True, BLOCK_R=pblock_r, BLOCK_C=block_c, num_warps=warps)
     else:
         _apply_kernel[(triton.cdiv(out_rows, block_r), c_blocks)](

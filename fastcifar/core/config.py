@@ -105,6 +105,7 @@ class Config:
     dist_group: str = "auto"  # process group: auto (only with several ranks) | always (also for one rank: its gradient buckets, comm stream and captured collectives run, as on several)
     emulate_ranks: int = 1  # one process trains what N ranks train (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged): the N-GPU recipe's accuracy on one device (fastcifar.data.loader.EmulatedRanks); 1 = off
     compile: bool = False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
+    fused_conv: bool = False  # the blocks' convs as Triton implicit GEMMs that take the batchnorm statistics (and a pool-first block's 2x2 pool) in their epilogue (fastcifar.kernels.conv_stats); needs the Triton kernels; not yet timed on a GPU
     # --- compressed gradient communication (fastcifar.dist.compress; several ranks, --comm bucketed) ---
     compress: str = "none"  # none (plain all-reduce) | fp16 | bf16 | topk | randomk | threshold | terngrad | qsgd | powersgd
     compress_ratio: float = 0.01  # topk/randomk: fraction K of each chunk's coordinates sent, 0 < K <= 1
@@ -408,6 +409,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     """Reject settings that cannot work, with one sentence naming the field."""
     check_fields(cfg)
     world_size = _validate_emulated(cfg, world_size)  # below, the emulated ranks count as ranks
+    if cfg.fused_conv and (cfg.compile or cfg.emulate_ranks > 1 or cfg.kernels == "torch"):
+        raise ConfigError("--fused-conv runs the Triton conv + normalize kernels in eager mode on one batch's "
+                          "statistics: it does not combine with --compile, --emulate-ranks or --kernels torch")
     if not 0 <= cfg.warmup_epochs <= cfg.epochs:
         raise ConfigError(f"--warmup-epochs must lie in 0..{cfg.epochs} (the epochs), not {cfg.warmup_epochs}")
     if not 0 <= cfg.seed <= SEED_MAX - cfg.runs:  # run r uses seed + r - 1; bench's warm-up run seed + runs

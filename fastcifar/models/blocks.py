@@ -9,27 +9,26 @@ can replace it without touching a network's definition: ``norm_blocks`` picks on
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from fastcifar.core.config import CHOICES, ConfigError
-from fastcifar.ops.norm_act_pool import NormActPool
-
-NormFactory = Callable[..., nn.Module]
+from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool, NormFactory  # noqa: F401 (ConvBlock: the networks import it here)
 KERNELS = CHOICES["kernels"]  # --kernels' choices: one list, in fastcifar.core.config
 ALLOW_INTERPRETER = "FASTCIFAR_ALLOW_INTERPRETER"  # "1": --kernels triton without a GPU runs (slowly)
 
 
-def resolve_kernels(requested: str, device: torch.device) -> str:
+def resolve_kernels(requested: str, device: torch.device, fused_conv: bool = False) -> str:
     """``auto`` is Triton on CUDA, every block fused, and the torch reference on the CPU: on an H100
     the fused block beat cuDNN's batchnorm + activation (+ pool) on every preset block that eager
     could be timed on, pooled or not, and the graphed step was faster with every block fused
     (bench/results/visits/visit-5.md, 5b). Triton on the CPU runs in Triton's interpreter (correct, slow: for
     tests; see ``fastcifar.kernels.module``), which exists only in a process without a GPU: Triton chooses
     interpreter or compiler once per process, at import. It takes minutes per epoch, so it is refused
-    unless the environment sets ``FASTCIFAR_ALLOW_INTERPRETER=1`` (the tests that train through it)."""
+    unless the environment sets ``FASTCIFAR_ALLOW_INTERPRETER=1`` (the tests that train through it).
+    ``fused_conv`` (--fused-conv): the conv kernel computes its block's normalize kernels too, so
+    it needs the Triton path."""
     if requested not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, not {requested!r}")
     kernels = ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
@@ -40,6 +39,9 @@ def resolve_kernels(requested: str, device: torch.device) -> str:
         # issue 48: it used to run, silently, for minutes per epoch
         raise ConfigError(f"--kernels triton without a GPU runs Triton's interpreter, minutes per epoch (it is "
                           f"there for tests): use --kernels torch, or set {ALLOW_INTERPRETER}=1 to run it anyway")
+    if fused_conv and kernels != "triton":
+        raise ConfigError(f"--fused-conv needs the Triton kernels; --kernels {requested} runs the torch ones on "
+                          f"{device.type} (use --kernels triton on a GPU)")
     return kernels
 
 
@@ -51,22 +53,23 @@ def norm_factory(kernels: str) -> NormFactory:
     return NormActPool
 
 
+def fuse_conv_blocks(model: nn.Module) -> int:
+    """``--fused-conv``: every ConvBlock the fused conv kernel computes exactly (``conv_stats.fusable``:
+    stride 1, "same", odd square kernel, the Triton normalize block) becomes its ``TritonConvBlock``,
+    in place (same state, so optimizers, checkpoints and model files see the same tensors). Returns
+    how many; the rest (AlexNet's strided first conv) keep cuDNN's conv."""
+    from fastcifar import kernels
+
+    conv_stats = kernels.module("conv_stats")
+    fused = 0
+    for m in model.modules():
+        if conv_stats.fusable(m):
+            m.__class__ = conv_stats.TritonConvBlock
+            fused += 1
+    return fused
+
+
 def norm_blocks(requested: str, device: torch.device) -> NormFactory:
     """The NormActPool factory a network is built with for ``--kernels requested``: the fused
     Triton block for ``triton``, the plain-torch one for ``torch`` (``resolve_kernels``' answer)."""
     return norm_factory(resolve_kernels(requested, device))
-
-
-class ConvBlock(nn.Module):
-    """kernel x kernel conv (3x3 in ResNet-9; AlexNet's 11x11 stride 4 and 5x5 too; "same" padding;
-    no bias: the batchnorm's shift replaces it) followed by NormActPool."""
-
-    def __init__(self, c_in: int, c_out: int, norm: NormFactory, act: str = "relu",
-                 pool: Optional[str] = None, kernel: int = 3, stride: int = 1):
-        super().__init__()
-        self.conv = nn.Conv2d(c_in, c_out, kernel_size=kernel, stride=stride, padding=kernel // 2, bias=False)
-        self.norm = norm(c_out, act=act, pool=pool)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.conv(x))
-

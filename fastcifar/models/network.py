@@ -11,7 +11,7 @@ from torch import nn
 
 from fastcifar.models import compiled
 from fastcifar.models.alexnet import AlexNet
-from fastcifar.models.blocks import norm_blocks
+from fastcifar.models.blocks import fuse_conv_blocks, norm_factory, resolve_kernels
 from fastcifar.models.fastnet import FastNet
 from fastcifar.models.resnet9 import ResNet9
 from fastcifar.ops.norm_act_pool import per_rank
@@ -44,11 +44,15 @@ def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
 
 def build_model(cfg, device: torch.device, dtype: torch.dtype, num_classes: int = 10) -> torch.nn.Module:
     """The network a run trains: ``--kernels``' normalize blocks (a custom op under --compile; with
-    ``--emulate-ranks`` their statistics per emulated rank), channels-last on ``device``, fp16
-    weights with fp32 batchnorm when ``dtype`` is fp16."""
-    norm = compiled.norm_for(norm_blocks(cfg.kernels, device), cfg.compile)  # custom op under --compile
+    ``--emulate-ranks`` their statistics per emulated rank; with ``--fused-conv`` the conv kernel
+    that takes their statistics), channels-last on ``device``, fp16 weights with fp32 batchnorm when
+    ``dtype`` is fp16."""
+    kernels = resolve_kernels(cfg.kernels, device, cfg.fused_conv)
+    norm = compiled.norm_for(norm_factory(kernels), cfg.compile)  # custom op under --compile
     norm = per_rank(norm, cfg.emulate_ranks)  # --emulate-ranks: batchnorm statistics per emulated rank
     model = make_network(cfg, norm=norm, num_classes=num_classes)
+    if cfg.fused_conv:
+        fuse_conv_blocks(model)  # the conv kernel that takes its block's batchnorm statistics
     model = model.to(device=device, memory_format=torch.channels_last)
     if dtype == torch.float16:
         model.half()

@@ -8,7 +8,7 @@ without importing each other.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from fastcifar.core.config import CHOICES
 
 ACTIVATIONS = CHOICES["activation"]
 POOL_PLACES = (None, "before", "after")
+NormFactory = Callable[..., nn.Module]
 
 
 def activation(x: torch.Tensor, act: str) -> torch.Tensor:
@@ -95,6 +96,22 @@ class NormActPool(nn.BatchNorm2d):
         return f"{super().extra_repr()}, act={self.act}, pool={self.pool}"
 
 
+class ConvBlock(nn.Module):
+    """kernel x kernel conv (3x3 in ResNet-9; AlexNet's 11x11 stride 4 and 5x5 too; "same" padding;
+    no bias: the batchnorm's shift replaces it) followed by NormActPool. Here, beside the normalize
+    block, so that the fused conv kernel (``fastcifar.kernels.conv_stats.TritonConvBlock``, same
+    constructor and state) can build on it as the Triton normalize block builds on NormActPool."""
+
+    def __init__(self, c_in: int, c_out: int, norm: NormFactory, act: str = "relu",
+                 pool: Optional[str] = None, kernel: int = 3, stride: int = 1):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, kernel_size=kernel, stride=stride, padding=kernel // 2, bias=False)
+        self.norm = norm(c_out, act=act, pool=pool)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x))
+
+
 class PerRankStatistics:
     """Batchnorm statistics per rank, for a batch that is ``ranks`` ranks' batches side by side
     (``--emulate-ranks``): mixed into a NormActPool class (``per_rank``), it splits a training
@@ -145,9 +162,11 @@ def per_rank(norm, ranks: int):
 
 def as_plain_torch(model: nn.Module) -> nn.Module:
     """Turn every NormActPool subclass in ``model`` (the Triton and compiled kernels) back into
-    the plain-torch NormActPool, in place: same state, same maths, and it runs where compiled
-    Triton kernels cannot (CPU tensors on a GPU machine, torch.func transforms)."""
+    the plain-torch NormActPool, and every ConvBlock subclass (the fused conv) into ConvBlock, in
+    place: same state, same maths, and it runs where compiled Triton kernels cannot (CPU tensors on
+    a GPU machine, torch.func transforms)."""
     for m in model.modules():
-        if isinstance(m, NormActPool) and type(m) is not NormActPool:
-            m.__class__ = NormActPool
+        for plain in (NormActPool, ConvBlock):
+            if isinstance(m, plain) and type(m) is not plain:
+                m.__class__ = plain
     return model

@@ -123,6 +123,9 @@ def test_overrides_and_presets():
     (["--warmup-epo", "1"], "unrecognized arguments: --warmup-epo"),  # no abbreviations
     (["--widths", "8,16"], "--widths takes three positive channel counts for --arch fastnet"),
     (["--preset", "resnet9", "--widths", "8,16"], "--widths takes four"),
+    (["--fused-conv", "--compile"], "--fused-conv runs the Triton conv + normalize kernels in eager mode"),
+    (["--fused-conv", "--emulate-ranks", "2"], "does not combine with --compile, --emulate-ranks or --kernels torch"),
+    (["--fused-conv", "--device", "cpu"], "--fused-conv needs the Triton kernels; --kernels auto runs the torch ones on cpu"),
     pytest.param(["--device", "cuda"], "no CUDA GPU", marks=pytest.mark.skipif(
         __import__("torch").cuda.is_available(), reason="this machine has a GPU")),
 ])

@@ -46,7 +46,7 @@ def test_every_variant_compiles_to_a_cubin_for_both_archs(rows):
     assert archs == {"sm_80", "sm_90"}
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"_stats_kernel", "_stats_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel",
-                       "_bwd_finalize_kernel", "_bwd_dx_kernel", "_augment_kernel", "_cutout_kernel"}
+                       "_bwd_finalize_kernel", "_bwd_dx_kernel", "_augment_kernel", "_cutout_kernel", "_conv_stats_kernel"}
     assert all(r["cubin_bytes"] > 0 and r["ptx_bytes"] > 0 and r["registers"] > 0 for r in rows)
     assert out.returncode == 0, out.stderr[-3000:]
 
