@@ -22,6 +22,8 @@ in bench/results/ price that).
     python bench/bench_step.py                      # on a GPU: the full table, rows to bench/results/step.jsonl
     python bench/bench_step.py --preset fast-muon320 --batches 2000    # the default preset's network and batch
     python bench/bench_step.py --preset fast-muon320 --fake-world 8 --graphs on --kernels auto   # rank 0 of 8: 250 images
+    python bench/bench_step.py --preset fast-muon320 --batches 2000 --graphs on --kernels auto --fused-conv
+                                                    # the same with the convs that take their BN statistics
     python bench/bench_step.py --smoke              # the script's logic on the CPU, tiny, nothing written
 
 The step is the trainer's own (``fastcifar.run.step.make_step`` inside ``fastcifar.run.graphs.TrainStep``),
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -265,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fake-world", type=int, metavar="N",
                         help="time rank 0's step of an N-rank run (per-rank batch = batch / N, gradient buckets "
                         "issuing their all-reduces to a fake N-rank group, which completes them at once)")
+    parser.add_argument("--fused-conv", action="store_true",
+                        help="the trainer's --fused-conv: convs that take their batchnorm statistics (Triton kernels)")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
     args = parser.parse_args(argv)
 
@@ -283,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     if SMOKE:
         device, dtype = torch.device("cpu"), torch.float32
         smoke_batch = 2 * world if args.fake_world else 4
-        args.batches, args.kernels, args.graphs, args.window, args.repeats = [smoke_batch], ["torch"], ["off"], 2, 1
+        args.batches, args.graphs, args.window, args.repeats = [smoke_batch], ["off"], 2, 1
+        # the fused conv needs the Triton kernels: here Triton's interpreter (slow, tiny shapes)
+        args.kernels = ["triton"] if args.fused_conv else ["torch"]
+        if args.fused_conv:
+            os.environ["FASTCIFAR_ALLOW_INTERPRETER"] = "1"
         widths = (8, 16, 32) if base.arch == "fastnet" else (8, 16, 32, 64)
     else:
         require_cuda("bench_step")
@@ -307,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     for global_batch in args.batches:
         batch = global_batch // world  # images per GPU per step
         for kernels in args.kernels:
-            cfg = dataclasses.replace(base, widths=widths, kernels=kernels, comm="bucketed")
+            cfg = dataclasses.replace(base, widths=widths, kernels=kernels, comm="bucketed", fused_conv=args.fused_conv)
             for graphs in args.graphs:
                 model, step, images, labels, sync = build_step(cfg, batch, graphs == "on", device, dtype, ctx)
                 flops = 3 * conv_flops_per_image(model, device, dtype) * batch
@@ -317,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                 ranks = {} if ctx is None else {
                     "world_size": world, "global_batch": global_batch, "world_emulated": FAKE_WORLD,
                     "buckets": len(sync.buckets) if sync.buckets is not None else 0}
-                rows.append({"net": net, "batch": batch, **ranks, "kernels": kernels, "graphs": graphs, "step_ms": ms,
+                rows.append({"net": net, "batch": batch, **ranks, "kernels": kernels, "fused_conv": args.fused_conv,
+                             "graphs": graphs, "step_ms": ms,
                              "images_per_s": batch / ms * 1e3, "floor_ms": flops / (tflops * 1e12) * 1e3,
                              "gpu_idle_pct": 100 * parts["idle_share"] if parts else None,
                              "idle_vs_step_pct": idle_against_step(parts["busy_ms"], ms) if parts else None,
@@ -331,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     per_rank = ["world_size", "global_batch", "buckets"] if ctx is not None else []
     columns = ["net", "batch", *per_rank, "kernels", "graphs", "step_ms", "images_per_s", "floor_ms", "gpu_idle_pct",
-               "busy_ms", "idle_vs_step_pct", "kernels_per_step"]
+               "busy_ms", "idle_vs_step_pct", "kernels_per_step", "fused_conv"]
     if ctx is not None:
         print(f"the step of rank 0 of {world} ranks: batch = images per rank (global_batch / world_size), "
               f"images_per_s per rank; {FAKE_WORLD}.\n")

@@ -37,9 +37,11 @@ cuDNN's, so outputs differ from it in the last bit now and then (the tests' tole
 window whose top two values are that close may pick the other argmax: either is a correct
 subgradient (the normalize kernel's tests exempt such windows on the GPU the same way).
 
-Block sizes: 128 x 64 x 32 (M x N x K) on 4 warps, 2 stages, 8 programs per SM of an H100 (132 SMs)
-over the channel blocks: not yet tuned on a GPU (issue 50); ``bench/bench_conv_stats.py`` times
-them against cuDNN + the normalize block at every preset shape.
+Block sizes: 128 x 64 x 32 (M x N x K) on 8 warps, 2 stages, 8 programs per SM of an H100 (132 SMs)
+over the channel blocks. On 4 warps the pooled variant needed 255 registers a thread and spilled on
+sm_80 and sm_90 (ptxas, compiled on the CPU; bench/results/kernel_registers.md has the 8-warp
+rows); nothing here is tuned on a GPU yet (issue 50): ``bench/bench_conv_stats.py`` times the
+kernel against cuDNN + the normalize block at the default preset's shapes.
 """
 
 from __future__ import annotations

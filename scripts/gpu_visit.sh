@@ -15,6 +15,7 @@
 #   bash scripts/gpu_visit.sh race                     # (e) official data: the default preset x25 beside the public scripts x25
 #   bash scripts/gpu_visit.sh emulated PRESET N [RUNS] # (f) official data: PRESET at N emulated ranks x RUNS (10), rows in multi_gpu.jsonl
 #   bash scripts/gpu_visit.sh nccl2                    # (g) two NCCL ranks on the one GPU: match one process, survive a kill -9
+#   bash scripts/gpu_visit.sh conv                     # (h) official data: the fused conv (--fused-conv) beside cuDNN: kernel, step, runs
 #   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
 #
 # Race (scripts/race.py): fastcifar's default preset (RACE_PRESETS names others), then each public
@@ -33,6 +34,11 @@
 # global batch; then rank 1 killed (SIGKILL) mid-training, rank 0 must end with one line and exit 3
 # within --dist-timeout-s + 11 s (scripts/kill_rank.py). The table, NCCL's transport or its refusal,
 # one row per check in bench/results/multi_gpu.jsonl (NCCL2_CALL and NCCL2_COMMIT name the call and commit).
+# conv (issue 50): the default preset's convs with the batchnorm statistics in their epilogue
+# (kernels/conv_stats.py) against cuDNN + the normalize block, side by side in one call: the kernel
+# table (bench/bench_conv_stats.py, rows in conv_stats.jsonl), the graphed step both ways (step.jsonl),
+# then CONV_RUNS (10) runs each way on official data, reported as the race reports its contenders
+# (one row each in official.jsonl; CONV_CALL and CONV_COMMIT name the call and the commit).
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines, bench and nccl2 stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -42,8 +48,8 @@
 set -uo pipefail
 stage=${1:-}
 case "$stage" in
-  check|engines|bench|kernels|accuracy|race|emulated|nccl2|dali) ;;
-  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|nccl2|dali" >&2; exit 2 ;;
+  check|engines|bench|kernels|accuracy|race|emulated|nccl2|conv|dali) ;;
+  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|nccl2|conv|dali" >&2; exit 2 ;;
 esac
 tag=$stage
 [ "$stage" = accuracy ] && tag="accuracy-${2:-}"
@@ -135,7 +141,7 @@ check)
   # the cuda-marked kernel cases (full preset sizes) ran in cuda-tests just above: not twice in one budget;
   # the two loader tests are not cuda-marked but run Triton on CUDA tensors where there is a GPU
   step kernel-tests 240 "$py" -m pytest -q -m "not cuda" tests/kernels/test_kernel_bn_act_pool.py tests/kernels/test_kernel_augment.py \
-    tests/kernels/test_kernel_cutout.py tests/unit/test_layout.py::test_triton_loader_batch_under_cuda_layouts \
+    tests/kernels/test_kernel_cutout.py tests/kernels/test_kernel_conv_stats.py tests/unit/test_layout.py::test_triton_loader_batch_under_cuda_layouts \
     tests/unit/test_augment.py::test_loader_with_triton_kernels_equals_the_reference -p no:cacheprovider
   ;;
 engines)
@@ -266,6 +272,25 @@ nccl2)
   step nccl2-checks 60 "$py" scripts/gpu_visit_report.py nccl2 "$work/runs" --log "$work/nccl2-ranks.log" \
     --kill "$work/kill/kill.json" --jsonl bench/results/multi_gpu.jsonl --call "${NCCL2_CALL:-}" \
     --commit "${NCCL2_COMMIT:-}" --out "$work/figures.md"
+  ;;
+conv)
+  [ -e "$data" ] || { note "conv needs real data: \$DATA (official CIFAR-10, bash ../shared/device/stage.sh cifar10)"; failed=1; exit; }
+  default=$(default_preset) || { note "the default preset could not be read (default-preset.log)"; failed=1; exit; }
+  preset=${default% *}
+  runs=${CONV_RUNS:-10}
+  # cheapest first: a fused kernel that fails on this GPU shows in the kernel table before the runs
+  step bench-conv 150 "$py" bench/bench_conv_stats.py
+  for variant in cudnn fused; do
+    flag=(); [ "$variant" = fused ] && flag=(--fused-conv)
+    step "step-$variant" 90 "$py" bench/bench_step.py --preset "$preset" --batches "${default#* }" --graphs on \
+      --kernels auto "${flag[@]}"
+  done
+  for variant in cudnn fused; do
+    flag=(); [ "$variant" = fused ] && flag=(--fused-conv)
+    train "$preset-$variant" 100 --preset "$preset" --seed 0 --runs "$runs" --quiet "${flag[@]}"
+  done
+  step conv-table 60 "$py" scripts/race.py report "$work" --fastcifar "$work/runs" --data "$data" \
+    --jsonl bench/results/official.jsonl --call "${CONV_CALL:-}" --commit "${CONV_COMMIT:-}" --out "$work/figures.md"
   ;;
 dali)
   if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi

@@ -127,12 +127,15 @@ def parse_peer_log(text: str) -> list[tuple[float, float]]:
 
 
 def fastcifar_runs(root: Path) -> dict[str, list[dict]]:
-    """{preset: [result dicts]} from every summary.json under ``root``."""
+    """{preset: [result dicts]} from every summary.json under ``root``; a run with ``--fused-conv``
+    counts as "PRESET --fused-conv", its own contender (gpu_visit.sh conv races the two)."""
     found: dict[str, list[dict]] = {}
     for path in sorted(root.glob("**/summary.json")):
         doc = json.loads(path.read_text())
+        config = doc.get("config", {})
+        name = config.get("preset", "?") + (" --fused-conv" if config.get("fused_conv") else "")
         for result in doc.get("results", []):
-            found.setdefault(doc.get("config", {}).get("preset", "?"), []).append(result)
+            found.setdefault(name, []).append(result)
     return found
 
 

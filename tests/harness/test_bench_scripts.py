@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("script, args, expect", [
     ("bench_step.py", ["--smoke"], "| batch | kernels | graphs | step_ms"),
     ("bench_augment.py", ["--smoke"], "smoke run"),
+    ("bench_conv_stats.py", ["--smoke"], "| batch | conv | impl | dir | timing | median_ms"),
     ("sweep_bn_act_pool.py", ["--smoke"], "| block | base | w2 | best |"),
     ("sweep_bn_act_pool.py", ["--smoke", "--per-kernel"], "| block | setting | kernel | us |"),
     ("bench_loader.py", ["--images", "256", "--epochs", "1", "--batches", "64", "--no-record"], "images/s"),

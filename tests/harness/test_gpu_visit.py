@@ -21,7 +21,7 @@ from fastcifar.run.report import EpochRecord, RunResult
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_visit.sh"
 STAGES = [["check"], ["engines"], ["bench"], ["kernels"], ["accuracy", "resnet9", "3"], ["dali"], ["race"],
-          ["emulated", DEFAULT_PRESET, "8"], ["nccl2"]]
+          ["emulated", DEFAULT_PRESET, "8"], ["nccl2"], ["conv"]]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 
 
@@ -205,6 +205,31 @@ def test_emulated_stage_runs_the_preset_at_n_emulated_ranks_and_files_rows(tmp_p
     assert "--preset fast --emulate-ranks 4 --seed 0 --runs 25" in proc.stdout
     proc, out = visit(tmp_path, "emulated", "fast", "4", DATA=str(tmp_path / "missing"))
     assert proc.returncode == 1 and "emulated needs real data" in proc.stdout
+
+
+def test_conv_stage_sets_the_fused_conv_beside_cudnn_in_one_call(tmp_path):
+    """Issue 50: the kernel table first, then the default preset's graphed step and its runs on
+    official data, each both ways, and the race's report over the two sets of runs."""
+    proc, out = visit(tmp_path, "conv", CONV_CALL="visit 9", CONV_COMMIT="abc1234")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    steps = [line.split("|")[1].strip() for line in (out / "conv-table.md").read_text().splitlines()
+             if line.startswith("| ") and "---" not in line][1:]
+    assert steps == ["bench-conv", "step-cudnn", "step-fused", f"{DEFAULT_PRESET}-cudnn", f"{DEFAULT_PRESET}-fused",
+                     "conv-table"], steps
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("dry run:")]
+    step_lines = [line for line in lines if "bench_step.py" in line]
+    batch = from_preset().batch_size
+    assert step_lines[0].endswith(f"--preset {DEFAULT_PRESET} --batches {batch} --graphs on --kernels auto")
+    assert step_lines[1].endswith(f"--preset {DEFAULT_PRESET} --batches {batch} --graphs on --kernels auto --fused-conv")
+    runs = [line for line in lines if "fastcifar.train" in line]
+    assert runs[0].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 10 --quiet")
+    assert runs[1].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 10 --quiet --fused-conv")
+    assert all(f"--data {tmp_path / 'cifar.tar.gz'}" in r for r in runs)
+    report = next(line for line in lines if "race.py report" in line)
+    for part in ("--jsonl bench/results/official.jsonl", "--call visit 9", "--commit abc1234"):
+        assert part in report, report
+    proc, _ = visit(tmp_path, "conv", DATA=str(tmp_path / "missing"))
+    assert proc.returncode == 1 and "conv needs real data" in proc.stdout
 
 
 def test_bench_stage_times_the_default_presets_step_first(tmp_path):

@@ -116,7 +116,8 @@ def test_prepare_refuses_a_script_that_is_not_the_named_commit(tmp_path):
 
 # --- the report -------------------------------------------------------------------------------
 
-def write_runs(root: Path, preset: str, accs: list[float], train: float = 1.40, test: float = 0.07) -> None:
+def write_runs(root: Path, preset: str, accs: list[float], train: float = 1.40, test: float = 0.07,
+               folder_name: str = "", **config) -> None:
     results = []
     for i, acc in enumerate(accs):
         epochs = [EpochRecord(run=i + 1, epoch=e + 1, lr=0.1, train_time=train / 2, train_loss=1.0, train_acc=90.0,
@@ -124,9 +125,9 @@ def write_runs(root: Path, preset: str, accs: list[float], train: float = 1.40, 
                   for e in range(2)]
         results.append(dataclasses.asdict(RunResult(run=i + 1, seed=i, test_acc=acc, train_time=train,
                                                     wall_time=9.0, epochs=epochs)))
-    folder = root / f"{preset}-runs" / "2026-11-26-x"
+    folder = root / (folder_name or f"{preset}-runs") / "2026-11-26-x"
     folder.mkdir(parents=True)
-    (folder / "summary.json").write_text(json.dumps({"config": {"preset": preset}, "results": results}))
+    (folder / "summary.json").write_text(json.dumps({"config": {"preset": preset, **config}, "results": results}))
 
 
 def official(tmp_path: Path) -> Path:
@@ -162,6 +163,19 @@ def test_report_rows_count_fastcifar_as_the_public_scripts_count(tmp_path):
     text = "\n".join(lines)
     assert "| fastcifar:fast-muon320 | 4 | 94.25 ± 0.13 (94.10) | 0 |" in text
     assert "fastcifar:fast-muon320 / hiverge: 1.470 / 1.974 s = **0.745**" in text
+
+
+def test_report_races_fused_conv_runs_as_their_own_contender(tmp_path):
+    """gpu_visit.sh conv: the default preset with and without --fused-conv, no public script: one
+    row each, told apart by the flag (both runs name the same preset)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    write_runs(work / "runs", "fast-muon320", [94.2, 94.3], train=1.40, folder_name="cudnn", fused_conv=False)
+    write_runs(work / "runs", "fast-muon320", [94.1, 94.3], train=1.30, folder_name="fused", fused_conv=True)
+    lines, rows, problems = race.report(work, work / "runs", official(tmp_path), env=ENV, today="2026-11-26")
+    assert problems == []
+    assert [r["trainer"] for r in rows] == ["fastcifar:fast-muon320", "fastcifar:fast-muon320 --fused-conv"]
+    assert rows[1]["train_clock_mean_s"] == pytest.approx(1.30) and rows[1]["acc_mean"] == pytest.approx(94.2)
 
 
 def test_report_without_fastcifar_runs_fails_but_files_the_public_scripts(tmp_path):
