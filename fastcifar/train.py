@@ -71,16 +71,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
         code = 0
     except (ConfigError, DataError) as exc:
         where = f"[rank {ctx.rank}] " if ctx is not None and ctx.distributed else ""
+        distributed.announce_stop(ctx, str(exc))  # ranks waiting for this one's data stop waiting
         report.stop_open_logs("failed", str(exc))
         print(f"fastcifar: error: {where}{exc}", file=sys.stderr)
         code = 2
     except signals.StopRun as exc:  # interrupted (130, 143) or diverged (4): logs closed, summary written
+        distributed.announce_stop(ctx, str(exc))
         if not signals.claim_ending():  # a watcher thread is ending the rank: its record, its status
             signals.wait_for_claimant()
         record_stop(exc)
         code = exc.exit_code
     except RuntimeError as exc:
         if not distributed.is_comm_failure(exc):
+            distributed.announce_stop(ctx, f"{type(exc).__name__}: {exc}")
             raise
         # Another rank died or stalled. No teardown: a broken group can block in it; exiting frees it.
         # one line, also when the watchdog sees the stall in the same second (it then prints it)
@@ -90,6 +93,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
         report.stop_open_logs("failed", distributed.failure_message(exc, cfg.dist_timeout_s))
         ctx = None
         code = 3
+    except Exception as exc:  # a bug: the traceback follows (exit 1); the others stop waiting for this rank
+        distributed.announce_stop(ctx, f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         try:
             if ctx is not None and not distributed.teardown(ctx):  # stuck on a collective in flight

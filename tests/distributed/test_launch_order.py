@@ -140,6 +140,50 @@ def test_a_failure_to_load_reaches_every_rank_in_one_line(shared_store):
     assert str(results[0]) == str(results[1]) == f"rank 2 (local rank 0 of its node) {detail}"
 
 
+def test_a_rank_that_stops_before_its_data_ends_every_wait_at_once(shared_store):
+    """Rank 0 stops before the data (rank 0 alone checks --out-dir and reads --resume): the trainer
+    announces it (distributed.announce_stop), and every rank waiting on the store ends within a
+    second with a comm failure naming rank 0 and its cause, not after the 60 s data timeout here
+    (600 s in a run): its own node's rank waiting for its data, the other node's local rank 0 at
+    the barrier after loading, and that node's other rank behind it."""
+    contexts = ranks(nodes=2, per_node=2)
+    distributed.announce_stop(contexts[0], "--out-dir runs is a file, not a folder\nsecond line")
+    results = in_threads(loading(lambda ctx, first: "read"), contexts[1:])
+    for r in results:
+        assert isinstance(r, distributed.PeerStopped) and distributed.is_comm_failure(r), results
+        assert str(r) == "rank 0 stopped before its data was loaded: --out-dir runs is a file, not a folder"
+
+
+def test_main_announces_every_early_end_but_a_lost_peer(monkeypatch, tmp_path):
+    """train.main tells the waiting ranks on a bad setting or data (exit 2), an interrupt, and a
+    bug (the traceback still propagates); a lost peer (exit 3) is not announced again."""
+    import fastcifar.train as train_mod
+    from fastcifar.core.config import ConfigError
+    from fastcifar.core.signals import Interrupted
+
+    announced = []
+    ctx = DistContext(0, 2, 0, CPU, "gloo")
+    monkeypatch.setattr(distributed, "setup", lambda *a: ctx)
+    monkeypatch.setattr(distributed, "check_same", lambda *a: None)
+    monkeypatch.setattr(distributed, "teardown", lambda c: True)
+    monkeypatch.setattr(distributed, "announce_stop", lambda c, detail: announced.append((c.rank, detail)))
+    argv = ["--data", str(tmp_path), "--out-dir", str(tmp_path / "runs"), *SHORT]
+    for raised, code in ((ConfigError("--out-dir is a file"), 2), (Interrupted(15), 143),
+                         (distributed.PeerStopped("rank 1 stopped"), 3), (KeyError("bug"), None)):
+        announced.clear()
+
+        def run(cfg, c, raised=raised):
+            raise raised
+        monkeypatch.setattr(train_mod, "run", run)
+        if code is None:
+            with pytest.raises(KeyError):
+                train_main(argv)
+            assert announced == [(0, "KeyError: 'bug'")]
+            continue
+        assert train_main(argv) == code
+        assert announced == ([] if code == 3 else [(0, str(raised))]), (raised, announced)
+
+
 def test_a_wait_for_local_rank_0_runs_out_with_its_cause(shared_store):
     release = threading.Event()
 
