@@ -229,9 +229,10 @@ def _stopped_key() -> str:
 def announce_stop(ctx: Optional[DistContext], detail: str) -> None:
     """Tell the ranks waiting on the rendezvous store that this one stopped, and why (first line of
     ``detail``); the trainer calls it on every way a rank ends early but a lost peer (whose group is
-    broken, and which the others learn of in their collectives). Why: a rank that fails before the data (rank 0 alone checks --out-dir and reads a
-    --resume checkpoint) never reaches the data waits, and on another node no launcher stops the
-    ranks that wait for it: they would wait out the data timeout, 600 s, before saying anything.
+    broken, and which the others learn of in their collectives). Why: a rank that fails before the
+    data (rank 0 alone checks --out-dir; a --resume checkpoint's errors reach every rank through
+    their broadcast) never reaches the data waits, and on another node no launcher stops the ranks
+    that wait for it: they would wait out the data timeout, 600 s, before saying anything.
     With it they end within a second (``_wait``). Best effort: a store that is gone already ends
     their waits by itself."""
     if ctx is None or not ctx.distributed:

@@ -141,7 +141,7 @@ def test_a_failure_to_load_reaches_every_rank_in_one_line(shared_store):
 
 
 def test_a_rank_that_stops_before_its_data_ends_every_wait_at_once(shared_store):
-    """Rank 0 stops before the data (rank 0 alone checks --out-dir and reads --resume): the trainer
+    """Rank 0 stops before the data (rank 0 alone checks --out-dir): the trainer
     announces it (distributed.announce_stop), and every rank waiting on the store ends within a
     second with a comm failure naming rank 0 and its cause, not after the 60 s data timeout here
     (600 s in a run): its own node's rank waiting for its data, the other node's local rank 0 at
