@@ -311,6 +311,9 @@ class TritonConvBlock(ConvBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.norm
+        # as the library's conv, any layout in: a no-op for the blocks' own (channels-last) outputs,
+        # a copy for a first conv's input in another layout (ResNet-9's on the images)
+        x = x.contiguous(memory_format=torch.channels_last)
         return ConvBnActPoolFunction.apply(x, self.conv.weight, norm.weight, norm.bias, norm.running_mean,
                                            norm.running_var, norm.training, norm.step_momentum(), norm.eps,
                                            norm.act, norm.pool)

@@ -197,6 +197,19 @@ def test_launcher_rejections():
             call()
 
 
+def test_the_block_takes_any_layout_as_the_library_conv_does():
+    """ResNet-9's first conv runs on the images, which may come in NCHW (an API caller's batch):
+    the fused block takes them (the unfused one's Triton normalize block would refuse the conv's
+    NCHW output)."""
+    torch.manual_seed(0)
+    plain = ConvBlock(3, 8, TritonNormActPool, act="gelu").to(DEVICE)
+    fused = ConvBlock(3, 8, TritonNormActPool, act="gelu").to(DEVICE)
+    fused.load_state_dict(plain.state_dict())
+    fused.__class__ = TritonConvBlock
+    x = torch.randn(2, 3, 6, 6).to(DEVICE)  # NCHW-contiguous, not channels-last
+    assert_close(fused(x), plain(x.contiguous(memory_format=CL)), TOL[torch.float32], "NCHW input")
+
+
 def test_which_blocks_fuse():
     triton_norm = TritonNormActPool
     assert fusable(ConvBlock(3, 8, triton_norm, pool="before"))
