@@ -17,7 +17,8 @@ trainer runs them; bench_bn_act_pool.py says why eager timings mislead), do_benc
 Beside each time: the conv's TFLOP/s (forward 2 N H W C_in C_out k^2 multiply-adds x 2; backward
 twice that) against the fp16 matmul rate measured in the same run, the ceiling a conv could reach,
 and for ``fused`` the largest difference of its forward output from ``cudnn+triton``'s (fp16 steps:
-the summation orders differ). Rows are appended to bench/results/conv_stats.jsonl.
+the summation orders differ; beyond DIFF_TOL the row is an error and the script exits 1). Rows are
+appended to bench/results/conv_stats.jsonl.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ CONVS = kernel_registers.DEFAULT_CONVS  # (batch, c_in, c_out, side, pool)
 SMOKE_CONVS = [(2, 6, 8, 7, "before"), (2, 8, 8, 5, None)]
 ACT = "gelu"  # the default preset's activation
 DIRECTION_FLOPS = {"fwd": 1, "bwd": 2, "both": 3}  # x the forward's FLOPs
+# the fused forward against cuDNN + the normalize block: the kernel tests' fp16 tolerance (a few fp16
+# steps at O(1) values, where the summation orders differ), x max(1, max |output|)
+DIFF_TOL = 1e-2
 
 
 def conv_flops(n, c_in, c_out, side, k=3) -> int:
@@ -85,6 +89,7 @@ def bench_convs(device, convs, tflops, graphs, record=None):
         with torch.no_grad():
             reference = blocks["cudnn+triton"][0](x).float()
             diff = (blocks["fused"][0](x).float() - reference).abs().max().item()
+            bound = DIFF_TOL * max(1.0, reference.abs().max().item())
         flops = conv_flops(n, c_in, c_out, side)
         for name, (block, params) in blocks.items():
             base = {"batch": n, "conv": conv, "impl": name}
@@ -103,6 +108,8 @@ def bench_convs(device, convs, tflops, graphs, record=None):
                 row.update({"TFLOP/s": round(rate, 1), "% matmul": round(100 * rate / tflops, 1)})
                 if name == "fused" and direction == "fwd":
                     row["max |fused - cudnn+triton|"] = diff
+                    if not diff <= bound:  # a wrong kernel fails the stage, not just a slow one
+                        row["error"] = f"fused output off by {diff:.3g} > {bound:.3g}"
                 rows.append(row)
         print(f"{conv}: {len(rows) - first} rows", flush=True)
         if record is not None:

@@ -58,23 +58,31 @@ from fastcifar.run.graphs import StaticBatch, TrainStep, capture  # noqa: E402
 from fastcifar.run.recipe import make_optimizer, peak_rate  # noqa: E402
 from fastcifar.models.network import build_model  # noqa: E402
 from fastcifar.run.step import make_step  # noqa: E402
+from fastcifar.ops.norm_act_pool import ConvBlock  # noqa: E402
 
 
 def conv_flops_per_image(model: torch.nn.Module, device, dtype) -> float:
     """Forward FLOPs of the convolutions and the linear layer for one 32x32 image (2 per MAC);
-    backward is counted as twice the forward (input and weight gradients)."""
+    backward is counted as twice the forward (input and weight gradients). A fused conv block
+    (--fused-conv: a ConvBlock subclass) never calls its nn.Conv2d: it is counted from its conv's
+    shape at its input's size (stride 1, "same")."""
     total = 0.0
+
+    def conv_flops(conv, h, w):
+        k = conv.kernel_size[0] * conv.kernel_size[1]
+        return 2.0 * conv.in_channels * conv.out_channels * k * h * w / conv.groups
 
     def hook(module, inputs, output):
         nonlocal total
-        if isinstance(module, torch.nn.Conv2d):
-            k = module.kernel_size[0] * module.kernel_size[1]
-            total += 2.0 * module.in_channels * module.out_channels * k * output.shape[2] * output.shape[3] \
-                / module.groups
+        if isinstance(module, ConvBlock):
+            total += conv_flops(module.conv, *inputs[0].shape[2:])
+        elif isinstance(module, torch.nn.Conv2d):
+            total += conv_flops(module, *output.shape[2:])
         elif isinstance(module, torch.nn.Linear):
             total += 2.0 * module.in_features * module.out_features
     handles = [m.register_forward_hook(hook) for m in model.modules()
-               if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+               if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
+               or (isinstance(m, ConvBlock) and type(m) is not ConvBlock)]
     with torch.no_grad():
         model.eval()
         model(torch.zeros(1, 3, 32, 32, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last))
@@ -260,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                         "step split over the ranks (default: the preset's batch)")
     parser.add_argument("--preset", help="the network of this preset (e.g. fast: FastNet 64/256/256, GELU); "
                         "default the ResNet-9 of the config's defaults")
-    parser.add_argument("--kernels", nargs="+", default=["torch", "triton"], choices=["torch", "triton", "auto"],
-                        help="auto: the trainer's default on CUDA, Triton where a block pools and torch elsewhere")
+    parser.add_argument("--kernels", nargs="+", choices=["torch", "triton", "auto"],
+                        help="default torch triton (with --fused-conv: triton, which it needs); auto: the "
+                        "trainer's default on CUDA")
     parser.add_argument("--graphs", nargs="+", default=["off", "on"], choices=["off", "on"])
     parser.add_argument("--window", type=int, default=20, help="steps per timed window")
     parser.add_argument("--repeats", type=int, default=5, help="timed windows; the median is reported")
@@ -273,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
     args = parser.parse_args(argv)
 
+    if args.kernels is None:
+        args.kernels = ["triton"] if args.fused_conv else ["torch", "triton"]
+    if args.fused_conv and "torch" in args.kernels:  # refused before anything is measured, as the trainer does
+        print("bench_step: --fused-conv needs the Triton kernels: --kernels triton or auto, not torch", file=sys.stderr)
+        return 2
     base = from_preset(args.preset) if args.preset else Config()
     world = args.fake_world or 1
     if args.batches is None:

@@ -115,7 +115,11 @@ def calls(which: str) -> list[Callable[[], None]]:
                 bn_call(512, 128, 32, "after", fp16, "relu", True), bn_call(3, 5, 7, None, torch.float32, "celu", True),
                 augment_call(1024, 50000, 2, 0, fp16, True), cutout_call(512, 3, 32, 8, fp16),
                 conv_call(2000, 24, 64, 31, "before", fp16, True), conv_call(2000, 320, 320, 7, None, fp16, True),
-                conv_call(2000, 320, 320, 7, "before", fp16, False)]
+                conv_call(2000, 320, 320, 7, "before", fp16, False),
+                # fp32 has tiles of its own (conv_stats.LAUNCH_FP32: fp16's spilled); bf16 shares fp16's
+                conv_call(2000, 24, 64, 31, "before", torch.float32, True),
+                conv_call(2000, 320, 320, 7, None, torch.float32, True),
+                conv_call(2000, 24, 64, 31, "before", torch.bfloat16, True)]
         return out
     if which == "presets":
         for training in (True, False):

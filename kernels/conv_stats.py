@@ -31,17 +31,22 @@ folded in by Chan's parallel formula; it writes one (mean, M2) partial per chann
 no atomics, every sum in a fixed order. Statistics are of the values written (rounded to the I/O
 dtype), as the normalize block would read them.
 
-Numerics. fp32 accumulation (fp32 inputs in IEEE fp32, not TF32), the output rounded once to the
-I/O dtype, as cuDNN's fp16 conv rounds its fp32 accumulator; the summation order over K differs from
+Numerics. fp32 accumulation (fp32 inputs in IEEE fp32, not TF32: the backward's library conv
+follows torch's TF32 setting instead), the output rounded once to the I/O dtype, as cuDNN's fp16 conv rounds its fp32 accumulator; the summation order over K differs from
 cuDNN's, so outputs differ from it in the last bit now and then (the tests' tolerance), and a 2x2
 window whose top two values are that close may pick the other argmax: either is a correct
 subgradient (the normalize kernel's tests exempt such windows on the GPU the same way).
 
-Block sizes: 128 x 64 x 32 (M x N x K) on 8 warps, 2 stages, 8 programs per SM of an H100 (132 SMs)
-over the channel blocks. On 4 warps the pooled variant needed 255 registers a thread and spilled on
-sm_80 and sm_90 (ptxas, compiled on the CPU; bench/results/kernel_registers.md has the 8-warp
-rows); nothing here is tuned on a GPU yet (issue 50): ``bench/bench_conv_stats.py`` times the
-kernel against cuDNN + the normalize block at the default preset's shapes.
+Block sizes: 128 x 64 x 32 (M x N x K) on 8 warps, 2 stages, 1056 programs in all (8 per SM of an
+H100's 132, as a count of programs: at 178-192 registers a thread the pooled variant fits one
+program at a time on an SM, so they run in waves). On 4 warps the pooled variant needed 255
+registers a thread and spilled on sm_80 and sm_90 (ptxas, compiled on the CPU;
+bench/results/kernel_registers.md has the 8-warp rows); fp32 has smaller tiles (``LAUNCH_FP32``).
+Nothing here is tuned on a GPU yet (issue 50): ``bench/bench_conv_stats.py`` times the kernel
+against cuDNN + the normalize block at the default preset's shapes. Two likely limits to look at
+there: the K loop runs inside the tap loop, so at 24 or 64 input channels it has 1-2 iterations
+to pipeline; and the pooled variant's 32-row accumulators are below the 64 rows Hopper's wgmma
+instructions take, so it probably runs on the older mma path.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool
+from fastcifar.ops.norm_act_pool import ConvBlock
 from .bn_act_pool import (Partials, _argmax4, _check_args, _empty, bn_act_pool_backward,
                           bn_act_pool_reference, normalize_partials)
 from .checks import check_activation
@@ -67,7 +72,10 @@ class ConvLaunch(NamedTuple):
     programs: int  # programs in all, over the channel blocks (each walks consecutive M tiles)
 
 
-LAUNCH = ConvLaunch(128, 64, 32, 8, 2, 8 * 132)
+LAUNCH = ConvLaunch(128, 64, 32, 8, 2, 8 * 132)  # fp16 and bf16
+# fp32 (tests, --precision fp32): twice the registers per accumulated element; fp16's tiles spilled
+# (255 registers a thread on sm_80 and sm_90 in the pooled variant), these compile without spills
+LAUNCH_FP32 = ConvLaunch(64, 64, 16, 8, 1, 8 * 132)
 DOT_MIN = 16  # tl.dot's smallest tile side
 
 
@@ -163,7 +171,7 @@ def _conv_stats_kernel(x_ptr, w_ptr, out_ptr, idx_ptr, pmean_ptr, pm2_ptr,
         tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
         if POOL:
             tl.store(idx_ptr + offs, k.to(tl.int8), mask=mask)
-        if STATS:  # the tile's exact mean and M2, folded into the program's (Chan et al.)
+        if STATS:  # the tile's mean and M2 (two passes over its registers), folded into the program's (Chan et al.)
             nt = tl.sum(ok.to(tl.float32), axis=0)
             tmean = tl.sum(tl.where(mask, v, 0.0), axis=0) / nt
             d = tl.where(mask, v - tmean[None, :], 0.0)
@@ -199,14 +207,18 @@ def _check_filter(x: torch.Tensor, weight: torch.Tensor) -> int:
     return kh
 
 
-def conv_tiling(c_in: int, c_out: int, rows: int, pool: bool):
+def launch_for(dtype: torch.dtype) -> ConvLaunch:
+    return LAUNCH_FP32 if dtype == torch.float32 else LAUNCH
+
+
+def conv_tiling(c_in: int, c_out: int, rows: int, pool: bool, launch: ConvLaunch):
     """(block_n, block_k, channel blocks, M tiles, tiles per program, chunks) of a launch."""
-    block_n = max(DOT_MIN, min(LAUNCH.block_n, triton.next_power_of_2(c_out)))
-    block_k = max(DOT_MIN, min(LAUNCH.block_k, triton.next_power_of_2(c_in)))
+    block_n = max(DOT_MIN, min(launch.block_n, triton.next_power_of_2(c_out)))
+    block_k = max(DOT_MIN, min(launch.block_k, triton.next_power_of_2(c_in)))
     n_blocks = triton.cdiv(c_out, block_n)
-    tile_rows = LAUNCH.block_m // 4 if pool else LAUNCH.block_m
+    tile_rows = launch.block_m // 4 if pool else launch.block_m
     num_tiles = triton.cdiv(rows, tile_rows)
-    tiles_per_prog = triton.cdiv(num_tiles, max(1, LAUNCH.programs // n_blocks))
+    tiles_per_prog = triton.cdiv(num_tiles, max(1, launch.programs // n_blocks))
     return block_n, block_k, n_blocks, num_tiles, tiles_per_prog, triton.cdiv(num_tiles, tiles_per_prog)
 
 
@@ -229,21 +241,22 @@ def conv_stats_forward(x: torch.Tensor, weight: torch.Tensor, training: bool, po
     rows = n * ho * wo
     if training and rows < 2:
         raise ValueError(f"expected more than 1 value per channel when training, got input of shape {tuple(x.shape)}")
-    block_n, block_k, n_blocks, num_tiles, tiles_per_prog, chunks = conv_tiling(c_in, c_out, rows, pooled)
+    launch = launch_for(x.dtype)
+    block_n, block_k, n_blocks, num_tiles, tiles_per_prog, chunks = conv_tiling(c_in, c_out, rows, pooled, launch)
     dev = x.device
     out = _empty((n, c_out, ho, wo), x.dtype, dev, channels_last=True)
     idx = _empty((n, c_out, ho, wo), torch.int8, dev, channels_last=True) if pooled else None
     partials = None
     if training:
-        tile_rows = LAUNCH.block_m // 4 if pooled else LAUNCH.block_m
+        tile_rows = launch.block_m // 4 if pooled else launch.block_m
         partials = Partials(_empty((chunks, c_out), torch.float32, dev), _empty((chunks, c_out), torch.float32, dev),
                             tiles_per_prog * tile_rows)
     _conv_stats_kernel[(n_blocks, chunks)](
         x, weight, out, idx if pooled else out, partials.pmean if training else out,
         partials.pm2 if training else out, h, w, c_in, c_out, ho, wo, rows, num_tiles, tiles_per_prog,
         *weight.stride(), KSIZE=k, POOL=pooled, STATS=training, IEEE=x.dtype == torch.float32,
-        BLOCK_M=LAUNCH.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=LAUNCH.warps,
-        num_stages=LAUNCH.stages)
+        BLOCK_M=launch.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=launch.warps,
+        num_stages=launch.stages)
     return out, idx, partials
 
 
@@ -292,15 +305,16 @@ def conv_bn_act_pool(x, conv_weight, weight, bias, running_mean, running_var, tr
 
 def fusable(block: torch.nn.Module) -> bool:
     """Whether ``block`` is a ConvBlock this kernel computes exactly: a stride-1, "same", odd square,
-    ungrouped, undilated, bias-free conv, and the plain or Triton normalize block (not one with
-    statistics per emulated rank, not the custom op of --compile)."""
+    ungrouped, undilated, bias-free conv, and the Triton normalize block, whose kernels the fused
+    block runs (not the plain-torch one, not one with statistics per emulated rank, not the custom
+    op of --compile)."""
     from .bn_act_pool import TritonNormActPool
 
     if not isinstance(block, ConvBlock):
         return False
     conv = block.conv
     k = conv.kernel_size
-    return (type(block.norm) in (NormActPool, TritonNormActPool) and conv.bias is None and conv.groups == 1
+    return (type(block.norm) is TritonNormActPool and conv.bias is None and conv.groups == 1
             and k[0] == k[1] and k[0] % 2 == 1 and conv.stride == (1, 1) and conv.dilation == (1, 1)
             and conv.padding == (k[0] // 2, k[0] // 2) and conv.padding_mode == "zeros")
 

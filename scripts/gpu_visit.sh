@@ -38,7 +38,9 @@
 # (kernels/conv_stats.py) against cuDNN + the normalize block, side by side in one call: the kernel
 # table (bench/bench_conv_stats.py, rows in conv_stats.jsonl), the graphed step both ways (step.jsonl),
 # then CONV_RUNS (10) runs each way on official data, reported as the race reports its contenders
-# (one row each in official.jsonl; CONV_CALL and CONV_COMMIT name the call and the commit).
+# (one row each in official.jsonl; CONV_CALL and CONV_COMMIT name the call and the commit). Its
+# data is staged in the same call (cifar10_official.py --from-stage, ~30 s): give it
+# STAGE_BUDGET_S=500, as the race.
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines, bench and nccl2 stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -141,8 +143,11 @@ check)
   # the cuda-marked kernel cases (full preset sizes) ran in cuda-tests just above: not twice in one budget;
   # the two loader tests are not cuda-marked but run Triton on CUDA tensors where there is a GPU
   step kernel-tests 240 "$py" -m pytest -q -m "not cuda" tests/kernels/test_kernel_bn_act_pool.py tests/kernels/test_kernel_augment.py \
-    tests/kernels/test_kernel_cutout.py tests/kernels/test_kernel_conv_stats.py tests/unit/test_layout.py::test_triton_loader_batch_under_cuda_layouts \
+    tests/kernels/test_kernel_cutout.py tests/unit/test_layout.py::test_triton_loader_batch_under_cuda_layouts \
     tests/unit/test_augment.py::test_loader_with_triton_kernels_equals_the_reference -p no:cacheprovider
+  # the fused conv's small cases (its preset-size ones are cuda-marked: in cuda-tests), a step of its
+  # own so that a timeout in either leaves the other's result
+  step conv-kernel-tests 120 "$py" -m pytest -q -m "not cuda" tests/kernels/test_kernel_conv_stats.py -p no:cacheprovider
   ;;
 engines)
   ensure_data
@@ -278,18 +283,22 @@ conv)
   default=$(default_preset) || { note "the default preset could not be read (default-preset.log)"; failed=1; exit; }
   preset=${default% *}
   runs=${CONV_RUNS:-10}
-  # cheapest first: a fused kernel that fails on this GPU shows in the kernel table before the runs
-  step bench-conv 150 "$py" bench/bench_conv_stats.py
+  # the kernel table first: a fused kernel that fails on this GPU shows there before the runs
+  step bench-conv 90 "$py" bench/bench_conv_stats.py
   for variant in cudnn fused; do
     flag=(); [ "$variant" = fused ] && flag=(--fused-conv)
-    step "step-$variant" 90 "$py" bench/bench_step.py --preset "$preset" --batches "${default#* }" --graphs on \
+    step "step-$variant" 60 "$py" bench/bench_step.py --preset "$preset" --batches "${default#* }" --graphs on \
       --kernels auto "${flag[@]}"
   done
+  # the runs: each may use what is left but 40 s for the table (the rows in official.jsonl are the
+  # call's point), the first at most half of that, so the second gets as much
   for variant in cudnn fused; do
     flag=(); [ "$variant" = fused ] && flag=(--fused-conv)
-    train "$preset-$variant" 100 --preset "$preset" --seed 0 --runs "$runs" --quiet "${flag[@]}"
+    limit=$((budget - SECONDS - 40)); [ "$variant" = cudnn ] && limit=$((limit / 2))
+    [ "$limit" -ge 30 ] || { rows+=("| $preset-$variant | skipped: stage budget spent | 0 |"); failed=1; continue; }
+    train "$preset-$variant" "$limit" --preset "$preset" --seed 0 --runs "$runs" --quiet "${flag[@]}"
   done
-  step conv-table 60 "$py" scripts/race.py report "$work" --fastcifar "$work/runs" --data "$data" \
+  step conv-table 40 "$py" scripts/race.py report "$work" --fastcifar "$work/runs" --data "$data" \
     --jsonl bench/results/official.jsonl --call "${CONV_CALL:-}" --commit "${CONV_COMMIT:-}" --out "$work/figures.md"
   ;;
 dali)

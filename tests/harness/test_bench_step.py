@@ -37,6 +37,7 @@ def bench_step():
     ("void at::native::vectorized_elementwise_kernel<4, at::native::threshold_kernel_impl<c10::Half>(...)>",
      "bn_act_pool"),  # eager ReLU's forward and backward
     ("void at::native::reduce_kernel<512, 1>", "other"),
+    ("_conv_stats_kernel", "convs"),  # --fused-conv: the conv, its statistics epilogue included
 ])
 def test_kernels_fall_into_their_phase(bench_step, name, phase):
     assert bench_step.phase_of(name) == phase
@@ -134,6 +135,31 @@ def test_fake_world_times_a_ranks_step_whose_buckets_all_reduce_to_the_fake_grou
         if sync is not None:
             sync.remove()
         dist.destroy_process_group()
+
+
+def test_a_fused_conv_block_counts_its_conv(bench_step):
+    """--fused-conv's block computes its conv without calling its nn.Conv2d (whose hook then never
+    fires): counted from the block, the network's FLOPs are the unfused network's."""
+    import torch
+    from fastcifar.models.fastnet import FastNet
+    from fastcifar.ops.norm_act_pool import ConvBlock
+
+    class Bypass(ConvBlock):  # as TritonConvBlock: the conv's output without calling self.conv
+        def forward(self, x):
+            return self.norm(torch.nn.functional.conv2d(x, self.conv.weight, padding=self.conv.padding))
+
+    plain = FastNet(widths=(8, 16, 16))
+    expected = bench_step.conv_flops_per_image(plain, "cpu", torch.float32)
+    for m in plain.modules():
+        if type(m) is ConvBlock:
+            m.__class__ = Bypass
+    assert bench_step.conv_flops_per_image(plain, "cpu", torch.float32) == expected
+    assert expected > 10 * 2 * 16 * 10  # the convs, not only the linear head
+
+
+def test_fused_conv_with_the_torch_kernels_is_refused(bench_step, capsys):
+    assert bench_step.main(["--fused-conv", "--kernels", "torch", "triton"]) == 2
+    assert capsys.readouterr().err == "bench_step: --fused-conv needs the Triton kernels: --kernels triton or auto, not torch\n"
 
 
 def test_fake_world_refuses_a_batch_that_does_not_divide_over_the_ranks(bench_step, capsys):

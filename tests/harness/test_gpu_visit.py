@@ -228,6 +228,11 @@ def test_conv_stage_sets_the_fused_conv_beside_cudnn_in_one_call(tmp_path):
     report = next(line for line in lines if "race.py report" in line)
     for part in ("--jsonl bench/results/official.jsonl", "--call visit 9", "--commit abc1234"):
         assert part in report, report
+    # the cuDNN runs get at most half of what is left but 40 s for the table, the fused ones the rest
+    limits = {line.split(" (limit ")[0][4:]: int(line.split(" (limit ")[1].split("s)")[0])
+              for line in proc.stdout.splitlines() if line.startswith("=== ")}
+    assert limits[f"{DEFAULT_PRESET}-cudnn"] <= (530 - 40) // 2 < limits[f"{DEFAULT_PRESET}-fused"] <= 530 - 40
+    assert limits["conv-table"] == 40
     proc, _ = visit(tmp_path, "conv", DATA=str(tmp_path / "missing"))
     assert proc.returncode == 1 and "conv needs real data" in proc.stdout
 

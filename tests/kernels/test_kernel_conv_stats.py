@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 from _kernel_asserts import DEVICE, assert_close, near_tie_windows, needs_triton_backend, poisoned_empty  # noqa: E402
 
+from bench import kernel_registers  # noqa: E402
 import fastcifar.kernels.bn_act_pool as bap  # noqa: E402
 import fastcifar.kernels.conv_stats as cs  # noqa: E402
 from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
 from fastcifar.kernels.conv_stats import (TritonConvBlock, conv_bn_act_pool,  # noqa: E402
                                           conv_bn_act_pool_reference, conv_stats_forward, fusable)
-from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool, per_rank  # noqa: E402
+from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool, activation, per_rank  # noqa: E402
 
 pytestmark = needs_triton_backend
 
@@ -31,12 +32,10 @@ TOL = {torch.float32: 3e-5, torch.float16: 1e-2}
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    """Every buffer either launcher allocates starts as NaN (int8 argmax as -1). On a GPU the fp32
-    references (F.conv2d, cuDNN's conv backward) run in IEEE fp32 as the kernel does: cuDNN's
-    default for fp32 convs is TF32, about 1e-3 relative, a hundred times the fp32 tolerance."""
+    """Every buffer either launcher allocates starts as NaN (int8 argmax as -1). (On a GPU the fp32
+    references run without TF32, as the kernel's fp32: tests/conftest.py's _no_tf32.)"""
     monkeypatch.setattr(bap, "_empty", poisoned_empty(bap._empty))
     monkeypatch.setattr(cs, "_empty", poisoned_empty(cs._empty))
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
 def _conv_inputs(shape, dtype, k=3, seed=0, filter_cl=False):
@@ -96,17 +95,26 @@ def test_conv_output_pool_and_statistics(shape, pool, dtype):
     assert_close(var, vals.var(0, unbiased=False), 1e-6, f"batch variance [{where}]")
 
 
-def test_several_tiles_per_program_fold_their_statistics(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("pool", [None, "before"], ids=["nopool", "before"])
+def test_several_tiles_per_program_fold_their_statistics(monkeypatch, pool, dtype):
     """Few programs: each walks several tiles (and the last a shorter run), folding each tile's
-    mean and M2 into its own (Chan's formula); a tile of values far from 0 (mean 300, spread 1 in
-    fp32) checks the folding does not lose the variance to cancellation."""
-    monkeypatch.setattr(cs, "LAUNCH", cs.LAUNCH._replace(programs=2))
-    x, wt = _conv_inputs((5, 4, 6, 13, 13), torch.float32, seed=3)
-    x = x + 300.0
-    out, _, partials = conv_stats_forward(x, wt, True, None)
-    _, _, _, num_tiles, per_prog, chunks = cs.conv_tiling(4, 6, 5 * 13 * 13, False)
-    assert per_prog > 1 and chunks == 2 and num_tiles % per_prog != 0  # the case this test is for
-    mean, var = _combine(partials, 5 * 13 * 13)
+    mean and M2 into its own (Chan's formula); values far from 0 (mean 300 in fp32, 30 in fp16,
+    spread about 1) check the folding does not lose the variance to cancellation."""
+    for name in ("LAUNCH", "LAUNCH_FP32"):
+        monkeypatch.setattr(cs, name, getattr(cs, name)._replace(programs=2))
+    side = 13
+
+    def tiling(n):
+        rows = n * (side // 2 if pool else side) ** 2
+        return cs.conv_tiling(4, 6, rows, pool is not None, cs.launch_for(dtype))[3:]
+    # the smallest batch where both programs walk several tiles and the last walks fewer
+    n = next(n for n in range(1, 100) if tiling(n)[0] % tiling(n)[1] and tiling(n)[1] > 1 and tiling(n)[2] == 2)
+    x, wt = _conv_inputs((n, 4, 6, side, side), dtype, seed=3)
+    x = x + (300.0 if dtype == torch.float32 else 30.0)
+    out, _, partials = conv_stats_forward(x, wt, True, pool)
+    rows = out.numel() // out.shape[1]
+    mean, var = _combine(partials, rows)
     vals = out.double().cpu().permute(0, 2, 3, 1).reshape(-1, 6)
     assert_close(mean, vals.mean(0), 1e-6, "batch mean")
     assert_close(var, vals.var(0, unbiased=False), 1e-5, "batch variance")
@@ -124,32 +132,43 @@ def _run(fn, x, wt, weight, bias, rm, rv, dy, training, act, pool):
                 running_var=rv)
 
 
-def _tie_free_seed(shape, dtype, seed):
-    """The first seed from ``seed`` whose reference conv output has no 2x2 window with its top two
-    values one dtype step apart or closer: there the kernel's and the reference's summation orders
-    may pick different maxima, each a correct subgradient, moving a whole gradient in the comparison."""
-    for s in range(seed, seed + 50):
-        x, wt = _conv_inputs(shape, dtype, seed=s)
-        if not near_tie_windows(_reference_conv(x, wt)).any():
-            return s
-    raise AssertionError(f"no tie-free case among seeds {seed}..{seed + 49} for {shape} {dtype}")
-
-
-def _compare_block(shape, dtype, act, pool, training=True, seed=0):
+def _block_inputs(shape, dtype, seed):
     n, c_in, c_out, h, w = shape
-    if pool is not None:
-        seed = _tie_free_seed(shape, dtype, seed)
     x, wt = _conv_inputs(shape, dtype, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     weight = (torch.rand(c_out, generator=g) + 0.5).to(DEVICE)
     bias = (torch.randn(c_out, generator=g) * 0.3).to(DEVICE)
     rm = (torch.randn(c_out, generator=g) * 0.1).to(DEVICE)
     rv = (torch.rand(c_out, generator=g) + 0.5).to(DEVICE)
+    return x, wt, weight, bias, rm, rv, g
+
+
+def _has_near_ties(x, wt, weight, bias, act, pool) -> bool:
+    """Whether a 2x2 window the pool compares has its top two values one dtype step apart or
+    closer (or, after a ReLU, its largest input at its kink): there the kernel's and the
+    reference's summation orders may pick different maxima, each a correct subgradient, moving a
+    whole gradient in the comparison. Pool before: the conv output's windows; pool after: the
+    activation's, from the reference batchnorm."""
+    conv = _reference_conv(x, wt)
+    if pool == "before":
+        return bool(near_tie_windows(conv).any())
+    pre = F.batch_norm(conv.float(), None, None, weight, bias, True, 0.0, 1e-5).to(x.dtype)
+    return bool(near_tie_windows(activation(pre.float(), act).to(x.dtype), pre if act == "relu" else None).any())
+
+
+def _compare_block(shape, dtype, act, pool, training=True, seed=0):
+    n, c_in, c_out, h, w = shape
+    for s in range(seed, seed + 50):  # the first case without near ties (_has_near_ties)
+        x, wt, weight, bias, rm, rv, g = _block_inputs(shape, dtype, s)
+        if pool is None or not _has_near_ties(x, wt, weight, bias, act, pool):
+            break
+    else:
+        raise AssertionError(f"no tie-free case among seeds {seed}..{seed + 49} for {shape} {dtype} {act} {pool}")
     oh, ow = (h // 2, w // 2) if pool else (h, w)
     dy = torch.randn(n, c_out, oh, ow, generator=g).to(dtype).to(DEVICE).contiguous(memory_format=CL)
     ref = _run(conv_bn_act_pool_reference, x, wt, weight, bias, rm, rv, dy, training, act, pool)
     got = _run(conv_bn_act_pool, x, wt, weight, bias, rm, rv, dy, training, act, pool)
-    where = f"shape={shape} {dtype} act={act} pool={pool} training={training}"
+    where = f"shape={shape} {dtype} act={act} pool={pool} training={training} seed={s}"
     assert got["y"].is_contiguous(memory_format=CL)
     for k in ref:
         tol = 1e-5 if k.startswith("running") else TOL[dtype]
@@ -213,7 +232,8 @@ def test_the_block_takes_any_layout_as_the_library_conv_does():
 def test_which_blocks_fuse():
     triton_norm = TritonNormActPool
     assert fusable(ConvBlock(3, 8, triton_norm, pool="before"))
-    assert fusable(ConvBlock(3, 8, NormActPool, kernel=5))
+    assert fusable(ConvBlock(3, 8, triton_norm, kernel=5))
+    assert not fusable(ConvBlock(3, 8, NormActPool))  # the fused block runs the Triton normalize kernels
     assert not fusable(ConvBlock(3, 8, triton_norm, kernel=11, stride=4))  # AlexNet's first conv
     assert not fusable(ConvBlock(3, 8, per_rank(triton_norm, 2)))  # statistics per emulated rank
     assert not fusable(torch.nn.Conv2d(3, 8, 3, padding=1))
@@ -235,6 +255,9 @@ def test_fused_default_preset_steps_like_the_unfused_one(monkeypatch):
 
     if DEVICE == "cpu":
         monkeypatch.setenv("FASTCIFAR_ALLOW_INTERPRETER", "1")  # the tests' opt-in to Triton's interpreter
+        # fp16's larger tiles for fp32 (registers do not matter to the interpreter): it runs the
+        # programs one by one, and fp32's own tiles took this test from 15 to 42 s on 2 cores
+        monkeypatch.setattr(cs, "LAUNCH_FP32", cs.LAUNCH)
     device = torch.device(DEVICE)
     cfg = from_preset(widths=(8, 16, 16), kernels="triton")
     g = torch.Generator().manual_seed(1)
@@ -258,3 +281,30 @@ def test_fused_default_preset_steps_like_the_unfused_one(monkeypatch):
     for name, a in plain.items():
         if a.is_floating_point():
             assert_close(fused[name], a, 1e-4, f"{name} after three steps")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("conv", kernel_registers.DEFAULT_CONVS, ids=lambda c: f"{c[1]}-{c[2]}-{c[3]}x{c[3]}-{c[4]}")
+def test_default_preset_convs_fp16_cuda(conv):
+    """The default preset's six convs at full size on the GPU (about 1000 programs each walking
+    several tiles, 31x31 odd maps, up to 5 channel blocks): the conv output or its pool against
+    fp32 F.conv2d rounded once, the argmax's value, and the statistics from the partials in float64
+    against the written values. Gradients are the normalize block's and cuDNN's, tested elsewhere."""
+    n, c_in, c_out, side, pool = conv
+    x, wt = _conv_inputs((n, c_in, c_out, side, side), torch.float16, seed=side, filter_cl=True)
+    out, idx, partials = conv_stats_forward(x, wt, True, pool)
+    ref = _reference_conv(x, wt)
+    where = f"{conv}"
+    if pool == "before":
+        assert_close(out, F.max_pool2d(ref.float(), 2), CONV_TOL[torch.float16], f"pooled conv [{where}]")
+        _, c, ho, wo = out.shape
+        windows = ref[:, :, :2 * ho, :2 * wo].reshape(n, c, ho, 2, wo, 2).permute(0, 1, 2, 4, 3, 5)
+        at_idx = windows.reshape(n, c, ho, wo, 4).gather(-1, idx.long()[..., None]).squeeze(-1)
+        assert_close(at_idx, out, CONV_TOL[torch.float16], f"reference value at the argmax [{where}]")
+    else:
+        assert_close(out, ref, CONV_TOL[torch.float16], f"conv [{where}]")
+    rows = out.numel() // out.shape[1]
+    mean, var = _combine(partials, rows)
+    vals = out.double().permute(0, 2, 3, 1).reshape(-1, out.shape[1]).cpu()
+    assert_close(mean, vals.mean(0), 1e-5, f"batch mean [{where}]")
+    assert_close(var, vals.var(0, unbiased=False), 1e-5, f"batch variance [{where}]")
