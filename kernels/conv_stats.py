@@ -16,6 +16,19 @@ normalize block's backward kernels (they only need z or the conv output, the arg
 statistics, all saved as before), then cuDNN's convolution backward for the input and filter
 gradients.
 
+What it can save, computed (not measured): at the default preset's six convs (2000 images) the
+traffic it removes is about 1.19 GB a step (each pool-first block 8P, the others P), 0.39 ms at the
+H100's measured 3004 GB/s copy rate (bench/results/visits/visit-6.md, 6e): about 5% of the graphed
+step (7.12 ms, visit-6.md 6b), and only if the Triton conv's main loop keeps up with cuDNN's.
+
+No prologue. Applying the previous block's normalize + activation on the A tile's load (issue 50
+item 2's other half) would spare that block's apply pass (read its pooled map, write the
+activations: 2P) in the forward, but the filter gradient needs those activations, so cuDNN's
+backward would need them written after all: the pass moves to the backward unless the filter
+gradient is a Triton kernel with the same prologue. The most it could save is 2P per block, about
+0.09 ms a step at the same rate: not worth a Triton filter-gradient kernel before the forward
+kernel is measured.
+
 Layout. The input is channels-last (NHWC in memory), so an output pixel's receptive field at one
 kernel tap is a contiguous run of C_in channels: the GEMM's A tile is BLOCK_M output pixels x BLOCK_K
 input channels at one tap (masked to zero where the tap falls in the padding), its B tile BLOCK_K x
