@@ -205,6 +205,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 def train_one_run(session: components.Session, run: int, seed: int) -> RunResult:
     """Run ``run`` (0: an unlogged warm-up run) of the session, seeded ``seed``."""
     cfg, ctx, loader, log = session.cfg, session.ctx, session.train_loader, session.log
+    set_up = time.perf_counter()  # what the user waits for before the clock starts (RunResult.setup_time)
     torch.manual_seed(seed)  # same seed on every rank: identical initial weights
     model = build_model(cfg, ctx.device, session.dtype, num_classes=len(session.classes))
     distributed.check_same(distributed.model_digest(model), "model's parameter shapes", ctx)
@@ -249,7 +250,9 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
     run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step)
-    result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
+    synchronize(ctx.device)
+    result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0,
+                       setup_time=time.perf_counter() - set_up)
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
     total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
     for epoch in range(start_epoch, len(lengths)):

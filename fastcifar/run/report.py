@@ -198,6 +198,9 @@ class RunResult:
     test_acc: float  # %, final epoch, with the recipe's evaluation (TTA if on); --val-split: the test set once, at the end
     train_time: float  # s, see TIMING_PROTOCOL
     wall_time: float  # s since process start
+    # s before the run's clock starts: model build, warm-up steps (cuDNN's search, Triton's compiles),
+    # graph capture and the state's restore; off the train clock, but a user waits for it
+    setup_time: float = 0.0
     epochs: list[EpochRecord] = field(default_factory=list)
     classes: tuple = ()  # class names, in label order (the data's)
     model_path: str = ""  # where its model file was written ("" = not written)
@@ -241,6 +244,7 @@ def summarize(results: list[RunResult], target_acc: float) -> dict:
         "p_above_target": p_above(accs, target_acc),  # one-sided t-test of "mean > target" (None for 1 run)
         "train_time_mean": statistics.fmean(times), "train_time_max": max(times),
         "wall_time_max": max(r.wall_time for r in results),
+        "setup_time_mean": statistics.fmean(r.setup_time for r in results),
     }
 
 
@@ -442,7 +446,7 @@ class RunLog:
             train += (f" over {len(res.epochs)} epochs ({res.train_time - mine:.2f} s in the {resumed} before "
                       f"the resume, {mine:.2f} s in this process)")
             wall += " in this process"
-        self.line(f"run {res.run}: test_acc {res.test_acc:.2f}% {train} {wall} "
+        self.line(f"run {res.run}: test_acc {res.test_acc:.2f}% {train} {wall} setup {res.setup_time:.2f} s "
                   f"({target_note(self.cfg, res.test_acc, target_acc)})")
 
     def _summary_doc(self, results: list[RunResult], summary: dict | None, status: str, **extra) -> dict:

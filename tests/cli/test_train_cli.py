@@ -32,6 +32,8 @@ def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path, loader):
     assert summary["versions"]["torch"] and "timing_protocol" in summary
     (result,) = summary["results"]
     assert len(result["epochs"]) == 4 and result["train_time"] > 0 and result["wall_time"] > result["train_time"]
+    # the warm-up before the clock: timed, and neither in the train clock nor more than the wall clock
+    assert 0 < result["setup_time"] < result["wall_time"] - result["train_time"]
 
     # stdout: the header, one fixed-width line per epoch, a final line
     lines = proc.stdout.splitlines()
@@ -189,5 +191,6 @@ def test_each_epoch_after_the_first_was_drawn_while_the_one_before_ran(learnable
     fastcifar.train(cfg)
     timed = [t for t in taken if t[1] < 10**6]  # not the warm-up's batch (an epoch index training never uses)
     assert timed == [(4, 0, False), (4, 1, True), (4, 2, True)]
-    # each epoch runs between two synchronizes (its clock): the next one's draws inside it, not after
-    assert events == ["sync", 1, "sync", "sync", 2, "sync", "sync", "sync"]
+    # the set-up's end (its time, RunResult.setup_time), then each epoch between two synchronizes
+    # (its clock): the next one's draws inside it, not after
+    assert events == ["sync", "sync", 1, "sync", "sync", 2, "sync", "sync", "sync"]

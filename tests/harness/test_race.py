@@ -124,7 +124,7 @@ def write_runs(root: Path, preset: str, accs: list[float], train: float = 1.40, 
                               test_time=test, test_loss=0.5, test_acc=acc, total_train_time=train / 2 * (e + 1))
                   for e in range(2)]
         results.append(dataclasses.asdict(RunResult(run=i + 1, seed=i, test_acc=acc, train_time=train,
-                                                    wall_time=9.0, epochs=epochs)))
+                                                    wall_time=9.0, setup_time=4.0 + i, epochs=epochs)))
     folder = root / (folder_name or f"{preset}-runs") / "2026-11-26-x"
     folder.mkdir(parents=True)
     (folder / "summary.json").write_text(json.dumps({"config": {"preset": preset, **config}, "results": results}))
@@ -155,6 +155,7 @@ def test_report_rows_count_fastcifar_as_the_public_scripts_count(tmp_path):
         assert row["device"] == ENV["device"] and row["date"] == "2026-11-26"
     # fastcifar: its train clock plus the final (TTA) evaluation, the span the public scripts clock
     assert mine["time_mean_s"] == pytest.approx(1.47) and mine["train_clock_mean_s"] == pytest.approx(1.40)
+    assert mine["setup_mean_s"] == pytest.approx(5.5)  # what a user waits for before the clock, filed beside it
     assert mine["runs"] == 4 and mine["below_bar"] == 0 and mine["acc_mean"] == pytest.approx(94.25)
     assert mine["p_value"] == pytest.approx(t_sf(0.25 / (math.sqrt(0.05 / 3) / 2), 3))
     assert hiverge["runs"] == 3 and hiverge["below_bar"] == 2 and hiverge["time_mean_s"] == pytest.approx(1.97393, abs=1e-5)
