@@ -51,15 +51,14 @@ window whose top two values are that close may pick the other argmax: either is 
 subgradient (the normalize kernel's tests exempt such windows on the GPU the same way).
 
 Block sizes: 128 x 64 x 32 (M x N x K) on 8 warps, 2 stages, 1056 programs in all (8 per SM of an
-H100's 132, as a count of programs: at 178-192 registers a thread the pooled variant fits one
-program at a time on an SM, so they run in waves). On 4 warps the pooled variant needed 255
-registers a thread and spilled on sm_80 and sm_90 (ptxas, compiled on the CPU;
-bench/results/kernel_registers.md has the 8-warp rows); fp32 has smaller tiles (``LAUNCH_FP32``).
-Nothing here is tuned on a GPU yet (issue 50): ``bench/bench_conv_stats.py`` times the kernel
-against cuDNN + the normalize block at the default preset's shapes. Two likely limits to look at
-there: the K loop runs inside the tap loop, so at 24 or 64 input channels it has 1-2 iterations
-to pipeline; and the pooled variant's 32-row accumulators are below the 64 rows Hopper's wgmma
-instructions take, so it probably runs on the older mma path.
+H100's 132, as a count of programs: at 100-170 registers a thread one or two fit on an SM at a
+time, so they run in waves). With one accumulator reshaped into windows, or on 4 warps, the pooled
+variant needed 255 registers a thread and spilled on sm_80 and sm_90 (ptxas, compiled on the CPU;
+bench/results/kernel_registers.md has the rows); fp32 has smaller tiles (``LAUNCH_FP32``). Nothing
+here is tuned on a GPU yet (issue 50): ``bench/bench_conv_stats.py`` times the kernel against cuDNN
++ the normalize block at the default preset's shapes. A likely limit to look at there: the pooled
+variant's 32-row accumulators are below the 64 rows Hopper's wgmma instructions take, so it
+probably runs on the older mma path.
 """
 
 from __future__ import annotations
@@ -87,8 +86,9 @@ class ConvLaunch(NamedTuple):
 
 LAUNCH = ConvLaunch(128, 64, 32, 8, 2, 8 * 132)  # fp16 and bf16
 # fp32 (tests, --precision fp32): twice the registers per accumulated element; fp16's tiles spilled
-# (255 registers a thread on sm_80 and sm_90 in the pooled variant), these compile without spills
-LAUNCH_FP32 = ConvLaunch(64, 64, 16, 8, 1, 8 * 132)
+# (255 registers a thread on sm_80 and sm_90 in the pooled variant), 64 x 64 x 16 still did on sm_90
+# (8 bytes); these compile without spills on both
+LAUNCH_FP32 = ConvLaunch(64, 32, 16, 8, 1, 8 * 132)
 DOT_MIN = 16  # tl.dot's smallest tile side
 
 
@@ -137,6 +137,7 @@ def _conv_stats_kernel(x_ptr, w_ptr, out_ptr, idx_ptr, pmean_ptr, pm2_ptr,
     ROWS: tl.constexpr = BLOCK_M // 4 if POOL else BLOCK_M  # output rows per tile
     PAD: tl.constexpr = KSIZE // 2
     ks = tl.arange(0, BLOCK_K)
+    k_blocks = tl.cdiv(C_in, BLOCK_K)
     count = 0.0
     mean = tl.zeros([BLOCK_N], tl.float32)
     m2 = tl.zeros([BLOCK_N], tl.float32)
@@ -159,20 +160,22 @@ def _conv_stats_kernel(x_ptr, w_ptr, out_ptr, idx_ptr, pmean_ptr, pm2_ptr,
         acc1 = tl.zeros([ROWS, BLOCK_N], tl.float32)
         acc2 = tl.zeros([ROWS, BLOCK_N], tl.float32)
         acc3 = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for tap in range(KSIZE * KSIZE):  # not unrolled: 9 copies of the tap's row offsets cost registers
+        # one loop over K = taps x channel blocks, so the pipeliner overlaps loads across taps (a loop
+        # per tap around one over the channels gave it 1-2 iterations at 24 or 64 input channels);
+        # not unrolled: 9 copies of a tap's row offsets cost registers
+        for k in range(KSIZE * KSIZE * k_blocks):
+            tap = k // k_blocks
             dh = tap // KSIZE - PAD
             dw = tap % KSIZE - PAD
-            b_tap = (tap // KSIZE) * sw_h + (tap % KSIZE) * sw_w
-            for c0 in range(0, C_in, BLOCK_K):
-                kk = c0 + ks
-                kmask = kk < C_in
-                b = tl.load(w_ptr + b_tap + kk[:, None] * sw_i + cols[None, :] * sw_o,
-                            mask=kmask[:, None] & cmask[None, :], other=0.0)
-                acc0 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh, dw, H, W, C_in, kk, kmask), b, acc0, IEEE)
-                if POOL:
-                    acc1 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh, dw + 1, H, W, C_in, kk, kmask), b, acc1, IEEE)
-                    acc2 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh + 1, dw, H, W, C_in, kk, kmask), b, acc2, IEEE)
-                    acc3 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh + 1, dw + 1, H, W, C_in, kk, kmask), b, acc3, IEEE)
+            kk = (k % k_blocks) * BLOCK_K + ks
+            kmask = kk < C_in
+            b = tl.load(w_ptr + (tap // KSIZE) * sw_h + (tap % KSIZE) * sw_w + kk[:, None] * sw_i + cols[None, :] * sw_o,
+                        mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc0 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh, dw, H, W, C_in, kk, kmask), b, acc0, IEEE)
+            if POOL:
+                acc1 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh, dw + 1, H, W, C_in, kk, kmask), b, acc1, IEEE)
+                acc2 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh + 1, dw, H, W, C_in, kk, kmask), b, acc2, IEEE)
+                acc3 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh + 1, dw + 1, H, W, C_in, kk, kmask), b, acc3, IEEE)
         # rounded once, as the conv's output is stored; the pool compares the rounded values
         v = acc0.to(out_ptr.dtype.element_ty).to(tl.float32)
         if POOL:
