@@ -61,6 +61,8 @@ def train(config: Config) -> list[TrainedRun]:
     try:
         results = trainer.run(config, ctx)
     except (ConfigError, DataError) as exc:  # as the command line does: the run folder says why it stopped
+        if not isinstance(exc, distributed.PeerDataError):  # the ranks waiting for this one's data stop waiting
+            distributed.announce_stop(ctx, str(exc))
         report.stop_open_logs("failed", str(exc))
         raise
     except signals.StopRun as exc:

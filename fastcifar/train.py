@@ -71,12 +71,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
         code = 0
     except (ConfigError, DataError) as exc:
         where = f"[rank {ctx.rank}] " if ctx is not None and ctx.distributed else ""
-        distributed.announce_stop(ctx, str(exc))  # ranks waiting for this one's data stop waiting
+        if not isinstance(exc, distributed.PeerDataError):  # a peer's own failure: it told the others
+            distributed.announce_stop(ctx, str(exc))  # ranks waiting for this one's data stop waiting
         report.stop_open_logs("failed", str(exc))
         print(f"fastcifar: error: {where}{exc}", file=sys.stderr)
         code = 2
     except signals.StopRun as exc:  # interrupted (130, 143) or diverged (4): logs closed, summary written
-        distributed.announce_stop(ctx, str(exc))
         if not signals.claim_ending():  # a watcher thread is ending the rank: its record, its status
             signals.wait_for_claimant()
         record_stop(exc)
@@ -250,10 +250,10 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
     run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step)
-    synchronize(ctx.device)
-    result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0,
-                       setup_time=time.perf_counter() - set_up)
+    result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
+    synchronize(ctx.device)
+    result.setup_time = time.perf_counter() - set_up
     total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
     for epoch in range(start_epoch, len(lengths)):
         epoch_steps = lengths[epoch]

@@ -86,9 +86,10 @@ class ConvLaunch(NamedTuple):
 
 LAUNCH = ConvLaunch(128, 64, 32, 8, 2, 8 * 132)  # fp16 and bf16
 # fp32 (tests, --precision fp32): twice the registers per accumulated element; fp16's tiles spilled
-# (255 registers a thread on sm_80 and sm_90 in the pooled variant), 64 x 64 x 16 still did on sm_90
-# (8 bytes); these compile without spills on both
-LAUNCH_FP32 = ConvLaunch(64, 32, 16, 8, 1, 8 * 132)
+# (255 registers a thread on sm_80 and sm_90 in the pooled variant), and so did 64 x 64 x 16 and
+# 8-warp 64 x 32 x 16 at some shapes (4-24 bytes); these compile without spills at the default
+# preset's and the odd shapes (bench/kernel_registers.py's DEFAULT_CONVS, ODD_CONVS) on both
+LAUNCH_FP32 = ConvLaunch(64, 32, 16, 4, 1, 8 * 132)
 DOT_MIN = 16  # tl.dot's smallest tile side
 
 
@@ -137,6 +138,8 @@ def _conv_stats_kernel(x_ptr, w_ptr, out_ptr, idx_ptr, pmean_ptr, pm2_ptr,
     ROWS: tl.constexpr = BLOCK_M // 4 if POOL else BLOCK_M  # output rows per tile
     PAD: tl.constexpr = KSIZE // 2
     ks = tl.arange(0, BLOCK_K)
+    # a runtime count: as a constexpr (1, 2 or 10 here) the constant trip count let the compiler
+    # unroll the loop, and three CI variants then spilled on sm_90 (8-20 bytes)
     k_blocks = tl.cdiv(C_in, BLOCK_K)
     count = 0.0
     mean = tl.zeros([BLOCK_N], tl.float32)
@@ -163,11 +166,11 @@ def _conv_stats_kernel(x_ptr, w_ptr, out_ptr, idx_ptr, pmean_ptr, pm2_ptr,
         # one loop over K = taps x channel blocks, so the pipeliner overlaps loads across taps (a loop
         # per tap around one over the channels gave it 1-2 iterations at 24 or 64 input channels);
         # not unrolled: 9 copies of a tap's row offsets cost registers
-        for k in range(KSIZE * KSIZE * k_blocks):
-            tap = k // k_blocks
+        for step in range(KSIZE * KSIZE * k_blocks):
+            tap = step // k_blocks
             dh = tap // KSIZE - PAD
             dw = tap % KSIZE - PAD
-            kk = (k % k_blocks) * BLOCK_K + ks
+            kk = (step % k_blocks) * BLOCK_K + ks
             kmask = kk < C_in
             b = tl.load(w_ptr + (tap // KSIZE) * sw_h + (tap % KSIZE) * sw_w + kk[:, None] * sw_i + cols[None, :] * sw_o,
                         mask=kmask[:, None] & cmask[None, :], other=0.0)

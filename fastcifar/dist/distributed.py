@@ -87,6 +87,7 @@ def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto") 
     except ValueError as exc:
         raise ConfigError(f"bad torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {exc}") from None
     device = pick_device(requested_device, local_rank)
+    _data_step.done = False  # a new run: its data step is ahead (announce_stop)
     if world_size == 1 and group != "always":
         return DistContext(0, 1, 0, device, None)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -216,26 +217,38 @@ class PeerDataError(DataError):
 
 
 class PeerStopped(dist.DistError):
-    """Another rank stopped (an error of its own, or interrupted: ``announce_stop``) while this one
-    waited on the store: a comm failure as ``is_comm_failure`` sees it, so this rank ends with exit 3 and the
-    stopped rank's line is the first cause."""
+    """Another rank stopped with an error of its own (``announce_stop``) while this one waited on
+    the store for the data: a comm failure as ``is_comm_failure`` sees it, so this rank ends with
+    exit 3, and the stopped rank's own line (exit 2) is the first cause."""
 
 
 def _stopped_key() -> str:
-    """One key a run: set by the first rank that stops with an error, read by every store wait."""
+    """One key a run: set by a rank that stops with an error before its data step is done, read by
+    every store wait. Scoped like the waits' keys (``_store_key``): by torchrun's restart count,
+    which a restart for a change of membership does not advance (torch elastic), so such a restart
+    after an early stop would find the key set; fastcifar's runs do not change membership."""
     return f"fastcifar/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/stopped"
+
+
+class _DataStep(threading.local):
+    done = False  # this rank has finished load_once_per_node: nobody waits for it on the store any more
+
+
+_data_step = _DataStep()
 
 
 def announce_stop(ctx: Optional[DistContext], detail: str) -> None:
     """Tell the ranks waiting on the rendezvous store that this one stopped, and why (first line of
-    ``detail``); the trainer calls it on every way a rank ends early but a lost peer (whose group is
-    broken, and which the others learn of in their collectives). Why: a rank that fails before the
+    ``detail``); the trainer calls it when a rank ends with an error of its own (not a lost peer's,
+    which the others learn of in their collectives; not an interrupt, which torchrun delivers to
+    every rank). Only until this rank's data step is done: nobody waits for it on the store after
+    that, and a store whose host has gone would print a C++ trace for every late call. Why: a rank that fails before the
     data (rank 0 alone checks --out-dir; a --resume checkpoint's errors reach every rank through
     their broadcast) never reaches the data waits, and on another node no launcher stops the ranks
     that wait for it: they would wait out the data timeout, 600 s, before saying anything.
     With it they end within a second (``_wait``). Best effort: a store that is gone already ends
     their waits by itself."""
-    if ctx is None or not ctx.distributed:
+    if ctx is None or not ctx.distributed or _data_step.done:  # after its data step no one waits on the store
         return
     first = detail.strip().splitlines()[0] if detail.strip() else "no message"
     try:
@@ -252,6 +265,8 @@ def _wait(store, keys: list[str], timeout_s: float, failed: str, ctx: DistContex
     deadline = time.monotonic() + timeout_s
     stopped = _stopped_key()
     while True:
+        if store.check(keys):  # all there: a rank that stops after setting its key stopped after the wait
+            return []
         if store.check([failed]):
             rank, local_rank, detail = json.loads(store.get(failed).decode())
             who = (f"local rank 0 of this node (rank {rank})" if rank == ctx.rank - ctx.local_rank
@@ -259,7 +274,7 @@ def _wait(store, keys: list[str], timeout_s: float, failed: str, ctx: DistContex
             raise PeerDataError(f"{who} could not load the data: {detail}")
         if store.check([stopped]):
             rank, detail = json.loads(store.get(stopped).decode())
-            raise PeerStopped(f"rank {rank} stopped before its data was loaded: {detail}")
+            raise PeerStopped(f"rank {rank} stopped while the ranks were loading their data: {detail}")
         left = deadline - time.monotonic()
         if left < 0.01:  # a store counts its timeout in whole milliseconds, and 0 means no timeout at all
             return [k for k in keys if not store.check([k])]
@@ -282,6 +297,7 @@ def load_once_per_node(load: Callable[[bool], T], ctx: DistContext, doing: str, 
     store (``_store``), not in a collective."""
     if not ctx.distributed:
         return load(True)
+    _data_step.done = False
     store, base = _store(), _store_key("data")
     first = ctx.rank - ctx.local_rank  # torchrun numbers a node's ranks contiguously
     mine, failed = f"{base}/node-of-rank-{first}", f"{base}/failed"
@@ -313,6 +329,7 @@ def load_once_per_node(load: Callable[[bool], T], ctx: DistContext, doing: str, 
                         f"their node may still be downloading or decoding it); a slower link or disk needs "
                         f"a larger --dist-timeout-s (the data waits {DATA_TIMEOUT_S:g} s or that, whichever "
                         f"is longer)")
+    _data_step.done = True
     return result
 
 
@@ -324,7 +341,10 @@ def is_comm_failure(exc: BaseException) -> bool:
 
 
 def failure_message(exc: BaseException, timeout_s: float) -> str:
-    """One line for a collective that failed because another rank died or stalled."""
+    """One line for a collective that failed because another rank died or stalled (or, PeerStopped,
+    for a wait on the store that another rank's own error ended: its words)."""
+    if isinstance(exc, PeerStopped):
+        return str(exc)
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (f"lost contact with the other ranks (one exited, was killed, or stalled past "
             f"--dist-timeout-s {timeout_s:g}): {detail[:300]}")

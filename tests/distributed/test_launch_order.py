@@ -141,22 +141,43 @@ def test_a_failure_to_load_reaches_every_rank_in_one_line(shared_store):
 
 
 def test_a_rank_that_stops_before_its_data_ends_every_wait_at_once(shared_store):
-    """Rank 0 stops before the data (rank 0 alone checks --out-dir): the trainer
-    announces it (distributed.announce_stop), and every rank waiting on the store ends within a
-    second with a comm failure naming rank 0 and its cause, not after the 60 s data timeout here
-    (600 s in a run): its own node's rank waiting for its data, the other node's local rank 0 at
-    the barrier after loading, and that node's other rank behind it."""
+    """Rank 0 stops before the data (rank 0 alone checks --out-dir): the trainer announces it
+    (distributed.announce_stop), and every rank waiting on the store ends within a second with a
+    comm failure naming rank 0 and its cause, not after the 60 s data timeout here (600 s in a
+    run): its own node's rank waiting for its data, the other node's local rank 0 at the barrier
+    after loading, and that node's other rank behind it."""
     contexts = ranks(nodes=2, per_node=2)
     distributed.announce_stop(contexts[0], "--out-dir runs is a file, not a folder\nsecond line")
     results = in_threads(loading(lambda ctx, first: "read"), contexts[1:])
+    line = "rank 0 stopped while the ranks were loading their data: --out-dir runs is a file, not a folder"
     for r in results:
         assert isinstance(r, distributed.PeerStopped) and distributed.is_comm_failure(r), results
-        assert str(r) == "rank 0 stopped before its data was loaded: --out-dir runs is a file, not a folder"
+        assert str(r) == line and distributed.failure_message(r, 300) == line
 
 
-def test_main_announces_every_early_end_but_a_lost_peer(monkeypatch, tmp_path):
-    """train.main tells the waiting ranks on a bad setting or data (exit 2), an interrupt, and a
-    bug (the traceback still propagates); a lost peer (exit 3) is not announced again."""
+def test_a_stop_after_the_data_step_ends_no_wait_and_is_not_announced(shared_store):
+    """Every rank set its ready key, then one stopped (a setting checked after the data, Ctrl-C):
+    a rank still in its last poll returns, it does not report a stop "while loading"; and a rank
+    past its data step announces nothing (no one waits for it on the store)."""
+    contexts = ranks(nodes=1, per_node=2)
+
+    def load_then_stop(ctx):
+        data = distributed.load_once_per_node(lambda first: f"read {ctx.rank}", ctx, "reading the data", 60.0)
+        distributed.announce_stop(ctx, "after the data")  # this rank's data step is done: nothing set
+        return data
+    assert in_threads(load_then_stop, contexts) == ["read 0", "read 1"]
+    assert not shared_store.check([distributed._stopped_key()])
+    shared_store.set(distributed._stopped_key(), '[0, "late"]')
+    keys = ["k/0", "k/1"]
+    for k in keys:
+        shared_store.set(k, "1")
+    assert distributed._wait(shared_store, keys, 5.0, "k/failed", contexts[1]) == []
+
+
+def test_main_announces_a_ranks_own_error_only(monkeypatch, tmp_path):
+    """train.main tells the waiting ranks on a bad setting or data of its own (exit 2) and on a bug
+    (the traceback still propagates); not on a peer's failure it only relays (a peer's data error,
+    a lost peer: exit 3), nor on an interrupt (torchrun signals every rank)."""
     import fastcifar.train as train_mod
     from fastcifar.core.config import ConfigError
     from fastcifar.core.signals import Interrupted
@@ -168,8 +189,10 @@ def test_main_announces_every_early_end_but_a_lost_peer(monkeypatch, tmp_path):
     monkeypatch.setattr(distributed, "teardown", lambda c: True)
     monkeypatch.setattr(distributed, "announce_stop", lambda c, detail: announced.append((c.rank, detail)))
     argv = ["--data", str(tmp_path), "--out-dir", str(tmp_path / "runs"), *SHORT]
-    for raised, code in ((ConfigError("--out-dir is a file"), 2), (Interrupted(15), 143),
-                         (distributed.PeerStopped("rank 1 stopped"), 3), (KeyError("bug"), None)):
+    for raised, code, told in ((ConfigError("--out-dir is a file"), 2, True), (DataError("no such file"), 2, True),
+                               (distributed.PeerDataError("rank 1 could not load the data"), 2, False),
+                               (Interrupted(15), 143, False), (distributed.PeerStopped("rank 1 stopped"), 3, False),
+                               (KeyError("bug"), None, True)):
         announced.clear()
 
         def run(cfg, c, raised=raised):
@@ -181,7 +204,7 @@ def test_main_announces_every_early_end_but_a_lost_peer(monkeypatch, tmp_path):
             assert announced == [(0, "KeyError: 'bug'")]
             continue
         assert train_main(argv) == code
-        assert announced == ([] if code == 3 else [(0, str(raised))]), (raised, announced)
+        assert announced == ([(0, str(raised))] if told else []), (raised, announced)
 
 
 def test_a_wait_for_local_rank_0_runs_out_with_its_cause(shared_store):

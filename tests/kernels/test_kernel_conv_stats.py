@@ -62,7 +62,9 @@ def _combine(partials, rows):
     return mean, m2 / rows
 
 
-CONV_SHAPES = [(3, 5, 7, 7, 7), (1, 24, 16, 6, 6), (2, 3, 20, 9, 8), (2, 24, 70, 5, 5), (4, 8, 8, 12, 12)]
+# (batch, C_in, C_out, H, W); 40 input channels: two K blocks a tap in fp16 too (BLOCK_K 32)
+CONV_SHAPES = [(3, 5, 7, 7, 7), (1, 24, 16, 6, 6), (2, 3, 20, 9, 8), (2, 24, 70, 5, 5), (4, 8, 8, 12, 12),
+               (2, 40, 24, 6, 6)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
