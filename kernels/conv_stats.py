@@ -51,7 +51,7 @@ window whose top two values are that close may pick the other argmax: either is 
 subgradient (the normalize kernel's tests exempt such windows on the GPU the same way).
 
 Block sizes: 128 x 64 x 32 (M x N x K) on 8 warps, 2 stages, 1056 programs in all (8 per SM of an
-H100's 132, as a count of programs: at 100-170 registers a thread one or two fit on an SM at a
+H100's 132, as a count of programs: at 70-172 registers a thread one to three fit on an SM at a
 time, so they run in waves). With one accumulator reshaped into windows, or on 4 warps, the pooled
 variant needed 255 registers a thread and spilled on sm_80 and sm_90 (ptxas, compiled on the CPU;
 bench/results/kernel_registers.md has the rows); fp32 has smaller tiles (``LAUNCH_FP32``). Nothing
