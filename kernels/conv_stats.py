@@ -33,22 +33,24 @@ Layout. The input is channels-last (NHWC in memory), so an output pixel's recept
 kernel tap is a contiguous run of C_in channels: the GEMM's A tile is BLOCK_M output pixels x BLOCK_K
 input channels at one tap (masked to zero where the tap falls in the padding), its B tile BLOCK_K x
 BLOCK_N of the filter at that tap (read through the filter's strides: a channels-last filter has C_in
-contiguous too), K = taps x C_in. A tile's rows are output pixels in NHW order, or for the pooled
-epilogue four consecutive rows per 2x2 window (row-major inside the window, windows in NHW order of
-the pooled map), so the window's four values sit in one tile and the pooled rows are consecutive.
+contiguous too), K = taps x C_in, walked as one loop over (tap, channel block). A tile's rows are
+output pixels in NHW order; for the pooled epilogue they are BLOCK_M / 4 windows of the pooled map
+in NHW order, with four accumulators, one per position in the window (each its own A tile, all the
+same B tile), so the epilogue pools them element-wise and the pooled rows are consecutive.
 
 Statistics. Each program walks ``tiles_per_prog`` consecutive M tiles of one channel block and
-keeps a running (count, mean, M2) per channel, each tile's exact mean and M2 (taken in registers)
-folded in by Chan's parallel formula; it writes one (mean, M2) partial per channel, the format of
+keeps a running (count, mean, M2) per channel, each tile's mean and M2 (two passes over the tile
+in registers) folded in by Chan's parallel formula; it writes one (mean, M2) partial per channel, the format of
 ``bn_act_pool``'s stage 1 (``Partials``), whose stage 2 and apply then run unchanged. Deterministic:
 no atomics, every sum in a fixed order. Statistics are of the values written (rounded to the I/O
 dtype), as the normalize block would read them.
 
 Numerics. fp32 accumulation (fp32 inputs in IEEE fp32, not TF32: the backward's library conv
-follows torch's TF32 setting instead), the output rounded once to the I/O dtype, as cuDNN's fp16 conv rounds its fp32 accumulator; the summation order over K differs from
-cuDNN's, so outputs differ from it in the last bit now and then (the tests' tolerance), and a 2x2
-window whose top two values are that close may pick the other argmax: either is a correct
-subgradient (the normalize kernel's tests exempt such windows on the GPU the same way).
+follows torch's TF32 setting instead), the output rounded once to the I/O dtype, as cuDNN's fp16
+conv rounds its fp32 accumulator; the summation order over K differs from cuDNN's, so outputs
+differ from it in the last bit now and then (the tests' tolerance), and a 2x2 window whose top two
+values are that close may pick the other argmax: either is a correct subgradient (the normalize
+kernel's tests exempt such windows on the GPU the same way).
 
 Block sizes: 128 x 64 x 32 (M x N x K) on 8 warps, 2 stages, 1056 programs in all (8 per SM of an
 H100's 132, as a count of programs: at 70-172 registers a thread one to three fit on an SM at a
@@ -172,8 +174,9 @@ def _conv_stats_kernel(x_ptr, w_ptr, out_ptr, idx_ptr, pmean_ptr, pm2_ptr,
             dw = tap % KSIZE - PAD
             kk = (step % k_blocks) * BLOCK_K + ks
             kmask = kk < C_in
-            b = tl.load(w_ptr + (tap // KSIZE) * sw_h + (tap % KSIZE) * sw_w + kk[:, None] * sw_i + cols[None, :] * sw_o,
-                        mask=kmask[:, None] & cmask[None, :], other=0.0)
+            b_tap = w_ptr + (tap // KSIZE) * sw_h + (tap % KSIZE) * sw_w
+            b = tl.load(b_tap + kk[:, None] * sw_i + cols[None, :] * sw_o, mask=kmask[:, None] & cmask[None, :],
+                        other=0.0)
             acc0 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh, dw, H, W, C_in, kk, kmask), b, acc0, IEEE)
             if POOL:
                 acc1 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh, dw + 1, H, W, C_in, kk, kmask), b, acc1, IEEE)
