@@ -252,8 +252,6 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
     run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
-    synchronize(ctx.device)
-    result.setup_time = time.perf_counter() - set_up
     total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
     for epoch in range(start_epoch, len(lengths)):
         epoch_steps = lengths[epoch]
@@ -262,6 +260,8 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
         train_step.reset()
         synchronize(ctx.device)
         t0 = time.perf_counter()
+        if epoch == start_epoch:  # the clock starts: what came before it is the run's set-up
+            result.setup_time = t0 - set_up
         run_parts.epoch_start(epoch)  # on the clock: epoch 0's data-dependent inits read training images
         batches = profiling.ranged(loader.first(epoch_steps), "data", push, pop)
         bar = f"run {run} epoch {epoch + 1}/{len(lengths)}"

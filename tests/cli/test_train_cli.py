@@ -191,6 +191,5 @@ def test_each_epoch_after_the_first_was_drawn_while_the_one_before_ran(learnable
     fastcifar.train(cfg)
     timed = [t for t in taken if t[1] < 10**6]  # not the warm-up's batch (an epoch index training never uses)
     assert timed == [(4, 0, False), (4, 1, True), (4, 2, True)]
-    # the set-up's end (its time, RunResult.setup_time), then each epoch between two synchronizes
-    # (its clock): the next one's draws inside it, not after
-    assert events == ["sync", "sync", 1, "sync", "sync", 2, "sync", "sync", "sync"]
+    # each epoch runs between two synchronizes (its clock): the next one's draws inside it, not after
+    assert events == ["sync", 1, "sync", "sync", 2, "sync", "sync", "sync"]

@@ -79,6 +79,8 @@ def shared_store(monkeypatch):
         return f"test/{counters.n}/{name}"
     monkeypatch.setattr(distributed, "_store", lambda: store)
     monkeypatch.setattr(distributed, "_store_key", key)
+    # a fresh process's state: an earlier in-process run may have left this thread's data step done
+    monkeypatch.setattr(distributed._data_step, "done", False)
     return store
 
 
