@@ -199,6 +199,22 @@ def timed(bodies, graphs: bool):
         return {}, launch, "graph", f"CUDA graph capture: {_error(e)}"
 
 
+def direction_rows(base: dict, fn, x, dy, params, graphs: bool, figures) -> list[dict]:
+    """One row per direction (fwd, bwd, both) of ``fn`` on ``x`` (``timed``): ``base``, the timing
+    cells, and ``figures(direction, median_ms)``'s cells (rates, checks; an "error" cell among them
+    marks the row failed). A path that fails is one row with its error, not the end of the bench."""
+    try:
+        timings, launch, timing, error = timed(direction_bodies(fn, x, dy, [x, *params]), graphs)
+    except Exception as e:
+        return [{**base, "error": _error(e)}]
+    rows = []
+    for direction in launch:
+        row = {**base, "dir": direction, **_timing_cells(timings.get(direction), launch[direction], timing)}
+        t = timings.get(direction)
+        rows.append({**row, "error": error} if t is None else {**row, **figures(direction, t["median_ms"])})
+    return rows
+
+
 def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e)[:120]}"
 
@@ -221,25 +237,15 @@ def bench_blocks(device, blocks, compile_ref, copy_gbs, graphs, record=None):
         dy = torch.randn(n, c, oh, oh, device=device).half().contiguous(memory_format=CL)
         minimal, tri_bytes = traffic_bytes(n, c, hw, hw, pool)
         for name, (fn, params) in block_impls(c, act, pool, device, compile_ref).items():
-            base = {"batch": n, "block": block, "impl": name}
-            try:
-                timings, launch, timing, error = timed(direction_bodies(fn, x, dy, [x, *params]), graphs)
-            except Exception as e:  # a baseline that fails is reported, not fatal
-                rows.append({**base, "error": _error(e)})
-                continue
-            for direction in launch:
-                row = {**base, "dir": direction, **_timing_cells(timings.get(direction), launch[direction], timing)}
-                t = timings.get(direction)
-                if t is None:
-                    rows.append({**row, "error": error})
-                    continue
-                gbs = minimal[direction] / (t["median_ms"] * 1e-3) / 1e9
-                row.update({"GB/s (min bytes)": round(gbs, 1), "% copy": round(100 * gbs / copy_gbs, 1)})
+
+            def figures(direction, ms, name=name):
+                gbs = minimal[direction] / (ms * 1e-3) / 1e9
+                cells = {"GB/s (min bytes)": round(gbs, 1), "% copy": round(100 * gbs / copy_gbs, 1)}
                 if name == "triton":
-                    own = tri_bytes[direction] / (t["median_ms"] * 1e-3) / 1e9
-                    row["GB/s (own bytes)"] = round(own, 1)
-                    row["% copy (own)"] = round(100 * own / copy_gbs, 1)
-                rows.append(row)
+                    own = tri_bytes[direction] / (ms * 1e-3) / 1e9
+                    cells.update({"GB/s (own bytes)": round(own, 1), "% copy (own)": round(100 * own / copy_gbs, 1)})
+                return cells
+            rows += direction_rows({"batch": n, "block": block, "impl": name}, fn, x, dy, params, graphs, figures)
         print(f"{block}: {len(rows) - first} rows", flush=True)
         if record is not None:
             record(rows[first:])

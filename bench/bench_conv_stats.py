@@ -36,7 +36,7 @@ SMOKE = smoke_mode()
 import torch  # noqa: E402
 
 from bench import kernel_registers  # noqa: E402
-from bench.bench_bn_act_pool import _error, _timing_cells, direction_bodies, timed  # noqa: E402
+from bench.bench_bn_act_pool import direction_rows  # noqa: E402
 from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
                           matmul_tflops, print_header, require_cuda)
 from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
@@ -92,25 +92,16 @@ def bench_convs(device, convs, tflops, graphs, record=None):
             bound = DIFF_TOL * max(1.0, reference.abs().max().item())
         flops = conv_flops(n, c_in, c_out, side)
         for name, (block, params) in blocks.items():
-            base = {"batch": n, "conv": conv, "impl": name}
-            try:
-                timings, launch, timing, error = timed(direction_bodies(block, x, dy, [x, *params]), graphs)
-            except Exception as e:  # a path that fails is reported, not fatal
-                rows.append({**base, "error": _error(e)})
-                continue
-            for direction in launch:
-                row = {**base, "dir": direction, **_timing_cells(timings.get(direction), launch[direction], timing)}
-                t = timings.get(direction)
-                if t is None:
-                    rows.append({**row, "error": error})
-                    continue
-                rate = DIRECTION_FLOPS[direction] * flops / (t["median_ms"] * 1e-3) / 1e12
-                row.update({"TFLOP/s": round(rate, 1), "% matmul": round(100 * rate / tflops, 1)})
+
+            def figures(direction, ms, name=name):
+                rate = DIRECTION_FLOPS[direction] * flops / (ms * 1e-3) / 1e12
+                cells = {"TFLOP/s": round(rate, 1), "% matmul": round(100 * rate / tflops, 1)}
                 if name == "fused" and direction == "fwd":
-                    row["max |fused - cudnn+triton|"] = diff
+                    cells["max |fused - cudnn+triton|"] = diff
                     if not diff <= bound:  # a wrong kernel fails the stage, not just a slow one
-                        row["error"] = f"fused output off by {diff:.3g} > {bound:.3g}"
-                rows.append(row)
+                        cells["error"] = f"fused output off by {diff:.3g} > {bound:.3g}"
+                return cells
+            rows += direction_rows({"batch": n, "conv": conv, "impl": name}, block, x, dy, params, graphs, figures)
         print(f"{conv}: {len(rows) - first} rows", flush=True)
         if record is not None:
             record(rows[first:])

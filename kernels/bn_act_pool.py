@@ -483,8 +483,7 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
     In training mode it updates running_mean/running_var in place (momentum as F.batch_norm's)."""
     _check_args(act, pool)
     check_activation(x)
-    n, c, h, w = x.shape
-    _check_block_vectors(weight, bias, running_mean, running_var, c, x.device)
+    n, c, h, w = x.shape  # weight, bias and the running statistics: checked by normalize_partials
     if pool is not None and (h < 2 or w < 2):
         raise ValueError(f"2x2 max-pool needs maps of at least 2x2, got {h}x{w}")
     ho, wo = (h // 2, w // 2) if pool else (h, w)
