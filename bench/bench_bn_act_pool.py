@@ -45,8 +45,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import (append_results, compile_static, copy_bandwidth_gbs, environment,  # noqa: E402
-                          markdown_table, print_header, require_cuda, time_ms)
+from bench.common import (add_index_argument, append_results, compile_static, copy_bandwidth_gbs,  # noqa: E402
+                          environment, markdown_table, print_header, require_cuda, time_ms)
 from fastcifar.run.graphs import capture  # noqa: E402
 from fastcifar.ops.norm_act_pool import NormActPool  # noqa: E402
 from fastcifar.models.resnet9 import ResNet9
@@ -284,17 +284,10 @@ def bench_model(device, batches, widths, compile_model, graphs):
     return rows
 
 
-def block_index(text: str) -> int:
-    """An index into ``BLOCKS`` (bench/kernel_registers.py's PRESET_BLOCKS), for --blocks here and in the sweep."""
-    i = int(text)
-    if not 0 <= i < len(BLOCKS):
-        raise argparse.ArgumentTypeError(f"indices 0..{len(BLOCKS) - 1}, not {i}")
-    return i
-
-
 def add_blocks_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--blocks", type=block_index, nargs="+", default=list(range(len(BLOCKS))),
-                   help="indices into bench/kernel_registers.py's PRESET_BLOCKS (default: all)")
+    """--blocks: indices into ``BLOCKS``, here and in the sweep."""
+    add_index_argument(p, "--blocks", len(BLOCKS),
+                       "indices into bench/kernel_registers.py's PRESET_BLOCKS (default: all)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

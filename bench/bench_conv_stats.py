@@ -37,8 +37,8 @@ import torch  # noqa: E402
 
 from bench import kernel_registers  # noqa: E402
 from bench.bench_bn_act_pool import direction_rows  # noqa: E402
-from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
-                          matmul_tflops, print_header, require_cuda)
+from bench.common import (add_index_argument, append_results, copy_bandwidth_gbs, environment,  # noqa: E402
+                          markdown_table, matmul_tflops, print_header, require_cuda)
 from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
 from fastcifar.kernels.conv_stats import TritonConvBlock  # noqa: E402
 from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool  # noqa: E402
@@ -108,17 +108,10 @@ def bench_convs(device, convs, tflops, graphs, record=None):
     return rows
 
 
-def conv_index(text: str) -> int:
-    i = int(text)
-    if not 0 <= i < len(CONVS):
-        raise argparse.ArgumentTypeError(f"indices 0..{len(CONVS) - 1}, not {i}")
-    return i
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--convs", type=conv_index, nargs="+", default=list(range(len(CONVS))),
-                   help="indices into bench/kernel_registers.py's DEFAULT_CONVS (default: all)")
+    add_index_argument(p, "--convs", len(CONVS),
+                       "indices into bench/kernel_registers.py's DEFAULT_CONVS (default: all)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
     args = p.parse_args(argv)
     if not SMOKE:

@@ -10,6 +10,7 @@ Triton interpreter, timed with perf_counter, writing nothing: it checks the scri
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -141,6 +142,17 @@ def run_trainer(args: Sequence[str], out: Path, ranks: int = 1, name: str = "ben
         sys.exit(f"{name}: a run failed ({' '.join(map(str, args))}):\n{proc.stderr[-2000:]}")
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     return run_dir
+
+
+def add_index_argument(p: argparse.ArgumentParser, flag: str, count: int, help: str) -> None:
+    """``flag``: one or more indices into a list of ``count`` shapes (default: all of them); an index
+    out of range is refused by argparse with "indices 0..count-1, not I"."""
+    def index(text: str) -> int:
+        i = int(text)
+        if not 0 <= i < count:
+            raise argparse.ArgumentTypeError(f"indices 0..{count - 1}, not {i}")
+        return i
+    p.add_argument(flag, type=index, nargs="+", default=list(range(count)), help=help)
 
 
 def markdown_table(rows: List[Dict[str, object]], columns: Sequence[str]) -> str:

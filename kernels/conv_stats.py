@@ -72,8 +72,8 @@ import triton
 import triton.language as tl
 
 from fastcifar.ops.norm_act_pool import ConvBlock
-from .bn_act_pool import (Partials, _argmax4, _empty, bn_act_pool_backward, bn_act_pool_reference,
-                          normalize_partials)
+from .bn_act_pool import (Partials, TritonNormActPool, _argmax4, _empty, bn_act_pool_backward,
+                          bn_act_pool_reference, normalize_partials)
 from .checks import check_activation
 
 
@@ -233,15 +233,25 @@ def launch_for(dtype: torch.dtype) -> ConvLaunch:
     return LAUNCH_FP32 if dtype == torch.float32 else LAUNCH
 
 
-def conv_tiling(c_in: int, c_out: int, rows: int, pool: bool, launch: ConvLaunch):
-    """(block_n, block_k, channel blocks, M tiles, tiles per program, chunks) of a launch."""
+class ConvTiling(NamedTuple):
+    block_n: int
+    block_k: int
+    n_blocks: int  # channel blocks
+    num_tiles: int  # M tiles
+    tiles_per_prog: int
+    chunks: int  # programs per channel block, one statistics partial each
+    rows_per_prog: int  # output rows a chunk covers (``Partials.rows_per_prog``)
+
+
+def conv_tiling(c_in: int, c_out: int, rows: int, pool: bool, launch: ConvLaunch) -> ConvTiling:
     block_n = max(DOT_MIN, min(launch.block_n, triton.next_power_of_2(c_out)))
     block_k = max(DOT_MIN, min(launch.block_k, triton.next_power_of_2(c_in)))
     n_blocks = triton.cdiv(c_out, block_n)
     tile_rows = launch.block_m // 4 if pool else launch.block_m
     num_tiles = triton.cdiv(rows, tile_rows)
     tiles_per_prog = triton.cdiv(num_tiles, max(1, launch.programs // n_blocks))
-    return block_n, block_k, n_blocks, num_tiles, tiles_per_prog, triton.cdiv(num_tiles, tiles_per_prog)
+    return ConvTiling(block_n, block_k, n_blocks, num_tiles, tiles_per_prog, triton.cdiv(num_tiles, tiles_per_prog),
+                      tiles_per_prog * tile_rows)
 
 
 def conv_stats_forward(x: torch.Tensor, weight: torch.Tensor, training: bool, pool: Optional[str] = None):
@@ -264,20 +274,19 @@ def conv_stats_forward(x: torch.Tensor, weight: torch.Tensor, training: bool, po
     if training and rows < 2:
         raise ValueError(f"expected more than 1 value per channel when training, got input of shape {tuple(x.shape)}")
     launch = launch_for(x.dtype)
-    block_n, block_k, n_blocks, num_tiles, tiles_per_prog, chunks = conv_tiling(c_in, c_out, rows, pooled, launch)
+    tiling = conv_tiling(c_in, c_out, rows, pooled, launch)
     dev = x.device
     out = _empty((n, c_out, ho, wo), x.dtype, dev, channels_last=True)
     idx = _empty((n, c_out, ho, wo), torch.int8, dev, channels_last=True) if pooled else None
     partials = None
     if training:
-        tile_rows = launch.block_m // 4 if pooled else launch.block_m
-        partials = Partials(_empty((chunks, c_out), torch.float32, dev), _empty((chunks, c_out), torch.float32, dev),
-                            tiles_per_prog * tile_rows)
-    _conv_stats_kernel[(n_blocks, chunks)](
+        partials = Partials(_empty((tiling.chunks, c_out), torch.float32, dev),
+                            _empty((tiling.chunks, c_out), torch.float32, dev), tiling.rows_per_prog)
+    _conv_stats_kernel[(tiling.n_blocks, tiling.chunks)](
         x, weight, out, idx if pooled else out, partials.pmean if training else out,
-        partials.pm2 if training else out, h, w, c_in, c_out, ho, wo, rows, num_tiles, tiles_per_prog,
+        partials.pm2 if training else out, h, w, c_in, c_out, ho, wo, rows, tiling.num_tiles, tiling.tiles_per_prog,
         *weight.stride(), KSIZE=k, POOL=pooled, STATS=training, IEEE=x.dtype == torch.float32,
-        BLOCK_M=launch.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=launch.warps,
+        BLOCK_M=launch.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=launch.warps,
         num_stages=launch.stages)
     return out, idx, partials
 
@@ -329,8 +338,6 @@ def fusable(block: torch.nn.Module) -> bool:
     ungrouped, undilated, bias-free conv, and the Triton normalize block, whose kernels the fused
     block runs (not the plain-torch one, not one with statistics per emulated rank, not the custom
     op of --compile)."""
-    from .bn_act_pool import TritonNormActPool
-
     if not isinstance(block, ConvBlock):
         return False
     conv = block.conv
