@@ -28,11 +28,14 @@ kill.json); one row per check appended to ``--jsonl``. The race's report is scri
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import re
 import statistics
 import sys
 from pathlib import Path
+
+from race import BAR, data_name, summarize, write_report  # scripts/race.py, beside this script
 
 
 def load_runs(root: Path) -> dict[str, list[dict]]:
@@ -104,9 +107,6 @@ def emulated(roots: list[Path], data: Path | None = None, call: str = "", commit
     """(table lines, jsonl rows, problems): one set per (preset, emulated ranks) found under the
     folders. The device, versions and data come from the runs' own summary.json (what ran them);
     the times are one device running every rank's share, not an N-GPU time."""
-    import datetime as dt
-
-    from race import BAR, data_name, summarize
     sets: dict[tuple[str, int], list[dict]] = {}
     docs: dict[tuple[str, int], dict] = {}
     for root in roots:
@@ -183,8 +183,6 @@ def largest_gap(losses: list[float], reference: list[float]) -> float | None:
 def nccl2(root: Path, log: Path | None, kill: Path | None, call: str = "", commit: str = "",
           today: str | None = None) -> tuple[list[str], list[dict], list[str]]:
     """(table lines, jsonl rows, problems) of gpu_visit.sh nccl2: two NCCL ranks on one GPU."""
-    import datetime as dt
-
     runs = load_runs(root)
     log_text = log.read_text(errors="replace") if log is not None and log.is_file() else ""
     first = {name: results[0] for name, results in runs.items() if results}
@@ -272,7 +270,6 @@ def main(argv=None) -> int:
         lines, rows, problems = emulated(args.roots, args.data, args.call, args.commit)
     else:
         lines, rows, problems = nccl2(args.roots[0], args.log, args.kill, args.call, args.commit)
-    from race import write_report
     write_report(lines, problems, rows, args.out, args.jsonl)
     return 1 if problems else 0
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli import ROOT, SHORT, run_dirs, run_train, summary_of
+from cli import ROOT, SHORT, free_port, run_dirs, run_train, summary_of
 from comm_worker import TINY16, SmallNet, make_model, reference_params
 from conftest import one_line_error
 from fastcifar.dist.comm import GradBuckets, plan_buckets
@@ -123,12 +122,6 @@ def test_buckets_launch_in_bucket_order_even_when_completed_out_of_order():
 
 # ---------------------------------------------------------------------------------------------
 # Two gloo ranks against one process.
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def rank_env(rank: int, port: int, world_size: int = 2) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",

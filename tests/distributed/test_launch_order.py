@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from cli import ROOT, SHORT, env, run_dirs, summary_of
+from cli import ROOT, SHORT, env, free_port, run_dirs, summary_of
 from conftest import tar_folder, write_image_folder, write_official
 from fastcifar.core.errors import DataError
 from fastcifar.data import load_dataset
@@ -255,13 +255,6 @@ def test_a_rank_that_does_not_write_reads_the_cache_and_never_makes_one(tmp_path
 # Two nodes on this machine: two torchrun launchers with c10d rendezvous, against one launcher.
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "fetch_worker.py"
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(torchrun: list[str], data: Path, out: Path, fetch_log: Path, archive: Path) -> subprocess.Popen:

@@ -189,12 +189,12 @@ def kill_json(folder, ok=True):
     return folder / "kill.json"
 
 
-def nccl2_report(tmp_path, runs, log_text, kill, *extra):
+def nccl2_report(tmp_path, runs, log_text, kill):
     log = tmp_path / "nccl2-ranks.log"
     log.write_text(log_text)
     jsonl = tmp_path / "multi_gpu.jsonl"
     proc = report("nccl2", runs, "--log", log, "--kill", kill, "--jsonl", jsonl, "--call", "visit 10",
-                  "--commit", "abc1234", *extra)
+                  "--commit", "abc1234")
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
     return proc, rows
 
@@ -254,6 +254,8 @@ def test_report_records_nccls_refusal_when_two_ranks_on_one_gpu_are_refused(tmp_
     assert rows[0]["ok"] is False and rows[0]["message"] == line and rows[0]["device"] == "NVIDIA H100 80GB HBM3"
     # another NCCL failure: its first warning or error line; none: the report says NCCL was silent
     proc, rows = nccl2_report(tmp_path, runs, refused.splitlines()[0], kill_json(tmp_path / "kill"))
+    assert proc.returncode == 1 and rows[-2]["ok"] is False
     assert rows[-2]["message"].startswith("NCCL: [rank1]: torch.distributed.DistBackendError: NCCL error in:")
     proc, rows = nccl2_report(tmp_path, runs, "Traceback ...\n", kill_json(tmp_path / "kill"))
+    assert proc.returncode == 1 and rows[-2]["ok"] is False
     assert "left no summary.json and NCCL said nothing (see nccl2-ranks.log)" in rows[-2]["message"]

@@ -75,6 +75,14 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str, rt
         )
 
 
+def pool_windows(t: torch.Tensor) -> torch.Tensor:
+    """(N, C, H//2, W//2, 4): each 2x2 max-pool window's values (floor mode), row-major in the window
+    as the kernels' int8 argmax counts them."""
+    n, c, h, w = t.shape
+    ho, wo = h // 2, w // 2
+    return t[:, :, :2 * ho, :2 * wo].reshape(n, c, ho, 2, wo, 2).permute(0, 1, 2, 4, 3, 5).reshape(n, c, ho, wo, 4)
+
+
 def near_tie_windows(a: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask over ``a`` (N, C, H, W): the elements of every 2x2 max-pool window whose two
     largest values are equal or at most one step of ``a``'s dtype apart, unless the largest is 0
@@ -98,18 +106,14 @@ def near_tie_windows(a: torch.Tensor, pre: torch.Tensor | None = None) -> torch.
     """
     n, c, h, w = a.shape
     ho, wo = h // 2, w // 2
-
-    def windows(t):
-        return t[:, :, :2 * ho, :2 * wo].reshape(n, c, ho, 2, wo, 2).permute(0, 1, 2, 4, 3, 5).reshape(n, c, ho, wo, 4)
-
-    top = windows(a).float().topk(2, dim=-1).values
+    top = pool_windows(a).float().topk(2, dim=-1).values
     finfo = torch.finfo(a.dtype)
     _, exponent = torch.frexp(top[..., 0])
     step = torch.clamp(torch.ldexp(torch.full_like(top[..., 0], finfo.eps), exponent - 1),
                        min=finfo.tiny * finfo.eps)  # one unit in the last place of the largest
     near = ((top[..., 0] - top[..., 1]) <= step) & (top[..., 0] != 0)
     if pre is not None:
-        near |= windows(pre).float().amax(dim=-1).abs() <= finfo.tiny
+        near |= pool_windows(pre).float().amax(dim=-1).abs() <= finfo.tiny
     mask = torch.zeros(a.shape, dtype=torch.bool, device=a.device)
     mask[:, :, :2 * ho, :2 * wo] = near[:, :, :, None, :, None].expand(n, c, ho, 2, wo, 2).reshape(n, c, 2 * ho, 2 * wo)
     return mask

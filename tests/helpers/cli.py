@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,13 @@ SHORT = ["--preset", "resnet9", "--device", "cpu", "--widths", "8,16,32,64", "--
 FAST_SHORT = ["--preset", "fast", "--device", "cpu", "--widths", "16,32,32", "--batch-size", "100", "--epochs", "4",
               "--warmup-epochs", "1", "--warmup-steps", "1", "--eval-batch-size", "200", "--whiten-images", "200",
               "--whiten-bias-epochs", "2"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: MASTER_PORT for ranks started by hand or a c10d rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def env() -> dict:
