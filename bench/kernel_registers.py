@@ -103,10 +103,11 @@ def cutout_call(batch, channels, side, size, dtype) -> Callable[[], None]:
 def calls(which: str) -> list[Callable[[], None]]:
     """``ci``: one of each kind the presets launch (fp16 on the GPU: `fast`'s GELU with pool before BN,
     training and evaluation; `resnet9`'s ReLU with pool after; the augmentation and cutout; the
-    fused conv pooled and not) and an odd fp32 shape with CELU, about 25 compiles per arch;
-    ``presets``: every block of the `fast`, `resnet9` and default (`fast-muon320`) presets in fp16,
-    training and evaluation, with the augmentation, cutout and the default's fused convs; ``full``: every dtype x activation x pool x mode over the presets' and
-    odd shapes, every augmentation and cutout dtype."""
+    fused conv pooled and not, also in fp32 and bf16) and an odd fp32 shape with CELU, about 25
+    compiles per arch; ``presets``: every block of the `fast`, `resnet9` and default
+    (`fast-muon320`) presets in fp16, training and evaluation, with the augmentation, cutout and the
+    default's fused convs; ``full``: every dtype x activation x pool x mode over the presets' and
+    odd shapes, every augmentation and cutout dtype, the fused convs at the default's and odd shapes."""
     out = []
     if which == "ci":
         fp16 = torch.float16
