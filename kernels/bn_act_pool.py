@@ -526,11 +526,6 @@ class Partials(NamedTuple):
     rows_per_prog: int
 
 
-def _check_block_vectors(weight, bias, running_mean, running_var, c: int, device) -> None:
-    for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
-        _check_channel_vector(t, name, c, device)
-
-
 def normalize_partials(src, idx, partials: Optional[Partials], x_shape, weight, bias, running_mean, running_var,
                        momentum: float, eps: float, act: str = "relu", pool: Optional[str] = None):
     """Stage 2 and the apply, from stage 1's ``partials`` (training) or the running statistics
@@ -546,7 +541,8 @@ def normalize_partials(src, idx, partials: Optional[Partials], x_shape, weight, 
         raise ValueError(f"src must have shape {expected} for pool={pool!r} on input {tuple(x_shape)}, "
                          f"got {tuple(src.shape)}")
     dev = src.device
-    _check_block_vectors(weight, bias, running_mean, running_var, c, dev)
+    for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
+        _check_channel_vector(t, name, c, dev)
     block_r, pblock_r, block_c, c_blocks, warps, _ = _tiling(c, pool)
     bn_rows = src.numel() // c
     mean = _empty((c,), torch.float32, dev)
