@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
+from fastcifar.core.config import PRESETS, recipe_flags  # noqa: E402
 from fastcifar.core.stats import p_above  # noqa: E402
 
 BAR = 94.0  # % official test accuracy, the record scripts' bar
@@ -127,13 +128,15 @@ def parse_peer_log(text: str) -> list[tuple[float, float]]:
 
 
 def fastcifar_runs(root: Path) -> dict[str, list[dict]]:
-    """{preset: [result dicts]} from every summary.json under ``root``; a run with ``--fused-conv``
-    counts as "PRESET --fused-conv", its own contender (gpu_visit.sh conv races the two)."""
+    """{contender: [result dicts]} from every summary.json under ``root``. A contender is a preset
+    and the flags that made its recipe differ from the preset's ("fast-muon320 --epochs 7",
+    "fast-muon320 --fused-conv"): gpu_visit.sh's conv and screen stages race variants of one preset."""
     found: dict[str, list[dict]] = {}
     for path in sorted(root.glob("**/summary.json")):
         doc = json.loads(path.read_text())
         config = doc.get("config", {})
-        name = config.get("preset", "?") + (" --fused-conv" if config.get("fused_conv") else "")
+        preset = config.get("preset", "?")
+        name = " ".join([preset, *(recipe_flags(config) if preset in PRESETS else [])])
         for result in doc.get("results", []):
             found.setdefault(name, []).append(result)
     return found
@@ -252,27 +255,45 @@ def report(work: Path, fastcifar: Path, data: Path, bar: float = BAR, call: str 
         return s
 
     peer_means = {name: statistics.fmean(t for _, t in runs) for name, runs in peers.items()}
-    mine = {}  # {preset: {peer: fastcifar's mean time counted as that peer counts}}
-    for preset, results in sorted(contenders.items()):
+    mine = {}  # {contender: {peer: fastcifar's mean time counted as that peer counts}}
+    plain = {}  # {preset: its summary}, for the variants of it raced beside it
+    variants = []
+    # sorted, a preset comes before its variants ("fast-muon320" < "fast-muon320 --epochs 7")
+    for contender, results in sorted(contenders.items()):
         accs = [r["test_acc"] for r in results]
         own = [r["train_time"] for r in results]
-        mine[preset] = {peer: statistics.fmean(COUNTED_AS[peer](r) for r in results) for peer in peers}
+        times = [with_final_evaluation(r) for r in results]
+        mine[contender] = {peer: statistics.fmean(COUNTED_AS[peer](r) for r in results) for peer in peers}
         # set-up before the clock (summaries before 2026-11-26 lack it): the first run's is the one a
         # user waits for (Triton's compiles, cuDNN's search), the later ones' find them done
         setup = [r["setup_time"] for r in sorted(results, key=lambda r: r["run"]) if "setup_time" in r]
-        add(f"fastcifar:{preset}", accs, [with_final_evaluation(r) for r in results], COUNTED_CLOCK,
-            train_clock_mean_s=statistics.fmean(own), train_clock_max_s=max(own), train_clock=FASTCIFAR_CLOCK,
-            setup_first_s=setup[0] if setup else None, setup_mean_s=statistics.fmean(setup) if setup else None)
+        preset = contender.split(" ")[0]
+        against = {}
+        if contender != preset and preset in plain:  # a variant: what it gains and costs beside its preset
+            base = plain[preset]
+            against = {"variant_of": f"fastcifar:{preset}",
+                       "time_ratio_to_preset": statistics.fmean(times) / base["time_mean_s"],
+                       "acc_diff_to_preset": statistics.fmean(accs) - base["acc_mean"]}
+            variants.append((contender, against))
+        s = add(f"fastcifar:{contender}", accs, times, COUNTED_CLOCK,
+                train_clock_mean_s=statistics.fmean(own), train_clock_max_s=max(own), train_clock=FASTCIFAR_CLOCK,
+                setup_first_s=setup[0] if setup else None, setup_mean_s=statistics.fmean(setup) if setup else None,
+                **against)
+        if contender == preset:
+            plain[preset] = s
     for peer in PEERS:
         if peer.name not in peers:
             continue
         accs, times = zip(*peers[peer.name])
         ratios = {f"ratio_fastcifar_{p}": m[peer.name] / peer_means[peer.name] for p, m in mine.items()}
         add(f"{peer.name}@{peer.commit[:7]}", list(accs), list(times), peer.clock, **ratios)
-    for preset, means in mine.items():
+    for contender, means in mine.items():
         for name, mean in means.items():
-            lines.append(f"\nfastcifar:{preset} / {name}: {mean:.3f} / {peer_means[name]:.3f} s = "
+            lines.append(f"\nfastcifar:{contender} / {name}: {mean:.3f} / {peer_means[name]:.3f} s = "
                          f"**{mean / peer_means[name]:.3f}** (counted as {name} counts)")
+    for contender, against in variants:
+        lines.append(f"\nfastcifar:{contender} beside {against['variant_of']}: time x{against['time_ratio_to_preset']:.3f}, "
+                     f"accuracy {against['acc_diff_to_preset']:+.2f} points")
     lines.append(f"\nclocks: fastcifar {COUNTED_CLOCK} (own train clock in the jsonl's train_clock_mean_s); "
                  + "; ".join(f"{p.name}: {p.clock}" for p in PEERS if p.name in peers))
     return lines, rows, problems

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import numbers
 import sys
@@ -679,6 +680,40 @@ def parse_command_line(argv: list[str] | None = None,
         action.default = argparse.SUPPRESS
     given = vars(quiet.parse_args(argv))
     return cfg, {k: (getattr(cfg, k) if k != "preset" else preset) for k in given}
+
+
+RECIPE_FREE_FIELDS = ("seed", "runs")  # which seeds, and how many: the same recipe either way
+
+
+def recipe_flags(config: dict) -> list[str]:
+    """The command-line flags that turn the preset ``config`` names into ``config`` (a config as
+    plain data, as summary.json holds it), over the fields that shape the recipe, in field order:
+    ``["--widths 64,288,288", "--epochs 7"]``. A report names a variant of a preset by them. A field
+    missing from ``config`` counts as the preset's; a changed ``epochs`` scales the preset's warm-up,
+    as on the command line, so only a warm-up given besides it is named."""
+    plain = from_preset(config.get("preset", DEFAULT_PRESET))
+    scaled = from_preset(plain.preset, epochs=config.get("epochs", plain.epochs))
+
+    def as_data(value):  # tuples and lists alike, as JSON holds them
+        return json.loads(json.dumps(value))
+
+    flags = []
+    for f in fields(Config):
+        name = f.name
+        if name not in config or name == "preset" or name in TRAJECTORY_FREE_FIELDS + RECIPE_FREE_FIELDS:
+            continue
+        value = as_data(config[name])
+        if value == as_data(getattr(plain if name == "epochs" else scaled, name)):
+            continue
+        if isinstance(value, bool):
+            flags.append(f"--{_flag(name)}" if value else f"--no-{_flag(name)}")
+        elif isinstance(value, list):
+            flags.append(f"--{_flag(name)} {','.join(map(str, value))}")
+        elif isinstance(value, float):
+            flags.append(f"--{_flag(name)} {value:.6g}")
+        else:
+            flags.append(f"--{_flag(name)} {value}")
+    return flags
 
 
 def check_run_length(cfg: Config, steps_per_epoch: int, images: int, world_size: int) -> None:

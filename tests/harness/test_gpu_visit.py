@@ -21,7 +21,7 @@ from fastcifar.run.report import EpochRecord, RunResult
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_visit.sh"
 STAGES = [["check"], ["engines"], ["bench"], ["kernels"], ["accuracy", "resnet9", "3"], ["dali"], ["race"],
-          ["emulated", DEFAULT_PRESET, "8"], ["nccl2"], ["conv"]]
+          ["emulated", DEFAULT_PRESET, "8"], ["nccl2"], ["conv"], ["screen"]]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 
 
@@ -235,6 +235,56 @@ def test_conv_stage_sets_the_fused_conv_beside_cudnn_in_one_call(tmp_path):
     assert limits["conv-table"] == 40
     proc, _ = visit(tmp_path, "conv", DATA=str(tmp_path / "missing"))
     assert proc.returncode == 1 and "conv needs real data" in proc.stdout
+
+
+def table_steps(out: Path, stage: str) -> list[str]:
+    return [line.split("|")[1].strip() for line in (out / f"{stage}-table.md").read_text().splitlines()
+            if line.startswith("| ") and "---" not in line][1:]
+
+
+def test_screen_stage_runs_the_default_then_each_variant_and_reports_them_together(tmp_path):
+    """Issues 45 and 50: the default preset, then each variant in SCREEN (its flags added), 10 runs
+    each from seed 0, and the race's report over all of them into official.jsonl."""
+    proc, out = visit(tmp_path, "screen", SCREEN="--epochs 7;--widths 64,288,288 --epochs 7.5",
+                      SCREEN_CALL="visit 10", SCREEN_COMMIT="abc1234")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert table_steps(out, "screen") == [DEFAULT_PRESET, "v1-epochs-7", "v2-widths-64-288-288-epochs-7.5", "screen-table"]
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "fastcifar.train" in line]
+    assert runs[0].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 10 --quiet")
+    assert runs[1].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 10 --quiet --epochs 7")
+    assert runs[2].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 10 --quiet --widths 64,288,288 --epochs 7.5")
+    report = next(line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "race.py report" in line)
+    for part in ("--jsonl bench/results/official.jsonl", "--call visit 10", "--commit abc1234", "--fastcifar "):
+        assert part in report, report
+    # each variant is capped (10 runs: 8 s a run + 90 s), so a stuck one leaves the others their time
+    limits = {line.split(" (limit ")[0][4:]: int(line.split(" (limit ")[1].split("s)")[0])
+              for line in proc.stdout.splitlines() if line.startswith("=== ")}
+    assert limits["v1-epochs-7"] == 170 and limits["screen-table"] == 40
+    proc, out = visit(tmp_path, "screen", SCREEN="--epochs 7", SCREEN_RUNS="25")
+    assert "--epochs 7" in proc.stdout and "--runs 25" in proc.stdout
+    # SCREEN set but empty: the default alone; unset: the prepared variants, each valid
+    proc, out = visit(tmp_path, "screen", SCREEN="")
+    assert proc.returncode == 0 and table_steps(out, "screen") == [DEFAULT_PRESET, "screen-table"]
+    env = {k: v for k, v in os.environ.items() if k != "SCREEN"}
+    proc = subprocess.run(["bash", str(SCRIPT), "screen"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**env, "DRY_RUN": "1", "OUT": str(tmp_path / "out2"), "DATA": str(tmp_path / "cifar.tar.gz"),
+                               "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert len(table_steps(tmp_path / "out2", "screen")) >= 4
+
+
+@pytest.mark.parametrize("variants, message", [
+    ("--epochs 7;--widht 64", "variant '--widht 64' refused: unrecognized arguments: --widht 64"),
+    ("--epochs 0", "variant '--epochs 0' refused: --epochs must lie in (0, 1000], not 0"),
+])
+def test_screen_stage_refuses_a_bad_variant_before_any_run(tmp_path, variants, message):
+    proc, out = visit(tmp_path, "screen", SCREEN=variants)
+    assert proc.returncode == 1
+    assert table_steps(out, "screen") == ["screen-flags"]
+    assert message in (out / "screen-table.md").read_text()
+    assert "dry run:" not in proc.stdout  # no run started
+    proc, _ = visit(tmp_path, "screen", DATA=str(tmp_path / "missing"))
+    assert proc.returncode == 1 and "screen needs real data" in proc.stdout
 
 
 def test_bench_stage_times_the_default_presets_step_first(tmp_path):

@@ -180,6 +180,27 @@ def test_report_races_fused_conv_runs_as_their_own_contender(tmp_path):
     assert rows[1]["train_clock_mean_s"] == pytest.approx(1.30) and rows[1]["acc_mean"] == pytest.approx(94.2)
 
 
+def test_report_screens_variants_of_a_preset_beside_it(tmp_path):
+    """gpu_visit.sh screen: the default and variants of it, each named by the flags that made its
+    recipe differ, with its time ratio and accuracy difference to the default in its row."""
+    work = tmp_path / "work"
+    work.mkdir()
+    write_runs(work / "runs", "fast-muon320", [94.2, 94.4], train=1.40, folder_name="screen-0")
+    write_runs(work / "runs", "fast-muon320", [94.0, 94.2], train=1.19, folder_name="screen-1", epochs=7)
+    write_runs(work / "runs", "fast-muon320", [93.9, 94.1], train=1.26, folder_name="screen-2",
+               widths=[64, 288, 288], seed=5, runs=10, data="elsewhere")  # seed, run count, data: not the recipe
+    lines, rows, problems = race.report(work, work / "runs", official(tmp_path), env=ENV, today="2026-11-26")
+    assert problems == []
+    assert [r["trainer"] for r in rows] == ["fastcifar:fast-muon320", "fastcifar:fast-muon320 --epochs 7",
+                                            "fastcifar:fast-muon320 --widths 64,288,288"]
+    assert "variant_of" not in rows[0]
+    assert rows[1]["variant_of"] == "fastcifar:fast-muon320"
+    assert rows[1]["time_ratio_to_preset"] == pytest.approx(1.26 / 1.47)  # each with its final evaluation (0.07 s)
+    assert rows[1]["acc_diff_to_preset"] == pytest.approx(-0.2)
+    assert "fastcifar:fast-muon320 --widths 64,288,288 beside fastcifar:fast-muon320: time x0.905, accuracy -0.30 points" \
+        in "\n".join(lines)
+
+
 def test_report_without_fastcifar_runs_fails_but_files_the_public_scripts(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
