@@ -48,7 +48,9 @@
 # are parsed and validated before any run (in a dry run too). Reported as the race reports its
 # contenders, each variant named by its flags with its time ratio and accuracy difference to the
 # default (one row each in official.jsonl; SCREEN_CALL and SCREEN_COMMIT name the call and the
-# commit). Confirm a winner with SCREEN="ITS FLAGS" SCREEN_RUNS=25 before it becomes the default.
+# commit). The default runs once, first: a time ratio within about 3% needs confirming (visit 9
+# timed the same default 2.4% apart in two calls). Confirm a winner with SCREEN="ITS FLAGS"
+# SCREEN_RUNS=25 before it becomes the default.
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines, bench and nccl2 stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -319,16 +321,30 @@ screen)
   # shifted views of the final evaluation (0.07 s of a run)
   SCREEN_DEFAULT="--epochs 7;--widths 64,288,288;--epochs 7.5;--widths 64,256,256;--widths 64,288,288 --epochs 7.5;--widths 64,256,256 --epochs 9;--tta 1"
   IFS=';' read -ra variants <<<"${SCREEN-$SCREEN_DEFAULT}"
-  # a typo must not cost the visit: each variant parses and validates on the preset first
+  # a typo must not cost the visit: each variant parses and validates on the preset first, and must
+  # change the recipe, each its own way (a contender's runs are pooled by its recipe's name)
   if ! "$py" - "$preset" "${variants[@]}" >"$work/screen-flags.log" 2>&1 <<'PY'
-import contextlib, io, shlex, sys
-from fastcifar.core.config import ConfigError, parse_args, validate
+import contextlib, dataclasses, io, sys
+from fastcifar.core.config import ConfigError, parse_command_line, recipe_flags, validate
 preset, *variants = sys.argv[1:]
+seen = {}
 for flags in variants:
     said = io.StringIO()  # the parser's own one line, "fastcifar: error: ..."
     try:
-        with contextlib.redirect_stderr(said):
-            validate(parse_args(["--preset", preset, *shlex.split(flags)]))
+        with contextlib.redirect_stderr(said):  # split on blanks, as bash's read -ra splits it for the run
+            cfg, given = parse_command_line(["--preset", preset, *flags.split()])
+            validate(cfg)
+        # the stage sets these, and the report pools a contender's runs by its recipe
+        own = [k for k in given if k in ("seed", "runs", "data", "out_dir")]
+        own += ["preset"] * any(w == "--preset" or w.startswith("--preset=") for w in flags.split())
+        if own:
+            raise ConfigError(f"the stage sets --{own[0].replace('_', '-')} itself")
+        name = " ".join(recipe_flags(dataclasses.asdict(cfg)))
+        if not name:
+            raise ConfigError(f"it trains the {preset} recipe itself: its runs would join the default's")
+        if name in seen:
+            raise ConfigError(f"it trains the same recipe as {seen[name]!r}")
+        seen[name] = flags
     except (ConfigError, SystemExit) as e:
         why = e if isinstance(e, ConfigError) else said.getvalue().strip().removeprefix("fastcifar: error: ")
         sys.exit(f"screen: variant {flags!r} refused: {why}")

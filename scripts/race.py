@@ -270,10 +270,10 @@ def report(work: Path, fastcifar: Path, data: Path, bar: float = BAR, call: str 
         preset = contender.split(" ")[0]
         against = {}
         if contender != preset and preset in plain:  # a variant: what it gains and costs beside its preset
-            base = plain[preset]
+            ref = plain[preset]
             against = {"variant_of": f"fastcifar:{preset}",
-                       "time_ratio_to_preset": statistics.fmean(times) / base["time_mean_s"],
-                       "acc_diff_to_preset": statistics.fmean(accs) - base["acc_mean"]}
+                       "time_ratio_to_preset": statistics.fmean(times) / ref["time_mean_s"],
+                       "acc_diff_to_preset": statistics.fmean(accs) - ref["acc_mean"]}
             variants.append((contender, against))
         s = add(f"fastcifar:{contender}", accs, times, COUNTED_CLOCK,
                 train_clock_mean_s=statistics.fmean(own), train_clock_max_s=max(own), train_clock=FASTCIFAR_CLOCK,

@@ -709,8 +709,8 @@ def recipe_flags(config: dict) -> list[str]:
             flags.append(f"--{_flag(name)}" if value else f"--no-{_flag(name)}")
         elif isinstance(value, list):
             flags.append(f"--{_flag(name)} {','.join(map(str, value))}")
-        elif isinstance(value, float):
-            flags.append(f"--{_flag(name)} {value:.6g}")
+        elif isinstance(value, float):  # repr: the shortest text that gives the value back
+            flags.append(f"--{_flag(name)} {value!r}")
         else:
             flags.append(f"--{_flag(name)} {value}")
     return flags

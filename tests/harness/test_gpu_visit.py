@@ -276,6 +276,15 @@ def test_screen_stage_runs_the_default_then_each_variant_and_reports_them_togeth
 @pytest.mark.parametrize("variants, message", [
     ("--epochs 7;--widht 64", "variant '--widht 64' refused: unrecognized arguments: --widht 64"),
     ("--epochs 0", "variant '--epochs 0' refused: --epochs must lie in (0, 1000], not 0"),
+    # split as bash splits it for the run: quotes stay, and fail here rather than on the GPU
+    ('--widths "64,256,256"', """variant '--widths "64,256,256"' refused: argument --widths"""),
+    # a variant's runs are pooled by its recipe's name: one that is the default's, or another's, would mix
+    ("--epochs 7;;--tta 1", f"variant '' refused: it trains the {DEFAULT_PRESET} recipe itself"),
+    (f"--epochs {from_preset().epochs}",
+     f"variant '--epochs {from_preset().epochs}' refused: it trains the {DEFAULT_PRESET} recipe itself"),
+    ("--epochs 7;--epochs 7.0", "variant '--epochs 7.0' refused: it trains the same recipe as '--epochs 7'"),
+    ("--seed 5", "variant '--seed 5' refused: the stage sets --seed itself"),
+    ("--preset=fast", "variant '--preset=fast' refused: the stage sets --preset itself"),
 ])
 def test_screen_stage_refuses_a_bad_variant_before_any_run(tmp_path, variants, message):
     proc, out = visit(tmp_path, "screen", SCREEN=variants)

@@ -174,9 +174,13 @@ def test_report_races_fused_conv_runs_as_their_own_contender(tmp_path):
     work.mkdir()
     write_runs(work / "runs", "fast-muon320", [94.2, 94.3], train=1.40, folder_name="cudnn", fused_conv=False)
     write_runs(work / "runs", "fast-muon320", [94.1, 94.3], train=1.30, folder_name="fused", fused_conv=True)
-    lines, rows, problems = race.report(work, work / "runs", official(tmp_path), env=ENV, today="2026-11-26")
+    lines, rows, problems = race.report(work, work / "runs", official(tmp_path), call="visit 9", commit="abc1234",
+                                        env=ENV, today="2026-11-26")
     assert problems == []
     assert [r["trainer"] for r in rows] == ["fastcifar:fast-muon320", "fastcifar:fast-muon320 --fused-conv"]
+    for row in rows:  # every row says where it was measured, a variant's too
+        assert (row["call"], row["commit"], row["data"], row["device"], row["date"]) == (
+            "visit 9", "abc1234", "cifar10-official", ENV["device"], "2026-11-26"), row
     assert rows[1]["train_clock_mean_s"] == pytest.approx(1.30) and rows[1]["acc_mean"] == pytest.approx(94.2)
 
 
@@ -189,10 +193,15 @@ def test_report_screens_variants_of_a_preset_beside_it(tmp_path):
     write_runs(work / "runs", "fast-muon320", [94.0, 94.2], train=1.19, folder_name="screen-1", epochs=7)
     write_runs(work / "runs", "fast-muon320", [93.9, 94.1], train=1.26, folder_name="screen-2",
                widths=[64, 288, 288], seed=5, runs=10, data="elsewhere")  # seed, run count, data: not the recipe
-    lines, rows, problems = race.report(work, work / "runs", official(tmp_path), env=ENV, today="2026-11-26")
+    shutil.copy(LOGS / "airbench94.log", work / "airbench94.log")  # a peer's row after the variants
+    lines, rows, problems = race.report(work, work / "runs", official(tmp_path), call="visit 10", commit="abc1234",
+                                        env=ENV, today="2026-11-26")
     assert problems == []
     assert [r["trainer"] for r in rows] == ["fastcifar:fast-muon320", "fastcifar:fast-muon320 --epochs 7",
-                                            "fastcifar:fast-muon320 --widths 64,288,288"]
+                                            "fastcifar:fast-muon320 --widths 64,288,288", "airbench94@f1c599c"]
+    for row in rows:  # every row says where it was measured, after the variants too
+        assert (row["call"], row["commit"], row["data"], row["device"], row["date"]) == (
+            "visit 10", "abc1234", "cifar10-official", ENV["device"], "2026-11-26"), row
     assert "variant_of" not in rows[0]
     assert rows[1]["variant_of"] == "fastcifar:fast-muon320"
     assert rows[1]["time_ratio_to_preset"] == pytest.approx(1.26 / 1.47)  # each with its final evaluation (0.07 s)

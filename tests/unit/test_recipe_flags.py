@@ -43,7 +43,7 @@ def test_only_what_differs_from_the_preset_is_named():
     assert recipe_flags(as_summary(["--preset", "resnet9", "--epochs", "12"])) == ["--epochs 12"]
     # ... unless given besides it, other than the scaled value (2.5: the same recipe)
     assert recipe_flags(as_summary(["--preset", "resnet9", "--epochs", "12", "--warmup-epochs", "1"])) == [
-        "--epochs 12", "--warmup-epochs 1"]
+        "--epochs 12", "--warmup-epochs 1.0"]
     assert recipe_flags(as_summary(["--preset", "resnet9", "--epochs", "12", "--warmup-epochs", "2.5"])) == [
         "--epochs 12"]
     assert recipe_flags(as_summary(["--no-whiten-frozen", "--tta", "1"])) == ["--no-whiten-frozen", "--tta 1"]
@@ -52,3 +52,10 @@ def test_only_what_differs_from_the_preset_is_named():
 def test_a_partial_config_counts_missing_fields_as_the_presets():
     assert recipe_flags({"preset": "fast-muon320", "fused_conv": True}) == ["--fused-conv"]
     assert recipe_flags({"preset": "fast-muon320", "widths": from_preset("fast-muon320").widths}) == []
+
+
+def test_values_that_differ_get_names_that_differ():
+    """Two recipes pooled under one name would report one mean for both."""
+    a = recipe_flags(as_summary(["--lr", "27.1360001"]))
+    b = recipe_flags(as_summary(["--lr", "27.1360002"]))
+    assert a != b and a == ["--lr 27.1360001"]
