@@ -52,19 +52,21 @@ def resolve_tta(tta: int | None, cfg) -> int:
 
 @torch.no_grad()
 def logits_of(model: torch.nn.Module, images: np.ndarray, *, mean, std, tta: int, batch_size: int,
-              device="cpu") -> torch.Tensor:
+              device="cpu", tta_share: float = 1.0) -> torch.Tensor:
     """(N, classes) fp32 logits on the CPU of uint8 NHWC ``images``, batched, normalized and laid
-    out as the trainer's evaluation lays them out (channels-last, the model's dtype)."""
+    out as the trainer's evaluation lays them out (channels-last, the model's dtype); the TTA views
+    go to the ``tta_share`` of each batch least sure of its class, as in the trainer."""
     model.eval()
     batches = EvalSet(images, np.zeros(len(images), dtype=np.int64), batch_size,
                       dtype=next(model.parameters()).dtype, device=torch.device(device), mean=mean, std=std)
-    return torch.cat([tta_logits(model, x, tta).float().cpu() for x, _ in batches])
+    return torch.cat([tta_logits(model, x, tta, tta_share).float().cpu() for x, _ in batches])
 
 
 def evaluate_arrays(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, classes, *, mean, std,
-                    tta: int, batch_size: int = 1000, device="cpu") -> Evaluation:
+                    tta: int, batch_size: int = 1000, device="cpu", tta_share: float = 1.0) -> Evaluation:
     """Accuracy of ``model`` on uint8 NHWC ``images`` with integer ``labels``."""
-    logits = logits_of(model, images, mean=mean, std=std, tta=tta, batch_size=batch_size, device=device)
+    logits = logits_of(model, images, mean=mean, std=std, tta=tta, batch_size=batch_size, device=device,
+                       tta_share=tta_share)
     loss = F.cross_entropy(logits, torch.from_numpy(labels).long(), reduction="sum").item()
     pred = logits.argmax(1).numpy()
     correct = pred == labels
@@ -97,7 +99,8 @@ def evaluate(model, data, *, tta: int | None = None, subset: int | None = None, 
         data = data.subset(subset)
         log(f"note: the test images of --subset {subset}, as in training (--subset 0 for all)")
     return evaluate_arrays(net, data.test_images, data.test_labels, info.classes, mean=info.mean, std=info.std,
-                           tta=resolve_tta(tta, cfg), batch_size=batch_size or cfg.eval_batch_size, device=device)
+                           tta=resolve_tta(tta, cfg), batch_size=batch_size or cfg.eval_batch_size, device=device,
+                           tta_share=cfg.tta_share)  # the run's: its views went to that share of each batch
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.evaluate") -> int:

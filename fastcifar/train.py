@@ -227,7 +227,7 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
     train_step = TrainStep(step, StaticBatch(per_rank_batch, session.dtype, ctx.device), capture=session.use_graphs)
     loader.bind_static(train_step.batch.images, train_step.batch.labels)  # DALI: the one copy, into the step's buffers
     eval_step = EvalStep(model, StaticBatch(cfg.eval_batch_size, session.dtype, ctx.device), cfg.tta,
-                         capture=session.use_graphs)
+                         capture=session.use_graphs, tta_share=cfg.tta_share)
 
     # Off the clock: warm-up steps (cuDNN's algorithm search, first allocations) and graph capture
     # on a real batch; then weights, batchnorm statistics, momentum and the schedule go back to

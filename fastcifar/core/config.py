@@ -66,6 +66,7 @@ class Config:
     flip_mode: str = "random"  # random: a coin per image per epoch | alternate: a coin per image, mirrored every other epoch
     cutout: int = 8  # side of the zeroed square, pixels; 0 = off
     tta: int = 1  # test-time augmentation: 0 none | 1 mean logits of image and mirror | 2 also 1-px shifts (6 views)
+    tta_share: float = 1.0  # share of each evaluation batch given the TTA views, least confident first (the plain view's top probability); the rest count the plain view
     # --- recipe, issue 14: airbench94 parity, its former departures, orthogonalized momentum ---
     bn_eps: float = 1e-5  # added to the batch variance in batchnorm (torch: 1e-5; airbench: 1e-12)
     whiten_centred: bool = False  # fastnet: whiten with the patches' covariance (centred), not their second moment
@@ -283,6 +284,7 @@ RANGES: dict[str, tuple[float | None, float | None, str]] = {
     "momentum": (0, 1, "[)"),
     "weight_decay": (0, None, "[)"),
     "label_smoothing": (0, 1, "[)"),
+    "tta_share": (0, 1, "(]"),
     "lookahead_steps": (0, None, "[)"),
     "lookahead_decay": (0, 1, "[)"),
     "crop_pad": (0, None, "[)"),  # and below the image side (validate: it depends on --pad-mode)

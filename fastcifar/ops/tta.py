@@ -9,9 +9,19 @@ Level 2 is the multi-crop TTA of the public speedruns (airbench reports it worth
 a point, or ~1 epoch, on CIFAR-10); it costs 3x level 1's evaluation time, which is off the
 training clock but is reported as test time. The views are stacked into one batch per level, so
 each level is a single forward pass of 1, 2 or 6 times the batch.
+
+``share`` < 1 gives the views only to that share of the batch, the images the plain view is least
+sure of (lowest top softmax probability; the record script gives them to its least confident 25%):
+one plain pass over the batch, then the level's views of the chosen rows, whose logits replace
+their plain ones. At 0.25, level 2 costs 1 + 6 x 0.25 = 2.5 passes instead of 6. The views are
+computed for ceil(share x batch) rows, a count fixed by the batch's size, so the evaluation can be
+captured in a CUDA graph; in a padded last batch they go to ceil(share x its real rows), the count
+the real rows alone would get, and never to padding.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -34,17 +44,42 @@ def _stacked(model, views: list[torch.Tensor]) -> torch.Tensor:
     return model(batch).float().view(len(views), views[0].shape[0], -1)
 
 
-def tta_logits(model: torch.nn.Module, images: torch.Tensor, level: int) -> torch.Tensor:
-    """Float32 logits (B, classes) of an NCHW batch with test-time augmentation ``level``."""
+def tta_logits(model: torch.nn.Module, images: torch.Tensor, level: int, share: float = 1.0,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 logits (B, classes) of an NCHW batch with test-time augmentation ``level``, given to
+    the ``share`` of its rows the plain view is least sure of (the rest keep the plain view's
+    logits); ``valid`` (B,), nonzero for real rows, keeps padding rows out of that share."""
     level = int(level)
+    if level not in TTA_LEVELS:
+        raise ValueError(f"TTA level must be one of {TTA_LEVELS}, not {level}")
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"the TTA share must lie in (0, 1], not {share}")
+    if level == 0 or share == 1.0:
+        return _all_views(model, images, level)
+    plain = model(images).float()
+    confidence = plain.softmax(1).amax(1)
+    most = math.ceil(share * images.shape[0])
+    if valid is not None:
+        confidence = torch.where(valid.bool(), confidence, torch.full_like(confidence, 2.0))  # above any probability
+    order = confidence.topk(most, largest=False, sorted=True).indices  # least sure first, padding last
+    views = _all_views(model, images.index_select(0, order), level)
+    if valid is not None:
+        # the share of the real rows, as if the batch held them alone (a padded batch's count is
+        # known on the device only): the first ceil(share x real) of the order keep their views.
+        # float64, as Python's math.ceil(share * n) computes it
+        count = torch.ceil(valid.sum(dtype=torch.float64) * share)
+        keep = torch.arange(most, device=images.device) < count
+        views = torch.where(keep[:, None], views, plain.index_select(0, order))
+    return plain.index_copy(0, order, views)
+
+
+def _all_views(model: torch.nn.Module, images: torch.Tensor, level: int) -> torch.Tensor:
     if level == 0:
         return model(images).float()
     if level == 1:
         return _stacked(model, [images, images.flip(3)]).mean(0)
-    if level == 2:
-        toward_bottom_right, toward_top_left = translations(images)
-        views = [images, images.flip(3), toward_bottom_right, toward_bottom_right.flip(3),
-                 toward_top_left, toward_top_left.flip(3)]
-        logits = _stacked(model, views).view(3, 2, images.shape[0], -1).mean(1)  # flip mean per view
-        return 0.5 * logits[0] + 0.25 * (logits[1] + logits[2])
-    raise ValueError(f"TTA level must be one of {TTA_LEVELS}, not {level}")
+    toward_bottom_right, toward_top_left = translations(images)
+    views = [images, images.flip(3), toward_bottom_right, toward_bottom_right.flip(3),
+             toward_top_left, toward_top_left.flip(3)]
+    logits = _stacked(model, views).view(3, 2, images.shape[0], -1).mean(1)  # flip mean per view
+    return 0.5 * logits[0] + 0.25 * (logits[1] + logits[2])

@@ -201,16 +201,16 @@ class TrainStep(_BatchStep):
 class EvalStep(_BatchStep):
     """Evaluation of one padded batch: sums the loss and the correct predictions of the valid
     rows, with test-time augmentation level ``tta`` (``fastcifar.ops.tta``: 0 none, 1 flip, 2 flip
-    and 1-pixel shifts)."""
+    and 1-pixel shifts) given to the ``tta_share`` of the batch's valid rows least sure of their class."""
 
-    def __init__(self, model: torch.nn.Module, batch: StaticBatch, tta: int, capture: bool):
+    def __init__(self, model: torch.nn.Module, batch: StaticBatch, tta: int, capture: bool, tta_share: float = 1.0):
         super().__init__(batch, capture)
-        self.model, self.tta = model, tta
+        self.model, self.tta, self.tta_share = model, tta, tta_share
 
     @torch.no_grad()
     def _body(self) -> None:
         images, labels, valid = self.batch.images, self.batch.labels, self.batch.valid
-        logits = tta_logits(self.model, images, self.tta)
+        logits = tta_logits(self.model, images, self.tta, self.tta_share, valid)
         loss = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
         self.loss_sum.add_((loss * valid).sum())
         self.correct.add_(((logits.argmax(1) == labels) & valid).sum())

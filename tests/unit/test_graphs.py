@@ -166,6 +166,26 @@ def test_eval_step_with_padded_last_batch_equals_direct_evaluation():
     assert ev.loss_sum.item() == pytest.approx(F.cross_entropy(logits, y, reduction="sum").item(), rel=1e-5)
 
 
+def test_eval_step_gives_its_tta_share_to_the_least_confident_valid_rows():
+    """The trainer's evaluation with --tta-share: per padded batch, the views go to the least sure
+    of its valid rows; the padding of the last batch is never among them."""
+    from fastcifar.ops.tta import tta_logits
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 10, 3), torch.nn.Flatten(), torch.nn.LazyLinear(10)).eval()
+    x, y = torch.randn(11, 3, 32, 32), torch.randint(0, 10, (11,))
+    model(x[:1])
+    ev = EvalStep(model, StaticBatch(4, torch.float32, CPU), tta=2, capture=False, tta_share=0.5)
+    ev.prepare()
+    for start in range(0, 11, 4):  # 4 + 4 + 3: the last batch is padded and masked
+        ev(x[start:start + 4], y[start:start + 4])
+    with torch.no_grad():  # the same share of each batch of 4, and of the last one's 3 real rows alone
+        logits = torch.cat([tta_logits(model, x[s:s + 4], 2, share=0.5) for s in (0, 4, 8)])
+        every = tta_logits(model, x, 2)
+    assert not torch.allclose(logits, every)  # half the rows kept their plain view
+    assert ev.correct.item() == (logits.argmax(1) == y).sum().item()
+    assert ev.loss_sum.item() == pytest.approx(F.cross_entropy(logits, y, reduction="sum").item(), rel=1e-5)
+
+
 @pytest.mark.slow
 def test_cuda_graphs_on_is_refused_on_cpu(learnable_data, tmp_path):
     proc = run_train(["--data", learnable_data, "--out-dir", tmp_path / "runs", *SHORT, "--cuda-graphs", "on"])

@@ -69,7 +69,9 @@ def test_replays_do_not_grow_memory():
     assert torch.cuda.memory_allocated() == before
 
 
-def test_captured_eval_equals_eager_eval():
+@pytest.mark.parametrize("tta, share", [(1, 1.0), (2, 0.25)])
+def test_captured_eval_equals_eager_eval(tta, share):
+    """--tta-share's choice of rows (a top-k of fixed size) replays from the graph as it ran eagerly."""
     model, _ = trained(False)
     model.eval()
     x, y = batches(3, seed=2)[0]
@@ -77,7 +79,8 @@ def test_captured_eval_equals_eager_eval():
     labels = torch.cat([y, y[:40]])
     counts = []
     for capture in (False, True):
-        ev = EvalStep(model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=True, capture=capture)
+        ev = EvalStep(model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=tta, capture=capture,
+                      tta_share=share)
         ev.batch.load(images[:48], labels[:48])
         ev.prepare()
         for start in range(0, len(labels), 48):

@@ -415,6 +415,46 @@ def test_tta_shapes_and_flip_tta_of_a_symmetric_model_is_the_plain_output():
         tta_logits(model, x, 3)
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_tta_share_gives_the_views_to_the_least_confident_rows_only(level):
+    """--tta-share: one plain pass, then the level's views for the ceil(share x B) rows whose top
+    probability is lowest; every other row keeps its plain logits."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 10, 3), torch.nn.Flatten(), torch.nn.LazyLinear(10)).eval()
+    x = torch.randn(10, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        plain, full = tta_logits(model, x, 0), tta_logits(model, x, level)
+        shared = tta_logits(model, x, level, share=0.25)
+    confidence = plain.softmax(1).amax(1)
+    least = set(confidence.argsort()[:3].tolist())  # ceil(0.25 x 10) = 3
+    for row in range(10):
+        torch.testing.assert_close(shared[row], (full if row in least else plain)[row])
+    assert not torch.allclose(full[sorted(least)], plain[sorted(least)])  # the views changed those rows
+    with torch.no_grad():
+        torch.testing.assert_close(tta_logits(model, x, level, share=1.0), full)
+        torch.testing.assert_close(tta_logits(model, x, 0, share=0.25), plain)  # no views to give
+        # padding rows (valid 0) are never chosen: the least sure of the 7 real ones are, ceil(0.25 x 7) = 2
+        valid = torch.ones(10, dtype=torch.bool)
+        valid[sorted(least)] = False
+        masked = tta_logits(model, x, level, share=0.25, valid=valid)
+    real_least = set(confidence.masked_fill(~valid, 2.0).argsort()[:2].tolist())
+    assert real_least.isdisjoint(least)
+    for row in range(10):
+        torch.testing.assert_close(masked[row], (full if row in real_least else plain)[row])
+    # a padded batch of 10 holding 4 real rows: the views go to ceil(0.25 x 4) = 1 of them, as they
+    # would in a batch of those 4 alone, though the count computed is ceil(0.25 x 10) = 3
+    valid = torch.zeros(10, dtype=torch.bool)
+    valid[:4] = True
+    with torch.no_grad():
+        padded = tta_logits(model, x, level, share=0.25, valid=valid)
+        alone = tta_logits(model, x[:4], level, share=0.25)
+    torch.testing.assert_close(padded[:4], alone)
+    assert sum(not torch.allclose(alone[r], plain[r]) for r in range(4)) == 1
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="TTA share"):
+            tta_logits(model, x, level, share=share)
+
+
 def test_translations_shift_by_one_pixel_with_reflection():
     x = torch.arange(2 * 3 * 6 * 6, dtype=torch.float32).view(2, 3, 6, 6)
     down_right, up_left = translations(x)
@@ -478,6 +518,8 @@ def test_tta_flag_forms():
     ({"profile_steps": "9:3"}, "--profile-steps"),
     ({"flip_mode": "sometimes"}, "--flip-mode must be one of random, alternate"),
     ({"tta": 4}, "--tta must be one of 0, 1, 2"),
+    ({"tta_share": 0.0}, r"--tta-share must lie in \(0, 1\], not 0"),
+    ({"tta_share": 1.5}, r"--tta-share must lie in \(0, 1\], not 1.5"),
 ])
 def test_fast_validation(overrides, message):
     with pytest.raises(ConfigError, match=message):

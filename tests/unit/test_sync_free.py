@@ -135,11 +135,11 @@ def test_a_host_read_slipped_into_the_step_fails(one_rank_group):
         step._body()
 
 
-@pytest.mark.parametrize("tta", [0, 1, 2])
-def test_eval_step_is_sync_free(tta):
+@pytest.mark.parametrize("tta, share", [(0, 1.0), (1, 1.0), (2, 1.0), (2, 0.25)])
+def test_eval_step_is_sync_free(tta, share):
     cfg, model, step, _, _ = _setup("fast", (8, 16, 16), buckets=False)
     model.eval()
-    ev = EvalStep(model, StaticBatch(12, torch.float32, CPU), tta, capture=False)
+    ev = EvalStep(model, StaticBatch(12, torch.float32, CPU), tta, capture=False, tta_share=share)
     g = torch.Generator().manual_seed(2)
     images = torch.randn(7, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
     ev.batch.load(images, torch.randint(0, 10, (7,), generator=g))  # a partial batch: 7 valid of 12
