@@ -3,10 +3,11 @@
     python -m fastcifar.evaluate runs/<run>/model.safetensors --data data [--tta 0|1|2]
 
 The model file carries everything needed (``fastcifar.checkpoint``): architecture, widths, class
-names, normalization. By default the evaluation is the run's own: its TTA level, its evaluation
-batch size and, if it trained on ``--subset``, the same fixed test subset, so on the same data it
-prints the accuracy recorded in the file (to the last digit on the CPU; a model trained in fp16
-on a GPU and evaluated here in fp32 may differ by a few images). ``--subset 0`` takes the whole
+names, normalization. By default the evaluation is the run's own: its TTA level and share, its
+evaluation batch size and, if it trained on ``--subset``, the same fixed test subset, so on the
+same data it prints the accuracy recorded in the file (to the last digit on the CPU; a model
+trained in fp16 on a GPU and evaluated here in fp32 may differ by a few images, and with a TTA
+share below 1 so may a run on several ranks, whose shards were cut into other batches). ``--subset 0`` takes the whole
 test set. Any layout ``--data`` accepts in training works here.
 
 Also ``fastcifar.evaluate(model, data)`` from Python (``fastcifar.api``).
@@ -103,6 +104,10 @@ def evaluate(model, data, *, tta: int | None = None, subset: int | None = None, 
                            tta_share=cfg.tta_share)  # the run's: its views went to that share of each batch
 
 
+def _share(share: float) -> str:
+    return f" on the least sure {share:.0%} of each batch" if share < 1 else ""
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.evaluate") -> int:
     parser = OneLineParser(prog=prog,
                            description="Test accuracy (overall and per class) of a saved model.")
@@ -112,7 +117,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.evaluat
                         help="test-time augmentation level (default: the run's)")
     parser.add_argument("--subset", type=int, default=None,
                         help="evaluate on the test subset of --subset N (default: the run's; 0 = whole test set)")
-    parser.add_argument("--batch-size", type=int, default=None, help="images per batch (default: the run's)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="images per batch (default: the run's; with a TTA share below 1 it decides which "
+                             "images share the views)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--cache-dir", default="", help="decoded-image cache, as in training")
     args = parser.parse_args(argv)
@@ -127,10 +134,11 @@ def _report(args) -> int:
     cfg = info.config
     recorded = "none recorded" if info.test_acc is None else f"recorded test_acc {info.test_acc:.2f}%"
     print(f"model: {args.model} ({cfg.arch} {','.join(map(str, cfg.widths))}, {len(info.classes)} classes, "
-          f"{recorded} with TTA {cfg.tta})")
+          f"{recorded} with TTA {cfg.tta}{_share(cfg.tta_share)})")
     result = evaluate((net, info), args.data, tta=args.tta, subset=args.subset, batch_size=args.batch_size,
                       device=device, cache_dir=args.cache_dir or None, log=print)
-    print(f"test_acc {result.accuracy:.2f}% (TTA {result.tta}, {result.count} images), loss {result.loss:.4f}")
+    print(f"test_acc {result.accuracy:.2f}% (TTA {result.tta}{_share(cfg.tta_share) if result.tta else ''}, "
+          f"{result.count} images), loss {result.loss:.4f}")
     width = max(len(name) for name in info.classes)
     print("per class:")
     for name in info.classes:

@@ -319,7 +319,7 @@ screen)
   # Visit 9 (one H100): the default at 94.28% in 1.51 s, the record script at 93.98% in 1.13 s. Fewer
   # epochs and narrower wide blocks (hiverge's are 256) are the cheapest time; TTA 1 drops the
   # shifted views of the final evaluation (0.07 s of a run), --tta-share 0.25 gives them to the least
-  # sure quarter only, as hiverge does
+  # sure quarter of each evaluation batch only (hiverge: of its whole test set)
   SCREEN_DEFAULT="--epochs 7;--widths 64,288,288;--epochs 7.5;--widths 64,256,256;--widths 64,288,288 --epochs 7.5;--widths 64,256,256 --epochs 9;--tta 1;--tta-share 0.25"
   IFS=';' read -ra variants <<<"${SCREEN-$SCREEN_DEFAULT}"
   # a typo must not cost the visit: each variant parses and validates on the preset first, and must

@@ -66,7 +66,7 @@ class Config:
     flip_mode: str = "random"  # random: a coin per image per epoch | alternate: a coin per image, mirrored every other epoch
     cutout: int = 8  # side of the zeroed square, pixels; 0 = off
     tta: int = 1  # test-time augmentation: 0 none | 1 mean logits of image and mirror | 2 also 1-px shifts (6 views)
-    tta_share: float = 1.0  # share of each evaluation batch given the TTA views, least confident first (the plain view's top probability); the rest count the plain view
+    tta_share: float = 1.0  # share of each evaluation batch (per rank) given the TTA views, least confident first (the plain view's top probability); the rest count the plain view
     # --- recipe, issue 14: airbench94 parity, its former departures, orthogonalized momentum ---
     bn_eps: float = 1e-5  # added to the batch variance in batchnorm (torch: 1e-5; airbench: 1e-12)
     whiten_centred: bool = False  # fastnet: whiten with the patches' covariance (centred), not their second moment
@@ -101,7 +101,7 @@ class Config:
     comm: str = "bucketed"  # gradient averaging over ranks: bucketed (fastcifar.dist.comm, overlapped) | ddp (stock)
     bucket_mb: float = 2.0  # MiB of gradients per all-reduce bucket (--comm bucketed), see fastcifar.dist.comm
     cuda_graphs: str = "auto"  # capture the train step and eval batch as CUDA graphs: auto (on for CUDA) | on | off
-    eval_batch_size: int = 1000  # images per evaluation batch, per rank (1..65536)
+    eval_batch_size: int = 1000  # images per evaluation batch, per rank (1..65536); with --tta-share < 1 it decides which images share the views
     warmup_steps: int = 3  # untimed training steps before the clock starts (0..1000); state restored after
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the run
     dist_group: str = "auto"  # process group: auto (only with several ranks) | always (also for one rank: its gradient buckets, comm stream and captured collectives run, as on several)

@@ -16,7 +16,10 @@ one plain pass over the batch, then the level's views of the chosen rows, whose 
 their plain ones. At 0.25, level 2 costs 1 + 6 x 0.25 = 2.5 passes instead of 6. The views are
 computed for ceil(share x batch) rows, a count fixed by the batch's size, so the evaluation can be
 captured in a CUDA graph; in a padded last batch they go to ceil(share x its real rows), the count
-the real rows alone would get, and never to padding.
+the real rows alone would get, and never to padding. The share is taken per evaluation batch (per
+rank), not over the whole test set as the record script takes it: with share < 1 the figure
+depends a little on how the test set is cut into batches (``--eval-batch-size``, the rank count),
+and ``fastcifar evaluate`` reproduces a one-process run's.
 """
 
 from __future__ import annotations
@@ -61,13 +64,15 @@ def tta_logits(model: torch.nn.Module, images: torch.Tensor, level: int, share: 
     most = math.ceil(share * images.shape[0])
     if valid is not None:
         confidence = torch.where(valid.bool(), confidence, torch.full_like(confidence, 2.0))  # above any probability
-    order = confidence.topk(most, largest=False, sorted=True).indices  # least sure first, padding last
+    # least sure first, padding last; a stable sort, so ties (and a padded batch's real rows) come in
+    # the same order on every device and batch padding; NaN (an fp16 overflow) counts as least sure
+    order = torch.sort(confidence.nan_to_num(nan=-1.0), stable=True).indices[:most]
     views = _all_views(model, images.index_select(0, order), level)
     if valid is not None:
         # the share of the real rows, as if the batch held them alone (a padded batch's count is
         # known on the device only): the first ceil(share x real) of the order keep their views.
         # float64, as Python's math.ceil(share * n) computes it
-        count = torch.ceil(valid.sum(dtype=torch.float64) * share)
+        count = torch.ceil(valid.bool().sum(dtype=torch.float64) * share)
         keep = torch.arange(most, device=images.device) < count
         views = torch.where(keep[:, None], views, plain.index_select(0, order))
     return plain.index_copy(0, order, views)

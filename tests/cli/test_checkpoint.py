@@ -368,10 +368,14 @@ def test_evaluate_reproduces_an_accuracy_recorded_with_a_tta_share(tmp_path):
     assert train_main([str(a) for a in ["--data", data, "--out-dir", out, *FAST_TINY, "--epochs", "1",
                                         "--tta-share", "0.3", "--quiet"]]) == 0
     (run_dir,) = run_dirs(out)
-    recorded = json.loads((run_dir / "summary.json").read_text())["results"][0]["test_acc"]
+    (result,) = json.loads((run_dir / "summary.json").read_text())["results"]
+    recorded = result["test_acc"]
     net, info = load_model(run_dir / "model.safetensors")
     assert info.config.tta_share == 0.3 and info.config.tta == 2
-    assert evaluate((net, info), str(data)).accuracy == pytest.approx(recorded, abs=1e-9)
+    mine = evaluate((net, info), str(data))
+    assert mine.accuracy == pytest.approx(recorded, abs=1e-9)
+    # the loss moves with every row's logits: a row given the views that should not have been shows here
+    assert mine.loss == pytest.approx(result["epochs"][-1]["test_loss"], rel=1e-5)
     everyone = dataclasses.replace(info, config=dataclasses.replace(info.config, tta_share=1.0))
     assert evaluate((net, everyone), str(data)).accuracy != pytest.approx(recorded, abs=1e-9)  # the share mattered
 

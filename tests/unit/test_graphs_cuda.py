@@ -94,13 +94,16 @@ def test_captured_eval_equals_eager_eval(tta, share):
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_eager_steps_make_no_host_sync(kernels):
     """The GPU half of tests/unit/test_sync_free.py: with CUDA's sync debug mode set to "error", one eager
-    training step (after warm-up) and one TTA-2 evaluation batch raise on any synchronizing call,
-    including the host-to-device copies the CPU test cannot see."""
+    training step (after warm-up) and TTA-2 evaluation batches, of every image and of the least sure
+    quarter (--tta-share 0.25: its sort, gathers and device-side count), raise on any synchronizing
+    call, including the host-to-device copies the CPU test cannot see."""
     model, step = trained(False, kernels)
     images, labels = batches(1, seed=3)[0]
     step.batch.load(images, labels)
-    ev = EvalStep(model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=2, capture=False)
-    ev.batch.load(images[:40], labels[:40])  # a partial batch: the valid mask is in play
+    evs = [EvalStep(model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=2, capture=False, tta_share=share)
+           for share in (1.0, 0.25)]
+    for ev in evs:
+        ev.batch.load(images[:40], labels[:40])  # a partial batch: the valid mask is in play
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
@@ -108,8 +111,9 @@ def test_eager_steps_make_no_host_sync(kernels):
         model.train()
         step._body()
         model.eval()
-        ev._body()
+        for ev in evs:
+            ev._body()
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
-    assert ev.loss_sum.item() > 0
+    assert all(ev.loss_sum.item() > 0 for ev in evs)
