@@ -146,6 +146,17 @@ train() {  # train NAME TIMEOUT FLAGS...: one trainer invocation logging into $w
   step "$name" "$limit" "$py" -m fastcifar.train --data "$data" --out-dir "$work/runs/$name" "$@"
 }
 
+contender() {  # contender NAME LIMIT FLAGS...: RUNS runs of $preset from seed 0 with FLAGS, unless the budget is spent
+  local name=$1 limit=$2; shift 2
+  [ "$limit" -ge 30 ] || { rows+=("| $name | skipped: stage budget spent | 0 |"); failed=1; return 1; }
+  train "$name" "$limit" --preset "$preset" --seed 0 --runs "$runs" --quiet "$@"
+}
+
+race_table() {  # race_table STEP LIMIT CALL COMMIT: scripts/race.py's table over this stage's runs, rows in official.jsonl
+  step "$1" "$2" "$py" scripts/race.py report "$work" --fastcifar "$work/runs" --data "$data" \
+    --jsonl bench/results/official.jsonl --call "$3" --commit "$4" --out "$work/figures.md"
+}
+
 case "$stage" in
 check)
   step versions 60 bash -c "nvidia-smi; $py -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"cudnn\", torch.backends.cudnn.version()); print(\"triton\", triton.__version__); print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())'"
@@ -231,7 +242,7 @@ race)
   # fastcifar first: a race cut short still has its contender (a cut-off trainer writes the runs it
   # finished to summary.json, a public script's log holds the rows it printed)
   for preset in $presets; do
-    train "$preset-runs" 240 --preset "$preset" --seed 0 --runs "$runs" --quiet
+    contender "$preset-runs" 240
   done
   # the public scripts read cifar10/{train,test}.pt under their working folder (else they download,
   # which fails offline); scripts/race.py copies each with only the run count (and hiverge's sleep
@@ -254,8 +265,7 @@ race)
       step "$name" "$limit" bash -c "cd '$race/$name' && exec '$py' '$file'"
     done
   fi
-  step race-table 60 "$py" scripts/race.py report "$work" --fastcifar "$work/runs" --data "$data" \
-    --jsonl bench/results/official.jsonl --call "${RACE_CALL:-}" --commit "${RACE_COMMIT:-}" --out "$work/figures.md"
+  race_table race-table 60 "${RACE_CALL:-}" "${RACE_COMMIT:-}"
   ;;
 emulated)
   preset=${2:?usage: gpu_visit.sh emulated PRESET N [RUNS]}
@@ -305,11 +315,9 @@ conv)
   for variant in cudnn fused; do
     flag=(); [ "$variant" = fused ] && flag=(--fused-conv)
     limit=$((budget - SECONDS - 40)); [ "$variant" = cudnn ] && limit=$((limit / 2))
-    [ "$limit" -ge 30 ] || { rows+=("| $preset-$variant | skipped: stage budget spent | 0 |"); failed=1; continue; }
-    train "$preset-$variant" "$limit" --preset "$preset" --seed 0 --runs "$runs" --quiet "${flag[@]}"
+    contender "$preset-$variant" "$limit" "${flag[@]}"
   done
-  step conv-table 40 "$py" scripts/race.py report "$work" --fastcifar "$work/runs" --data "$data" \
-    --jsonl bench/results/official.jsonl --call "${CONV_CALL:-}" --commit "${CONV_COMMIT:-}" --out "$work/figures.md"
+  race_table conv-table 40 "${CONV_CALL:-}" "${CONV_COMMIT:-}"
   ;;
 screen)
   [ -e "$data" ] || { note "screen needs real data: \$DATA (official CIFAR-10, bash ../shared/device/stage.sh cifar10)"; failed=1; exit; }
@@ -361,11 +369,9 @@ PY
     # 10 runs take about 35 s with their process's start (visit 9: 2.1 s a run after the first);
     # a stuck variant may not take the others' time
     limit=$((budget - SECONDS - 40)); [ "$limit" -gt $((runs * 8 + 90)) ] && limit=$((runs * 8 + 90))
-    [ "$limit" -ge 30 ] || { rows+=("| $name | skipped: stage budget spent | 0 |"); failed=1; continue; }
-    train "$name" "$limit" --preset "$preset" --seed 0 --runs "$runs" --quiet "${extra[@]}"
+    contender "$name" "$limit" "${extra[@]}"
   done
-  step screen-table 40 "$py" scripts/race.py report "$work" --fastcifar "$work/runs" --data "$data" \
-    --jsonl bench/results/official.jsonl --call "${SCREEN_CALL:-}" --commit "${SCREEN_COMMIT:-}" --out "$work/figures.md"
+  race_table screen-table 40 "${SCREEN_CALL:-}" "${SCREEN_COMMIT:-}"
   ;;
 dali)
   if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi
