@@ -7,8 +7,8 @@ names, normalization. By default the evaluation is the run's own: its TTA level 
 evaluation batch size and, if it trained on ``--subset``, the same fixed test subset, so on the
 same data it prints the accuracy recorded in the file (to the last digit on the CPU; a model
 trained in fp16 on a GPU and evaluated here in fp32 may differ by a few images, and with a TTA
-share below 1 so may a run on several ranks, whose shards were cut into other batches). ``--subset 0`` takes the whole
-test set. Any layout ``--data`` accepts in training works here.
+share below 1 so may a run on several ranks, whose shards were cut into other batches).
+``--subset 0`` takes the whole test set. Any layout ``--data`` accepts in training works here.
 
 Also ``fastcifar.evaluate(model, data)`` from Python (``fastcifar.api``).
 """

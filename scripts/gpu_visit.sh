@@ -332,33 +332,7 @@ screen)
   IFS=';' read -ra variants <<<"${SCREEN-$SCREEN_DEFAULT}"
   # a typo must not cost the visit: each variant parses and validates on the preset first, and must
   # change the recipe, each its own way (a contender's runs are pooled by its recipe's name)
-  if ! "$py" - "$preset" "${variants[@]}" >"$work/screen-flags.log" 2>&1 <<'PY'
-import contextlib, dataclasses, io, sys
-from fastcifar.core.config import ConfigError, parse_command_line, recipe_flags, validate
-preset, *variants = sys.argv[1:]
-seen = {}
-for flags in variants:
-    said = io.StringIO()  # the parser's own one line, "fastcifar: error: ..."
-    try:
-        with contextlib.redirect_stderr(said):  # split on blanks, as bash's read -ra splits it for the run
-            cfg, given = parse_command_line(["--preset", preset, *flags.split()])
-            validate(cfg)
-        # the stage sets these, and the report pools a contender's runs by its recipe
-        own = [k for k in given if k in ("seed", "runs", "data", "out_dir")]
-        own += ["preset"] * any(w == "--preset" or w.startswith("--preset=") for w in flags.split())
-        if own:
-            raise ConfigError(f"the stage sets --{own[0].replace('_', '-')} itself")
-        name = " ".join(recipe_flags(dataclasses.asdict(cfg)))
-        if not name:
-            raise ConfigError(f"it trains the {preset} recipe itself: its runs would join the default's")
-        if name in seen:
-            raise ConfigError(f"it trains the same recipe as {seen[name]!r}")
-        seen[name] = flags
-    except (ConfigError, SystemExit) as e:
-        why = e if isinstance(e, ConfigError) else said.getvalue().strip().removeprefix("fastcifar: error: ")
-        sys.exit(f"screen: variant {flags!r} refused: {why}")
-PY
-  then
+  if ! "$py" scripts/race.py variants "$preset" -- "${variants[@]}" >"$work/screen-flags.log" 2>&1; then
     cat "$work/screen-flags.log"; rows+=("| screen-flags | FAIL: $(tail -n 1 "$work/screen-flags.log") | 0 |"); failed=1; exit
   fi
   i=0

@@ -2,6 +2,7 @@
 same images, in one call (scripts/gpu_visit.sh race runs it).
 
     python scripts/race.py prepare SCRIPTS_DIR WORK_DIR --images DIR [--runs N]
+    python scripts/race.py variants PRESET -- [FLAGS ...]
     python scripts/race.py report WORK_DIR --fastcifar RUNS_DIR --data PATH [--bar 94]
                                   [--jsonl bench/results/official.jsonl] [--call NAME] [--commit C] [--out MD]
 
@@ -12,6 +13,9 @@ runs) and a ``cifar10`` link to DIR, where scripts/export_tensors.py wrote ``tra
 ``test.pt`` (the public loaders read those and would otherwise download). A script missing from
 SCRIPTS_DIR is skipped with a line; one that differs from the named commit, or whose edits no longer
 match exactly once, is refused (exit 2).
+
+``variants PRESET -- [FLAGS ...]``: refuses (exit 2, one line) a variant the screen stage of
+scripts/gpu_visit.sh cannot race (``check_variants``), before any run.
 
 ``report``: every trainer's runs (fastcifar from its summary.json files, each public script from the
 log its run printed, WORK_DIR/NAME.log; a cut-off log gives the runs it finished), the statistics
@@ -24,8 +28,11 @@ row per trainer to --jsonl. Exit 1 when fastcifar has no runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime as dt
 import hashlib
+import io
 import json
 import statistics
 import sys
@@ -34,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
-from fastcifar.core.config import PRESETS, recipe_flags  # noqa: E402
+from fastcifar.core.config import PRESETS, ConfigError, parse_command_line, recipe_flags, validate  # noqa: E402
 from fastcifar.core.stats import p_above  # noqa: E402
 
 BAR = 94.0  # % official test accuracy, the record scripts' bar
@@ -158,6 +165,43 @@ def with_final_evaluation(result: dict) -> float:
 # evaluations: the same span, named per script so a script that counts otherwise gets its own.
 COUNTED_AS = {name: with_final_evaluation for name in PEER_NAMES}
 COUNTED_CLOCK = "whitening init through the final TTA evaluation; per-epoch evaluations, warm-up and capture off the clock"
+
+
+# --- variants ---------------------------------------------------------------------------------
+
+STAGE_SETS = ("seed", "runs", "data", "out_dir")  # gpu_visit.sh's contender() gives every run these
+
+
+def check_variants(preset: str, variants: list[str]) -> None:
+    """Each variant (flags added to ``preset``, split on blanks as bash's ``read -ra`` splits them
+    for the run) parses and validates, sets nothing the stage sets, and changes the recipe, each its
+    own way: the report pools a contender's runs by its recipe's name (``fastcifar_runs``), so a
+    variant that is the preset, or another variant, would mix two sets. RaceError on the first that
+    does not."""
+    seen: dict[str, str] = {}
+    for flags in variants:
+        words = flags.split()
+        said = io.StringIO()  # the parser's own one line, "fastcifar: error: ..."
+        try:
+            with contextlib.redirect_stderr(said):
+                cfg, given = parse_command_line(["--preset", preset, *words])
+                validate(cfg)
+        except SystemExit:
+            raise RaceError(f"variant {flags!r} refused: "
+                            f"{said.getvalue().strip().removeprefix('fastcifar: error: ')}") from None
+        except ConfigError as exc:
+            raise RaceError(f"variant {flags!r} refused: {exc}") from None
+        own = [k for k in given if k in STAGE_SETS]
+        own += ["preset"] * any(w == "--preset" or w.startswith("--preset=") for w in words)
+        if own:
+            raise RaceError(f"variant {flags!r} refused: the stage sets --{own[0].replace('_', '-')} itself")
+        name = " ".join(recipe_flags(dataclasses.asdict(cfg)))
+        if not name:
+            raise RaceError(f"variant {flags!r} refused: it trains the {preset} recipe itself: "
+                            "its runs would join the default's")
+        if name in seen:
+            raise RaceError(f"variant {flags!r} refused: it trains the same recipe as {seen[name]!r}")
+        seen[name] = flags
 
 
 # --- prepare ----------------------------------------------------------------------------------
@@ -321,6 +365,9 @@ def main(argv=None) -> int:
     prep.add_argument("work", type=Path, help="where each gets a folder of its own")
     prep.add_argument("--images", type=Path, required=True, help="the folder with train.pt and test.pt")
     prep.add_argument("--runs", type=int, default=25)
+    var = sub.add_parser("variants", help="refuse, in one line, a variant of PRESET the screen stage cannot race")
+    var.add_argument("preset")
+    var.add_argument("variants", nargs="*", help="each variant's flags, one argument each, after --")
     rep = sub.add_parser("report", help="the race's table and jsonl rows")
     rep.add_argument("work", type=Path, help="the folder holding each public script's NAME.log")
     rep.add_argument("--fastcifar", type=Path, required=True, help="the fastcifar runs' out-dirs, under one folder")
@@ -336,6 +383,9 @@ def main(argv=None) -> int:
             if args.runs < 1:
                 raise RaceError(f"--runs {args.runs}: at least 1")
             prepare(args.scripts, args.work, args.images, args.runs)
+            return 0
+        if args.what == "variants":
+            check_variants(args.preset, args.variants)
             return 0
         lines, rows, problems = report(args.work, args.fastcifar, args.data, args.bar, args.call, args.commit)
     except (RaceError, OSError) as exc:

@@ -17,6 +17,7 @@ from fastcifar.run.schedule import DeviceSchedule
 from fastcifar.dist.sync import capture_blocker
 from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep, resolve
 from fastcifar.models.resnet9 import ResNet9
+from fastcifar.ops.tta import tta_logits
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -169,7 +170,6 @@ def test_eval_step_with_padded_last_batch_equals_direct_evaluation():
 def test_eval_step_gives_its_tta_share_to_the_least_confident_valid_rows():
     """The trainer's evaluation with --tta-share: per padded batch, the views go to the least sure
     of its valid rows; the padding of the last batch is never among them."""
-    from fastcifar.ops.tta import tta_logits
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 10, 3), torch.nn.Flatten(), torch.nn.LazyLinear(10)).eval()
     x, y = torch.randn(11, 3, 32, 32), torch.randint(0, 10, (11,))
