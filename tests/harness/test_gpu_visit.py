@@ -137,6 +137,20 @@ def test_race_stage_races_the_presets_it_is_given(tmp_path):
     assert any("--preset fast --seed 0 --runs 5" in line for line in proc.stdout.splitlines())
 
 
+def test_race_stage_confirms_a_screened_variant_beside_the_peers(tmp_path):
+    proc, out = visit(tmp_path, "race", RACE_FLAGS="--epochs 7 --widths 64,288,288", RACE_PEERS="airbench94_muon")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "fastcifar.train" in line]
+    assert len(runs) == 1, runs
+    assert runs[0].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 25 --quiet --epochs 7 --widths 64,288,288")
+    assert table_steps(out, "race")[-2:] == ["airbench94_muon", "race-table"]
+    proc, out = visit(tmp_path, "race", RACE_FLAGS="--epochs 7 --seed 3")  # refused before any run
+    assert proc.returncode == 1
+    assert "dry run:" not in proc.stdout
+    assert table_steps(out, "race") == ["race-flags"]
+    assert "refused: the stage sets --seed itself" in (out / "race-table.md").read_text()
+
+
 def test_race_stage_without_a_preset_to_race_fails_before_the_public_scripts(tmp_path):
     """When the default preset cannot be read (here: no Python at all), the race stops at once,
     not after the public scripts' minutes with no contender in its table."""
