@@ -1,13 +1,13 @@
 """Benchmark the fused batchnorm + activation + pool kernels at the presets' shapes (fp16, channels-last).
 
     python bench/bench_bn_act_pool.py            # on a CUDA machine; --no-compile skips torch.compile
-    python bench/bench_bn_act_pool.py --blocks 12 13 14 15 16 17   # the default preset's blocks only
+    python bench/bench_bn_act_pool.py --blocks 18 19 20 21 22 23   # the default preset's blocks only
     python bench/bench_bn_act_pool.py --smoke    # CPU check of this script (interpreter, tiny shapes);
                                                  # with --compile it runs torch.compile there too
 
 Per block of the `resnet9` (ReLU, pool after, 512 images per GPU), `fast` (GELU, pool before BN on
-31/15/7/3 maps, 1024 per GPU) and default `fast-muon320` (`fast`'s blocks at 2000, 320 channels wide)
-presets, as bench/kernel_registers.py lists them: Triton vs eager PyTorch
+31/15/7/3 maps, 1024 per GPU), `fast-muon320` (`fast`'s blocks at 2000, 320 channels wide) and default
+`fast-muon9` (`fast`'s blocks at 2000) presets, as bench/kernel_registers.py lists them: Triton vs eager PyTorch
 (``NormActPool``: cuDNN batchnorm + activation + max-pool) vs ``torch.compile`` of ``bn_act_pool_reference``;
 forward, backward (alone, through one retained forward) and both; do_bench median with 20th/80th
 percentiles.

@@ -5,7 +5,7 @@ by the normalize block, at the default preset's blocks (fp16, channels-last, tra
     python bench/bench_conv_stats.py --convs 0 2  # some of them (indices into DEFAULT_CONVS)
     python bench/bench_conv_stats.py --smoke      # CPU check of this script (interpreter, tiny shapes)
 
-Per conv of the default preset (``bench/kernel_registers.py``'s DEFAULT_CONVS: FastNet 64/320/320
+Per conv of the default preset (``bench/kernel_registers.py``'s DEFAULT_CONVS: FastNet 64/256/256
 at 2000 images, GELU, the first conv of each block pooling before its batchnorm), three ways of
 computing conv -> [pool] -> batchnorm -> GELU: ``cudnn+eager`` (F.conv2d, then ``NormActPool``:
 cuDNN's batchnorm), ``cudnn+triton`` (F.conv2d, then the fused normalize kernel: the trainer's

@@ -37,18 +37,21 @@ FAST_BLOCKS = [(1024, 64, 31, "before"), (1024, 64, 15, None), (1024, 256, 15, "
                (1024, 256, 7, None), (1024, 256, 7, "before"), (1024, 256, 3, None)]
 RESNET9_BLOCKS = [(512, 64, 32, None), (512, 128, 32, "after"), (512, 128, 16, None),
                   (512, 256, 16, "after"), (512, 512, 8, "after"), (512, 512, 4, None)]
-# the default preset, fast-muon320: `fast`'s blocks at 2000 images, the wide ones at 320 channels
-DEFAULT_BLOCKS = [(2000, 64 if c == 64 else 320, s, pool) for _, c, s, pool in FAST_BLOCKS]
+# fast-muon320 (the default until visit 10): `fast`'s blocks at 2000 images, the wide ones at 320 channels
+MUON320_BLOCKS = [(2000, 64 if c == 64 else 320, s, pool) for _, c, s, pool in FAST_BLOCKS]
+# the default preset, fast-muon9: `fast`'s blocks (64/256/256) at 2000 images
+DEFAULT_BLOCKS = [(2000, c, s, pool) for _, c, s, pool in FAST_BLOCKS]
 # the same with each preset's activation, (batch, channels, side, act, pool): the blocks the
-# kernel benchmark times and the CUDA kernel tests check (the default's last, so the indices of
-# the first twelve, which bench/results/ quote, stay)
+# kernel benchmark times and the CUDA kernel tests check (in the order they were added, so the
+# indices that bench/results/ quote stay: 0-11 fast and resnet9, 12-17 fast-muon320, 18-23 the default)
 PRESET_BLOCKS = ([(b, c, s, "gelu", pool) for b, c, s, pool in FAST_BLOCKS]
                  + [(b, c, s, "relu", pool) for b, c, s, pool in RESNET9_BLOCKS]
+                 + [(b, c, s, "gelu", pool) for b, c, s, pool in MUON320_BLOCKS]
                  + [(b, c, s, "gelu", pool) for b, c, s, pool in DEFAULT_BLOCKS])
 # (batch, c_in, c_out, map side, pool) of each conv the default preset fuses with --fused-conv
 # (kernels/conv_stats.py): its blocks' two convs, the first pooling before its batchnorm
-DEFAULT_CONVS = [(2000, 24, 64, 31, "before"), (2000, 64, 64, 15, None), (2000, 64, 320, 15, "before"),
-                 (2000, 320, 320, 7, None), (2000, 320, 320, 7, "before"), (2000, 320, 320, 3, None)]
+DEFAULT_CONVS = [(2000, 24, 64, 31, "before"), (2000, 64, 64, 15, None), (2000, 64, 256, 15, "before"),
+                 (2000, 256, 256, 7, None), (2000, 256, 256, 7, "before"), (2000, 256, 256, 3, None)]
 ODD_CONVS = [(3, 5, 7, 7, None), (3, 5, 7, 7, "before"), (2, 3, 70, 9, None)]
 # odd shapes: two with every pool mode, one more odd map pooled before; each listed once
 ODD_BLOCKS = ([(3, 5, 7, pool) for pool in (None, "before", "after")]
@@ -104,8 +107,8 @@ def calls(which: str) -> list[Callable[[], None]]:
     """``ci``: one of each kind the presets launch (fp16 on the GPU: `fast`'s GELU with pool before BN,
     training and evaluation; `resnet9`'s ReLU with pool after; the augmentation and cutout; the
     fused conv pooled and not, also in fp32 and bf16) and an odd fp32 shape with CELU, about 25
-    compiles per arch; ``presets``: every block of the `fast`, `resnet9` and default
-    (`fast-muon320`) presets in fp16, training and evaluation, with the augmentation, cutout and the
+    compiles per arch; ``presets``: every block of the `fast`, `resnet9`, `fast-muon320` and default
+    (`fast-muon9`) presets in fp16, training and evaluation, with the augmentation, cutout and the
     default's fused convs; ``full``: every dtype x activation x pool x mode over the presets' and
     odd shapes, every augmentation and cutout dtype, the fused convs at the default's and odd shapes."""
     out = []
@@ -133,7 +136,7 @@ def calls(which: str) -> list[Callable[[], None]]:
     for dtype in DTYPES.values():
         for act in ACTIVATIONS:
             for training in (True, False):
-                for b, c, s, pool in FAST_BLOCKS + RESNET9_BLOCKS + DEFAULT_BLOCKS + ODD_BLOCKS:
+                for b, c, s, pool in FAST_BLOCKS + RESNET9_BLOCKS + MUON320_BLOCKS + DEFAULT_BLOCKS + ODD_BLOCKS:
                     out.append(bn_call(b, c, s, pool, dtype, act, training))
         for indexed in (True, False):
             out += [augment_call(1024, 50000 if indexed else 1024, 2, 0, dtype, indexed),

@@ -115,7 +115,7 @@ def test_train_help_is_grouped_basic_options_first():
     grouped = {a.dest for t, actions in groups.items() if t != "options" for a in actions}
     assert {f for f in Config.__dataclass_fields__ if f != "preset"} <= grouped, "every field in a named group"
     text = parser.format_help()
-    assert "FastNet 64/320/320" in text and "ResNet-style" not in text
+    assert "FastNet 64/256/256" in text and "ResNet-style" not in text
     lr_help = next(a.help for a in groups["basic options"] if a.dest == "lr")
     assert "mean loss" in lr_help and "per 512 images of global batch" in lr_help and "lr x batch-size / 512" in lr_help
     assert "lr column" in text and "27.136 x 2000 / 512 = 106)" in " ".join(text.split())
@@ -312,5 +312,5 @@ def test_train_help_shows_defaults_as_typed(capsys):
     with pytest.raises(SystemExit):
         train.main(["--help"])
     out = capsys.readouterr().out
-    assert "(default: 64,320,320)" in out and "(default: 3.77358e-05)" in out
+    assert "(default: 64,256,256)" in out and "(default: 3.77358e-05)" in out
     assert "3.773584905660377e-05" not in out and "(default: None)" not in out

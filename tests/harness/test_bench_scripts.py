@@ -98,17 +98,17 @@ def test_bn_act_pool_bench_on_cpu_labels_its_timing():
 
 def test_bn_act_pool_bench_times_the_blocks_it_is_given(capsys):
     """--blocks picks from bench/kernel_registers.py's PRESET_BLOCKS (the GPU visit's kernels stage times the
-    default preset's, 12-17); an index past the list is one line and exit 2."""
+    default preset's, 18-23); an index past the list is one line and exit 2."""
     from fastcifar.core.config import from_preset
 
     bench = _load_bench("bench_bn_act_pool")
     assert bench.parse_args([]).blocks == list(range(len(bench.BLOCKS)))
-    chosen = [bench.BLOCKS[i] for i in bench.parse_args(["--blocks", "12", "13", "14", "15", "16", "17"]).blocks]
+    chosen = [bench.BLOCKS[i] for i in bench.parse_args(["--blocks", "18", "19", "20", "21", "22", "23"]).blocks]
     default = from_preset()
     assert {(b, c) for b, c, *_ in chosen} == {(default.batch_size, w) for w in default.widths}
     with pytest.raises(SystemExit) as stop:
         bench.parse_args(["--blocks", str(len(bench.BLOCKS))])
-    assert stop.value.code == 2 and "--blocks: indices 0..17" in capsys.readouterr().err
+    assert stop.value.code == 2 and "--blocks: indices 0..23" in capsys.readouterr().err
 
 
 def test_bn_act_pool_directions_take_gradients_without_accumulating():

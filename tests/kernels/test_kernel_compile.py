@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend (ptxas) is not installed")
 
 from bench import kernel_registers as aot  # noqa: E402
+from fastcifar.core.config import DEFAULT_PRESET  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,8 @@ def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("preset,blocks,act", [("fast", "FAST_BLOCKS", "gelu"), ("resnet9", "RESNET9_BLOCKS", "relu"),
-                                               ("fast-muon320", "DEFAULT_BLOCKS", "gelu")])
+                                               ("fast-muon320", "MUON320_BLOCKS", "gelu"),
+                                               (DEFAULT_PRESET, "DEFAULT_BLOCKS", "gelu")])
 def test_the_shape_lists_are_the_presets_blocks(preset, blocks, act):
     """aot's shape lists (what the compile sweep, the CUDA kernel tests and the kernel benchmark
     use) are each preset's real normalize blocks, each distinct one once in order: (batch,
