@@ -24,8 +24,9 @@
 # hiverge/cifar10-speedrun, airbench94_muon.py and legacy/airbench94.py of KellerJordan/cifar10-airbench,
 # at the commits race.py names; RACE_PEERS picks them and their order), RACE_RUNS (25) runs each; the table and one row per trainer in
 # bench/results/official.jsonl (RACE_CALL and RACE_COMMIT name the call and the commit in them).
-# RACE_FLAGS (e.g. "--epochs 7"): added to each preset's runs, to confirm a screened variant x25
-# beside the peers; refused before any run as the screen refuses a bad variant.
+# RACE_FLAGS (e.g. "--epochs 7"): added to every preset's runs, to confirm a screened variant x25
+# beside the peers; refused before any run as the screen refuses a bad variant (also one that
+# leaves a preset's recipe unchanged).
 # Emulated (issue 46): the N-GPU recipe's accuracy on this one GPU: PRESET with --emulate-ranks N
 # (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged as
 # the all-reduce averages them), RUNS seeds from 0 in one process; the table and one row per set
@@ -242,11 +243,12 @@ race)
   runs=${RACE_RUNS:-25}
   race="$work/race"
   # RACE_FLAGS: a screened variant confirmed beside the peers instead of the preset itself (its rows
-  # are named by its recipe); checked as the screen checks its variants, before any run
+  # are named by its recipe); added to every preset in RACE_PRESETS, each checked as the screen
+  # checks its variants, before any run, in the words that run (read splits at the first newline)
   read -ra race_flags <<<"${RACE_FLAGS:-}"
   if [ -n "${RACE_FLAGS:-}" ]; then
     for preset in $presets; do
-      if ! "$py" scripts/race.py variants "$preset" -- "$RACE_FLAGS" >"$work/race-flags.log" 2>&1; then
+      if ! "$py" scripts/race.py variants "$preset" -- "${race_flags[*]}" >"$work/race-flags.log" 2>&1; then
         cat "$work/race-flags.log"; rows+=("| race-flags | FAIL: $(tail -n 1 "$work/race-flags.log") | 0 |"); failed=1; exit
       fi
     done

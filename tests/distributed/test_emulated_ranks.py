@@ -23,13 +23,14 @@ import pytest
 import torch
 
 from cli import run_dirs, run_train
+from fastcifar.core.config import DEFAULT_PRESET
 from conftest import write_official
 
 pytestmark = pytest.mark.slow
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             "-m", "fastcifar.train"]
-RECIPE = ["--preset", "fast-muon320", "--device", "cpu", "--precision", "fp32", "--kernels", "torch",
+RECIPE = ["--preset", DEFAULT_PRESET, "--device", "cpu", "--precision", "fp32", "--kernels", "torch",
           "--loader", "torch", "--widths", "8,16,16", "--batch-size", "200", "--epochs", "2",
           "--lr", "5.4", "--muon-lr", "0.05", "--whiten-images", "200", "--whiten-bias-epochs", "1",
           "--warmup-steps", "1", "--eval-batch-size", "200", "--quiet"]

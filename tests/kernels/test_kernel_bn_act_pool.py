@@ -453,7 +453,7 @@ def test_own_stats_reference_odd_shape_fp16(pool):
 # resnet9 (ReLU) at 512, fast (GELU; FastNet 64/256/256 after the 2x2 whitening conv: 31x31 maps)
 # at 1024.
 @pytest.mark.cuda
-@pytest.mark.parametrize("block", kernel_registers.PRESET_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}x{b[2]}-{b[3]}-{b[4]}")
+@pytest.mark.parametrize("block", list(dict.fromkeys(kernel_registers.PRESET_BLOCKS)), ids=lambda b: f"{b[0]}x{b[1]}x{b[2]}-{b[3]}-{b[4]}")
 def test_preset_shapes_fp16_cuda(block):
     """Full-size shapes (int32 overflow of element offsets, many stage-1 chunks) on the GPU, against
     the reference that uses the kernel's own statistics: cuDNN's batchnorm sums in another order,

@@ -147,3 +147,24 @@ def test_the_shape_lists_are_the_presets_blocks(preset, blocks, act):
         model(torch.zeros(2, 3, 32, 32))
     distinct = list(dict.fromkeys(seen))  # ResNet-9's residual blocks repeat their layer's shape
     assert distinct == [(b, c, s, pool, act) for b, c, s, pool in getattr(aot, blocks)]
+
+
+def test_the_conv_list_is_the_default_presets_convs():
+    """DEFAULT_CONVS (the fused conv's compile sweep, CUDA tests and benchmark) are the default
+    network's convs, in order: (batch, c_in, c_out, side of the map entering the conv, the pool of
+    its normalize block), read from the network itself at the preset's batch on one GPU."""
+    import torch
+    from fastcifar.core.config import from_preset
+    from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool
+    from fastcifar.models.network import make_network
+
+    cfg = from_preset()
+    model = make_network(cfg, NormActPool).eval()
+    seen = []
+    for m in model.modules():
+        if isinstance(m, ConvBlock):
+            m.register_forward_hook(lambda m, args, out: seen.append((cfg.batch_size, m.conv.in_channels,
+                                                                      m.conv.out_channels, args[0].shape[2], m.norm.pool)))
+    with torch.no_grad():
+        model(torch.zeros(2, 3, 32, 32))
+    assert seen == aot.DEFAULT_CONVS

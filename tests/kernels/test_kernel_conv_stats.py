@@ -294,7 +294,7 @@ def test_fused_default_preset_steps_like_the_unfused_one(monkeypatch):
 @pytest.mark.parametrize("conv", kernel_registers.DEFAULT_CONVS, ids=lambda c: f"{c[1]}-{c[2]}-{c[3]}x{c[3]}-{c[4]}")
 def test_default_preset_convs_fp16_cuda(conv):
     """The default preset's six convs at full size on the GPU (about 1000 programs each walking
-    several tiles, 31x31 odd maps, up to 5 channel blocks): the conv output or its pool against
+    several tiles, 31x31 odd maps, up to 4 channel blocks): the conv output or its pool against
     fp32 F.conv2d rounded once, the argmax's value, and the statistics from the partials in float64
     against the written values. Gradients are the normalize block's and cuDNN's, tested elsewhere."""
     n, c_in, c_out, side, pool = conv

@@ -12,7 +12,7 @@ import torch
 from cli import run_train
 from fastcifar.run import graphs
 from fastcifar import train as trainer
-from fastcifar.core.config import ConfigError, from_preset, validate
+from fastcifar.core.config import DEFAULT_PRESET, ConfigError, from_preset, validate
 from fastcifar.dist.distributed import DistContext
 from fastcifar.run.schedule import DeviceSchedule
 from fastcifar.ops.norm_act_pool import NormActPool
@@ -198,7 +198,7 @@ def test_default_preset_names_itself_where_muon_cannot_go():
     """The default preset trains with Muon, which sparse training and local SGD do not wrap: the
     refusal names the preset and the way out; checkpoints now hold Muon's state."""
     for extra in ({"sparse_mask": "fisher"}, {"local_steps": 4}):
-        with pytest.raises(ConfigError, match="preset fast-muon320 trains with --optimizer muon.*--preset resnet9"):
+        with pytest.raises(ConfigError, match=f"preset {DEFAULT_PRESET} trains with --optimizer muon.*--preset resnet9"):
             validate(from_preset(**extra), world_size=2)
         validate(from_preset("resnet9", **extra), world_size=2)  # the way out it names
     with pytest.raises(ConfigError, match="^--optimizer muon, which does not combine"):
