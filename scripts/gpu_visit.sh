@@ -155,6 +155,11 @@ contender() {  # contender NAME LIMIT FLAGS...: RUNS runs of $preset from seed 0
   train "$name" "$limit" --preset "$preset" --seed 0 --runs "$runs" --quiet "$@"
 }
 
+check_variants() {  # check_variants STEP PRESET VARIANTS...: scripts/race.py variants, or the stage ends in one failed row
+  "$py" scripts/race.py variants "$2" -- "${@:3}" >"$work/$1.log" 2>&1 && return
+  cat "$work/$1.log"; rows+=("| $1 | FAIL: $(tail -n 1 "$work/$1.log") | 0 |"); failed=1; exit
+}
+
 race_table() {  # race_table STEP LIMIT CALL COMMIT: scripts/race.py's table over this stage's runs, rows in official.jsonl
   step "$1" "$2" "$py" scripts/race.py report "$work" --fastcifar "$work/runs" --data "$data" \
     --jsonl bench/results/official.jsonl --call "$3" --commit "$4" --out "$work/figures.md"
@@ -247,11 +252,7 @@ race)
   # checks its variants, before any run, in the words that run (read splits at the first newline)
   read -ra race_flags <<<"${RACE_FLAGS:-}"
   if [ -n "${RACE_FLAGS:-}" ]; then
-    for preset in $presets; do
-      if ! "$py" scripts/race.py variants "$preset" -- "${race_flags[*]}" >"$work/race-flags.log" 2>&1; then
-        cat "$work/race-flags.log"; rows+=("| race-flags | FAIL: $(tail -n 1 "$work/race-flags.log") | 0 |"); failed=1; exit
-      fi
-    done
+    for preset in $presets; do check_variants race-flags "$preset" "${race_flags[*]}"; done
   fi
   # fastcifar first: a race cut short still has its contender (a cut-off trainer writes the runs it
   # finished to summary.json, a public script's log holds the rows it printed)
@@ -347,9 +348,7 @@ screen)
   IFS=';' read -ra variants <<<"${SCREEN-$SCREEN_DEFAULT}"
   # a typo must not cost the visit: each variant parses and validates on the preset first, and must
   # change the recipe, each its own way (a contender's runs are pooled by its recipe's name)
-  if ! "$py" scripts/race.py variants "$preset" -- "${variants[@]}" >"$work/screen-flags.log" 2>&1; then
-    cat "$work/screen-flags.log"; rows+=("| screen-flags | FAIL: $(tail -n 1 "$work/screen-flags.log") | 0 |"); failed=1; exit
-  fi
+  check_variants screen-flags "$preset" "${variants[@]}"
   i=0
   for flags in "" "${variants[@]}"; do
     read -ra extra <<<"$flags"

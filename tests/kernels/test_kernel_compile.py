@@ -123,14 +123,9 @@ def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
     assert "unset TRITON_INTERPRET" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("preset,blocks,act", [("fast", "FAST_BLOCKS", "gelu"), ("resnet9", "RESNET9_BLOCKS", "relu"),
-                                               ("fast-muon320", "MUON320_BLOCKS", "gelu"),
-                                               (DEFAULT_PRESET, "DEFAULT_BLOCKS", "gelu")])
-def test_the_shape_lists_are_the_presets_blocks(preset, blocks, act):
-    """aot's shape lists (what the compile sweep, the CUDA kernel tests and the kernel benchmark
-    use) are each preset's real normalize blocks, each distinct one once in order: (batch,
-    channels, side of the map entering the block, pool) read from the network itself, at the
-    preset's batch on one GPU."""
+def traced(preset: str, kind: type, record) -> list:
+    """record(module, its input) for every ``kind`` module of PRESET's network, in the order one
+    forward reaches them, the batch written as the preset's (one GPU)."""
     import torch
     from fastcifar.core.config import from_preset
     from fastcifar.ops.norm_act_pool import NormActPool
@@ -140,11 +135,24 @@ def test_the_shape_lists_are_the_presets_blocks(preset, blocks, act):
     model = make_network(cfg, NormActPool).eval()
     seen = []
     for m in model.modules():
-        if isinstance(m, NormActPool):
-            m.register_forward_hook(lambda m, args, out: seen.append((cfg.batch_size, args[0].shape[1],
-                                                                      args[0].shape[2], m.pool, m.act)))
+        if isinstance(m, kind):
+            m.register_forward_hook(lambda m, args, out: seen.append((cfg.batch_size, *record(m, args[0]))))
     with torch.no_grad():
         model(torch.zeros(2, 3, 32, 32))
+    return seen
+
+
+@pytest.mark.parametrize("preset,blocks,act", [("fast", "FAST_BLOCKS", "gelu"), ("resnet9", "RESNET9_BLOCKS", "relu"),
+                                               ("fast-muon320", "MUON320_BLOCKS", "gelu"),
+                                               (DEFAULT_PRESET, "DEFAULT_BLOCKS", "gelu")])
+def test_the_shape_lists_are_the_presets_blocks(preset, blocks, act):
+    """aot's shape lists (what the compile sweep, the CUDA kernel tests and the kernel benchmark
+    use) are each preset's real normalize blocks, each distinct one once in order: (batch,
+    channels, side of the map entering the block, pool) read from the network itself, at the
+    preset's batch on one GPU."""
+    from fastcifar.ops.norm_act_pool import NormActPool
+
+    seen = traced(preset, NormActPool, lambda m, x: (x.shape[1], x.shape[2], m.pool, m.act))
     distinct = list(dict.fromkeys(seen))  # ResNet-9's residual blocks repeat their layer's shape
     assert distinct == [(b, c, s, pool, act) for b, c, s, pool in getattr(aot, blocks)]
 
@@ -153,18 +161,8 @@ def test_the_conv_list_is_the_default_presets_convs():
     """DEFAULT_CONVS (the fused conv's compile sweep, CUDA tests and benchmark) are the default
     network's convs, in order: (batch, c_in, c_out, side of the map entering the conv, the pool of
     its normalize block), read from the network itself at the preset's batch on one GPU."""
-    import torch
-    from fastcifar.core.config import from_preset
-    from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool
-    from fastcifar.models.network import make_network
+    from fastcifar.ops.norm_act_pool import ConvBlock
 
-    cfg = from_preset()
-    model = make_network(cfg, NormActPool).eval()
-    seen = []
-    for m in model.modules():
-        if isinstance(m, ConvBlock):
-            m.register_forward_hook(lambda m, args, out: seen.append((cfg.batch_size, m.conv.in_channels,
-                                                                      m.conv.out_channels, args[0].shape[2], m.norm.pool)))
-    with torch.no_grad():
-        model(torch.zeros(2, 3, 32, 32))
+    seen = traced(DEFAULT_PRESET, ConvBlock,
+                  lambda m, x: (m.conv.in_channels, m.conv.out_channels, x.shape[2], m.norm.pool))
     assert seen == aot.DEFAULT_CONVS
