@@ -107,7 +107,7 @@ class Config:
     dist_group: str = "auto"  # process group: auto (only with several ranks) | always (also for one rank: its gradient buckets, comm stream and captured collectives run, as on several)
     emulate_ranks: int = 1  # one process trains what N ranks train (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged): the N-GPU recipe's accuracy on one device (fastcifar.data.loader.EmulatedRanks); 1 = off
     compile: bool = False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
-    fused_conv: bool = False  # the blocks' convs as Triton implicit GEMMs that take the batchnorm statistics (and a pool-first block's 2x2 pool) in their epilogue (fastcifar.kernels.conv_stats); needs the Triton kernels; not yet timed on a GPU
+    fused_conv: bool = False  # the blocks' convs as Triton implicit GEMMs that take the batchnorm statistics (and a pool-first block's 2x2 pool) in their epilogue (fastcifar.kernels.conv_stats); needs the Triton kernels; slower than cuDNN so far (bench/results/visits/visit-11.md)
     # --- compressed gradient communication (fastcifar.dist.compress; several ranks, --comm bucketed) ---
     compress: str = "none"  # none (plain all-reduce) | fp16 | bf16 | topk | randomk | threshold | terngrad | qsgd | powersgd
     compress_ratio: float = 0.01  # topk/randomk: fraction K of each chunk's coordinates sent, 0 < K <= 1
