@@ -8,7 +8,8 @@ start to last kernel end) of a torch.profiler trace of a few steps, and ``idle_v
 step (H100, `fast`: 3.42 ms against 3.12), so the first overstates; a graphed step should leave the
 GPU idle for less than 5% of it. The header gives the gap between a graph's dependent kernels with
 and without the tracer. The same trace splits the step by kernel name into convs, BN/act/pool,
-optimizer, other and idle (ms per step), with the top 5 kernels and the kernels per step.
+optimizer, other and idle (ms per step), with the top 5 kernels and the kernels per step, then
+every kernel of "other" by name (launches and ms per step; the jsonl row's ``per_kernel`` has all phases').
 ``--preset fast`` times that preset's network (FastNet) instead of the default ResNet-9.
 
 ``--fake-world N`` times the step one rank of an N-rank run takes (issue 46: the 8-GPU shapes on
@@ -187,16 +188,20 @@ def phase_of(name: str) -> str:
 def breakdown(kernels: list[tuple[str, float, float]], steps: int) -> dict:
     """Per-step milliseconds by phase, plus idle, from (name, start_us, end_us) kernel intervals:
     busy time is attributed by kernel, idle is the span minus the union of the intervals (launch
-    gaps, syncs). ``top`` names the 5 kernels that took the most time, with their per-step ms."""
+    gaps, syncs). ``top`` names the 5 kernels that took the most time, with their per-step ms;
+    ``per_kernel`` lists every kernel name with its phase, launches and ms per step, the most time first
+    (issue 50 item 1: what "other" is made of, named rather than guessed)."""
     kernels = sorted((k for k in kernels if k[2] > k[1]), key=lambda k: k[1])  # by start time
     if not kernels:
         return {}
     per_phase = dict.fromkeys(PHASES, 0.0)
     per_name: dict[str, float] = {}
+    calls: dict[str, int] = {}
     busy, cur_start, cur_end = 0.0, kernels[0][1], kernels[0][2]
     for name, start, end in kernels:
         per_phase[phase_of(name)] += end - start
         per_name[name] = per_name.get(name, 0.0) + end - start
+        calls[name] = calls.get(name, 0) + 1
         if start > cur_end:
             busy += cur_end - cur_start
             cur_start, cur_end = start, end
@@ -210,8 +215,15 @@ def breakdown(kernels: list[tuple[str, float, float]], steps: int) -> dict:
     out["idle_share"] = 1.0 - busy / span
     out["busy_ms"] = busy * ms
     out["kernels_per_step"] = len(kernels) / steps  # every timed device event: kernels, copies, memsets
-    out["top"] = [(name, v * ms) for name, v in sorted(per_name.items(), key=lambda kv: -kv[1])[:5]]
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1])
+    out["top"] = [(name, v * ms) for name, v in ranked[:5]]
+    out["per_kernel"] = [(name, phase_of(name), calls[name] / steps, v * ms) for name, v in ranked]
     return out
+
+
+def phase_kernels(row: dict, phase: str) -> list[str]:
+    """One markdown line per kernel of ``phase`` in a row's ``per_kernel``: ms and launches per step."""
+    return [f"| {name[:90]} | {n:g} | {v:.4f} |" for name, p, n, v in row.get("per_kernel", ()) if p == phase]
 
 
 def traced_kernels(run, steps: int) -> list[tuple[str, float, float]]:
@@ -368,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
             if r.get("top"):
                 top = ", ".join(f"{name[:60]} {v:.3f}" for name, v in r["top"])
                 print(f"- {r['batch']} {r['kernels']} graphs {r['graphs']}: top kernels {top}")
+        for r in rows:  # what "other" is made of, kernel by kernel (the jsonl row lists every phase's)
+            lines = phase_kernels(r, "other")
+            if lines:
+                print(f"\n#### {r['net']}, {r['batch']} images, {r['kernels']} kernels, graphs {r['graphs']}: "
+                      f"the {len(lines)} kernels of \"other\" ({r['other_ms']:.3f} ms a step)\n")
+                print("| kernel | launches per step | ms per step |\n|---|---|---|")
+                print("\n".join(lines))
     if SMOKE:
         print("\n(smoke run on the CPU: timings meaningless, nothing written)")
     else:

@@ -62,6 +62,13 @@ def test_breakdown_attributes_busy_time_and_counts_gaps_as_idle(bench_step):
     assert parts["top"][0] == ("sm90_xmma_fprop_implicit_gemm", pytest.approx(10 * ms))
     assert parts["busy_ms"] == pytest.approx(17 * ms)  # the union: 0-14 and 20-23
     assert parts["kernels_per_step"] == 2  # 4 kernels over 2 steps, the empty one dropped
+    # every kernel named, with its phase, launches and ms per step, the most time first
+    assert parts["per_kernel"] == [("sm90_xmma_fprop_implicit_gemm", "convs", 0.5, pytest.approx(10 * ms)),
+                                ("_apply_kernel", "bn_act_pool", 0.5, pytest.approx(4 * ms)),
+                                ("multi_tensor_apply_kernel", "optimizer", 0.5, pytest.approx(2 * ms)),
+                                ("reduce_kernel", "other", 0.5, pytest.approx(2 * ms))]
+    assert bench_step.phase_kernels(parts, "other") == ["| reduce_kernel | 0.5 | 0.0010 |"]
+    assert bench_step.phase_kernels({}, "other") == []
     assert bench_step.breakdown([], steps=1) == {}
 
 
@@ -183,3 +190,18 @@ def test_smoke_run_of_a_ranks_step_at_a_fake_world(tmp_path):
     assert f"| fastnet ({DEFAULT_PRESET}) | 2 | 8 | 16 | 1 | torch | off |" in proc.stdout, proc.stdout
     assert "rank 0 of a fake process group" in proc.stdout and "no communication" in proc.stdout
     assert bench_results() == before
+
+
+def test_the_printed_breakdown_names_every_kernel_of_other(bench_step, monkeypatch, capsys):
+    """Issue 50 item 1: the table under the breakdown lists each "other" kernel by name, with its
+    launches and ms per step; kernels of the other phases stay out of it."""
+    traced = [("sm90_xmma_fprop_implicit_gemm", 0.0, 500.0), ("void at::native::reduce_kernel<512, 1>", 500.0, 530.0),
+              ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNT", 530.0, 560.0), ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNT", 560.0, 590.0)]
+    monkeypatch.setattr(bench_step, "SMOKE", True)
+    monkeypatch.setattr(bench_step, "profile_steps", lambda step, images, labels, steps=10: bench_step.breakdown(traced, 1))
+    assert bench_step.main(["--smoke", "--preset", DEFAULT_PRESET]) == 0
+    out = capsys.readouterr().out
+    assert 'the 2 kernels of "other" (0.090 ms a step)' in out
+    assert "| nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNT | 2 | 0.0600 |" in out
+    assert "| void at::native::reduce_kernel<512, 1> | 1 | 0.0300 |" in out
+    assert "| sm90_xmma_fprop_implicit_gemm |" not in out
