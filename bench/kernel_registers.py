@@ -80,16 +80,18 @@ def conv_call(batch, c_in, c_out, side, pool, dtype, training) -> Callable[[], N
     return call
 
 
-def augment_call(batch, data, pad, cutout, dtype, indexed) -> Callable[[], None]:
+def augment_call(batch, data, pad, cutout, dtype, indexed, jitter=False) -> Callable[[], None]:
     def call():
         from fastcifar.ops.augment import AugmentParams
         from fastcifar.kernels.augment import augment
         side = 32 + 2 * pad
         images = torch.empty(data, side, side, 3, dtype=torch.uint8)
         p = [torch.zeros(batch, dtype=torch.int64) for _ in range(5)]
+        if jitter:  # --brightness/--contrast: the shift and scale per image
+            p += [torch.zeros(batch), torch.ones(batch)]
         index = torch.zeros(batch, dtype=torch.int64) if indexed else None
         augment(images if indexed else images[:batch], AugmentParams(*p), cutout, dtype=dtype, index=index)
-    call.__name__ = f"augment {dtype} batch={batch} pad={pad} cutout={cutout} indexed={indexed}"
+    call.__name__ = f"augment {dtype} batch={batch} pad={pad} cutout={cutout} indexed={indexed} jitter={jitter}"
     return call
 
 
@@ -117,7 +119,8 @@ def calls(which: str) -> list[Callable[[], None]]:
         out += [bn_call(1024, 64, 31, "before", fp16, "gelu", True), bn_call(1024, 64, 15, None, fp16, "gelu", True),
                 bn_call(1024, 256, 7, "before", fp16, "gelu", False),
                 bn_call(512, 128, 32, "after", fp16, "relu", True), bn_call(3, 5, 7, None, torch.float32, "celu", True),
-                augment_call(1024, 50000, 2, 0, fp16, True), cutout_call(512, 3, 32, 8, fp16),
+                augment_call(1024, 50000, 2, 0, fp16, True), augment_call(1024, 50000, 2, 0, fp16, True, jitter=True),
+                cutout_call(512, 3, 32, 8, fp16),
                 conv_call(2000, 24, 64, 31, "before", fp16, True), conv_call(2000, 320, 320, 7, None, fp16, True),
                 conv_call(2000, 320, 320, 7, "before", fp16, False),
                 # fp32 has tiles of its own (conv_stats.LAUNCH_FP32: fp16's spilled); bf16 shares fp16's
@@ -130,6 +133,7 @@ def calls(which: str) -> list[Callable[[], None]]:
             out += [bn_call(b, c, s, pool, torch.float16, act, training) for b, c, s, act, pool in PRESET_BLOCKS]
             out += [conv_call(b, ci, co, s, pool, torch.float16, training) for b, ci, co, s, pool in DEFAULT_CONVS]
         return out + [augment_call(1024, 50000, 2, 0, torch.float16, True),
+                      augment_call(2000, 50000, 2, 0, torch.float16, True, jitter=True),
                       augment_call(512, 50000, 4, 8, torch.float16, True), cutout_call(512, 3, 32, 8, torch.float16)]
     if which != "full":
         raise ValueError(f"unknown variant set {which!r}: ci, presets or full")
@@ -141,7 +145,7 @@ def calls(which: str) -> list[Callable[[], None]]:
         for indexed in (True, False):
             out += [augment_call(1024, 50000 if indexed else 1024, 2, 0, dtype, indexed),
                     augment_call(512, 50000 if indexed else 512, 4, 8, dtype, indexed),
-                    augment_call(5, 7, 1, 3, dtype, indexed)]
+                    augment_call(5, 7, 1, 3, dtype, indexed), augment_call(5, 7, 1, 3, dtype, indexed, jitter=True)]
         out += [cutout_call(512, 3, 32, 8, dtype), cutout_call(3, 5, 7, 3, dtype)]
         for training in (True, False):
             out += [conv_call(b, ci, co, s, pool, dtype, training) for b, ci, co, s, pool in DEFAULT_CONVS + ODD_CONVS]

@@ -165,7 +165,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
     train_loader = make_train_loader(loader_name, data.train_images, data.train_labels, shard, per_rank_batch, steps,
                                      kernels=kernels, pad=cfg.crop_pad, pad_mode=cfg.pad_mode, cutout=cfg.cutout,
-                                     flip=cfg.flip, flip_mode=cfg.flip_mode, dtype=dtype, device=ctx.device,
+                                     flip=cfg.flip, flip_mode=cfg.flip_mode, brightness=cfg.brightness,
+                                     contrast=cfg.contrast, dtype=dtype, device=ctx.device,
                                      rank=ctx.rank, emulate_ranks=cfg.emulate_ranks)  # N ranks' side by side
     test_set = EvalSet(data.test_images, data.test_labels, cfg.eval_batch_size, dtype=dtype,
                        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size)

@@ -57,7 +57,8 @@ class Variant:
             if val and self.signature.get(name, "") not in ("constexpr",) and not self.signature[name].startswith("*"):
                 ints.append(name)
         div16 = f"; {'/'.join(ints)} %16" if ints else ""  # integer arguments Triton specialized as multiples of 16
-        return f"{self.kernel}[{'/'.join(ptrs)}; {consts}{div16}; warps={self.options.get('num_warps')}]"
+        fusion = "; no fp fusion" if self.options.get("enable_fp_fusion") is False else ""
+        return f"{self.kernel}[{'/'.join(ptrs)}; {consts}{div16}; warps={self.options.get('num_warps')}{fusion}]"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,9 +83,10 @@ def recording(arch: int, out: list):
             binders[self] = jit.create_function_from_signature(self.signature, self.params, backend)
         bound, specialization, options = binders[self](*args, **kwargs)
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
-        out.append(Variant(self.__name__, dict(signature), dict(constexprs), dict(attrs),
-                           {"num_warps": options.num_warps, "num_stages": options.num_stages},
-                           self, recording.where))
+        launch = {"num_warps": options.num_warps, "num_stages": options.num_stages}
+        if not options.enable_fp_fusion:  # only where a launch turns it off: the other variants' keys stay
+            launch["enable_fp_fusion"] = False
+        out.append(Variant(self.__name__, dict(signature), dict(constexprs), dict(attrs), launch, self, recording.where))
 
     real_run, real_interpreted = jit.JITFunction.run, checks.interpreted
     jit.JITFunction.run = run

@@ -1,4 +1,4 @@
-"""The training augmentation in one pass: gather + crop + flip + normalize + cutout, uint8 -> float.
+"""The training augmentation in one pass: gather + crop + flip + normalize + jitter + cutout, uint8 -> float.
 
 Equal to ``fastcifar.ops.augment.augment_reference`` (the definition; see its docstring for the order).
 The kernel reads the whole padded data set in place through a (B,) index tensor, so the batch is
@@ -39,11 +39,11 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _augment_kernel(data_ptr, index_ptr, dy_ptr, dx_ptr, flip_ptr, cy_ptr, cx_ptr, mean_ptr, std_ptr, out_ptr,
-                    total, num_images, C, S, Hp, Wp, cutout,
-                    HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+def _augment_kernel(data_ptr, index_ptr, dy_ptr, dx_ptr, flip_ptr, cy_ptr, cx_ptr, shift_ptr, scale_ptr, mean_ptr,
+                    std_ptr, out_ptr, total, num_images, C, S, Hp, Wp, cutout,
+                    HAS_INDEX: tl.constexpr, JITTER: tl.constexpr, BLOCK: tl.constexpr):
     """out[b, oh, ow, c] (flat NHWC) = (data[img, dy+oh, dx+(flip ? S-1-ow : ow), c] - mean[c]) * (1 / std[c]),
-    0 inside the cutout square; img = index[b] (or b)."""
+    then (JITTER) (that + shift[b]) * scale[b]; 0 inside the cutout square; img = index[b] (or b)."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = e < total
     c = e % C
@@ -68,6 +68,10 @@ def _augment_kernel(data_ptr, index_ptr, dy_ptr, dx_ptr, flip_ptr, cy_ptr, cx_pt
     m = tl.load(mean_ptr + c, mask=mask, other=0.0)
     s = tl.load(std_ptr + c, mask=mask, other=1.0)
     y = (v - m) * tl.math.div_rn(s * 0.0 + 1.0, s)  # times the IEEE reciprocal, as the reference (and DALI)
+    if JITTER:  # launched without fp fusion: an fma of the line above with this add would round once, not twice
+        sh = tl.load(shift_ptr + b, mask=mask, other=0.0)
+        sc = tl.load(scale_ptr + b, mask=mask, other=1.0)
+        y = (y + sh) * sc
     hole = (oh >= cy) & (oh < cy + cutout) & (ow >= cx) & (ow < cx + cutout)
     y = tl.where(hole, 0.0, y)
     tl.store(out_ptr + e, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -124,14 +128,19 @@ def augment(data: torch.Tensor, params: AugmentParams, cutout: int, mean=CIFAR10
         b = index.shape[0]
     for name in ("dy", "dx", "flip", "cy", "cx"):
         _check_vector(getattr(params, name), f"params.{name}", b, data.device)
+    if params.jitter:
+        for name in ("shift", "scale"):
+            _check_vector(getattr(params, name), f"params.{name}", b, data.device, dtypes=(torch.float32,))
     mean_t = channel_constants(mean, c, data.device)
     std_t = channel_constants(std, c, data.device)
     y = _empty((b, c, size, size), dtype, data.device)
     if y.numel():
+        jitter = (params.shift, params.scale) if params.jitter else (mean_t, mean_t)  # unread without JITTER
         _augment_kernel[(triton.cdiv(y.numel(), BLOCK),)](
             data, index if index is not None else data, params.dy, params.dx, params.flip, params.cy, params.cx,
-            mean_t, std_t, y, y.numel(), d, c, size, hp, wp, cutout,
-            HAS_INDEX=index is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            *jitter, mean_t, std_t, y, y.numel(), d, c, size, hp, wp, cutout,
+            HAS_INDEX=index is not None, JITTER=params.jitter, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            enable_fp_fusion=not params.jitter)
     return y
 
 

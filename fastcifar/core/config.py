@@ -65,6 +65,8 @@ class Config:
     flip: bool = True  # horizontal flip, half of the images per epoch
     flip_mode: str = "random"  # random: a coin per image per epoch | alternate: a coin per image, mirrored every other epoch
     cutout: int = 8  # side of the zeroed square, pixels; 0 = off
+    brightness: float = 0.0  # jitter: each training image, normalized, plus a uniform draw in [-B, B] (units of each channel's std); 0 = off
+    contrast: float = 0.0  # jitter: then times a uniform draw in [1 - C, 1 + C], one per image; 0 = off
     tta: int = 1  # test-time augmentation: 0 none | 1 mean logits of image and mirror | 2 also 1-px shifts (6 views)
     tta_share: float = 1.0  # share of each evaluation batch (per rank) given the TTA views, least confident first (the plain view's top probability); the rest count the plain view
     # --- recipe, issue 14: airbench94 parity, its former departures, orthogonalized momentum ---
@@ -295,6 +297,8 @@ RANGES: dict[str, tuple[float | None, float | None, str]] = {
     "lookahead_decay": (0, 1, "[)"),
     "crop_pad": (0, None, "[)"),  # and below the image side (validate: it depends on --pad-mode)
     "cutout": (0, 32, "[]"),  # IMAGE_SIDE
+    "brightness": (0, 10, "[]"),  # stds: 10 shifts any pixel far past the data set's range
+    "contrast": (0, 1, "[)"),  # a scale stays positive: 1 would allow an image scaled to 0
     "bn_eps": (0, 1, "()"),
     "lookahead_start_epoch": (0, None, "[)"),
     "muon_lr": (0, None, "[)"),

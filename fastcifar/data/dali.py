@@ -10,7 +10,8 @@ Data flow per rank (the same code on the CPU backend, where tests run it):
   ``augment.draw_params`` itself): the torch loader's exact draws, so either loader gives the same run;
 * per batch: a gather of the batch's padded images on a side stream feeds ``fn.external_source``
   (device memory, no host round trip); the parameters (a few hundred ints) are the argument
-  inputs of one ``crop_mirror_normalize`` (crop from padding + flip + normalize + cast, fused)
+  inputs of one ``crop_mirror_normalize`` (crop from padding + flip + normalize + cast, fused),
+  with ``--brightness``/``--contrast`` an add and a multiply by each image's shift and scale,
   and one ``erase`` (cutout, after normalization so the hole is the data set's mean colour);
 * output: DALI's NHWC buffer handed to torch through DLPack, ``.permute(0, 3, 1, 2)`` so it is
   NCHW-shaped and channels-last with no copy; with static buffers bound (the CUDA-graph step),
@@ -196,7 +197,8 @@ class DaliLoader(TrainLoader):
                  cutout: int = 8, flip: bool = True, dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu", rank: int = 0, mean=CIFAR10_MEAN, std=CIFAR10_STD,
                  seed: int = 0, prefetch: int = 2, num_threads: int = 2, flip_mode: str = "random",
-                 params_fn: Callable[[int, int, int], AugmentParams] | None = None):
+                 params_fn: Callable[[int, int, int], AugmentParams] | None = None, brightness: float = 0.0,
+                 contrast: float = 0.0):
         Pipeline, fn, types = _dali()
         images, labels = _check_images(images, labels)
         device_id = _device_id(torch.device(device))
@@ -209,6 +211,8 @@ class DaliLoader(TrainLoader):
             raise ValueError(f"cutout {cutout} outside 0..{size}")
         if pad < 0 or (pad_mode == "reflect" and pad >= size):
             raise ValueError(f"pad {pad} outside 0..{size - 1}")
+        if not (brightness >= 0 and contrast >= 0):
+            raise ValueError(f"brightness and contrast must not be negative, not {brightness}, {contrast}")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError(f"mean and std need 3 channels and std > 0, not {mean}, {std}")
         if batch_size < 1 or prefetch < 1:
@@ -224,6 +228,8 @@ class DaliLoader(TrainLoader):
         self.batch_size, self.steps, self.size = batch_size, steps, size
         self.pad, self.cutout, self.flip, self.rank = pad, cutout, flip, rank
         self.params_fn, self.flip_mode = params_fn, flip_mode
+        self.brightness, self.contrast = brightness, contrast
+        jitter = brightness > 0 or contrast > 0
         self.mean, self.std = mean, std
         self.shard_index = shard_t.cpu()  # data-set index of each slot: alternating flips hash it
         # gather the shard first (the shard is 1/world of the set), pad once: every batch is a gather
@@ -252,17 +258,23 @@ class DaliLoader(TrainLoader):
             half = self.dtype == torch.float16
             # DALI 2.4's GPU erase rejects float16 ("Unsupported data type", H100, 2026-11-22): with
             # a cutout, normalize to float32, erase there, and round to float16 last, in one cast
-            # (the same single rounding as a float16 normalize: the erased zeros are exact in both)
+            # (the same single rounding as a float16 normalize: the erased zeros are exact in both);
+            # the jitter too works on float32 and rounds once at the end, as the reference does
+            late_cast = half and (cutout or jitter)
             out = fn.crop_mirror_normalize(
                 padded, device=backend, mean=[float(m) for m in mean], std=[float(s) for s in std],
-                dtype=types.FLOAT16 if half and not cutout else types.FLOAT,
+                dtype=types.FLOAT16 if half and not late_cast else types.FLOAT,
                 output_layout="HWC", rounding="round", **args)  # dy/(2*pad) * 2*pad rounds back to dy
+            if jitter:  # a batch of per-image scalars broadcasts over the image; on the pipeline's device
+                shift = fn.external_source(name="shift", device=backend, dtype=types.FLOAT, ndim=0)
+                scale = fn.external_source(name="scale", device=backend, dtype=types.FLOAT, ndim=0)
+                out = (out + shift) * scale
             if cutout:
                 anchor = fn.external_source(name="cut_anchor", dtype=types.FLOAT, ndim=1)
                 out = fn.erase(out, device=backend, anchor=anchor, shape=[float(cutout)] * 2,
                                axis_names="HW", fill_value=0.0)
-                if half:
-                    out = fn.cast(out, device=backend, dtype=types.FLOAT16)
+            if late_cast:
+                out = fn.cast(out, device=backend, dtype=types.FLOAT16)
             pipe.set_outputs(out)
         pipe.build()
         self._pipe = pipe
@@ -299,23 +311,36 @@ class DaliLoader(TrainLoader):
         n = self.steps * self.batch_size
         order, p = epoch_plan(run_seed, self.rank, epoch, len(self.labels), n, pad=self.pad,
                               cutout=self.cutout, flip=self.flip, flip_mode=self.flip_mode,
-                              shard_index=self.shard_index, size=self.size)  # the torch loader's too
+                              shard_index=self.shard_index, size=self.size, brightness=self.brightness,
+                              contrast=self.contrast)  # the torch loader's too
         if self.params_fn is not None:
             batches = [self._checked(self.params_fn(epoch, s, self.batch_size)) for s in range(self.steps)]
-            p = AugmentParams(*(torch.cat([getattr(b, f) for b in batches]) for f in PARAM_FIELDS))
+            p = AugmentParams(*(torch.cat([getattr(b, f) for b in batches]) for f in PARAM_FIELDS),
+                              *((torch.cat([b.shift for b in batches]), torch.cat([b.scale for b in batches]))
+                                if p.jitter else ()))
         args = {}
         if self.pad:
             args["crop_y"] = (p.dy.double() / (2 * self.pad)).float().numpy()
             args["crop_x"] = (p.dx.double() / (2 * self.pad)).float().numpy()
         if self.flip:
             args["mirror"] = p.flip.int().numpy()
+        if p.jitter:
+            args["shift"] = p.shift.float().numpy()
+            args["scale"] = p.scale.float().numpy()
         if self.cutout:
             args["cut_anchor"] = torch.stack([p.cy, p.cx], 1).float().numpy()
         return to_device(order, self.device), args
 
     def _checked(self, p: AugmentParams) -> AugmentParams:
-        """Pinned parameters as CPU int64, each inside its range (DALI would clamp, not fail)."""
-        p = AugmentParams(*(torch.as_tensor(getattr(p, f)).cpu().long() for f in PARAM_FIELDS))
+        """Pinned parameters as CPU int64, each inside its range (DALI would clamp, not fail); the
+        jitter's as CPU float32, present exactly when the loader jitters."""
+        jitter = self.brightness > 0 or self.contrast > 0
+        if p.jitter != jitter:
+            raise ValueError(f"params_fn: shift and scale must be {'given' if jitter else 'None'}: this loader "
+                             f"{'jitters' if jitter else 'does not jitter'}")
+        p = AugmentParams(*(torch.as_tensor(getattr(p, f)).cpu().long() for f in PARAM_FIELDS),
+                          *((torch.as_tensor(p.shift).cpu().float(), torch.as_tensor(p.scale).cpu().float())
+                            if jitter else ()))
         limits = {"dy": 2 * self.pad, "dx": 2 * self.pad, "flip": int(self.flip), "cy": self.size - self.cutout,
                   "cx": self.size - self.cutout}
         for name, high in limits.items():

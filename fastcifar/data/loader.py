@@ -20,7 +20,7 @@ import torch
 
 from fastcifar.ops.augment import (CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference, draw_params, normalize, pad_images)
 
-PARAM_FIELDS = ("dy", "dx", "flip", "cy", "cx")
+PARAM_FIELDS = ("dy", "dx", "flip", "cy", "cx")  # AugmentParams' int64 fields; shift and scale (jitter) are float32
 
 
 def epoch_seed(run_seed: int, rank: int, epoch: int) -> int:
@@ -29,7 +29,8 @@ def epoch_seed(run_seed: int, rank: int, epoch: int) -> int:
 
 
 def epoch_plan(run_seed: int, rank: int, epoch: int, n_shard: int, n: int, *, pad: int, cutout: int,
-               flip: bool, flip_mode: str, shard_index: torch.Tensor, size: int = 32):
+               flip: bool, flip_mode: str, shard_index: torch.Tensor, size: int = 32, brightness: float = 0.0,
+               contrast: float = 0.0):
     """One rank's whole epoch, drawn once on the host: the order (the first ``n`` of a permutation
     of the shard's ``n_shard`` slots) and every image's augmentation parameters, from one CPU
     generator seeded by ``epoch_seed``. Both loaders take their epoch from here, so a seed gives
@@ -38,7 +39,7 @@ def epoch_plan(run_seed: int, rank: int, epoch: int, n_shard: int, n: int, *, pa
     g = torch.Generator().manual_seed(epoch_seed(run_seed, rank, epoch))
     order = torch.randperm(n_shard, generator=g)[:n]
     params = draw_params(n, pad, cutout, g, "cpu", size=size, flip=flip, flip_mode=flip_mode,
-                         index=shard_index[order], epoch=epoch, seed=run_seed)
+                         index=shard_index[order], epoch=epoch, seed=run_seed, brightness=brightness, contrast=contrast)
     return order, params
 
 
@@ -119,7 +120,8 @@ class TorchLoader(TrainLoader):
     def __init__(self, images: np.ndarray, labels: np.ndarray, shard: np.ndarray, batch_size: int,
                  steps_per_epoch: int, *, pad: int, pad_mode: str, cutout: int, flip: bool,
                  dtype: torch.dtype, device: torch.device, rank: int = 0,
-                 mean=CIFAR10_MEAN, std=CIFAR10_STD, flip_mode: str = "random", kernels: str = "torch"):
+                 mean=CIFAR10_MEAN, std=CIFAR10_STD, flip_mode: str = "random", kernels: str = "torch",
+                 brightness: float = 0.0, contrast: float = 0.0):
         if steps_per_epoch * batch_size > len(shard):
             raise ValueError(f"{steps_per_epoch} steps of {batch_size} need {steps_per_epoch * batch_size} "
                              f"images, the shard has {len(shard)}")
@@ -128,6 +130,7 @@ class TorchLoader(TrainLoader):
         self.flip_mode = flip_mode
         self.batch_size, self.steps = batch_size, steps_per_epoch
         self.pad, self.cutout, self.flip = pad, cutout, flip
+        self.brightness, self.contrast = brightness, contrast
         self.dtype, self.device, self.rank = dtype, device, rank
         self.mean = torch.tensor(mean, dtype=torch.float32, device=device)  # once, not per batch
         self.std = torch.tensor(std, dtype=torch.float32, device=device)
@@ -153,17 +156,19 @@ class TorchLoader(TrainLoader):
     def _device_plan(self, run_seed: int, epoch: int) -> tuple[torch.Tensor, AugmentParams]:
         order, plan = epoch_plan(run_seed, self.rank, epoch, len(self.labels), self.steps * self.batch_size,
                                  pad=self.pad, cutout=self.cutout, flip=self.flip, flip_mode=self.flip_mode,
-                                 shard_index=self.shard_index)
-        # one host-to-device copy per epoch (6 int64 per image: 2.4 MB for 50,000), none per step
+                                 shard_index=self.shard_index, brightness=self.brightness, contrast=self.contrast)
+        # one host-to-device copy per epoch (6 int64 per image: 2.4 MB for 50,000), none per step;
+        # the jitter's two float32 per image in a second one
         rows = to_device(torch.stack([order, *(getattr(plan, f) for f in PARAM_FIELDS)]), self.device)
-        return rows[0], AugmentParams(*rows[1:])
+        jitter = to_device(torch.stack([plan.shift, plan.scale]), self.device) if plan.jitter else (None, None)
+        return rows[0], AugmentParams(*rows[1:], *jitter)
 
     def __iter__(self):
         b = self.batch_size
         order, plan = self._ahead.take(self.run_seed, self.epoch)
         for step in range(self.steps):
             idx = order[step * b:(step + 1) * b]
-            params = AugmentParams(*(getattr(plan, f)[step * b:(step + 1) * b] for f in PARAM_FIELDS))
+            params = plan.part(step * b, (step + 1) * b)
             if self.fused is not None:
                 images = self.fused(self.images, params, index=idx)
             else:

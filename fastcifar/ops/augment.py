@@ -1,4 +1,5 @@
-"""The training augmentation, defined once: random crop from padding, horizontal flip, cutout.
+"""The training augmentation, defined once: random crop from padding, horizontal flip, brightness and
+contrast jitter, cutout.
 
 This is the reference every loader follows (the plain-torch loader calls it directly; the
 Triton kernel in ``kernels/augment.py`` and the DALI pipeline are tested against it). Order, per
@@ -8,8 +9,12 @@ image, in output coordinates:
 2. take the 32x32 window whose top-left corner is (dy, dx) in the padded image, 0 <= dy, dx <= 2*pad;
 3. mirror it left-right if ``flip`` (drawn at random per image, or alternating: see
    ``alternating_flip``);
-4. normalize per channel: (x - mean) * (1 / std), in fp32, then cast to the output dtype;
-5. zero the ``cutout`` x ``cutout`` square whose top-left corner is (cy, cx), fully inside the image
+4. normalize per channel: (x - mean) * (1 / std), in fp32;
+5. jitter (when drawn): (x + shift) * scale in fp32, one shift and one scale per image for all its
+   channels (``shift`` uniform in [-brightness, brightness], in units of each channel's std;
+   ``scale`` uniform in [1 - contrast, 1 + contrast]; the record script's jitter, issue 50); then
+   cast to the output dtype;
+6. zero the ``cutout`` x ``cutout`` square whose top-left corner is (cy, cx), fully inside the image
    (0 <= cy, cx <= 32 - cutout). Zero after normalization is the data set's mean colour.
 
 Images are NHWC uint8 in memory; the output is NCHW-shaped with channels-last strides (the layout
@@ -18,6 +23,7 @@ cuDNN's fast NHWC convolutions want), so it is NHWC in memory as well.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,13 +37,29 @@ CIFAR10_STD = (62.993, 62.089, 66.705)
 
 @dataclass(frozen=True)
 class AugmentParams:
-    """Per-image random parameters of one batch: int64 tensors of shape (B,) on the data's device."""
+    """Per-image random parameters of one batch: int64 tensors of shape (B,) on the data's device,
+    and the jitter's two float32 ones (B,), both or neither (None: no jitter, the image unchanged)."""
 
     dy: torch.Tensor  # crop row offset into the padded image, 0..2*pad
     dx: torch.Tensor  # crop column offset into the padded image, 0..2*pad
     flip: torch.Tensor  # 1: mirror left-right, 0: keep
     cy: torch.Tensor  # cutout top row in the output image, 0..size-cutout
     cx: torch.Tensor  # cutout left column in the output image, 0..size-cutout
+    shift: torch.Tensor | None = None  # added to the normalized image (brightness), float32
+    scale: torch.Tensor | None = None  # then multiplied with it (contrast), float32
+
+    def __post_init__(self):
+        if (self.shift is None) != (self.scale is None):
+            raise ValueError("the jitter needs both shift and scale, or neither")
+
+    @property
+    def jitter(self) -> bool:
+        return self.shift is not None
+
+    def part(self, lo: int, hi: int) -> "AugmentParams":
+        """The parameters of images lo..hi-1 (views, no copy)."""
+        return AugmentParams(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[lo:hi]
+                                for f in dataclasses.fields(self)})
 
 
 FLIP_MODES = CHOICES["flip_mode"]
@@ -56,6 +78,8 @@ def draw_params(
     index: torch.Tensor | None = None,
     epoch: int = 0,
     seed: int = 0,
+    brightness: float = 0.0,
+    contrast: float = 0.0,
 ) -> AugmentParams:
     """Draw one batch of parameters on ``device`` (the generator must live on that device).
 
@@ -63,6 +87,9 @@ def draw_params(
     columns that the augmentation then ignores. ``flip_mode="alternate"`` replaces the random
     flip by ``alternating_flip(index, epoch, seed)``: ``index`` holds the batch's data-set
     indices (int64, on ``device``). The other parameters' draws are the same in both modes.
+    ``brightness`` or ``contrast`` > 0 draws the jitter after everything else (so the other draws
+    are those of a run without it): a shift uniform in [-brightness, brightness] and a scale uniform
+    in [1 - contrast, 1 + contrast] per image, float32; the one left at 0 stays 0 or 1.
     """
     if flip_mode not in FLIP_MODES:
         raise ValueError(f"flip mode must be one of {FLIP_MODES}, not {flip_mode!r}")
@@ -79,13 +106,22 @@ def draw_params(
         if index is None or index.shape != (batch,):
             raise ValueError(f"alternating flips need the batch's {batch} data-set indices")
         flips = alternating_flip(index, epoch, seed)
-    return AugmentParams(
-        dy=uniform(2 * pad) if pad else zeros,
-        dx=uniform(2 * pad) if pad else zeros,
-        flip=flips,
-        cy=uniform(size - cutout) if cutout else zeros,
-        cx=uniform(size - cutout) if cutout else zeros,
-    )
+    if not (brightness >= 0 and contrast >= 0):  # NaN too
+        raise ValueError(f"brightness and contrast must not be negative, not {brightness}, {contrast}")
+
+    def symmetric(half_width: float) -> torch.Tensor:  # float32 in [-half_width, half_width]
+        return (torch.rand(batch, generator=generator, device=device) * 2 - 1) * half_width
+
+    # in this order: the draws of a run without jitter come first, unchanged
+    dy = uniform(2 * pad) if pad else zeros
+    dx = uniform(2 * pad) if pad else zeros
+    cy = uniform(size - cutout) if cutout else zeros
+    cx = uniform(size - cutout) if cutout else zeros
+    shift = scale = None
+    if brightness > 0 or contrast > 0:
+        shift = symmetric(brightness) if brightness else torch.zeros(batch, device=device)
+        scale = 1 + symmetric(contrast) if contrast else torch.ones(batch, device=device)
+    return AugmentParams(dy=dy, dx=dx, flip=flips, cy=cy, cx=cx, shift=shift, scale=scale)
 
 
 # Knuth's multiplicative hash constant (2^32 / golden ratio): consecutive indices land far apart.
@@ -158,7 +194,7 @@ def augment_reference(
     dtype: torch.dtype = torch.float32,
     size: int = 32,
 ) -> torch.Tensor:
-    """Crop, flip, normalize and cut out one batch of already padded NHWC uint8 images.
+    """Crop, flip, normalize, jitter and cut out one batch of already padded NHWC uint8 images.
 
     ``padded`` is (B, size+2*pad, size+2*pad, C); returns (B, C, size, size), channels-last.
     """
@@ -169,7 +205,10 @@ def augment_reference(
     cols = torch.where(params.flip[:, None].bool(), cols.flip(1), cols)
     batch_idx = torch.arange(b, device=padded.device)[:, None, None]
     crops = padded[batch_idx, rows[:, :, None], cols[:, None, :]]  # (B, size, size, C) gather
-    out = normalize(crops, mean, std, dtype)
+    out = normalize(crops, mean, std, torch.float32)
+    if params.jitter:  # two fp32 roundings, add then multiply, as the Triton kernel and DALI do them
+        out = (out + params.shift.float()[:, None, None, None]) * params.scale.float()[:, None, None, None]
+    out = out.to(dtype)  # normalize's own cast: the same bits as normalizing to dtype directly
     if cutout:
         inside_y = (ar[None, :] >= params.cy[:, None]) & (ar[None, :] < params.cy[:, None] + cutout)
         inside_x = (ar[None, :] >= params.cx[:, None]) & (ar[None, :] < params.cx[:, None] + cutout)

@@ -51,6 +51,16 @@ def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path, loader):
     assert (run_dir / "log.txt").read_text().count("\n") >= 6
 
 
+def test_a_jittered_run_learns_and_records_its_jitter(learnable_data, tmp_path):
+    """--brightness/--contrast reach the loader (the DALI loader here: auto on the CPU) and the record."""
+    out = tmp_path / "runs"
+    proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--brightness", "0.2", "--contrast", "0.2"])
+    assert proc.returncode == 0, proc.stderr
+    summary = summary_of(out)
+    assert (summary["config"]["brightness"], summary["config"]["contrast"]) == (0.2, 0.2)
+    assert summary["summary"]["acc_mean"] > 60.0, summary["summary"]
+
+
 def test_default_fast_preset_learns_on_the_cpu(learnable_data, tmp_path):
     out = tmp_path / "runs"
     proc = run_train(["--data", learnable_data, "--out-dir", out, *FAST_SHORT, "--epochs", "2", "--warmup-epochs", "0.5"])
@@ -121,6 +131,8 @@ def test_overrides_and_presets():
     (["--epochs", "0"], "--epochs must lie in (0, 1000], not 0"),
     (["--preset", "nope"], "unknown preset"),
     (["--pad-mode", "wrap"], "invalid choice"),
+    (["--brightness", "-0.1"], "--brightness must lie in [0, 10], not -0.1"),
+    (["--contrast", "1"], "--contrast must lie in [0, 1), not 1.0"),
     (["--warmup-epochs", "30"], "--warmup-epochs must lie in"),
     (["--warmup-epo", "1"], "unrecognized arguments: --warmup-epo"),  # no abbreviations
     (["--widths", "8,16"], "--widths takes three positive channel counts for --arch fastnet"),

@@ -1,8 +1,10 @@
-"""kernels/augment.py against fastcifar.ops.augment.augment_reference: crop, flip, normalize, cutout in
-one pass, from the whole padded data set through an index tensor or from a gathered batch.
+"""kernels/augment.py against fastcifar.ops.augment.augment_reference: crop, flip, normalize, jitter,
+cutout in one pass, from the whole padded data set through an index tensor or from a gathered batch.
 fp32 must be exact (the kernel multiplies by the IEEE-rounded reciprocal of std, as the reference
 does); fp16 within 1 ulp."""
 
+
+import dataclasses
 
 import torch
 
@@ -29,9 +31,9 @@ def _data(num, pad, mode, seed=0, size=32, channels=3):
     return pad_images(images, pad, mode).contiguous().to(DEVICE)
 
 
-def _params(batch, pad, cut, seed, size=32):
+def _params(batch, pad, cut, seed, size=32, brightness=0.0, contrast=0.0):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    return draw_params(batch, pad, cut, g, DEVICE, size=size)
+    return draw_params(batch, pad, cut, g, DEVICE, size=size, brightness=brightness, contrast=contrast)
 
 
 def _ulp_fp16(ref):
@@ -41,18 +43,26 @@ def _ulp_fp16(ref):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("pad, mode, cut, use_index", [
-    (4, "reflect", 8, True), (4, "zero", 12, False), (2, "reflect", 0, True), (0, "zero", 16, False),
+@pytest.mark.parametrize("pad, mode, cut, use_index, jitter", [
+    (4, "reflect", 8, True, None), (4, "zero", 12, False, None), (2, "reflect", 0, True, None),
+    (0, "zero", 16, False, None),
+    # --brightness/--contrast: shift then scale per image, fp32 exact (the GPU kernel runs without fp fusion)
+    (2, "reflect", 0, True, (0.14, 0.13)), (4, "zero", 8, False, (0.5, 0.0)), (0, "zero", 0, True, (0.0, 0.4)),
 ])
-def test_matches_reference(pad, mode, cut, use_index, dtype):
+def test_matches_reference(pad, mode, cut, use_index, jitter, dtype):
     data = _data(10, pad, mode, seed=pad + cut)
     batch = 7
     index = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(1)).to(DEVICE) if use_index else None
-    params = _params(batch if use_index else 10, pad, cut, seed=cut)
+    params = _params(batch if use_index else 10, pad, cut, seed=cut, **dict(zip(("brightness", "contrast"), jitter or ())))
+    assert params.jitter == (jitter is not None)
     got = augment(data, params, cut, dtype=dtype, index=index)
     ref = augment_indexed_reference(data, params, cut, dtype=dtype, index=index)
     assert got.dtype == dtype and got.is_contiguous(memory_format=CL) and got.shape == ref.shape
-    where = f"pad={pad} {mode} cutout={cut} index={use_index} {dtype}"
+    if jitter is not None:  # the jitter changed the images: the comparison below sees it
+        plain = augment_indexed_reference(data, dataclasses.replace(params, shift=None, scale=None), cut, dtype=dtype,
+                                          index=index)
+        assert not torch.equal(plain, ref)
+    where = f"pad={pad} {mode} cutout={cut} index={use_index} jitter={jitter} {dtype}"
     if dtype == torch.float32:
         assert_close(got, ref, 0.0, f"augment {where}")
     else:

@@ -70,6 +70,9 @@ def test_the_recorder_sees_the_launchers_choices(rows):
     assert any(v.startswith("_stats_kernel[") and "POOL=True,STATS=True" in v for v in variants), variants
     assert any(v.startswith("_stats_kernel[") and "POOL=True,STATS=False" in v for v in variants), variants
     assert any(v.startswith("_bwd_dx_kernel[") and "MODE=2" in v for v in variants), variants
+    # --brightness/--contrast: the augmentation's jitter variant, compiled without fp fusion as launched
+    jitter = [v for v in variants if v.startswith("_augment_kernel[") and "JITTER=True" in v]
+    assert jitter and all(v.endswith("; no fp fusion]") for v in jitter), jitter
 
 
 def test_problems_are_failures_and_spills():

@@ -1,4 +1,4 @@
-"""The augmentation reference: crop from padding, flip, normalization and cutout, and the loader."""
+"""The augmentation reference: crop from padding, flip, normalization, jitter and cutout, and the loader."""
 
 import numpy as np
 import pytest
@@ -77,6 +77,72 @@ def test_draw_params_ranges_and_rates():
         assert (counts - expected).abs().max() < 6 * expected ** 0.5, (name, counts)
     off = draw_params(10, pad=0, cutout=0, generator=g, device="cpu", flip=False)
     assert not any(getattr(off, n).any() for n in ("dy", "dx", "flip", "cy", "cx"))
+
+
+def test_jitter_draws_come_after_the_others_within_their_ranges():
+    """--brightness/--contrast: a shift uniform in [-B, B] and a scale uniform in [1 - C, 1 + C] per
+    image, drawn after the crop, flip and cutout draws, which stay those of a run without jitter."""
+    plain = draw_params(20000, pad=4, cutout=8, generator=torch.Generator().manual_seed(3), device="cpu")
+    p = draw_params(20000, pad=4, cutout=8, generator=torch.Generator().manual_seed(3), device="cpu",
+                    brightness=0.14, contrast=0.13)
+    assert plain.shift is None and plain.scale is None and not plain.jitter and p.jitter
+    assert all(torch.equal(getattr(p, f), getattr(plain, f)) for f in ("dy", "dx", "flip", "cy", "cx"))
+    assert p.shift.dtype == p.scale.dtype == torch.float32
+    assert -0.14 <= p.shift.min() < -0.13 and 0.13 < p.shift.max() <= 0.14
+    assert 0.87 <= p.scale.min() < 0.88 and 1.12 < p.scale.max() <= 1.13
+    # uniform: each fifth of the range holds a fifth of the draws, within 6 standard deviations
+    for v, lo, hi in ((p.shift, -0.14, 0.14), (p.scale, 0.87, 1.13)):
+        counts = torch.histc(v, bins=5, min=lo, max=hi)
+        assert (counts - 4000).abs().max() < 6 * 4000 ** 0.5, counts
+    only = draw_params(100, pad=0, cutout=0, generator=torch.Generator().manual_seed(3), device="cpu", contrast=0.5)
+    assert not only.shift.any() and only.scale.min() >= 0.5 and not torch.equal(only.scale, torch.ones(100))
+    with pytest.raises(ValueError, match="must not be negative"):
+        draw_params(4, 0, 0, torch.Generator(), "cpu", brightness=-0.1)
+
+
+def test_jitter_shifts_then_scales_the_normalized_image_and_leaves_the_cutout(images):
+    b = images.shape[0]
+    shift, scale = torch.tensor([0.5, -0.25, 0.0, 1.0]), torch.tensor([1.0, 0.5, 1.5, 0.75])
+    plain = params(b, cy=3, cx=5)
+    jittered = AugmentParams(plain.dy, plain.dx, plain.flip, plain.cy, plain.cx, shift=shift, scale=scale)
+    ref = augment_reference(pad_images(images, 4, "reflect"), plain, 0)
+    out = augment_reference(pad_images(images, 4, "reflect"), jittered, 0)
+    torch.testing.assert_close(out, (ref + shift[:, None, None, None]) * scale[:, None, None, None], rtol=0, atol=0)
+    cut = augment_reference(pad_images(images, 4, "reflect"), jittered, 8)
+    assert not cut[:, :, 3:11, 5:13].any()  # the hole stays the mean colour
+    assert torch.equal(cut[:, :, 11:], out[:, :, 11:])
+    with pytest.raises(ValueError, match="both shift and scale"):
+        AugmentParams(plain.dy, plain.dx, plain.flip, plain.cy, plain.cx, shift=shift)
+
+
+def test_a_jittering_loader_gives_the_reference_of_its_epochs_draws():
+    """The torch loader (reference and Triton kernels) applies the epoch plan's jitter: each batch is
+    augment_reference of its images with that plan's slice, and differs from the same loader without it."""
+    from fastcifar.data.loader import epoch_plan
+    rng = np.random.default_rng(4)
+    images = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    make = lambda kernels, **jitter: TorchLoader(images, np.arange(12), np.arange(12), 4, 3, pad=2,  # noqa
+                                                 pad_mode="reflect", cutout=4, flip=True, dtype=torch.float32,
+                                                 device=device, kernels=kernels, **jitter)
+    loader = make("torch", brightness=0.3, contrast=0.2)
+    loader.set_epoch(5, 1)
+    order, plan = epoch_plan(5, 0, 1, 12, 12, pad=2, cutout=4, flip=True, flip_mode="random",
+                             shard_index=torch.arange(12), brightness=0.3, contrast=0.2)
+    padded = pad_images(torch.from_numpy(images), 2, "reflect")
+    batches = list(loader)
+    for step, (x, y) in enumerate(batches):
+        idx = order[step * 4:(step + 1) * 4]
+        assert torch.equal(y.cpu(), torch.from_numpy(np.arange(12))[idx])
+        ref = augment_reference(padded[idx], plan.part(step * 4, (step + 1) * 4), 4)
+        torch.testing.assert_close(x.cpu(), ref, rtol=0, atol=0)
+    fused = make("triton", brightness=0.3, contrast=0.2)
+    fused.set_epoch(5, 1)
+    for (a, _), (b, _) in zip(fused, batches):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    still = make("torch")
+    still.set_epoch(5, 1)
+    assert not torch.equal(next(iter(still))[0], batches[0][0])
 
 
 def test_loader_epochs_shapes_and_shuffles():

@@ -37,13 +37,13 @@ def nhwc(x: torch.Tensor) -> np.ndarray:
     return x.permute(0, 2, 3, 1).numpy()
 
 
-def pinned(pad: int, cutout: int, flip: bool, seed: int = 0, size: int = 32):
+def pinned(pad: int, cutout: int, flip: bool, seed: int = 0, size: int = 32, **jitter):
     """A params_fn drawing with augment.draw_params from its own generator, remembering each batch."""
     g = torch.Generator().manual_seed(seed)
     drawn = {}
 
     def params_fn(epoch: int, step: int, batch: int):
-        drawn[epoch, step] = draw_params(batch, pad, cutout, g, "cpu", size=size, flip=flip)
+        drawn[epoch, step] = draw_params(batch, pad, cutout, g, "cpu", size=size, flip=flip, **jitter)
         return drawn[epoch, step]
 
     return params_fn, drawn
@@ -136,6 +136,40 @@ def test_augmentation_exact_against_reference(pad, pad_mode, cutout, flip):
 
 
 @needs_dali
+@pytest.mark.parametrize("cutout,jitter", [(8, dict(brightness=0.3, contrast=0.2)), (0, dict(brightness=0.5)),
+                                           (0, dict(contrast=0.4))])
+def test_jitter_exact_against_reference(cutout, jitter):
+    """--brightness/--contrast: DALI adds each image's shift and multiplies by its scale in float32,
+    bit for bit the reference's, before the cutout; the loader's own draws are the torch loader's."""
+    images = random_images(23, seed=4)
+    params_fn, drawn = pinned(2, cutout, True, **jitter)
+    loader = DaliLoader(images, np.arange(23), None, 5, pad=2, cutout=cutout, params_fn=params_fn, **jitter, **IDENTITY)
+    padded = pad_images(torch.from_numpy(images), 2, "reflect")
+    for step, (x, y) in enumerate(loader):
+        assert drawn[0, step].jitter
+        ref = augment_reference(padded[y], drawn[0, step], cutout, **IDENTITY)
+        assert torch.equal(x, ref), f"step {step}: max |dali - reference| {(x - ref).abs().max().item():.3g}"
+    from fastcifar.data.loader import TorchLoader
+    own = DaliLoader(images, np.arange(23), None, 5, pad=2, cutout=cutout, **jitter, **IDENTITY)
+    torch_loader = TorchLoader(images, np.arange(23), np.arange(23), 5, 4, pad=2, pad_mode="reflect", cutout=cutout,
+                               flip=True, dtype=torch.float32, device=torch.device("cpu"), **jitter, **IDENTITY)
+    for (a, ya), (b, yb) in zip(own, torch_loader):
+        assert torch.equal(ya, yb) and torch.equal(a, b)
+
+
+@needs_dali
+def test_pinned_jitter_must_match_the_loaders():
+    jittering = DaliLoader(random_images(10), np.arange(10), None, 5, brightness=0.1,
+                           params_fn=lambda e, s, b: draw_params(b, 4, 8, torch.Generator(), "cpu"))
+    with pytest.raises(ValueError, match="shift and scale must be given"):
+        next(iter(jittering))
+    plain = DaliLoader(random_images(10), np.arange(10), None, 5,
+                       params_fn=lambda e, s, b: draw_params(b, 4, 8, torch.Generator(), "cpu", contrast=0.1))
+    with pytest.raises(ValueError, match="shift and scale must be None"):
+        next(iter(plain))
+
+
+@needs_dali
 @pytest.mark.parametrize("cutout", [8, 0])
 def test_fp16_cutout_is_erased_in_float32_and_rounded_once(cutout, monkeypatch):
     """DALI 2.4's GPU erase rejects float16 ("Unsupported data type: float16", H100, 2026-11-22),
@@ -156,6 +190,12 @@ def test_fp16_cutout_is_erased_in_float32_and_rounded_once(cutout, monkeypatch):
         assert built == [("crop_mirror_normalize", types.FLOAT16)]
     x, _ = next(iter(loader))
     assert x.dtype == torch.float16
+    built.clear()  # the jitter, too, works in float32 and rounds once, with or without a cutout
+    jittering = DaliLoader(random_images(20, seed=3), np.arange(20), None, 10, cutout=cutout, dtype=torch.float16,
+                           brightness=0.2)
+    assert built == [("crop_mirror_normalize", types.FLOAT), *([("erase", None)] if cutout else []),
+                     ("cast", types.FLOAT16)]
+    assert next(iter(jittering))[0].dtype == torch.float16
 
 
 @needs_dali
@@ -468,12 +508,13 @@ def test_non_jpeg_and_wrong_size_are_rejected():
 
 @pytest.mark.cuda
 @needs_dali
-@pytest.mark.parametrize("pad_mode", ["reflect", "zero"])
-def test_cuda_augmentation_matches_reference(pad_mode):
+@pytest.mark.parametrize("pad_mode,jitter", [("reflect", {}), ("zero", {}),
+                                             ("reflect", dict(brightness=0.14, contrast=0.13))])
+def test_cuda_augmentation_matches_reference(pad_mode, jitter):
     images = torch.from_numpy(random_images(70, seed=9)).cuda()  # resident: no host round trip
-    params_fn, drawn = pinned(4, 8, True)
+    params_fn, drawn = pinned(4, 8, True, **jitter)
     loader = DaliLoader(images, torch.arange(70, device="cuda"), None, 32, pad_mode=pad_mode, device="cuda",
-                        params_fn=params_fn)
+                        params_fn=params_fn, **jitter)
     padded = pad_images(images, 4, pad_mode)
     sx = torch.empty(32, 3, 32, 32, dtype=torch.float16, device="cuda").contiguous(memory_format=torch.channels_last)
     sy = torch.empty(32, dtype=torch.int64, device="cuda")
@@ -484,10 +525,11 @@ def test_cuda_augmentation_matches_reference(pad_mode):
             loader.set_epoch(0, epoch)
             for step, (x, y) in enumerate(loader):
                 assert x.dtype == torch.float16 and x.is_cuda and x.is_contiguous(memory_format=torch.channels_last)
-                p = drawn[epoch, step]
-                p = p.__class__(p.dy.cuda(), p.dx.cuda(), p.flip.cuda(), p.cy.cuda(), p.cx.cuda())
+                p = drawn[epoch, step].part(0, 32)
+                p = p.__class__(**{k: None if v is None else v.cuda() for k, v in vars(p).items()})
                 ref = augment_reference(padded[y], p, 8, dtype=torch.float16)
-                assert (x.float() - ref.float()).abs().max().item() <= 2.0 ** -9
+                # one fp16 ulp at 2..4; 2 where the jitter scales values up to 4.5
+                assert (x.float() - ref.float()).abs().max().item() <= 2.0 ** (-8 if jitter else -9)
                 assert not static or x.data_ptr() == sx.data_ptr()
 
 

@@ -22,6 +22,7 @@ def as_summary(argv: list[str]) -> dict:
     ["--epochs", "7.5", "--widths", "64,288,288"],
     ["--preset", "resnet9", "--epochs", "12", "--warmup-epochs", "1", "--no-nesterov", "--tta", "0"],
     ["--preset", "fast", "--activation", "silu", "--fused-conv", "--label-smoothing", "0.15"],
+    ["--brightness", "0.14", "--contrast", "0.13", "--batch-size", "1536"],
 ])
 def test_the_flags_rebuild_the_recipe(argv):
     """Parsing PRESET + the flags gives back every field that shapes training (seeds and run count
