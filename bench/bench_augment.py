@@ -1,10 +1,11 @@
-"""Benchmark the fused augmentation (crop + flip + normalize + cutout, uint8 -> fp16) and cutout.
+"""Benchmark the fused augmentation (crop + flip + normalize + jitter + cutout, uint8 -> fp16) and cutout.
 
     python bench/bench_augment.py            # on a CUDA machine; --no-compile skips torch.compile
     python bench/bench_augment.py --smoke    # CPU check of this script (interpreter, tiny shapes)
 
 Augment, at each preset's batch, crop padding and cutout (`fast`: 1024, pad 2, no cutout; `resnet9`:
-512, pad 4, cutout 8): a batch gathered by index from the whole padded CIFAR-10 training set (50000
+512, pad 4, cutout 8; the default: 2000, pad 2, no cutout, also with the record script's
+brightness/contrast jitter, ``--brightness 0.14 --contrast 0.13``, two float loads per element more): a batch gathered by index from the whole padded CIFAR-10 training set (50000
 images, random bytes: speed does not depend on content) on the device. Triton ``augment`` vs eager
 ``augment_reference(data[index], ...)`` vs ``torch.compile`` of the same, each given the device
 mean/std tensors the loader holds. The parameters are not drawn here: the loaders draw a whole
@@ -30,15 +31,17 @@ import torch  # noqa: E402
 from bench.common import (append_results, compile_static, copy_bandwidth_gbs, environment,  # noqa: E402
                           markdown_table, print_header, require_cuda, time_ms)
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params  # noqa: E402
-from fastcifar.core.config import from_preset  # noqa: E402
+from fastcifar.core.config import DEFAULT_PRESET, from_preset  # noqa: E402
 from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants  # noqa: E402
 from fastcifar.kernels.cutout import cutout, cutout_reference  # noqa: E402
 
 CL = torch.channels_last
 SIZE = 32
-# (preset, batch on one GPU, crop padding, cutout side): what each preset's loader augments per step
-PRESETS = [(name, cfg.batch_size, cfg.crop_pad, cfg.cutout)
-           for name, cfg in ((name, from_preset(name)) for name in ("fast", "resnet9"))]
+# (preset, batch on one GPU, crop padding, cutout side, jitter): what each preset's loader augments per step
+JITTER = {"brightness": 0.14, "contrast": 0.13}
+PRESETS = [(name, cfg.batch_size, cfg.crop_pad, cfg.cutout, {})
+           for name, cfg in ((name, from_preset(name)) for name in ("fast", "resnet9", DEFAULT_PRESET))]
+PRESETS.append((f"{DEFAULT_PRESET} --brightness 0.14 --contrast 0.13", *PRESETS[-1][1:4], JITTER))
 SMOKE_BATCH = 4
 
 
@@ -56,11 +59,11 @@ def bench_augment(device, presets, num_images, compile_ref, copy_gbs):
     # TritonAugment's buffers): no per-call host-to-device copy in any row
     mean = channel_constants(CIFAR10_MEAN, 3, device)
     std = channel_constants(CIFAR10_STD, 3, device)
-    for preset, n, pad, side in presets:
+    for preset, n, pad, side, jitter in presets:
         data = torch.randint(0, 256, (num_images, SIZE + 2 * pad, SIZE + 2 * pad, 3), dtype=torch.uint8,
                              device=device, generator=gen)
         index = torch.randperm(num_images, device=device, generator=gen)[:n]
-        params = draw_params(n, pad, side, gen, device)
+        params = draw_params(n, pad, side, gen, device, **jitter)
         nbytes = n * SIZE * SIZE * 3 * (1 + 2)  # uint8 in, fp16 out
         impls = {
             "triton": lambda: augment(data, params, side, mean, std, torch.float16, SIZE, index),
@@ -82,7 +85,7 @@ def bench_augment(device, presets, num_images, compile_ref, copy_gbs):
 def bench_cutout(device, presets, compile_ref, copy_gbs):
     rows = []
     gen = torch.Generator(device=device).manual_seed(1)
-    for preset, n, pad, side in presets:
+    for preset, n, pad, side, _ in presets:
         if not side:  # this preset has no cutout
             continue
         x = torch.randn(n, 3, SIZE, SIZE, device=device, generator=gen).half().contiguous(memory_format=CL)
@@ -118,10 +121,10 @@ def main():
         require_cuda("bench_augment")
     device = "cpu" if SMOKE else "cuda"
     compile_ref = not SMOKE and "--no-compile" not in sys.argv[1:]
-    presets = [(p, SMOKE_BATCH, pad, side) for p, _, pad, side in PRESETS] if SMOKE else PRESETS
+    presets = [(p, SMOKE_BATCH, pad, side, jitter) for p, _, pad, side, jitter in PRESETS] if SMOKE else PRESETS
     env = environment()
     copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)
-    print_header("augment: crop + flip + normalize + cutout (uint8 -> fp16), and cutout alone", env, copy_gbs)
+    print_header("augment: crop + flip + normalize + jitter + cutout (uint8 -> fp16), and cutout alone", env, copy_gbs)
     rows = bench_augment(device, presets, 16 if SMOKE else 50000, compile_ref, copy_gbs)
     rows += bench_cutout(device, presets, compile_ref, copy_gbs)
     print(markdown_table(rows, ["op", "preset", "batch", "impl", "dir", "median_ms", "p20_ms", "p80_ms",
