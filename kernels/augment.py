@@ -31,7 +31,7 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Fixed, not tuned on a GPU: 1024 output elements per program, 4 per thread at 8 warps. The stores
 # are contiguous (the output is NHWC in memory), the uint8 loads are gathered but stay within one or
 # two 96-byte image rows per 32 output elements. Each element carries its image's 6 int64 parameters
-# and offsets: at 32 elements per thread (4096 at 4 warps) ptxas spilled 8 KB per thread on sm_90,
+# (and 2 float32 with the jitter) and offsets: at 32 elements per thread (4096 at 4 warps) ptxas spilled 8 KB per thread on sm_90,
 # at 4 per thread it spills nothing (python bench/kernel_registers.py; its rows in
 # bench/results/kernel_registers.md).
 BLOCK = 1024

@@ -46,7 +46,7 @@ LOADERS = CHOICES["loader"]
 # What "auto" picks per device type: the faster in bench/bench_loader.py (bench/results/loader.jsonl,
 # the images_per_s rows). On the CPU DALI is several times faster than the torch ops; on a GPU the
 # torch loader is about ten times faster than DALI, whose per-batch Python feed of 5 external
-# sources and output hand-over cost host time the GPU waits for (bench/results/visits/visit-4.md, 4b).
+# sources (7 with the jitter) and output hand-over cost host time the GPU waits for (bench/results/visits/visit-4.md, 4b).
 AUTO_LOADER = {"cuda": "torch", "cpu": "dali"}
 DECODE_BATCH = 4096  # JPEGs per decode iteration: 15 iterations for the 60,000 images
 
@@ -341,6 +341,11 @@ class DaliLoader(TrainLoader):
         p = AugmentParams(*(torch.as_tensor(getattr(p, f)).cpu().long() for f in PARAM_FIELDS),
                           *((torch.as_tensor(p.shift).cpu().float(), torch.as_tensor(p.scale).cpu().float())
                             if jitter else ()))
+        for name in ("shift", "scale") if jitter else ():  # a wrong length would put later feeds out of step
+            v = getattr(p, name)
+            if v.shape != (self.batch_size,) or not bool(torch.isfinite(v).all()):
+                raise ValueError(f"params_fn: {name} must be {self.batch_size} finite values, got shape "
+                                 f"{tuple(v.shape)}")
         limits = {"dy": 2 * self.pad, "dx": 2 * self.pad, "flip": int(self.flip), "cy": self.size - self.cutout,
                   "cx": self.size - self.cutout}
         for name, high in limits.items():

@@ -110,7 +110,7 @@ def draw_params(
         raise ValueError(f"brightness and contrast must not be negative, not {brightness}, {contrast}")
 
     def symmetric(half_width: float) -> torch.Tensor:  # float32 in [-half_width, half_width]
-        return (torch.rand(batch, generator=generator, device=device) * 2 - 1) * half_width
+        return (torch.rand(batch, generator=generator, device=device, dtype=torch.float32) * 2 - 1) * half_width
 
     # in this order: the draws of a run without jitter come first, unchanged
     dy = uniform(2 * pad) if pad else zeros
@@ -119,8 +119,8 @@ def draw_params(
     cx = uniform(size - cutout) if cutout else zeros
     shift = scale = None
     if brightness > 0 or contrast > 0:
-        shift = symmetric(brightness) if brightness else torch.zeros(batch, device=device)
-        scale = 1 + symmetric(contrast) if contrast else torch.ones(batch, device=device)
+        shift = symmetric(brightness) if brightness else torch.zeros(batch, device=device, dtype=torch.float32)
+        scale = 1 + symmetric(contrast) if contrast else torch.ones(batch, device=device, dtype=torch.float32)
     return AugmentParams(dy=dy, dx=dx, flip=flips, cy=cy, cx=cx, shift=shift, scale=scale)
 
 

@@ -52,13 +52,18 @@ def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path, loader):
 
 
 def test_a_jittered_run_learns_and_records_its_jitter(learnable_data, tmp_path):
-    """--brightness/--contrast reach the loader (the DALI loader here: auto on the CPU) and the record."""
-    out = tmp_path / "runs"
-    proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--brightness", "0.2", "--contrast", "0.2"])
-    assert proc.returncode == 0, proc.stderr
-    summary = summary_of(out)
+    """--brightness/--contrast reach the loader (the DALI loader here: auto on the CPU) and the record:
+    the same seed without them trains on other images, so its first epoch's loss differs."""
+    losses = {}
+    for name, jitter in (("plain", []), ("jittered", ["--brightness", "0.2", "--contrast", "0.2"])):
+        out = tmp_path / name
+        proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "2", *jitter])
+        assert proc.returncode == 0, proc.stderr
+        summary = summary_of(out)
+        losses[name] = summary["results"][0]["epochs"][0]["train_loss"]
     assert (summary["config"]["brightness"], summary["config"]["contrast"]) == (0.2, 0.2)
-    assert summary["summary"]["acc_mean"] > 60.0, summary["summary"]
+    assert summary["summary"]["acc_mean"] > 50.0, summary["summary"]
+    assert losses["plain"] != losses["jittered"], losses
 
 
 def test_default_fast_preset_learns_on_the_cpu(learnable_data, tmp_path):

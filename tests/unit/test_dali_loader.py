@@ -168,6 +168,16 @@ def test_pinned_jitter_must_match_the_loaders():
     with pytest.raises(ValueError, match="shift and scale must be None"):
         next(iter(plain))
 
+    def bad(shift):
+        p = draw_params(5, 4, 8, torch.Generator(), "cpu", brightness=0.1)
+        return p.__class__(p.dy, p.dx, p.flip, p.cy, p.cx, shift=shift, scale=torch.ones(len(shift)))
+    for shift, what in ((torch.zeros(4), "shape \\(4,\\)"), (torch.tensor([0.0, 0, float("nan"), 0, 0]), "finite")):
+        loader = DaliLoader(random_images(10), np.arange(10), None, 5, brightness=0.1,
+                            params_fn=lambda e, s, b, shift=shift: bad(shift))
+        with pytest.raises(ValueError, match=f"shift must be 5 finite values.*{what}" if what != "finite" else
+                           "shift must be 5 finite values"):
+            next(iter(loader))
+
 
 @needs_dali
 @pytest.mark.parametrize("cutout", [8, 0])
@@ -528,8 +538,8 @@ def test_cuda_augmentation_matches_reference(pad_mode, jitter):
                 p = drawn[epoch, step].part(0, 32)
                 p = p.__class__(**{k: None if v is None else v.cuda() for k, v in vars(p).items()})
                 ref = augment_reference(padded[y], p, 8, dtype=torch.float16)
-                # one fp16 ulp at 2..4; 2 where the jitter scales values up to 4.5
-                assert (x.float() - ref.float()).abs().max().item() <= 2.0 ** (-8 if jitter else -9)
+                # one fp16 ulp at 2..4 (the jitter's 0.14/0.13 keep CIFAR's values within about +-2.6)
+                assert (x.float() - ref.float()).abs().max().item() <= 2.0 ** -9
                 assert not static or x.data_ptr() == sx.data_ptr()
 
 
