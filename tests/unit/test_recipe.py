@@ -526,6 +526,8 @@ def test_tta_flag_forms():
     ({"tta": 4}, "--tta must be one of 0, 1, 2"),
     ({"tta_share": 0.0}, r"--tta-share must lie in \(0, 1\], not 0"),
     ({"tta_share": 1.5}, r"--tta-share must lie in \(0, 1\], not 1.5"),
+    ({"brightness": -0.1}, r"--brightness must lie in \[0, 10\], not -0.1"),
+    ({"contrast": 1.0}, r"--contrast must lie in \[0, 1\), not 1.0"),
 ])
 def test_fast_validation(overrides, message):
     with pytest.raises(ConfigError, match=message):
