@@ -40,7 +40,8 @@
 # one row per check in bench/results/multi_gpu.jsonl (NCCL2_CALL and NCCL2_COMMIT name the call and commit).
 # conv (issue 50): the default preset's convs with the batchnorm statistics in their epilogue
 # (kernels/conv_stats.py) against cuDNN + the normalize block, side by side in one call: the kernel
-# table (bench/bench_conv_stats.py, rows in conv_stats.jsonl), the graphed step both ways (step.jsonl),
+# table (bench/bench_conv_stats.py, rows in conv_stats.jsonl), its launch settings' forwards
+# (bench/sweep_conv_stats.py, conv_sweep.jsonl), the graphed step both ways (step.jsonl),
 # then CONV_RUNS (10) runs each way on official data, reported as the race reports its contenders
 # (one row each in official.jsonl; CONV_CALL and CONV_COMMIT name the call and the commit). Its
 # data is staged in the same call (cifar10_official.py --from-stage, ~30 s): give it
@@ -320,6 +321,8 @@ conv)
   runs=${CONV_RUNS:-10}
   # the kernel table first: a fused kernel that fails on this GPU shows there before the runs
   step bench-conv 90 "$py" bench/bench_conv_stats.py
+  # its launch settings, forward only, beside cuDNN's (visit 11: the base setting's forward 2.4-6.2x cuDNN's)
+  step sweep-conv 180 "$py" bench/sweep_conv_stats.py
   for variant in cudnn fused; do
     flag=(); [ "$variant" = fused ] && flag=(--fused-conv)
     step "step-$variant" 60 "$py" bench/bench_step.py --preset "$preset" --batches "${default#* }" --graphs on \

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
     ("bench_augment.py", ["--smoke"], "smoke run"),
     ("bench_conv_stats.py", ["--smoke"], "| batch | conv | impl | dir | timing | median_ms"),
     ("sweep_bn_act_pool.py", ["--smoke"], "| block | base | w2 | best |"),
+    ("sweep_conv_stats.py", ["--smoke"], "| batch | conv | cudnn+triton | base | w4 | best | best vs base |"),
     ("sweep_bn_act_pool.py", ["--smoke", "--per-kernel"], "| block | setting | kernel | us |"),
     ("bench_loader.py", ["--images", "256", "--epochs", "1", "--batches", "64", "--no-record"], "images/s"),
     # the two that launch the trainer (bench.common.run_trainer) and append their own rows
@@ -253,3 +254,25 @@ def test_per_kernel_rows_rate_the_streaming_kernels_against_copy():
     assert apply_row["% copy (own)"] == round(100 * apply_row["GB/s (own bytes)"] / 100.0, 1)
     assert finalize_row == {"block": "2 c8 6x6 relu pool=None", "setting": "base",
                             "kernel": "_stats_finalize_kernel", "us": 1.5}
+
+
+def test_conv_sweep_never_names_a_wrong_setting_best(monkeypatch):
+    """A setting whose output is off is an error cell in its row, not a time, so never the best; the
+    module's launch setting is restored after every setting, also one that fails."""
+    sweep = _load_bench("sweep_conv_stats")
+    base = sweep.cs.LAUNCH
+    real = sweep.cs.conv_stats_forward
+
+    def off_under_w4(x, weight, training, pool=None):
+        out, idx, partials = real(x, weight, training, pool)
+        if sweep.cs.LAUNCH == sweep.SETTINGS["w4"]:
+            out = out + 1.0  # a wrong kernel under this setting only
+        return out, idx, partials
+
+    monkeypatch.setattr(sweep.cs, "conv_stats_forward", off_under_w4)
+    monkeypatch.setattr(sweep, "forward_ms", lambda block, x, device: 1.0)
+    row = sweep.sweep_conv((2, 8, 8, 5, None), ["base", "w4"], "cpu")
+    assert row["base"] == 1.0 and row["w4"].startswith("output off by"), row
+    assert row["best"] == "base" and row["best / cudnn+triton"] == 1.0
+    assert sweep.cs.LAUNCH == base
+    assert all(s.block_m % 4 == 0 and s.block_k >= 16 and s.block_n >= 16 for s in sweep.SETTINGS.values())

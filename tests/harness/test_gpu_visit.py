@@ -228,8 +228,10 @@ def test_conv_stage_sets_the_fused_conv_beside_cudnn_in_one_call(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:]
     steps = [line.split("|")[1].strip() for line in (out / "conv-table.md").read_text().splitlines()
              if line.startswith("| ") and "---" not in line][1:]
-    assert steps == ["bench-conv", "step-cudnn", "step-fused", f"{DEFAULT_PRESET}-cudnn", f"{DEFAULT_PRESET}-fused",
-                     "conv-table"], steps
+    assert steps == ["bench-conv", "sweep-conv", "step-cudnn", "step-fused", f"{DEFAULT_PRESET}-cudnn",
+                     f"{DEFAULT_PRESET}-fused", "conv-table"], steps
+    assert any(line.endswith("bench/sweep_conv_stats.py") for line in proc.stdout.splitlines()
+               if line.startswith("dry run:"))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("dry run:")]
     step_lines = [line for line in lines if "bench_step.py" in line]
     batch = from_preset().batch_size
