@@ -76,7 +76,8 @@ def _load_bench(name: str):
 def test_bn_act_pool_bench_on_cpu_labels_its_timing():
     """On the CPU there are no CUDA graphs: every row says its figures are eager launches
     ("launch"), with launch_ms beside them; torch.compile (--compile, when a C++ compiler is here)
-    compiles each block once, so no row of it fails on a recompile."""
+    compiles each block once, so no row of it fails on a recompile (the whole network's compile is
+    left to the GPU on --smoke: a plain torch.compile, 15 s of the suite)."""
     compiles = shutil.which("g++") is not None or shutil.which("clang++") is not None
     args = ["--smoke", "--compile"] if compiles else ["--smoke"]
     before = bench_results()
@@ -87,7 +88,7 @@ def test_bn_act_pool_bench_on_cpu_labels_its_timing():
     assert "measured device-to-device copy bandwidth" in proc.stdout
     blocks, model = _tables(proc.stdout)
     impls = {"eager", "triton", "compile"} if compiles else {"eager", "triton"}
-    assert {r["impl"] for r in blocks} == impls and {r["impl"] for r in model} == impls
+    assert {r["impl"] for r in blocks} == impls and {r["impl"] for r in model} == {"eager", "triton"}
     assert len(blocks) == 3 * len(impls) * 3  # 3 smoke blocks x impls x fwd/bwd/both
     for r in blocks + model:
         assert r["error"] == "", r
