@@ -152,6 +152,18 @@ def add_index_argument(p: argparse.ArgumentParser, flag: str, count: int, help: 
     p.add_argument(flag, type=index, nargs="+", default=list(range(count)), help=help)
 
 
+def best_setting(row: Dict[str, object], settings: Sequence[str]) -> Optional[str]:
+    """A sweep's row: the setting of ``settings`` whose cell holds the least time (a cell holding an
+    error string is not a time, so never the best), written to the row as "best" with "best vs base"
+    (the "base" setting's time over the best's); None when no setting ran."""
+    times = {k: row[k] for k in settings if isinstance(row.get(k), float)}
+    if not times:
+        return None
+    best = min(times, key=times.get)
+    row.update({"best": best, "best vs base": round(times.get("base", float("nan")) / times[best], 3)})
+    return best
+
+
 def markdown_table(rows: List[Dict[str, object]], columns: Sequence[str]) -> str:
     def fmt(v):
         if isinstance(v, float):

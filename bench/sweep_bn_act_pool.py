@@ -37,8 +37,8 @@ import torch  # noqa: E402
 from bench.bench_bn_act_pool import (BLOCKS, CL, GRAPH_WARMUP, SMOKE_BLOCKS, direction_bodies,  # noqa: E402
                                      add_blocks_argument, graph_timings, kernel_bytes, traffic_bytes)
 from bench.bench_step import traced_kernels  # noqa: E402
-from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
-                          print_header, require_cuda, time_ms)
+from bench.common import (append_results, best_setting, copy_bandwidth_gbs, environment,  # noqa: E402
+                          markdown_table, print_header, require_cuda, time_ms)
 from fastcifar.run.graphs import capture  # noqa: E402
 from fastcifar.kernels import bn_act_pool as bn  # noqa: E402
 from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
@@ -179,11 +179,9 @@ def main() -> int:
             except Exception as e:  # a setting that fails to compile or run is reported, not fatal
                 row[name] = f"{type(e).__name__}: {str(e)[:60]}"
         apply(SETTINGS["base"])
-        times = {k: v for k, v in row.items() if k in SETTINGS and isinstance(v, float)}
-        if times:
-            best = min(times, key=times.get)
-            row.update({"best": best, "best vs base": round(times.get("base", float("nan")) / times[best], 3),
-                        "best % copy (own)": round(100 * own / (times[best] * 1e-3) / 1e9 / copy_gbs, 1)})
+        best = best_setting(row, args.settings)
+        if best:
+            row["best % copy (own)"] = round(100 * own / (row[best] * 1e-3) / 1e9 / copy_gbs, 1)
         print(row, flush=True)
         rows.append(row)
         if not SMOKE:  # block by block: a call cut off at its time limit keeps the blocks it finished

@@ -17,8 +17,8 @@ than bench_conv_stats.DIFF_TOL is an error cell, never a best. Rows go to
 bench/results/conv_sweep.jsonl conv by conv.
 
 Every setting here compiles without register spills on sm_90 at the default's convs (ptxas through
-``fastcifar.kernels.aot``, 2026-11-26; 256 x 128 and 128 x 256 x 64 tiles spilled, 48 and 2084
-bytes, and are left out). The backward is not swept: it is cuDNN's and the normalize block's.
+``fastcifar.kernels.aot``, triton 3.8.0 on the CPU, 2026-11-26; the GPU machine's is 3.6.0; 256 x 128
+and 128 x 256 x 64 tiles spilled, 48 and 2084 bytes, and are left out). The backward is not swept: it is cuDNN's and the normalize block's.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch  # noqa: E402
 
 from bench.bench_bn_act_pool import graph_timings  # noqa: E402
 from bench.bench_conv_stats import CL, CONVS, DIFF_TOL, SMOKE_CONVS, impls  # noqa: E402
-from bench.common import (add_index_argument, append_results, copy_bandwidth_gbs, environment,  # noqa: E402
-                          markdown_table, print_header, require_cuda, time_ms)
+from bench.common import (add_index_argument, append_results, best_setting, copy_bandwidth_gbs,  # noqa: E402
+                          environment, markdown_table, print_header, require_cuda, time_ms)
 from fastcifar.kernels import conv_stats as cs  # noqa: E402
 
 C = cs.ConvLaunch
@@ -93,11 +93,9 @@ def sweep_conv(conv, settings, device) -> dict:
                 row[name] = f"{type(e).__name__}: {str(e)[:60]}"
             finally:
                 cs.LAUNCH = SETTINGS["base"]
-    times = {k: v for k, v in row.items() if k in settings and isinstance(v, float)}
-    if times:
-        best = min(times, key=times.get)
-        row.update({"best": best, "best vs base": round(times.get("base", float("nan")) / times[best], 3),
-                    "best / cudnn+triton": round(times[best] / row["cudnn+triton"], 3)})
+    best = best_setting(row, settings)
+    if best:
+        row["best / cudnn+triton"] = round(row[best] / row["cudnn+triton"], 3)
     return row
 
 

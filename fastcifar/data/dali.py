@@ -229,7 +229,7 @@ class DaliLoader(TrainLoader):
         self.pad, self.cutout, self.flip, self.rank = pad, cutout, flip, rank
         self.params_fn, self.flip_mode = params_fn, flip_mode
         self.brightness, self.contrast = brightness, contrast
-        jitter = brightness > 0 or contrast > 0
+        self.jitter = jitter = brightness > 0 or contrast > 0
         self.mean, self.std = mean, std
         self.shard_index = shard_t.cpu()  # data-set index of each slot: alternating flips hash it
         # gather the shard first (the shard is 1/world of the set), pad once: every batch is a gather
@@ -315,9 +315,7 @@ class DaliLoader(TrainLoader):
                               contrast=self.contrast)  # the torch loader's too
         if self.params_fn is not None:
             batches = [self._checked(self.params_fn(epoch, s, self.batch_size)) for s in range(self.steps)]
-            p = AugmentParams(*(torch.cat([getattr(b, f) for b in batches]) for f in PARAM_FIELDS),
-                              *((torch.cat([b.shift for b in batches]), torch.cat([b.scale for b in batches]))
-                                if p.jitter else ()))
+            p = AugmentParams.concat(batches)
         args = {}
         if self.pad:
             args["crop_y"] = (p.dy.double() / (2 * self.pad)).float().numpy()
@@ -334,7 +332,7 @@ class DaliLoader(TrainLoader):
     def _checked(self, p: AugmentParams) -> AugmentParams:
         """Pinned parameters as CPU int64, each inside its range (DALI would clamp, not fail); the
         jitter's as CPU float32, present exactly when the loader jitters."""
-        jitter = self.brightness > 0 or self.contrast > 0
+        jitter = self.jitter
         if p.jitter != jitter:
             raise ValueError(f"params_fn: shift and scale must be {'given' if jitter else 'None'}: this loader "
                              f"{'jitters' if jitter else 'does not jitter'}")
