@@ -21,9 +21,9 @@ the buckets' launch and division overheads: no communication (bench_allreduce.py
 in bench/results/ price that).
 
     python bench/bench_step.py                      # on a GPU: the full table, rows to bench/results/step.jsonl
-    python bench/bench_step.py --preset fast-muon9 --batches 2000    # the default preset's network and batch
-    python bench/bench_step.py --preset fast-muon9 --fake-world 8 --graphs on --kernels auto   # rank 0 of 8: 250 images
-    python bench/bench_step.py --preset fast-muon9 --batches 2000 --graphs on --kernels auto --fused-conv
+    python bench/bench_step.py --preset fast-jitter --batches 2000   # the default preset's network and batch
+    python bench/bench_step.py --preset fast-jitter --fake-world 8 --graphs on --kernels auto  # rank 0 of 8: 250 images
+    python bench/bench_step.py --preset fast-jitter --batches 2000 --graphs on --kernels auto --fused-conv
                                                     # the same with the convs that take their BN statistics
     python bench/bench_step.py --smoke              # the script's logic on the CPU, tiny, nothing written
 

@@ -39,7 +39,7 @@ RESNET9_BLOCKS = [(512, 64, 32, None), (512, 128, 32, "after"), (512, 128, 16, N
                   (512, 256, 16, "after"), (512, 512, 8, "after"), (512, 512, 4, None)]
 # fast-muon320 (the default until visit 10): `fast`'s blocks at 2000 images, the wide ones at 320 channels
 MUON320_BLOCKS = [(2000, 64 if c == 64 else 320, s, pool) for _, c, s, pool in FAST_BLOCKS]
-# the default preset, fast-muon9: `fast`'s blocks (64/256/256) at 2000 images
+# the default preset, fast-jitter (and fast-muon9 before it): `fast`'s blocks (64/256/256) at 2000 images
 DEFAULT_BLOCKS = [(2000, c, s, pool) for _, c, s, pool in FAST_BLOCKS]
 # the same with each preset's activation, (batch, channels, side, act, pool): the blocks the
 # kernel benchmark times and the CUDA kernel tests check (in the order they were added, so the
@@ -110,7 +110,7 @@ def calls(which: str) -> list[Callable[[], None]]:
     training and evaluation; `resnet9`'s ReLU with pool after; the augmentation and cutout; the
     fused conv pooled and not, also in fp32 and bf16) and an odd fp32 shape with CELU, about 25
     compiles per arch; ``presets``: every block of the `fast`, `resnet9`, `fast-muon320` and default
-    (`fast-muon9`) presets in fp16, training and evaluation, with the augmentation, cutout and the
+    (`fast-jitter`) presets in fp16, training and evaluation, with the augmentation, cutout and the
     default's fused convs; ``full``: every dtype x activation x pool x mode over the presets' and
     odd shapes, every augmentation and cutout dtype, the fused convs at the default's and odd shapes."""
     out = []

@@ -4,10 +4,10 @@
     python -m fastcifar.train --data data --preset resnet9        # the seed recipe
     torchrun --nproc_per_node 8 -m fastcifar.train --data data --preset apple8   # 8 GPUs, one machine
 
-Result on official CIFAR-10: the default preset clears the 94% bar over 25 seeds on one H100, faster
-than airbench94_muon run beside it; the record script, raced beside the previous default, is faster
-but falls short of the bar (bench/results/official.jsonl, calls "visit 10b" and "visit 9"; README,
-Results).
+Result on official CIFAR-10: the default preset clears the 94% bar over 25 seeds on one H100 in
+x0.956 the time of the previous default run beside it (bench/results/official.jsonl, call "visit
+12c"). That previous default was faster than airbench94_muon run beside it ("visit 10b"); the record
+script, raced beside it, was faster still but fell short of the bar ("visit 11"; README, Results).
 Published figures to beat (theirs, each with its own timing rules): 94% in ~7.8 s on 8 V100s,
 ResNet-9 "bag of tricks" ~26 s on one V100, the single-GPU speedrun scripts 1.98-2.59 s on one A100
 (``bash scripts/gpu_visit.sh race`` runs them beside this trainer).

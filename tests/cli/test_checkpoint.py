@@ -45,7 +45,7 @@ def write_noisy_official(root, n_train=1000, n_test=300):
     return folder, (tx, ty)
 
 
-# The default preset (fast-muon9: Muon on the filters, no lookahead) made as small.
+# The default preset (fast-jitter: Muon on the filters, no lookahead, brightness/contrast jitter) made as small.
 DEFAULT_TINY = FAST_TINY[2:]
 assert FAST_TINY[:2] == ["--preset", "fast"]
 

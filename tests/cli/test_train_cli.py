@@ -124,7 +124,7 @@ def test_abbreviated_flags_are_refused(capsys):
 def test_overrides_and_presets():
     cfg = parse_args(["--preset", "resnet9", "--epochs", "3", "--no-tta", "--widths", "8,16,32,64", "--lr", "0.2"])
     assert (cfg.epochs, cfg.tta, cfg.widths, cfg.lr, cfg.preset) == (3, False, (8, 16, 32, 64), 0.2, "resnet9")
-    assert parse_args(["--epochs", "3"]).preset == DEFAULT_PRESET == "fast-muon9"  # the default preset
+    assert parse_args(["--epochs", "3"]).preset == DEFAULT_PRESET == "fast-jitter"  # the default preset
     seed = from_preset("resnet9")
     assert (seed.epochs, seed.batch_size, seed.lr, seed.momentum, seed.nesterov, seed.weight_decay,
             seed.label_smoothing, seed.crop_pad, seed.cutout, seed.warmup_epochs, seed.tta) == \

@@ -484,18 +484,23 @@ def test_schedule_with_start_and_end_fractions():
 
 
 def test_presets():
-    assert DEFAULT_PRESET == "fast-muon9" and parse_args([]).preset == "fast-muon9"
+    assert DEFAULT_PRESET == "fast-jitter" and parse_args([]).preset == "fast-jitter"
     fast = from_preset("fast")
     assert (fast.arch, fast.widths, fast.epochs, fast.batch_size, fast.tta, fast.flip_mode, fast.cutout) == \
         ("fastnet", (64, 256, 256), 9.9, 1024, 2, "alternate", 0)
     validate(fast)
-    default = from_preset()  # fast-muon for 9 epochs
-    assert default == dataclasses.replace(from_preset("fast-muon"), preset="fast-muon9", epochs=9)
-    assert (default.optimizer, default.batch_size, default.epochs, default.widths) == ("muon", 2000, 9, (64, 256, 256))
-    # exactly the recipe visit 10 confirmed: the former default with the flags it raced under
-    # (official.jsonl's "fastcifar:fast-muon320 --widths 64,256,256 --epochs 9")
+    default = from_preset()  # fast-muon9 with the jitter, for 8.5 epochs
+    assert default == dataclasses.replace(from_preset("fast-muon9"), preset="fast-jitter", epochs=8.5,
+                                          brightness=0.14, contrast=0.13)
+    assert (default.optimizer, default.batch_size, default.epochs, default.widths) == ("muon", 2000, 8.5, (64, 256, 256))
+    # exactly the recipe visit 12 confirmed: the former default with the flags it ran under
+    # (official.jsonl's "fastcifar:fast-muon9 --epochs 8.5 --brightness 0.14 --contrast 0.13", call "visit 12c")
+    confirmed = parse_args(["--preset", "fast-muon9", "--brightness", "0.14", "--contrast", "0.13", "--epochs", "8.5"])
+    assert dataclasses.replace(confirmed, preset="fast-jitter") == default
+    fast_muon9 = from_preset("fast-muon9")  # the default before it: visit 10's confirmed recipe
+    assert fast_muon9 == dataclasses.replace(from_preset("fast-muon"), preset="fast-muon9", epochs=9)
     confirmed = parse_args(["--preset", "fast-muon320", "--widths", "64,256,256", "--epochs", "9"])
-    assert dataclasses.replace(confirmed, preset="fast-muon9") == default
+    assert dataclasses.replace(confirmed, preset="fast-muon9") == fast_muon9
     assert from_preset("fast-muon320") == dataclasses.replace(from_preset("fast-muon"), preset="fast-muon320",
                                                               widths=(64, 320, 320))
     validate(default, world_size=8)  # torchrun's 8 ranks: 250 images each
