@@ -63,6 +63,58 @@ def test_newton_schulz_ill_conditioned_and_low_precision():
     torch.testing.assert_close(half.float(), newton_schulz(g, 5), rtol=0, atol=0.05)
 
 
+def written_out(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """The iteration as the public Muon writes it, one matrix, every scalar term its own operation."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype)
+    x = x / (x.norm() + 1e-7)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.T if tall else x
+
+
+def test_newton_schulz_of_a_stack_is_each_matrix_alone():
+    """A stack of matrices (Muon's filters of one shape) gives each matrix's own result, and the
+    fused iteration (scalar terms inside the products) is the written-out one: to fp32 rounding in
+    fp32, to bf16's in bf16 (where it rounds less often)."""
+    torch.manual_seed(2)
+    for shape in ((3, 16, 72), (2, 40, 12)):  # wide and tall
+        g = torch.randn(*shape) * torch.tensor([1.0, 30.0, 0.01][:shape[0]]).view(-1, 1, 1)  # norms far apart
+        out = newton_schulz(g, 3)
+        assert out.shape == g.shape and out.dtype == g.dtype
+        for k in range(shape[0]):
+            torch.testing.assert_close(out[k], newton_schulz(g[k], 3), rtol=0, atol=1e-6)
+            torch.testing.assert_close(out[k], written_out(g[k], 3, torch.float32), rtol=0, atol=1e-5)
+        half = newton_schulz(g, 3, dtype=torch.bfloat16)
+        assert half.dtype == torch.bfloat16
+        for k in range(shape[0]):
+            ref = written_out(g[k], 3, torch.bfloat16).float()
+            torch.testing.assert_close(half[k].float(), ref, rtol=0, atol=0.03)
+            # closer to the fp32 result than the written-out bf16 is, or about as close
+            err_fused = (half[k].float() - out[k]).abs().max()
+            assert err_fused <= 1.5 * (ref - out[k]).abs().max() + 1e-3
+
+
+def test_muon_orthogonalizes_filters_of_one_shape_as_one_stack(monkeypatch):
+    """Filters of one flattened shape go through one Newton-Schulz call (the default's three
+    256 x 2304 filters: one set of kernels), and each filter's result is its own."""
+    from fastcifar.run import optim
+    calls = []
+    plain = optim.newton_schulz
+    monkeypatch.setattr(optim, "newton_schulz", lambda g, *a, **k: calls.append(tuple(g.shape)) or plain(g, *a, **k))
+    torch.manual_seed(3)
+    shapes = [(8, 3, 3, 3), (16, 8, 3, 3), (16, 16, 3, 3), (16, 8, 3, 3), (16, 16, 3, 3), (16, 16, 3, 3), (6, 40)]
+    updates = [torch.randn(s) for s in shapes]
+    muon = Muon([torch.zeros(s, requires_grad=True) for s in shapes], torch.tensor(0.1), 1.0)
+    out = muon._orthogonalize(updates)
+    assert sorted(calls) == sorted([(1, 8, 27), (2, 16, 72), (3, 16, 144), (1, 6, 40)])
+    for u, o in zip(updates, out):
+        torch.testing.assert_close(o, plain(u.reshape(len(u), -1), 3), rtol=0, atol=1e-6)
+
+
 def tiny_muon(**overrides):
     return from_preset("fast-muon", widths=(8, 16, 16), **overrides)
 
