@@ -28,53 +28,58 @@ from .checks import check_device
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Fixed, not tuned on a GPU: 1024 output elements per program, 4 per thread at 8 warps. The stores
-# are contiguous (the output is NHWC in memory), the uint8 loads are gathered but stay within one or
-# two 96-byte image rows per 32 output elements. Each element carries its image's 6 int64 parameters
-# (and 2 float32 with the jitter) and offsets: at 32 elements per thread (4096 at 4 warps) ptxas spilled 8 KB per thread on sm_90,
-# at 4 per thread it spills nothing (python bench/kernel_registers.py; its rows in
-# bench/results/kernel_registers.md).
-BLOCK = 1024
-NUM_WARPS = 8
+# One program per image: a (S rows) x (S x C pixels of a row, padded to a power of two) tile, so an
+# image's parameters are scalars loaded once, and everything that depends only on the row or only on
+# the position within a row (the crop's source row, the flipped column, the channel's mean and
+# reciprocal std, the cutout's band) is computed on a vector of S or S x C lanes, not per element;
+# per element remain an add of the two offsets, the load, the arithmetic and the store. Every offset
+# within an image is 32-bit; the image's own (into the data set, past 2^31 bytes for a large folder
+# set) is a 64-bit scalar. The first version computed each element's coordinates with five 64-bit
+# divisions by runtime values (a software routine on the GPU, 24 calls per thread in its sm_90 SASS)
+# and ran at 141 GB/s, 6.5x slower than torch.compile of the reference
+# (bench/results/visits/visit-12.md, 12e).
+# 4 warps: a CIFAR image's 32 x 128 lanes (96 of each row's 128 used) at 32 per thread. Compiled for
+# sm_90 (Triton 3.8, no GPU): 56 registers, no spills, 1056 SASS instructions a thread, so 135k a
+# program; at 8 warps 94 registers and 205k, at 16 warps 62 and 360k (each thread recomputes the
+# row-wise vectors for the lanes it holds). Not yet timed on a GPU.
+NUM_WARPS = 4
 
 
 @triton.jit
 def _augment_kernel(data_ptr, index_ptr, dy_ptr, dx_ptr, flip_ptr, cy_ptr, cx_ptr, shift_ptr, scale_ptr, mean_ptr,
-                    std_ptr, out_ptr, total, num_images, C, S, Hp, Wp, cutout,
-                    HAS_INDEX: tl.constexpr, JITTER: tl.constexpr, BLOCK: tl.constexpr):
+                    std_ptr, out_ptr, num_images, Hp, Wp, cutout, C: tl.constexpr, S: tl.constexpr,
+                    ROWS: tl.constexpr, LANES: tl.constexpr, HAS_INDEX: tl.constexpr, JITTER: tl.constexpr):
     """out[b, oh, ow, c] (flat NHWC) = (data[img, dy+oh, dx+(flip ? S-1-ow : ow), c] - mean[c]) * (1 / std[c]),
-    then (JITTER) (that + shift[b]) * scale[b]; 0 inside the cutout square; img = index[b] (or b)."""
-    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = e < total
-    c = e % C
-    pix = e // C
-    ow = pix % S
-    oh = (pix // S) % S
-    b = pix // (S * S)
-    if HAS_INDEX:
-        img = tl.load(index_ptr + b, mask=mask, other=0).to(tl.int64)
-    else:
-        img = b
-    dy = tl.load(dy_ptr + b, mask=mask, other=0)
-    dx = tl.load(dx_ptr + b, mask=mask, other=0)
-    flip = tl.load(flip_ptr + b, mask=mask, other=0)
-    cy = tl.load(cy_ptr + b, mask=mask, other=0)
-    cx = tl.load(cx_ptr + b, mask=mask, other=0)
+    then (JITTER) (that + shift[b]) * scale[b]; 0 inside the cutout square; img = index[b] (or b).
+    Program b writes image b: rows oh < S of ROWS, lanes j = ow * C + c < S * C of LANES."""
+    b = tl.program_id(0).to(tl.int64)
+    img = tl.load(index_ptr + b).to(tl.int64) if HAS_INDEX else b
+    dy = tl.load(dy_ptr + b).to(tl.int32)
+    dx = tl.load(dx_ptr + b).to(tl.int32)
+    flip = tl.load(flip_ptr + b)
+    cy = tl.load(cy_ptr + b).to(tl.int32)
+    cx = tl.load(cx_ptr + b).to(tl.int32)
+    oh = tl.arange(0, ROWS)  # the output row
+    j = tl.arange(0, LANES)  # the position within it: pixel ow, channel c
+    ow = j // C
+    c = j - ow * C
+    used_j = j < S * C
     row = dy + oh
     col = dx + tl.where(flip != 0, S - 1 - ow, ow)
-    inside = (img >= 0) & (img < num_images) & (row >= 0) & (row < Hp) & (col >= 0) & (col < Wp)
-    src = ((img * Hp + row) * Wp + col) * C + c
-    v = tl.load(data_ptr + src, mask=mask & inside, other=0).to(tl.float32)
-    m = tl.load(mean_ptr + c, mask=mask, other=0.0)
-    s = tl.load(std_ptr + c, mask=mask, other=1.0)
-    y = (v - m) * tl.math.div_rn(s * 0.0 + 1.0, s)  # times the IEEE reciprocal, as the reference (and DALI)
+    row_ok = (oh < S) & (row >= 0) & (row < Hp)
+    col_ok = used_j & (col >= 0) & (col < Wp)
+    m = tl.load(mean_ptr + c, mask=used_j, other=0.0)
+    r = tl.math.div_rn(tl.full([LANES], 1.0, tl.float32), tl.load(std_ptr + c, mask=used_j, other=1.0))
+    hole = (((oh >= cy) & (oh < cy + cutout))[:, None]) & (((ow >= cx) & (ow < cx + cutout))[None, :])
+    img_ok = (img >= 0) & (img < num_images)
+    src = data_ptr + img * Hp * Wp * C + ((row * Wp * C)[:, None] + (col * C + c)[None, :])
+    v = tl.load(src, mask=(row_ok[:, None] & col_ok[None, :]) & img_ok, other=0).to(tl.float32)
+    y = (v - m[None, :]) * r[None, :]  # times the IEEE reciprocal, as the reference (and DALI)
     if JITTER:  # launched without fp fusion: an fma of the line above with this add would round once, not twice
-        sh = tl.load(shift_ptr + b, mask=mask, other=0.0)
-        sc = tl.load(scale_ptr + b, mask=mask, other=1.0)
-        y = (y + sh) * sc
-    hole = (oh >= cy) & (oh < cy + cutout) & (ow >= cx) & (ow < cx + cutout)
+        y = (y + tl.load(shift_ptr + b)) * tl.load(scale_ptr + b)
     y = tl.where(hole, 0.0, y)
-    tl.store(out_ptr + e, y.to(out_ptr.dtype.element_ty), mask=mask)
+    dst = out_ptr + b * S * S * C + ((oh * S * C)[:, None] + j[None, :])
+    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=(oh < S)[:, None] & used_j[None, :])
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -136,10 +141,11 @@ def augment(data: torch.Tensor, params: AugmentParams, cutout: int, mean=CIFAR10
     y = _empty((b, c, size, size), dtype, data.device)
     if y.numel():
         jitter = (params.shift, params.scale) if params.jitter else (mean_t, mean_t)  # unread without JITTER
-        _augment_kernel[(triton.cdiv(y.numel(), BLOCK),)](
+        _augment_kernel[(b,)](
             data, index if index is not None else data, params.dy, params.dx, params.flip, params.cy, params.cx,
-            *jitter, mean_t, std_t, y, y.numel(), d, c, size, hp, wp, cutout,
-            HAS_INDEX=index is not None, JITTER=params.jitter, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            *jitter, mean_t, std_t, y, d, hp, wp, cutout, C=c, S=size, ROWS=triton.next_power_of_2(size),
+            LANES=triton.next_power_of_2(size * c), HAS_INDEX=index is not None, JITTER=params.jitter,
+            num_warps=NUM_WARPS,
             enable_fp_fusion=not params.jitter)
     return y
 

@@ -90,6 +90,32 @@ def test_module_with_device_constants():
     assert_close(mod(data, params, index), augment_indexed_reference(data, params, 8, index=index), 0.0, "TritonAugment")
 
 
+@pytest.mark.parametrize("size, channels, pad", [(12, 1, 2), (20, 2, 3), (8, 4, 0)])
+def test_other_sides_and_channel_counts(size, channels, pad, monkeypatch):
+    """One program per image over its rows and each row's pixels x channels, both padded to a power of
+    two (12 rows of 12 x 1 lanes: 16 x 16; 20 x 2 = 40 lanes: 64): every element of every image is
+    written (the output starts as NaN) and the padding lanes write nothing past the batch (the output
+    is the front of a NaN buffer whose tail must stay NaN)."""
+    tail = []
+
+    def guarded_empty(shape, dtype, device):
+        b, c, h, w = shape
+        buf = torch.full((b * c * h * w + 4096,), float("nan"), dtype=dtype, device=device)
+        tail.append(buf[b * c * h * w:])
+        return buf[:b * c * h * w].view(b, h, w, c).permute(0, 3, 1, 2)  # channels-last, as _empty's
+
+    monkeypatch.setattr(am, "_empty", guarded_empty)
+    data = _data(9, pad, "reflect", seed=size, size=size, channels=channels)
+    index = torch.tensor([8, 0, 3, 3, 5], device=DEVICE)
+    params = _params(5, pad, 4, seed=channels, size=size, brightness=0.2, contrast=0.1)
+    mean, std = (0.3 * 255,) * channels, (0.2 * 255,) * channels
+    got = augment(data, params, 4, mean, std, dtype=torch.float32, size=size, index=index)
+    ref = augment_indexed_reference(data, params, 4, mean, std, size=size, index=index)
+    assert got.shape == (5, channels, size, size)
+    assert_close(got, ref, 0.0, f"augment {size}x{size}x{channels}")
+    assert torch.isnan(tail[0]).all(), "written past the batch"
+
+
 @pytest.mark.parametrize("case, error, message", [
     ("float_data", ValueError, "uint8"),
     ("nchw_view", ValueError, "contiguous NHWC"),
