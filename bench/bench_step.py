@@ -9,7 +9,9 @@ step (H100, `fast`: 3.42 ms against 3.12), so the first overstates; a graphed st
 GPU idle for less than 5% of it. The header gives the gap between a graph's dependent kernels with
 and without the tracer. The same trace splits the step by kernel name into convs, BN/act/pool,
 optimizer, other and idle (ms per step), with the top 5 kernels and the kernels per step, then
-every kernel of "other" by name (launches and ms per step; the jsonl row's ``per_kernel`` has all phases').
+every kernel of "other" by name, with the ops that launched it in an eager trace of the same step
+(launches and ms per step; the jsonl row's ``per_kernel`` has all phases', ``launched_by`` every
+kernel's ops).
 ``--preset fast`` times that preset's network (FastNet) instead of the default ResNet-9.
 
 ``--fake-world N`` times the step one rank of an N-rank run takes (issue 46: the 8-GPU shapes on
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import statistics
 import sys
 import time
@@ -221,9 +224,56 @@ def breakdown(kernels: list[tuple[str, float, float]], steps: int) -> dict:
     return out
 
 
+# What a kernel's name says past its namespaces: "void at::native::elementwise_kernel<128, 4,
+# at::native::gpu_kernel_impl_nocast<at::native::CUDAFunctor_add<c10::Half> >..." cut at 90 characters
+# showed only "...gpu_kernel_impl_nocast<at::nati" (visit 12), never the functor.
+_NAMESPACES = re.compile(r"\b(?:at::native::|at::cuda::detail::|at::|c10::|std::|\(anonymous namespace\)::)")
+_LAMBDAS = re.compile(r"\{lambda\(\)#\d+\}::operator\(\)\(\) const::")
+
+
+def short_name(name: str, width: int = 90) -> str:
+    """A kernel's name without ``void``, PyTorch's namespaces and its nested lambdas' scaffolding."""
+    name = name[5:] if name.startswith("void ") else name
+    return _LAMBDAS.sub("", _NAMESPACES.sub("", name))[:width]
+
+
+BACKWARD = "autograd::engine::evaluate_function: "
+
+
+def launch_label(event) -> str:
+    """The op that launched a kernel (a profiler CPU event): the innermost op, and the outermost op
+    around it where that is another (for backward work, the autograd node: ``aten::add_ in
+    AccumulateGrad``)."""
+    top = event
+    while top.cpu_parent is not None:
+        top = top.cpu_parent
+    outer = top.name.removeprefix(BACKWARD).removeprefix("torch::autograd::")
+    return event.name if top is event else f"{event.name} in {outer}"
+
+
+def launched_by(events, steps: int) -> dict[str, str]:
+    """Kernel name -> the ops that launched it in an eager trace of ``steps`` steps, the most launches
+    first, each with its launches per step where there are several (torch.profiler ties each kernel
+    to the innermost op running when it was launched)."""
+    counts: dict[str, dict[str, int]] = {}
+    for event in events:
+        for kernel in getattr(event, "kernels", None) or ():
+            per = counts.setdefault(kernel.name, {})
+            label = launch_label(event)
+            per[label] = per.get(label, 0) + 1
+    out = {}
+    for name, per in counts.items():
+        ranked = sorted(per.items(), key=lambda kv: -kv[1])
+        out[name] = ranked[0][0] if len(ranked) == 1 else "; ".join(f"{label} x{n / steps:g}" for label, n in ranked)
+    return out
+
+
 def phase_kernels(row: dict, phase: str) -> list[str]:
-    """One markdown line per kernel of ``phase`` in a row's ``per_kernel``: ms and launches per step."""
-    return [f"| {name[:90]} | {n:g} | {v:.4f} |" for name, p, n, v in row.get("per_kernel", ()) if p == phase]
+    """One markdown line per kernel of ``phase`` in a row's ``per_kernel``: its short name, the ops
+    that launched it (``launched_by``, from an eager trace), launches and ms per step."""
+    origins = row.get("launched_by", {})
+    return [f"| {short_name(name)} | {origins.get(name, '')} | {n:g} | {v:.4f} |"
+            for name, p, n, v in row.get("per_kernel", ()) if p == phase]
 
 
 def traced_kernels(run, steps: int) -> list[tuple[str, float, float]]:
@@ -235,6 +285,18 @@ def traced_kernels(run, steps: int) -> list[tuple[str, float, float]]:
             run()
         torch.cuda.synchronize()
     return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+def kernel_origins(run, steps: int = 2) -> dict[str, str]:
+    """``launched_by`` of an eager ``run`` under torch.profiler with the CPU ops traced too. A graph's
+    replay has no ops to tie its kernels to: its row borrows the eager row's (the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    return launched_by(prof.events(), steps)
 
 
 def profile_steps(step, images, labels, steps: int = 10) -> dict:
@@ -339,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     net = f"{base.arch} ({args.preset})" if args.preset else base.arch
     ctx = fake_group(args.fake_world, device) if args.fake_world else None  # a rank's step: buckets, collectives
     rows = []
+    eager_origins = {}  # (batch, kernels) -> launched_by of the eager step, for its graphed row
     for global_batch in args.batches:
         batch = global_batch // world  # images per GPU per step
         for kernels in args.kernels:
@@ -349,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                 model.train()
                 ms = time_steps(step, images, labels, device, args.window, args.repeats)
                 parts = profile_steps(step, images, labels)
+                if parts and graphs == "off" and torch.cuda.is_available():
+                    eager_origins[batch, kernels] = kernel_origins(lambda: step(images, labels))
+                origins = eager_origins.get((batch, kernels), {})
                 ranks = {} if ctx is None else {
                     "world_size": world, "global_batch": global_batch, "world_emulated": FAKE_WORLD,
                     "buckets": len(sync.buckets) if sync.buckets is not None else 0}
@@ -358,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                              "gpu_idle_pct": 100 * parts["idle_share"] if parts else None,
                              "idle_vs_step_pct": idle_against_step(parts["busy_ms"], ms) if parts else None,
                              **{k: v for k, v in parts.items() if k != "idle_share"},
+                             **({"launched_by": origins} if parts and origins else {}),
                              **({"graph_gap_plain_us": gap["plain"], "graph_gap_traced_us": gap["traced"]} if gap else {})})
                 if sync is not None:
                     sync.remove()
@@ -385,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             if lines:
                 print(f"\n#### {r['net']}, {r['batch']} images, {r['kernels']} kernels, graphs {r['graphs']}: "
                       f"the {len(lines)} kernels of \"other\" ({r['other_ms']:.3f} ms a step)\n")
-                print("| kernel | launches per step | ms per step |\n|---|---|---|")
+                print("| kernel | launched by (eager trace) | launches per step | ms per step |\n|---|---|---|---|")
                 print("\n".join(lines))
     if SMOKE:
         print("\n(smoke run on the CPU: timings meaningless, nothing written)")

@@ -67,7 +67,9 @@ def test_breakdown_attributes_busy_time_and_counts_gaps_as_idle(bench_step):
                                 ("_apply_kernel", "bn_act_pool", 0.5, pytest.approx(4 * ms)),
                                 ("multi_tensor_apply_kernel", "optimizer", 0.5, pytest.approx(2 * ms)),
                                 ("reduce_kernel", "other", 0.5, pytest.approx(2 * ms))]
-    assert bench_step.phase_kernels(parts, "other") == ["| reduce_kernel | 0.5 | 0.0010 |"]
+    assert bench_step.phase_kernels(parts, "other") == ["| reduce_kernel |  | 0.5 | 0.0010 |"]
+    parts["launched_by"] = {"reduce_kernel": "aten::sum"}
+    assert bench_step.phase_kernels(parts, "other") == ["| reduce_kernel | aten::sum | 0.5 | 0.0010 |"]
     assert bench_step.phase_kernels({}, "other") == []
     assert bench_step.breakdown([], steps=1) == {}
 
@@ -202,6 +204,47 @@ def test_the_printed_breakdown_names_every_kernel_of_other(bench_step, monkeypat
     assert bench_step.main(["--smoke", "--preset", DEFAULT_PRESET]) == 0
     out = capsys.readouterr().out
     assert 'the 2 kernels of "other" (0.090 ms a step)' in out
-    assert "| nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNT | 2 | 0.0600 |" in out
-    assert "| void at::native::reduce_kernel<512, 1> | 1 | 0.0300 |" in out
+    assert "| kernel | launched by (eager trace) | launches per step | ms per step |" in out
+    assert "| nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNT |  | 2 | 0.0600 |" in out
+    assert "| reduce_kernel<512, 1> |  | 1 | 0.0300 |" in out
     assert "| sm90_xmma_fprop_implicit_gemm |" not in out
+
+
+def test_short_names_keep_the_functor(bench_step):
+    """Visit 12's "other" table cut every name at 90 characters, so PyTorch's elementwise kernels all
+    read "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::nati":
+    without the namespaces and the lambdas' scaffolding the functor shows."""
+    add = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+           "CUDAFunctor_add<c10::Half> >(at::TensorIteratorBase&, at::native::CUDAFunctor_add<c10::Half> const&)"
+           "::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast<at::native::CUDAFunctor_add<c10::Half> >)")
+    short = bench_step.short_name(add)
+    assert short.startswith("elementwise_kernel<128, 4, gpu_kernel_impl_nocast<CUDAFunctor_add<Half> >") and len(short) == 90
+    copy = ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+            "::{lambda()#3}::operator()() const::{lambda()#10}::operator()() const::{lambda(c10::Half)#1}, "
+            "std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int> >")
+    assert bench_step.short_name(copy).startswith(
+        "unrolled_elementwise_kernel<direct_copy_kernel_cuda(TensorIteratorBase&)::{lambda(Half)#1}")
+    assert bench_step.short_name("_bwd_dx_kernel") == "_bwd_dx_kernel"
+    assert bench_step.short_name("nvjet_sm90_tst_64x24_64x16_2x4_h_bz_TNT") == "nvjet_sm90_tst_64x24_64x16_2x4_h_bz_TNT"
+
+
+def test_launched_by_names_the_op_and_its_autograd_node(bench_step):
+    """Each kernel is tied to the innermost op that launched it (the profiler's link) and, where it
+    ran inside another, the outermost one: for backward work the autograd node."""
+    from types import SimpleNamespace as E
+
+    def op(name, parent=None, kernels=()):
+        return E(name=name, cpu_parent=parent, kernels=[E(name=k) for k in kernels])
+
+    node = op("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad")
+    accumulate = op("aten::add_", op("torch::autograd::AccumulateGrad", node), ["add_kernel"] * 2)
+    backward = op("aten::mul", op("autograd::engine::evaluate_function: MulBackward0"), ["mul_kernel"])
+    forward = op("aten::mul", None, ["mul_kernel", "mul_kernel"])
+    gemm = op("aten::mm", op("aten::matmul"), ["nvjet"])
+    events = [node, accumulate, backward, forward, gemm, op("aten::empty")]
+    assert bench_step.launch_label(accumulate) == "aten::add_ in AccumulateGrad"
+    assert bench_step.launch_label(forward) == "aten::mul"
+    got = bench_step.launched_by(events, steps=2)
+    assert got == {"add_kernel": "aten::add_ in AccumulateGrad",
+                   "mul_kernel": "aten::mul x1; aten::mul in MulBackward0 x0.5",
+                   "nvjet": "aten::mm in aten::matmul"}
