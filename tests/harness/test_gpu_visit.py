@@ -323,7 +323,7 @@ def test_bench_stage_times_the_default_presets_step_first(tmp_path):
     assert f"bench_step.py --preset {DEFAULT_PRESET} --batches {from_preset().batch_size}" in proc.stdout
     # then one of its 8 ranks' step (issue 46), graphs on, as rank 0 of a fake 8-rank group
     assert steps[1] == "bench-step-8rank", steps
-    assert f"bench_step.py --preset {DEFAULT_PRESET} --fake-world 8 --graphs on --kernels auto" in proc.stdout
+    assert f"bench_step.py --preset {DEFAULT_PRESET} --fake-world 8 --graphs off on --kernels auto" in proc.stdout
     proc, out = visit(tmp_path, "kernels")
     assert "| bench-bn | ok |" in (out / "kernels-table.md").read_text()
     # the default preset's blocks, in both the benchmark and the launch sweep: the indices the stage
