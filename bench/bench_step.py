@@ -11,7 +11,8 @@ and without the tracer. The same trace splits the step by kernel name into convs
 optimizer, other and idle (ms per step), with the top 5 kernels and the kernels per step, then
 every kernel of "other" by name, with the ops that launched it in an eager trace of the same step
 (launches and ms per step; the jsonl row's ``per_kernel`` has all phases', ``launched_by`` every
-kernel's ops).
+kernel's ops). A graphed row takes its ops from the eager row of its batch and kernels, so the
+column is empty with ``--graphs on`` alone; a kernel that only the capture chose is empty too.
 ``--preset fast`` times that preset's network (FastNet) instead of the default ResNet-9.
 
 ``--fake-world N`` times the step one rank of an N-rank run takes (issue 46: the 8-GPU shapes on
@@ -227,7 +228,7 @@ def breakdown(kernels: list[tuple[str, float, float]], steps: int) -> dict:
 # What a kernel's name says past its namespaces: "void at::native::elementwise_kernel<128, 4,
 # at::native::gpu_kernel_impl_nocast<at::native::CUDAFunctor_add<c10::Half> >..." cut at 90 characters
 # showed only "...gpu_kernel_impl_nocast<at::nati" (visit 12), never the functor.
-_NAMESPACES = re.compile(r"\b(?:at::native::|at::cuda::detail::|at::|c10::|std::|\(anonymous namespace\)::)")
+_NAMESPACES = re.compile(r"\b(?:at::native::|at::cuda::detail::|at::|c10::|std::)|\(anonymous namespace\)::")
 _LAMBDAS = re.compile(r"\{lambda\(\)#\d+\}::operator\(\)\(\) const::")
 
 

@@ -39,9 +39,10 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # and ran at 141 GB/s, 6.5x slower than torch.compile of the reference
 # (bench/results/visits/visit-12.md, 12e).
 # 4 warps: a CIFAR image's 32 x 128 lanes (96 of each row's 128 used) at 32 per thread. Compiled for
-# sm_90 (Triton 3.8, no GPU): 56 registers, no spills, 1056 SASS instructions a thread, so 135k a
-# program; at 8 warps 94 registers and 205k, at 16 warps 62 and 360k (each thread recomputes the
-# row-wise vectors for the lanes it holds). Not yet timed on a GPU.
+# sm_90 (Triton 3.8, no GPU), the jitter variant: 72 registers, no spills, 960 SASS instructions a
+# thread, so 123k an image. At 8 warps the first draft of this layout took 94 registers and 205k
+# instructions an image, at 16 warps 62 and 360k (each thread recomputes the row-wise vectors for
+# the lanes it holds). Not yet timed on a GPU.
 NUM_WARPS = 4
 
 
@@ -51,7 +52,7 @@ def _augment_kernel(data_ptr, index_ptr, dy_ptr, dx_ptr, flip_ptr, cy_ptr, cx_pt
                     ROWS: tl.constexpr, LANES: tl.constexpr, HAS_INDEX: tl.constexpr, JITTER: tl.constexpr):
     """out[b, oh, ow, c] (flat NHWC) = (data[img, dy+oh, dx+(flip ? S-1-ow : ow), c] - mean[c]) * (1 / std[c]),
     then (JITTER) (that + shift[b]) * scale[b]; 0 inside the cutout square; img = index[b] (or b).
-    Program b writes image b: rows oh < S of ROWS, lanes j = ow * C + c < S * C of LANES."""
+    Program (b, r) writes rows r * ROWS .. of image b (those < S), lanes j = ow * C + c < S * C of LANES."""
     b = tl.program_id(0).to(tl.int64)
     img = tl.load(index_ptr + b).to(tl.int64) if HAS_INDEX else b
     dy = tl.load(dy_ptr + b).to(tl.int32)
@@ -59,7 +60,7 @@ def _augment_kernel(data_ptr, index_ptr, dy_ptr, dx_ptr, flip_ptr, cy_ptr, cx_pt
     flip = tl.load(flip_ptr + b)
     cy = tl.load(cy_ptr + b).to(tl.int32)
     cx = tl.load(cx_ptr + b).to(tl.int32)
-    oh = tl.arange(0, ROWS)  # the output row
+    oh = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # the output row
     j = tl.arange(0, LANES)  # the position within it: pixel ow, channel c
     ow = j // C
     c = j - ow * C
@@ -80,6 +81,21 @@ def _augment_kernel(data_ptr, index_ptr, dy_ptr, dx_ptr, flip_ptr, cy_ptr, cx_pt
     y = tl.where(hole, 0.0, y)
     dst = out_ptr + b * S * S * C + ((oh * S * C)[:, None] + j[None, :])
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=(oh < S)[:, None] & used_j[None, :])
+
+
+TILE = 4096  # elements a program holds: a whole CIFAR image (32 rows of 128 lanes), 32 per thread
+MAX_LANES = 16384  # a row of more values than this (a side of 5462 at 3 channels) is refused
+
+
+def tile(size: int, channels: int) -> tuple[int, int]:
+    """(lanes, rows) of a program's tile for images of side ``size``: a row's size x channels values
+    padded to a power of two, and as many rows as fit in TILE (all 32 of a CIFAR image; 8 of a 96 x 96
+    one, whose image then takes 12 programs)."""
+    lanes = triton.next_power_of_2(size * channels)
+    if lanes > MAX_LANES:
+        raise ValueError(f"images of side {size} with {channels} channels have {size * channels} values a row; "
+                         f"the augmentation kernel takes at most {MAX_LANES}")
+    return lanes, min(triton.next_power_of_2(size), max(1, TILE // lanes))
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -138,13 +154,14 @@ def augment(data: torch.Tensor, params: AugmentParams, cutout: int, mean=CIFAR10
             _check_vector(getattr(params, name), f"params.{name}", b, data.device, dtypes=(torch.float32,))
     mean_t = channel_constants(mean, c, data.device)
     std_t = channel_constants(std, c, data.device)
+    lanes, rows = tile(size, c)
     y = _empty((b, c, size, size), dtype, data.device)
     if y.numel():
         jitter = (params.shift, params.scale) if params.jitter else (mean_t, mean_t)  # unread without JITTER
-        _augment_kernel[(b,)](
+        _augment_kernel[(b, triton.cdiv(size, rows))](
             data, index if index is not None else data, params.dy, params.dx, params.flip, params.cy, params.cx,
-            *jitter, mean_t, std_t, y, d, hp, wp, cutout, C=c, S=size, ROWS=triton.next_power_of_2(size),
-            LANES=triton.next_power_of_2(size * c), HAS_INDEX=index is not None, JITTER=params.jitter,
+            *jitter, mean_t, std_t, y, d, hp, wp, cutout, C=c, S=size, ROWS=rows, LANES=lanes,
+            HAS_INDEX=index is not None, JITTER=params.jitter,
             num_warps=NUM_WARPS,
             enable_fp_fusion=not params.jitter)
     return y

@@ -225,6 +225,8 @@ def test_short_names_keep_the_functor(bench_step):
     assert bench_step.short_name(copy).startswith(
         "unrolled_elementwise_kernel<direct_copy_kernel_cuda(TensorIteratorBase&)::{lambda(Half)#1}")
     assert bench_step.short_name("_bwd_dx_kernel") == "_bwd_dx_kernel"
+    assert bench_step.short_name("void at::native::(anonymous namespace)::softmax_warp_forward<float>(float*)") \
+        == "softmax_warp_forward<float>(float*)"
     assert bench_step.short_name("nvjet_sm90_tst_64x24_64x16_2x4_h_bz_TNT") == "nvjet_sm90_tst_64x24_64x16_2x4_h_bz_TNT"
 
 

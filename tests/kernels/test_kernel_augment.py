@@ -90,12 +90,16 @@ def test_module_with_device_constants():
     assert_close(mod(data, params, index), augment_indexed_reference(data, params, 8, index=index), 0.0, "TritonAugment")
 
 
-@pytest.mark.parametrize("size, channels, pad", [(12, 1, 2), (20, 2, 3), (8, 4, 0)])
+@pytest.mark.parametrize("size, channels, pad", [(12, 1, 2), (20, 2, 3), (8, 4, 0), (40, 3, 2)])
 def test_other_sides_and_channel_counts(size, channels, pad, monkeypatch):
-    """One program per image over its rows and each row's pixels x channels, both padded to a power of
-    two (12 rows of 12 x 1 lanes: 16 x 16; 20 x 2 = 40 lanes: 64): every element of every image is
-    written (the output starts as NaN) and the padding lanes write nothing past the batch (the output
-    is the front of a NaN buffer whose tail must stay NaN)."""
+    """A program per image (or per block of its rows) over its rows and each row's pixels x channels,
+    both padded to a power of two (12 rows of 12 x 1 lanes: 16 x 16; 20 x 2 = 40 lanes: 64; 40 rows of
+    120 lanes: two blocks of 32 x 128): every element of every image is written (the output starts as
+    NaN) and the padding lanes write nothing past the batch (the output is the front of a NaN buffer
+    whose tail must stay NaN)."""
+    assert am.tile(32, 3) == (128, 32) and am.tile(40, 3) == (128, 32) and am.tile(96, 3) == (512, 8)
+    with pytest.raises(ValueError, match="at most 16384"):
+        am.tile(6000, 3)
     tail = []
 
     def guarded_empty(shape, dtype, device):
