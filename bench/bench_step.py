@@ -44,6 +44,7 @@ import re
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -256,17 +257,13 @@ def launched_by(events, steps: int) -> dict[str, str]:
     """Kernel name -> the ops that launched it in an eager trace of ``steps`` steps, the most launches
     first, each with its launches per step where there are several (torch.profiler ties each kernel
     to the innermost op running when it was launched)."""
-    counts: dict[str, dict[str, int]] = {}
+    counts: dict[str, Counter] = {}
     for event in events:
-        for kernel in getattr(event, "kernels", None) or ():
-            per = counts.setdefault(kernel.name, {})
-            label = launch_label(event)
-            per[label] = per.get(label, 0) + 1
-    out = {}
-    for name, per in counts.items():
-        ranked = sorted(per.items(), key=lambda kv: -kv[1])
-        out[name] = ranked[0][0] if len(ranked) == 1 else "; ".join(f"{label} x{n / steps:g}" for label, n in ranked)
-    return out
+        for kernel in event.kernels:
+            counts.setdefault(kernel.name, Counter())[launch_label(event)] += 1
+    return {name: next(iter(per)) if len(per) == 1 else
+            "; ".join(f"{label} x{n / steps:g}" for label, n in per.most_common())
+            for name, per in counts.items()}
 
 
 def phase_kernels(row: dict, phase: str) -> list[str]:
