@@ -196,6 +196,11 @@ class Muon:
             dtype = ns_dtype or self.params[0].dtype
             self.flat = torch.zeros(sum(sizes), dtype=dtype, device=self.params[0].device)
             self.views = list(self.flat.split(sizes))
+        # this rank's filters (r, r + world, ...), grouped by flattened shape once: one stack each
+        self.groups: dict[tuple[int, int], list[int]] = {}
+        for i in range(self.rank, len(self.params), self.world):
+            p = self.params[i]
+            self.groups.setdefault((len(p), p[0].numel()), []).append(i)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -220,12 +225,8 @@ class Muon:
         """Each update flattened to out x in*k*k and orthogonalized; filters of one shape as one
         stack (the default's three 256 x 2304 filters: one set of kernels, not three). Sharded, rank
         r does filters r, r + world, ... and the all-reduce fills in the rest."""
-        mine = range(self.rank, len(updates), self.world)
-        by_shape: dict[tuple[int, int], list[int]] = {}
-        for i in mine:
-            by_shape.setdefault((len(updates[i]), updates[i][0].numel()), []).append(i)
         out: list[torch.Tensor | None] = [None] * len(updates)
-        for shape, idx in by_shape.items():
+        for shape, idx in self.groups.items():
             parts = [updates[i].reshape(shape) for i in idx]
             stack = torch.stack(parts) if len(parts) > 1 else parts[0].unsqueeze(0)  # one alone: no copy
             for i, o in zip(idx, newton_schulz(stack, self.ns_steps, dtype=self.ns_dtype)):
@@ -233,8 +234,9 @@ class Muon:
         if self.world == 1:
             return out
         self.flat.zero_()
-        for i in mine:
-            self.views[i].copy_(out[i].flatten())
+        for view, o in zip(self.views, out):
+            if o is not None:  # this rank's filters
+                view.copy_(o.flatten())
         self.reduce(self.flat)  # each slice is one rank's and zeros elsewhere: the sum is exact
         return self.views
 
