@@ -1,4 +1,4 @@
-"""Step time of data-parallel ResNet-9 with stock DDP vs fastcifar.dist.comm's buckets, and the exposed
+"""Step time of data-parallel ResNet-9 with stock DDP vs fastcifar.parallel.comm's buckets, and the exposed
 communication: a config's step time minus the same step with its communication skipped.
 
     python bench/bench_allreduce.py                                   # gloo, 2 CPU ranks, CI-sized (~1 min)
@@ -81,8 +81,8 @@ def run_rank(args) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from fastcifar.dist import distributed
-    from fastcifar.dist.comm import GradBuckets
+    from fastcifar.parallel import distributed
+    from fastcifar.parallel.comm import GradBuckets
     from fastcifar.core.config import Config
     from fastcifar.run.optim import NesterovSGD
     from fastcifar.run.report import versions

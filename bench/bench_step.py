@@ -57,8 +57,8 @@ SMOKE = smoke_mode()
 import torch  # noqa: E402
 
 from fastcifar.core.config import Config, from_preset  # noqa: E402
-from fastcifar.dist.distributed import DistContext  # noqa: E402
-from fastcifar.dist.sync import GradientSync  # noqa: E402
+from fastcifar.parallel.distributed import DistContext  # noqa: E402
+from fastcifar.parallel.sync import GradientSync  # noqa: E402
 from fastcifar.run.schedule import DeviceSchedule  # noqa: E402
 from fastcifar.run.graphs import StaticBatch, TrainStep, capture  # noqa: E402
 from fastcifar.run.recipe import make_optimizer, peak_rate  # noqa: E402

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastcifar.dist import distributed  # noqa: E402
+from fastcifar.parallel import distributed  # noqa: E402
 from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, parse_args, validate  # noqa: E402
 from fastcifar.data import DataError  # noqa: E402
 from fastcifar.run.report import TIMING_PROTOCOL, RunResult, summarize  # noqa: E402

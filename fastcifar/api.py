@@ -49,7 +49,7 @@ def train(config: Config) -> list[TrainedRun]:
     """Train ``config.runs`` runs as ``python -m fastcifar.train`` would with these settings
     (the same validation, logs and run folder); raises ConfigError or DataError on bad input.
     Under torchrun every rank calls it and gets its own copy of the results."""
-    from fastcifar.dist import distributed
+    from fastcifar.parallel import distributed
     from fastcifar import train as trainer
     from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
     if not isinstance(config, Config):

@@ -38,8 +38,8 @@ from fastcifar.data import DataError, load_dataset, shard_indices
 from fastcifar.data.dataset import for_run
 from fastcifar.data.dali import dali_decoder, make_train_loader, resolve_loader
 from fastcifar.data.loader import EvalSet
-from fastcifar.dist import distributed
-from fastcifar.dist.sync import GradientSync, capture_blocker
+from fastcifar.parallel import distributed
+from fastcifar.parallel.sync import GradientSync, capture_blocker
 from fastcifar.models import compiled
 from fastcifar.models.blocks import resolve_kernels
 from fastcifar.models.network import build_model

@@ -10,7 +10,7 @@
 # works on branches that do not have the preset yet. The learning rate follows the rule in
 # config.py and docs/presets.md: 0.4 per 512 of global batch -> a peak of 1.6 at 2048, whatever the
 # number of GPUs. Flags given here come after ours, so they override (argparse keeps the last).
-# Gradients are averaged by fastcifar.dist.comm's buckets (--comm bucketed, 2 MiB); --comm ddp for the
+# Gradients are averaged by fastcifar.parallel.comm's buckets (--comm bucketed, 2 MiB); --comm ddp for the
 # stock path. A rank that fails makes torchrun stop the others; one that stalls fails the rest
 # after --dist-timeout-s.
 set -euo pipefail

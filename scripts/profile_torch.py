@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastcifar.dist import distributed  # noqa: E402
+from fastcifar.parallel import distributed  # noqa: E402
 from fastcifar.run import profiling
 from fastcifar.core.config import ConfigError, parse_args, validate  # noqa: E402
 from fastcifar.data import DataError  # noqa: E402

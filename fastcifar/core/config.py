@@ -100,8 +100,8 @@ class Config:
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     kernels: str = "auto"  # triton (fused BN+act+pool, augmentation) | torch (reference) | auto: triton on CUDA
     precision: str = "auto"  # auto (fp16 on cuda, fp32 on cpu) | fp16 | fp32
-    comm: str = "bucketed"  # gradient averaging over ranks: bucketed (fastcifar.dist.comm, overlapped) | ddp (stock)
-    bucket_mb: float = 2.0  # MiB of gradients per all-reduce bucket (--comm bucketed), see fastcifar.dist.comm
+    comm: str = "bucketed"  # gradient averaging over ranks: bucketed (fastcifar.parallel.comm, overlapped) | ddp (stock)
+    bucket_mb: float = 2.0  # MiB of gradients per all-reduce bucket (--comm bucketed), see fastcifar.parallel.comm
     cuda_graphs: str = "auto"  # capture the train step and eval batch as CUDA graphs: auto (on for CUDA) | on | off
     eval_batch_size: int = 1000  # images per evaluation batch, per rank (1..65536); with --tta-share < 1 it decides which images share the views
     warmup_steps: int = 3  # untimed training steps before the clock starts (0..1000); state restored after
@@ -110,7 +110,7 @@ class Config:
     emulate_ranks: int = 1  # one process trains what N ranks train (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged): the N-GPU recipe's accuracy on one device (fastcifar.data.loader.EmulatedRanks); 1 = off
     compile: bool = False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
     fused_conv: bool = False  # the blocks' convs as Triton implicit GEMMs that take the batchnorm statistics (and a pool-first block's 2x2 pool) in their epilogue (fastcifar.kernels.conv_stats); needs the Triton kernels; slower than cuDNN so far (bench/results/visits/visit-11.md)
-    # --- compressed gradient communication (fastcifar.dist.compress; several ranks, --comm bucketed) ---
+    # --- compressed gradient communication (fastcifar.parallel.compress; several ranks, --comm bucketed) ---
     compress: str = "none"  # none (plain all-reduce) | fp16 | bf16 | topk | randomk | threshold | terngrad | qsgd | powersgd
     compress_ratio: float = 0.01  # topk/randomk: fraction K of each chunk's coordinates sent, 0 < K <= 1
     compress_threshold: float = 1e-3  # threshold: send |g_i| >= V (units of the summed-loss gradient)
@@ -252,7 +252,7 @@ CHOICES = {
     "cuda_graphs": ("auto", "on", "off"),
     "dist_group": ("auto", "always"),
     "kernels": ("auto", "triton", "torch"),  # fastcifar.models.blocks.KERNELS reads this one
-    # fastcifar.dist.compress reads these three: one source, no copy to keep in step
+    # fastcifar.parallel.compress reads these three: one source, no copy to keep in step
     "compress": ("none", "fp16", "bf16", "topk", "randomk", "threshold", "terngrad", "qsgd", "powersgd"),
     "compress_scope": ("layer", "bucket", "model"),
     "compress_transport": ("sparse", "dense"),
@@ -603,7 +603,7 @@ HELP_GROUPS = (  # (title, Config sections it holds)
                                             "orthogonalized momentum",)),
     ("engines", ("engine",)),
     ("distributed (torchrun)", ("distributed",)),
-    ("compressed gradient communication", ("compressed gradient communication (fastcifar.dist.compress; "
+    ("compressed gradient communication", ("compressed gradient communication (fastcifar.parallel.compress; "
                                            "several ranks, --comm bucketed)",)),
     ("sparse training and local SGD", ("sparse training (fastcifar.run.sparse)",)),
     ("checkpoints and model files", ("checkpoints (fastcifar.checkpoint)",)),

@@ -19,7 +19,7 @@ the stop in log.txt and summary.json and prints its line) and ends the process w
 status the main thread would have: 128 + the signal.
 
 Several threads may end a distributed rank: the main thread's error handling, the progress
-watchdog (dist/distributed.py) and this watcher. ``claim_ending`` lets exactly one of them speak,
+watchdog (parallel/distributed.py) and this watcher. ``claim_ending`` lets exactly one of them speak,
 record and choose the exit status; the others stay silent and leave the exit to it.
 """
 
@@ -53,7 +53,7 @@ HANDLED = (signal.SIGINT, signal.SIGTERM)
 # 5 s without its handler running means it is blocked in C++ and cannot take the signal.
 HANDLER_WAIT_S = 5.0
 # From the signal to the end of the process when the main thread did take it: its finally blocks,
-# the record and the process group's teardown (bounded at 5 s, dist/distributed.py) take seconds.
+# the record and the process group's teardown (bounded at 5 s, parallel/distributed.py) take seconds.
 # With RECORD_TIMEOUT_S this stays inside the 30 s torchrun waits between its SIGTERM and its
 # SIGKILL (torch/distributed/elastic/multiprocessing/api.py, close(timeout=30)).
 STOP_TIMEOUT_S = 15.0

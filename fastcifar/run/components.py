@@ -15,8 +15,8 @@ import torch
 
 from fastcifar.core.config import Config
 from fastcifar.data.loader import EvalSet, TrainLoader
-from fastcifar.dist import compress, distributed
-from fastcifar.dist.sync import GradientSync
+from fastcifar.parallel import compress, distributed
+from fastcifar.parallel.sync import GradientSync
 from fastcifar.models import files
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
 from fastcifar.run import profiling, report

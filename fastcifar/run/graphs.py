@@ -34,7 +34,7 @@ def resolve(setting: str, device: torch.device, blocker: tuple[str, str] = ("", 
     """Whether to capture, and a note when ``auto`` turned capture off for a reason worth logging.
     ``auto`` means on for CUDA; ``on`` where it cannot work is refused. ``blocker``: why the run's
     gradient sync cannot be captured, as (the refusal of ``on``, the note for ``auto``)
-    (``dist.sync.capture_blocker``; empty when it can)."""
+    (``parallel.sync.capture_blocker``; empty when it can)."""
     if setting not in ("auto", "on", "off"):
         raise ConfigError(f"--cuda-graphs must be auto, on or off, not {setting!r}")
     if device.type != "cuda":

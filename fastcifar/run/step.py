@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fastcifar.data.loader import EvalSet
-from fastcifar.dist import distributed
+from fastcifar.parallel import distributed
 from fastcifar.run import profiling
 from fastcifar.run.graphs import EvalStep
 from fastcifar.run.optim import NesterovSGD
@@ -18,7 +18,7 @@ from fastcifar.run.schedule import DeviceSchedule
 def make_step(net, opt: NesterovSGD, schedule: DeviceSchedule, label_smoothing: float,
               markers=profiling.markers(False), buckets=None):
     """One training step on a batch: the function that runs eagerly or is captured. ``buckets``
-    (several ranks, --comm bucketed: ``dist.comm.GradBuckets``) average the gradients during
+    (several ranks, --comm bucketed: ``parallel.comm.GradBuckets``) average the gradients during
     backward; ``markers`` (push, pop) put NVTX ranges around its phases for nsys (no-ops unless
     --nvtx on CUDA)."""
     push, pop = markers

@@ -311,7 +311,7 @@ def state_widths(run_dir) -> tuple:
 LOAD_STATE_RANKS = """
 import sys
 from fastcifar.run import state as checkpoint
-from fastcifar.dist import distributed
+from fastcifar.parallel import distributed
 from fastcifar.core.config import parse_args
 path, argv = sys.argv[1], sys.argv[2:]
 ctx = distributed.setup("cpu", 60)
@@ -327,7 +327,7 @@ distributed.teardown(ctx)
 RESUME_SETTINGS_RANKS = """
 import sys
 from fastcifar.run import state
-from fastcifar.dist import distributed
+from fastcifar.parallel import distributed
 from fastcifar.core.config import parse_command_line
 path, argv = sys.argv[1], sys.argv[2:]
 ctx = distributed.setup("cpu", 60)

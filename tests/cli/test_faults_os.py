@@ -472,7 +472,7 @@ def test_the_watchdog_records_the_cause_in_log_and_summary_before_it_ends_the_ra
     code = ("import sys, time, torch, os\n"
             "sys.path[:0] = ['tests', 'tests/helpers', 'tests/cli']\n"
             "from test_faults_os import start_log\n"
-            "from fastcifar.dist.distributed import DistContext, ProgressWatchdog\n"
+            "from fastcifar.parallel.distributed import DistContext, ProgressWatchdog\n"
             "from fastcifar.run import report\n"
             "log = start_log(sys.argv[1])\n"
             "ctx = DistContext(0, 2, 0, torch.device('cpu'), 'gloo')\n"
@@ -491,7 +491,7 @@ def test_the_watchdog_records_the_cause_in_log_and_summary_before_it_ends_the_ra
 
 def test_the_watchdog_ends_the_rank_even_when_recording_hangs():
     code = ("import time, torch\n"
-            "from fastcifar.dist import distributed\n"
+            "from fastcifar.parallel import distributed\n"
             "distributed.RECORD_TIMEOUT_S = 1.0\n"
             "ctx = distributed.DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
             "dog = distributed.ProgressWatchdog(1.0, ctx, enabled=True, on_stall=lambda why: time.sleep(120))\n"
@@ -502,7 +502,7 @@ def test_the_watchdog_ends_the_rank_even_when_recording_hangs():
 
 
 def test_a_sigterm_under_torchrun_is_not_recorded_as_a_bare_interruption(monkeypatch):
-    from fastcifar.dist.distributed import stop_reason
+    from fastcifar.parallel.distributed import stop_reason
     exc = signals.Interrupted(signal.SIGTERM)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert stop_reason(exc) == "interrupted by SIGTERM"

@@ -27,7 +27,7 @@ from conftest import one_line_error, write_image_folder, write_official
 from fastcifar.data import dali as dali_loader
 from fastcifar.core import signals
 from fastcifar import train
-from fastcifar.dist import sync
+from fastcifar.parallel import sync
 from fastcifar.data.dali import DaliLoader, dali_available
 from fastcifar.data.folder import save_cache
 from fastcifar.data import load_dataset

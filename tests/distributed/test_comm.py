@@ -1,4 +1,4 @@
-"""The bucketed all-reduce (fastcifar.dist.comm) and launch hardening, on the CPU with gloo.
+"""The bucketed all-reduce (fastcifar.parallel.comm) and launch hardening, on the CPU with gloo.
 
 Two-rank tests start real processes with RANK/WORLD_SIZE/MASTER_PORT set, as torchrun would, and
 bound every wait: a test that hangs fails at its own timeout instead of stalling CI.
@@ -20,7 +20,7 @@ import torch
 from cli import ROOT, SHORT, free_port, run_dirs, run_train, summary_of
 from comm_worker import TINY16, SmallNet, make_model, reference_params
 from conftest import one_line_error
-from fastcifar.dist.comm import GradBuckets, plan_buckets
+from fastcifar.parallel.comm import GradBuckets, plan_buckets
 from fastcifar.core.config import Config
 from fastcifar.models.network import build_model
 

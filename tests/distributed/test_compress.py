@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from fastcifar.models.alexnet import AlexNet
-from fastcifar.dist.comm import GradBuckets
-from fastcifar.dist.compress import Compression, engine, log_stats, make, pack, unpack
-from fastcifar.dist.compress.compressors import PowerSGD, _orthonormalize
-from fastcifar.dist.compress.memory import ErrorFeedback
-from fastcifar.dist.compress.rng import MASK32, SHARED_STREAM, CounterRNG, _mix
+from fastcifar.parallel.comm import GradBuckets
+from fastcifar.parallel.compress import Compression, engine, log_stats, make, pack, unpack
+from fastcifar.parallel.compress.compressors import PowerSGD, _orthonormalize
+from fastcifar.parallel.compress.memory import ErrorFeedback
+from fastcifar.parallel.compress.rng import MASK32, SHARED_STREAM, CounterRNG, _mix
 from fastcifar.core.config import Config, ConfigError, from_preset, validate
 
 DRAWS = 2000

@@ -1,4 +1,4 @@
-"""Compressed gradient communication across 2 and 3 gloo ranks (fastcifar.dist.compress in GradBuckets).
+"""Compressed gradient communication across 2 and 3 gloo ranks (fastcifar.parallel.compress in GradBuckets).
 
 Each rank of tests/helpers/compress_worker.py averages its own gradients of a small net through every
 method, scope and transport; these tests compare the results with the uncompressed average, with
@@ -16,7 +16,7 @@ import torch
 
 from cli import SHORT, run_train, summary_of
 from compress_worker import BOTH, EXACT, LEARN
-from fastcifar.dist.compress import SCOPES
+from fastcifar.parallel.compress import SCOPES
 from test_comm import start_ranks, wait_all
 
 pytestmark = pytest.mark.slow

@@ -39,7 +39,7 @@ def test_progress_watchdog_ends_a_stuck_rank_in_one_line():
     peer, say) is ended by the watchdog with exit 3; one that keeps beating is left alone."""
     import subprocess
     from cli import ROOT, env
-    code = ("import time, torch; from fastcifar.dist.distributed import DistContext, ProgressWatchdog\n"
+    code = ("import time, torch; from fastcifar.parallel.distributed import DistContext, ProgressWatchdog\n"
             "ctx = DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
             "dog = ProgressWatchdog(1.0, ctx, enabled=True)\n"
             "for _ in range(6): time.sleep(0.5); dog.beat()\n"  # alive for 3 s: no exit
@@ -59,7 +59,7 @@ def test_a_stall_seen_by_both_threads_is_reported_once():
     lines)."""
     import subprocess
     from cli import ROOT, env
-    code = ("import time, torch; from fastcifar.dist.distributed import DistContext, ProgressWatchdog, report_failure\n"
+    code = ("import time, torch; from fastcifar.parallel.distributed import DistContext, ProgressWatchdog, report_failure\n"
             "ctx = DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
             "dog = ProgressWatchdog(1.0, ctx, enabled=True)\n"
             "assert report_failure('fastcifar: error: [rank 1] lost contact (main thread)')\n"

@@ -18,7 +18,7 @@ CHECK = textwrap.dedent("""
     import numpy as np
     import torch
     import torch.distributed as dist
-    from fastcifar.dist import distributed
+    from fastcifar.parallel import distributed
     from fastcifar.core.config import from_preset
     from fastcifar.data import shard_indices
     from fastcifar.data.loader import TorchLoader

@@ -19,8 +19,8 @@ from cli import ROOT, SHORT, env, free_port, run_dirs, summary_of
 from conftest import tar_folder, write_image_folder, write_official
 from fastcifar.core.errors import DataError
 from fastcifar.data import load_dataset
-from fastcifar.dist import distributed
-from fastcifar.dist.distributed import DistContext
+from fastcifar.parallel import distributed
+from fastcifar.parallel.distributed import DistContext
 from fastcifar.train import main as train_main
 
 CPU = torch.device("cpu")

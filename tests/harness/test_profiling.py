@@ -12,7 +12,7 @@ import torch
 from cli import FAST_SHORT, ROOT, env
 from fastcifar.run import profiling
 from fastcifar.core.config import parse_args
-from fastcifar.dist.distributed import DistContext
+from fastcifar.parallel.distributed import DistContext
 
 
 def test_markers_off_cost_nothing():

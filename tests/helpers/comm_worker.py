@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastcifar.dist import distributed
-from fastcifar.dist.comm import GradBuckets
+from fastcifar.parallel import distributed
+from fastcifar.parallel.comm import GradBuckets
 from fastcifar.core.config import ConfigError
 
 STEPS = 4

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from comm_worker import make_model
-from fastcifar.dist import distributed
-from fastcifar.dist.comm import GradBuckets
-from fastcifar.dist.compress import SCOPES, Compression, make
+from fastcifar.parallel import distributed
+from fastcifar.parallel.comm import GradBuckets
+from fastcifar.parallel.compress import SCOPES, Compression, make
 
 BUCKET_MB = 0.004  # SmallNet's 9.4 KB of gradients in 3 buckets: more than one collective per step
 # (name, method, options): K=1, V=0 and fp32 must give the uncompressed average bit for bit

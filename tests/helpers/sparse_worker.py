@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fastcifar.dist import distributed
-from fastcifar.dist.comm import GradBuckets
+from fastcifar.parallel import distributed
+from fastcifar.parallel.comm import GradBuckets
 from fastcifar.core.config import from_preset
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.run.optim import NesterovSGD
@@ -28,7 +28,7 @@ from fastcifar.models.network import make_network
 from fastcifar.run.recipe import param_groups
 from fastcifar.run.sparse import masks
 from fastcifar.run.sparse.fisher import trainable
-from fastcifar.dist.local_sgd import LocalSGD
+from fastcifar.parallel.local_sgd import LocalSGD
 from fastcifar.run.sparse.run import SparseRun
 from fastcifar.run.sparse.update import MaskedOptimizer
 

@@ -81,7 +81,7 @@ def test_wheel_installs_kernels_under_fastcifar(tmp_path):
     (wheel,) = tmp_path.glob("fastcifar-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     expected = {f"fastcifar/kernels/{p.name}" for p in KERNEL_FILES}
-    # every module of the source tree, subpackages included (fastcifar.dist.compress was once left out)
+    # every module of the source tree, subpackages included (fastcifar.parallel.compress was once left out)
     expected |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "fastcifar").rglob("*.py")}
     assert expected <= set(names), f"missing from the wheel: {sorted(expected - set(names))}"
     assert not [n for n in names if n.startswith("kernels/")], "a top-level kernels package is in the wheel"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from cli import ROOT, env
 from conftest import one_line_error
-from fastcifar.dist import distributed
+from fastcifar.parallel import distributed
 
 NCCL_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
              "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "TORCH_NCCL_TRACE_BUFFER_SIZE")
@@ -140,7 +140,7 @@ def test_main_ends_with_the_runs_status_when_the_teardown_hangs(tmp_path):
             "import torch.distributed as dist\n"
             "from fastcifar import train\n"
             "from fastcifar.core import signals\n"
-            "from fastcifar.dist import distributed\n"
+            "from fastcifar.parallel import distributed\n"
             "distributed.TEARDOWN_TIMEOUT_S = 0.5\n"
             "ctx = distributed.DistContext(0, 2, 0, torch.device('cpu'), 'gloo')\n"
             "train.distributed.setup = lambda device, timeout, group: ctx\n"

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 from cli import SHORT, run_dirs, run_train
 from conftest import one_line_error
-from fastcifar.dist.compress import why_not_capturable
+from fastcifar.parallel.compress import why_not_capturable
 from fastcifar.core.config import Config, ConfigError, validate
 from fastcifar.run.schedule import DeviceSchedule
-from fastcifar.dist.sync import capture_blocker
+from fastcifar.parallel.sync import capture_blocker
 from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep, resolve
 from fastcifar.models.resnet9 import ResNet9
 from fastcifar.ops.tta import tta_logits

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # bottom to top; folders on one rank are siblings and import neither each other
-LAYERS = {"core": 0, "ops": 1, "kernels": 2, "models": 3, "data": 3, "dist": 4, "run": 5, "": 6}
+LAYERS = {"core": 0, "ops": 1, "kernels": 2, "models": 3, "data": 3, "parallel": 4, "run": 5, "": 6}
 
 
 def module_files() -> dict[str, Path]:

@@ -13,7 +13,7 @@ from cli import run_train
 from fastcifar.run import graphs
 from fastcifar import train as trainer
 from fastcifar.core.config import DEFAULT_PRESET, ConfigError, from_preset, validate
-from fastcifar.dist.distributed import DistContext
+from fastcifar.parallel.distributed import DistContext
 from fastcifar.run.schedule import DeviceSchedule
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.run.optim import NS_COEFFICIENTS, Muon, MuonSGD, newton_schulz
@@ -277,8 +277,8 @@ def test_fast_muon_preset_learns_on_the_cpu(tmp_path, learnable_data):
 TWO_RANKS = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
-    from fastcifar.dist import distributed
-    from fastcifar.dist.comm import GradBuckets
+    from fastcifar.parallel import distributed
+    from fastcifar.parallel.comm import GradBuckets
     from fastcifar.core.config import from_preset
     from fastcifar.ops.norm_act_pool import NormActPool
     from fastcifar.models.network import make_network

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fastcifar.ops.augment import alternating_flip, draw_params, normalize
 from fastcifar.run.averaging import Lookahead
 from fastcifar.core.config import (DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, parse_args, validate)
-from fastcifar.dist.distributed import DistContext
+from fastcifar.parallel.distributed import DistContext
 from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.data.loader import TorchLoader
 from fastcifar.ops.norm_act_pool import NormActPool

@@ -26,7 +26,7 @@ from torch import nn
 from fastcifar import train as trainer
 from fastcifar.core.config import from_preset, parse_args, validate
 from fastcifar.data import load_dataset, shard_indices
-from fastcifar.dist.distributed import DistContext
+from fastcifar.parallel.distributed import DistContext
 from fastcifar.models.fastnet import init_whitening
 from fastcifar.data.loader import EvalSet, TorchLoader
 from fastcifar.ops.norm_act_pool import NormActPool

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastcifar.core.config import ConfigError
-from fastcifar.dist.distributed import SHARE_GPU, pick_device
+from fastcifar.parallel.distributed import SHARE_GPU, pick_device
 
 
 @pytest.fixture

@@ -199,7 +199,7 @@ def test_full_mask_of_ones_is_the_dense_optimizer():
 def test_local_sgd_merges_every_h_steps_counted_from_the_last_merge():
     """An epoch-end merge restarts the count: with H=3 and 5 steps per epoch the merges fall
     after steps 3, 5 | 8, 10 (not 3, 5 | 6, 9, 10, as a run-wide step counter would place them)."""
-    from fastcifar.dist.local_sgd import LocalSGD
+    from fastcifar.parallel.local_sgd import LocalSGD
 
     cfg, model = tiny()
     params = fisher.trainable(model)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastcifar.dist import comm
+from fastcifar.parallel import comm
 from fastcifar.run import recipe
 from fastcifar.core.config import from_preset
 from fastcifar.run.schedule import DeviceSchedule, lr_schedule

@@ -15,7 +15,7 @@ from fastcifar.models.files import write_atomic
 from fastcifar.run.component import Component
 from fastcifar.run.sparse import fisher, masks
 from fastcifar.run.sparse.diffs import DiffWriter
-from fastcifar.dist.local_sgd import LocalSGD
+from fastcifar.parallel.local_sgd import LocalSGD
 from fastcifar.run.sparse.update import MaskedOptimizer
 
 

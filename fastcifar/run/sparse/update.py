@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fastcifar.dist import distributed
+from fastcifar.parallel import distributed
 from fastcifar.core.config import CHOICES
 
 

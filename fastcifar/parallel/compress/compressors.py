@@ -7,7 +7,7 @@ names the transport the payload needs:
 - ``"sum"``: payloads of all ranks add up to the payload of the sum (casts, RandomK with
   coordinates shared by all ranks, PowerSGD's P and Q); they go through one all-reduce. These
   compressors scale by 1/world_size *before* the sum, in fp32 before any cast (an fp16 payload
-  cannot overflow that way; fastcifar.dist.comm's plain path sums first, then divides), so
+  cannot overflow that way; fastcifar.parallel.comm's plain path sums first, then divides), so
   ``decompress`` of the summed payload is the mean.
 - ``"gather"``: each rank's payload holds its own indices or scales; all ranks' payloads are
   all-gathered and each is added into the mean on its own (``accumulate``: sparse ones at their

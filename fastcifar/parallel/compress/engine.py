@@ -1,6 +1,6 @@
 """Compressed averaging of one gradient bucket: split into chunks, compress, transport, decompress.
 
-``Compression.launch(bucket)`` is what ``fastcifar.dist.comm.GradBuckets`` calls instead of its plain
+``Compression.launch(bucket)`` is what ``fastcifar.parallel.comm.GradBuckets`` calls instead of its plain
 all-reduce when backward has filled a bucket (on the GPU inside the comm stream, so it overlaps
 the rest of backward). It returns an object with ``wait()``, like the c10d Work it replaces;
 ``GradBuckets.finish()`` waits on it, and then the bucket holds the mean of the ranks'
@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fastcifar.dist.compress.compressors import Compressor
-from fastcifar.dist.compress.memory import ErrorFeedback
-from fastcifar.dist.compress.rng import SHARED_STREAM, CounterRNG
+from fastcifar.parallel.compress.compressors import Compressor
+from fastcifar.parallel.compress.memory import ErrorFeedback
+from fastcifar.parallel.compress.rng import SHARED_STREAM, CounterRNG
 
 from fastcifar.core.config import CHOICES
 
@@ -152,7 +152,7 @@ class Compression:
     def plan(self, buckets, group=None, device: torch.device | str = "cpu") -> None:
         """Chunks of every bucket (GradBuckets calls this once its buckets exist, with its own group
         and device: the ranks to average over and where the RNG counters live are the buckets')."""
-        from fastcifar.dist.comm import _span
+        from fastcifar.parallel.comm import _span
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0

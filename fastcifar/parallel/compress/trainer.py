@@ -8,8 +8,8 @@
 
 from __future__ import annotations
 
-from fastcifar.dist.compress.compressors import make
-from fastcifar.dist.compress.engine import Compression
+from fastcifar.parallel.compress.compressors import make
+from fastcifar.parallel.compress.engine import Compression
 
 
 def from_config(cfg, ctx, seed: int) -> Compression | None:

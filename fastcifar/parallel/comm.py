@@ -131,7 +131,7 @@ class GradBuckets:
     communication time (an attribute: the benchmark flips it between steps, never inside one).
     ``trace``, when a list, receives ("grad", name) and ("launch", bucket index) events in the
     order they happen (the overlap test reads it).
-    ``compression`` (a ``fastcifar.dist.compress.Compression``), when given, replaces each bucket's
+    ``compression`` (a ``fastcifar.parallel.compress.Compression``), when given, replaces each bucket's
     all-reduce by its compress -> transport -> decompress, launched at the same moment on the same
     stream; scope ``model`` makes one bucket per dtype (the whole gradient as one vector).
     """

@@ -32,7 +32,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from fastcifar.dist import distributed
+from fastcifar.parallel import distributed
 from fastcifar.core.config import CHOICES
 
 

@@ -11,8 +11,8 @@ import inspect
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fastcifar.dist import compress
-from fastcifar.dist.comm import GradBuckets
+from fastcifar.parallel import compress
+from fastcifar.parallel.comm import GradBuckets
 
 # DDP without buffer broadcasts (each rank's batchnorm statistics stay its own until averaged per
 # epoch): torch >= 2.13 names it forward_sync_buffers and warns on every rank about the old name.
