@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo: CPU ranks; nccl: one GPU each")
     p.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
     p.add_argument("--widths", default="16,32,64,128", help="ResNet-9 channels (the recipe: 64,128,256,512)")
@@ -54,15 +55,28 @@ def launch(args, argv) -> int:
     import torch
 
     if args.backend == "nccl" and not torch.cuda.is_available():
-        print("bench_allreduce: --backend nccl needs CUDA GPUs and PyTorch sees none; "
-              "use --backend gloo on the CPU", file=sys.stderr)
+        print(
+            "bench_allreduce: --backend nccl needs CUDA GPUs and PyTorch sees none; use --backend gloo on the CPU",
+            file=sys.stderr,
+        )
         return 2
     if args.backend == "nccl" and torch.cuda.device_count() < args.nproc:
-        print(f"bench_allreduce: --nproc {args.nproc} NCCL ranks need {args.nproc} GPUs, this machine has "
-              f"{torch.cuda.device_count()}", file=sys.stderr)
+        print(
+            f"bench_allreduce: --nproc {args.nproc} NCCL ranks need {args.nproc} GPUs, this machine has "
+            f"{torch.cuda.device_count()}",
+            file=sys.stderr,
+        )
         return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           str(Path(__file__).resolve()), *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.nproc),
+        str(Path(__file__).resolve()),
+        *argv,
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if args.backend == "gloo":
         env["OMP_NUM_THREADS"] = "1"  # one compute thread per rank: the ranks share the machine's cores
@@ -97,8 +111,9 @@ def run_rank(args) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     g = torch.Generator().manual_seed(100 + ctx.rank)  # each rank its own batch, as in training
-    images = torch.randn(args.batch, 3, 32, 32, generator=g).to(device, dtype).contiguous(
-        memory_format=torch.channels_last)
+    images = (
+        torch.randn(args.batch, 3, 32, 32, generator=g).to(device, dtype).contiguous(memory_format=torch.channels_last)
+    )
     labels = torch.randint(0, 10, (args.batch,), generator=g).to(device)
 
     def make(kind, mb=None):
@@ -106,13 +121,21 @@ def run_rank(args) -> None:
         model = build_model(cfg, device, dtype)
         net, buckets = model, None
         if kind == "ddp":
-            net = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                          broadcast_buffers=False)
+            net = DistributedDataParallel(
+                model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
+            )
         elif kind == "bucketed":
             buckets = GradBuckets(model.parameters(), bucket_mb=mb)
         opt = NesterovSGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=5e-4 * args.batch)
-        return {"kind": kind, "mb": mb, "model": model, "net": net, "buckets": buckets, "opt": opt,
-                "samples": {"comm": [], "skipped": []}}
+        return {
+            "kind": kind,
+            "mb": mb,
+            "model": model,
+            "net": net,
+            "buckets": buckets,
+            "opt": opt,
+            "samples": {"comm": [], "skipped": []},
+        }
 
     def step(c, skip: bool):
         if c["buckets"] is not None:
@@ -141,7 +164,7 @@ def run_rank(args) -> None:
                 step(c, skip)
     for _ in range(args.rounds):
         for c in configs:
-            for skip in ((True,) if c["kind"] == "none" else (False, True)):
+            for skip in (True,) if c["kind"] == "none" else (False, True):
                 key = "skipped" if skip else "comm"
                 dist.barrier()  # every rank starts the config together: no skew carried between configs
                 c["samples"][key] += [timed(c, skip) for _ in range(args.steps)]
@@ -149,8 +172,10 @@ def run_rank(args) -> None:
     grad_bytes = sum(p.numel() * p.element_size() for p in configs[0]["model"].parameters())
     rows = []
     for c in configs:
-        row = {"config": c["kind"] if c["kind"] != "bucketed" else f"bucketed {c['mb']:g} MiB",
-               "buckets": len(c["buckets"]) if c["buckets"] is not None else None}
+        row = {
+            "config": c["kind"] if c["kind"] != "bucketed" else f"bucketed {c['mb']:g} MiB",
+            "buckets": len(c["buckets"]) if c["buckets"] is not None else None,
+        }
         for key in ("comm", "skipped"):
             if c["samples"][key]:
                 q = quantiles(c["samples"][key])
@@ -166,26 +191,50 @@ def run_rank(args) -> None:
 def report(args, ctx, device, rows, grad_bytes, vers) -> None:
     import torch
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared)"
-    env = {"device": name, "backend": args.backend, "world_size": ctx.world_size, "torch": vers["torch"],
-           "cuda": vers["cuda"], "python": vers["python"], "host": platform.node(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "widths": args.widths, "batch_per_rank": args.batch, "grad_mb": round(grad_bytes / 2**20, 3),
-           "steps": args.steps * args.rounds}
-    lines = [f"### {ctx.world_size} x {name}, {args.backend}; torch {vers['torch']}, {env['date']}", "",
-             f"ResNet-9 widths {args.widths}, {args.batch} images per rank, {grad_bytes / 2**20:.2f} MiB of "
-             f"gradients; {args.steps * args.rounds} timed steps per config (slowest rank's median, p20-p80).", "",
-             "| config | buckets | step ms | p20-p80 | comm skipped ms | exposed comm ms | exposed % of step |",
-             "|---|---|---|---|---|---|---|"]
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared)"
+    )
+    env = {
+        "device": name,
+        "backend": args.backend,
+        "world_size": ctx.world_size,
+        "torch": vers["torch"],
+        "cuda": vers["cuda"],
+        "python": vers["python"],
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "widths": args.widths,
+        "batch_per_rank": args.batch,
+        "grad_mb": round(grad_bytes / 2**20, 3),
+        "steps": args.steps * args.rounds,
+    }
+    lines = [
+        f"### {ctx.world_size} x {name}, {args.backend}; torch {vers['torch']}, {env['date']}",
+        "",
+        f"ResNet-9 widths {args.widths}, {args.batch} images per rank, {grad_bytes / 2**20:.2f} MiB of "
+        f"gradients; {args.steps * args.rounds} timed steps per config (slowest rank's median, p20-p80).",
+        "",
+        "| config | buckets | step ms | p20-p80 | comm skipped ms | exposed comm ms | exposed % of step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         comm, skipped = r.get("comm"), r["skipped"]
         exposed = comm["median_ms"] - skipped["median_ms"] if comm else None
         shown = comm or skipped
-        lines.append("| {} | {} | {:.1f} | {:.1f}-{:.1f} | {:.1f} | {} | {} |".format(
-            r["config"], r["buckets"] if r["buckets"] is not None else "",
-            shown["median_ms"], shown["p20_ms"], shown["p80_ms"], skipped["median_ms"],
-            f"{exposed:.1f}" if comm else "", f"{100 * exposed / comm['median_ms']:.0f}%" if comm else ""))
+        lines.append(
+            "| {} | {} | {:.1f} | {:.1f}-{:.1f} | {:.1f} | {} | {} |".format(
+                r["config"],
+                r["buckets"] if r["buckets"] is not None else "",
+                shown["median_ms"],
+                shown["p20_ms"],
+                shown["p80_ms"],
+                skipped["median_ms"],
+                f"{exposed:.1f}" if comm else "",
+                f"{100 * exposed / comm['median_ms']:.0f}%" if comm else "",
+            )
+        )
     table = "\n".join(lines)
     print(table)
     if args.no_save:

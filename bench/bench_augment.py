@@ -28,8 +28,16 @@ SMOKE = smoke_mode()
 
 import torch  # noqa: E402
 
-from bench.common import (append_results, compile_static, copy_bandwidth_gbs, environment,  # noqa: E402
-                          markdown_table, print_header, require_cuda, time_ms)
+from bench.common import (
+    append_results,
+    compile_static,
+    copy_bandwidth_gbs,
+    environment,  # noqa: E402
+    markdown_table,
+    print_header,
+    require_cuda,
+    time_ms,
+)
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params  # noqa: E402
 from fastcifar.core.config import DEFAULT_PRESET, from_preset  # noqa: E402
 from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants  # noqa: E402
@@ -39,17 +47,26 @@ CL = torch.channels_last
 SIZE = 32
 # (preset, batch on one GPU, crop padding, cutout side, jitter): what each preset's loader augments per step
 JITTER = {"brightness": 0.14, "contrast": 0.13}
-PRESETS = [(name, cfg.batch_size, cfg.crop_pad, cfg.cutout, {})
-           for name, cfg in ((name, from_preset(name)) for name in ("fast", "resnet9", DEFAULT_PRESET))]
+PRESETS = [
+    (name, cfg.batch_size, cfg.crop_pad, cfg.cutout, {})
+    for name, cfg in ((name, from_preset(name)) for name in ("fast", "resnet9", DEFAULT_PRESET))
+]
 PRESETS.append((f"{DEFAULT_PRESET} --brightness 0.14 --contrast 0.13", *PRESETS[-1][1:4], JITTER))
 SMOKE_BATCH = 4
 
 
 def _row(op, preset, n, impl, direction, t, nbytes, copy_gbs):
     gbs = nbytes / (t["median_ms"] * 1e-3) / 1e9
-    return {"op": op, "preset": preset, "batch": n, "impl": impl, "dir": direction,
-            **{k: round(v, 4) for k, v in t.items()},
-            "GB/s (min bytes)": round(gbs, 1), "% copy": round(100 * gbs / copy_gbs, 1)}
+    return {
+        "op": op,
+        "preset": preset,
+        "batch": n,
+        "impl": impl,
+        "dir": direction,
+        **{k: round(v, 4) for k, v in t.items()},
+        "GB/s (min bytes)": round(gbs, 1),
+        "% copy": round(100 * gbs / copy_gbs, 1),
+    }
 
 
 def bench_augment(device, presets, num_images, compile_ref, copy_gbs):
@@ -60,8 +77,9 @@ def bench_augment(device, presets, num_images, compile_ref, copy_gbs):
     mean = channel_constants(CIFAR10_MEAN, 3, device)
     std = channel_constants(CIFAR10_STD, 3, device)
     for preset, n, pad, side, jitter in presets:
-        data = torch.randint(0, 256, (num_images, SIZE + 2 * pad, SIZE + 2 * pad, 3), dtype=torch.uint8,
-                             device=device, generator=gen)
+        data = torch.randint(
+            0, 256, (num_images, SIZE + 2 * pad, SIZE + 2 * pad, 3), dtype=torch.uint8, device=device, generator=gen
+        )
         index = torch.randperm(num_images, device=device, generator=gen)[:n]
         params = draw_params(n, pad, side, gen, device, **jitter)
         nbytes = n * SIZE * SIZE * 3 * (1 + 2)  # uint8 in, fp16 out
@@ -77,8 +95,15 @@ def bench_augment(device, presets, num_images, compile_ref, copy_gbs):
                 fn()
                 rows.append(_row("augment", preset, n, name, "fwd", time_ms(fn, SMOKE), nbytes, copy_gbs))
             except Exception as e:
-                rows.append({"op": "augment", "preset": preset, "batch": n, "impl": name,
-                             "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                rows.append(
+                    {
+                        "op": "augment",
+                        "preset": preset,
+                        "batch": n,
+                        "impl": name,
+                        "error": f"{type(e).__name__}: {str(e)[:120]}",
+                    }
+                )
     return rows
 
 
@@ -97,22 +122,33 @@ def bench_cutout(device, presets, compile_ref, copy_gbs):
         if compile_ref:
             impls["compile"] = compile_static(cutout_reference)
         for name, op in impls.items():
+
             def fwd(op=op):
                 return op(x, params.cy, params.cx, side)
 
             try:
                 y = fwd()
                 y.backward(dy, retain_graph=True)
-                t = {"fwd": time_ms(fwd, SMOKE),
-                     "bwd": time_ms(lambda: y.backward(dy, retain_graph=True), SMOKE, grad_to_none=[x]),
-                     "both": time_ms(lambda: fwd().backward(dy), SMOKE, grad_to_none=[x])}
+                t = {
+                    "fwd": time_ms(fwd, SMOKE),
+                    "bwd": time_ms(lambda: y.backward(dy, retain_graph=True), SMOKE, grad_to_none=[x]),
+                    "both": time_ms(lambda: fwd().backward(dy), SMOKE, grad_to_none=[x]),
+                }
             except Exception as e:
-                rows.append({"op": "cutout", "preset": preset, "batch": n, "impl": name,
-                             "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                rows.append(
+                    {
+                        "op": "cutout",
+                        "preset": preset,
+                        "batch": n,
+                        "impl": name,
+                        "error": f"{type(e).__name__}: {str(e)[:120]}",
+                    }
+                )
                 continue
             for direction, tt in t.items():
-                rows.append(_row("cutout", preset, n, name, direction, tt,
-                                 nbytes * (2 if direction == "both" else 1), copy_gbs))
+                rows.append(
+                    _row("cutout", preset, n, name, direction, tt, nbytes * (2 if direction == "both" else 1), copy_gbs)
+                )
     return rows
 
 
@@ -127,8 +163,24 @@ def main():
     print_header("augment: crop + flip + normalize + jitter + cutout (uint8 -> fp16), and cutout alone", env, copy_gbs)
     rows = bench_augment(device, presets, 16 if SMOKE else 50000, compile_ref, copy_gbs)
     rows += bench_cutout(device, presets, compile_ref, copy_gbs)
-    print(markdown_table(rows, ["op", "preset", "batch", "impl", "dir", "median_ms", "p20_ms", "p80_ms",
-                                "GB/s (min bytes)", "% copy", "error"]))
+    print(
+        markdown_table(
+            rows,
+            [
+                "op",
+                "preset",
+                "batch",
+                "impl",
+                "dir",
+                "median_ms",
+                "p20_ms",
+                "p80_ms",
+                "GB/s (min bytes)",
+                "% copy",
+                "error",
+            ],
+        )
+    )
     if SMOKE:
         print("\n(smoke run on CPU under the Triton interpreter: timings meaningless, nothing written)")
         return

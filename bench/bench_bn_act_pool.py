@@ -45,8 +45,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import (add_index_argument, append_results, compile_static, copy_bandwidth_gbs,  # noqa: E402
-                          environment, markdown_table, print_header, require_cuda, time_ms)
+from bench.common import (
+    add_index_argument,
+    append_results,
+    compile_static,
+    copy_bandwidth_gbs,  # noqa: E402
+    environment,
+    markdown_table,
+    print_header,
+    require_cuda,
+    time_ms,
+)
 from fastcifar.run.graphs import capture  # noqa: E402
 from fastcifar.ops.norm_act_pool import NormActPool  # noqa: E402
 from fastcifar.models.resnet9 import ResNet9
@@ -78,14 +87,26 @@ def kernel_bytes(n, c, h, w, pool, elem=2):
     full map counted whole: on odd maps, where the pool drops a row/column, that slightly over-counts."""
     full, out = map_bytes(n, c, h, w, pool, elem)
     if pool is None:
-        return {"_stats_kernel": full, "_apply_kernel": 2 * full,
-                "_bwd_reduce_kernel": 2 * full, "_bwd_dx_kernel": 3 * full}
+        return {
+            "_stats_kernel": full,
+            "_apply_kernel": 2 * full,
+            "_bwd_reduce_kernel": 2 * full,
+            "_bwd_dx_kernel": 3 * full,
+        }
     if pool == "after":  # read x twice, write y; backward: read x and dy twice, write dx
-        return {"_stats_kernel": full, "_apply_kernel": full + out,
-                "_bwd_reduce_kernel": full + out, "_bwd_dx_kernel": 2 * full + out}
+        return {
+            "_stats_kernel": full,
+            "_apply_kernel": full + out,
+            "_bwd_reduce_kernel": full + out,
+            "_bwd_dx_kernel": 2 * full + out,
+        }
     # "before": the stats kernel writes z (fp16) and an int8 argmax (half of z's bytes at fp16)
-    return {"_stats_kernel": full + 1.5 * out, "_apply_kernel": 2 * out,
-            "_bwd_reduce_kernel": 2 * out, "_bwd_dx_kernel": full + 2.5 * out}
+    return {
+        "_stats_kernel": full + 1.5 * out,
+        "_apply_kernel": 2 * out,
+        "_bwd_reduce_kernel": 2 * out,
+        "_bwd_dx_kernel": full + 2.5 * out,
+    }
 
 
 FORWARD_KERNELS = ("_stats_kernel", "_apply_kernel")  # the rest of kernel_bytes' keys run in backward
@@ -97,8 +118,10 @@ def traffic_bytes(n, c, h, w, pool, elem=2):
     full, out = map_bytes(n, c, h, w, pool, elem)
     minimal = {"fwd": full + out, "bwd": out + full + full}
     per_kernel = kernel_bytes(n, c, h, w, pool, elem)
-    triton_b = {"fwd": sum(b for k, b in per_kernel.items() if k in FORWARD_KERNELS),
-                "bwd": sum(b for k, b in per_kernel.items() if k not in FORWARD_KERNELS)}
+    triton_b = {
+        "fwd": sum(b for k, b in per_kernel.items() if k in FORWARD_KERNELS),
+        "bwd": sum(b for k, b in per_kernel.items() if k not in FORWARD_KERNELS),
+    }
     for d in (minimal, triton_b):
         d["both"] = d["fwd"] + d["bwd"]
     return minimal, triton_b
@@ -221,8 +244,11 @@ def _error(e: Exception) -> str:
 
 def _timing_cells(t, launch, timing):
     """A row's timing cells: median and percentiles (of what ``timing`` names), and launch_ms."""
-    return {"timing": timing, **{k: round(v, 4) for k, v in (t or {}).items()},
-            "launch_ms": round(launch["median_ms"], 4)}
+    return {
+        "timing": timing,
+        **{k: round(v, 4) for k, v in (t or {}).items()},
+        "launch_ms": round(launch["median_ms"], 4),
+    }
 
 
 def bench_blocks(device, blocks, compile_ref, copy_gbs, graphs, record=None):
@@ -245,6 +271,7 @@ def bench_blocks(device, blocks, compile_ref, copy_gbs, graphs, record=None):
                     own = tri_bytes[direction] / (ms * 1e-3) / 1e9
                     cells.update({"GB/s (own bytes)": round(own, 1), "% copy (own)": round(100 * own / copy_gbs, 1)})
                 return cells
+
             rows += direction_rows({"batch": n, "block": block, "impl": name}, fn, x, dy, params, graphs, figures)
         print(f"{block}: {len(rows) - first} rows", flush=True)
         if record is not None:
@@ -265,7 +292,10 @@ def bench_model(device, batches, widths, compile_model, graphs):
     for n in batches:
         x = torch.randn(n, 3, 32, 32, device=device).half().contiguous(memory_format=CL)
         labels = torch.randint(0, 10, (n,), device=device)
-        variants = {"eager": _resnet9(NormActPool, device, widths), "triton": _resnet9(TritonNormActPool, device, widths)}
+        variants = {
+            "eager": _resnet9(NormActPool, device, widths),
+            "triton": _resnet9(TritonNormActPool, device, widths),
+        }
         if compile_model:
             variants["compile"] = torch.compile(_resnet9(NormActPool, device, widths))
         for name, model in variants.items():
@@ -286,16 +316,21 @@ def bench_model(device, batches, widths, compile_model, graphs):
 
 def add_blocks_argument(p: argparse.ArgumentParser) -> None:
     """--blocks: indices into ``BLOCKS``, here and in the sweep."""
-    add_index_argument(p, "--blocks", len(BLOCKS),
-                       "indices into bench/kernel_registers.py's PRESET_BLOCKS (default: all)")
+    add_index_argument(
+        p, "--blocks", len(BLOCKS), "indices into bench/kernel_registers.py's PRESET_BLOCKS (default: all)"
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_blocks_argument(p)
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile of the reference out")
-    p.add_argument("--compile", action="store_true", help="--smoke: run torch.compile of the blocks on the CPU too "
-                   "(the whole network's is left to the GPU: a plain torch.compile, 15 s more on 2 CPU cores)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="--smoke: run torch.compile of the blocks on the CPU too "
+        "(the whole network's is left to the GPU: a plain torch.compile, 15 s more on 2 CPU cores)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
     return p.parse_args(argv)
 
@@ -312,20 +347,41 @@ def main():
     widths = (8, 16, 16, 32) if SMOKE else (64, 128, 256, 512)
     env = environment()
     copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)
-    print_header("bn_act_pool: fused batchnorm + ReLU/GELU (+ 2x2 max-pool), fp16 channels-last, training mode",
-                 env, copy_gbs)
+    print_header(
+        "bn_act_pool: fused batchnorm + ReLU/GELU (+ 2x2 max-pool), fp16 channels-last, training mode", env, copy_gbs
+    )
+
     def record(block_rows):  # appended block by block (see bench_blocks); the ResNet-9 rows at the end
         append_results("bn_act_pool", [dict(r, section="block") for r in block_rows], env, copy_gbs)
 
     with compile_settings(compile_ref):
         rows = bench_blocks(device, blocks, compile_ref, copy_gbs, graphs, record=None if SMOKE else record)
-    print(markdown_table(rows, ["batch", "block", "impl", "dir", "timing", "median_ms", "p20_ms", "p80_ms",
-                                "launch_ms", "GB/s (min bytes)", "% copy", "GB/s (own bytes)", "% copy (own)",
-                                "error"]))
+    print(
+        markdown_table(
+            rows,
+            [
+                "batch",
+                "block",
+                "impl",
+                "dir",
+                "timing",
+                "median_ms",
+                "p20_ms",
+                "p80_ms",
+                "launch_ms",
+                "GB/s (min bytes)",
+                "% copy",
+                "GB/s (own bytes)",
+                "% copy (own)",
+                "error",
+            ],
+        )
+    )
     model_rows = bench_model(device, (2,) if SMOKE else (MODEL_BATCH,), widths, compile_ref and not SMOKE, graphs)
     print("\n### ResNet-9 forward + backward (no optimizer), fp16 activations\n")
-    print(markdown_table(model_rows, ["batch", "impl", "timing", "median_ms", "p20_ms", "p80_ms", "launch_ms",
-                                      "error"]))
+    print(
+        markdown_table(model_rows, ["batch", "impl", "timing", "median_ms", "p20_ms", "p80_ms", "launch_ms", "error"])
+    )
     if SMOKE:
         print("\n(smoke run on CPU under the Triton interpreter: timings meaningless, nothing written)")
         return

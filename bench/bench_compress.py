@@ -50,7 +50,7 @@ def wire_bytes(method: str, payload: float, n: int) -> float:
 
 def settings(methods, scopes, ratios):
     for method in methods:
-        for scope in (["bucket"] if method == "none" else scopes):
+        for scope in ["bucket"] if method == "none" else scopes:
             if method in ("topk", "randomk"):
                 for r in ratios:
                     yield method, scope, ["--compress-ratio", str(r)], f"K={r:g}"
@@ -81,21 +81,46 @@ def main(argv=None) -> int:
     if args.smoke:
         sys.path.insert(0, str(ROOT / "tests"))
         from conftest import write_official
+
         data, _ = write_official(Path(tmp.name) / "data", per_batch=40, n_test=50)
         methods, scopes, ratios = ["none", "topk"], ["bucket"], [0.1]
-        trainer_args = ["--data", str(data), "--device", "cpu", "--widths", "8,16,32,64", "--batch-size", "40",
-                        "--epochs", "1", "--warmup-steps", "1", "--eval-batch-size", "50", "--loader", "torch"]
+        trainer_args = [
+            "--data",
+            str(data),
+            "--device",
+            "cpu",
+            "--widths",
+            "8,16,32,64",
+            "--batch-size",
+            "40",
+            "--epochs",
+            "1",
+            "--warmup-steps",
+            "1",
+            "--eval-batch-size",
+            "50",
+            "--loader",
+            "torch",
+        ]
 
     rows = []
     for i, (method, scope, extra, param) in enumerate(settings(methods, scopes, ratios)):
         s = run_one(method, scope, extra, args.nproc, trainer_args, Path(tmp.name) / f"run{i}")
         comp = (s.get("compression") or [{}])[0]
         dense = comp.get("dense_bytes_per_step")
-        row = {"method": method, "scope": scope, "param": param, "acc": s["summary"]["acc_mean"],
-               "train_s": s["summary"]["train_time_mean"], "MiB_per_step": comp.get("bytes_per_step", dense),
-               "dense": dense, "ratio": comp.get("ratio", 1.0),
-               "compress_ms": comp.get("compress_ms_per_step", 0.0),
-               "ranks": args.nproc, "device_run": f"{s['device']['type']} {s['device']['name']}"}
+        row = {
+            "method": method,
+            "scope": scope,
+            "param": param,
+            "acc": s["summary"]["acc_mean"],
+            "train_s": s["summary"]["train_time_mean"],
+            "MiB_per_step": comp.get("bytes_per_step", dense),
+            "dense": dense,
+            "ratio": comp.get("ratio", 1.0),
+            "compress_ms": comp.get("compress_ms_per_step", 0.0),
+            "ranks": args.nproc,
+            "device_run": f"{s['device']['type']} {s['device']['name']}",
+        }
         rows.append(row)
     # --compress none logs no compression record: its bytes are the dense baseline the others report
     dense_bytes = next((r["dense"] for r in rows if r["dense"]), 0.0)
@@ -109,12 +134,24 @@ def main(argv=None) -> int:
         for bw in BANDWIDTHS_GBS:
             t = wire_bytes(r["method"], payload, n) / (bw * 1e9) * 1e3
             r[f"model_ms@{bw}GB/s"] = t if r["compress_ms"] is None else t + r["compress_ms"]
-    columns = ["method", "scope", "param", "acc", "train_s", "MiB_per_step", "ratio", "compress_ms",
-               *[f"model_ms@{bw}GB/s" for bw in BANDWIDTHS_GBS], *(["note"] if any("note" in r for r in rows) else [])]
+    columns = [
+        "method",
+        "scope",
+        "param",
+        "acc",
+        "train_s",
+        "MiB_per_step",
+        "ratio",
+        "compress_ms",
+        *[f"model_ms@{bw}GB/s" for bw in BANDWIDTHS_GBS],
+        *(["note"] if any("note" in r for r in rows) else []),
+    ]
     env = environment()
     table = markdown_table(rows, columns)
-    header = (f"{env['device']} | torch {env['torch']} | {env['date']} | commit {env['commit']} | "
-              f"{args.nproc} ranks measured; step time modelled for {n} ranks (latency and overlap ignored)")
+    header = (
+        f"{env['device']} | torch {env['torch']} | {env['date']} | commit {env['commit']} | "
+        f"{args.nproc} ranks measured; step time modelled for {n} ranks (latency and overlap ignored)"
+    )
     print(header + "\n\n" + table)
     if args.smoke:
         print("\nsmoke run: figures meaningless, nothing written")

@@ -37,8 +37,16 @@ import torch  # noqa: E402
 
 from bench import kernel_registers  # noqa: E402
 from bench.bench_bn_act_pool import direction_rows  # noqa: E402
-from bench.common import (add_index_argument, append_results, copy_bandwidth_gbs, environment,  # noqa: E402
-                          markdown_table, matmul_tflops, print_header, require_cuda)
+from bench.common import (
+    add_index_argument,
+    append_results,
+    copy_bandwidth_gbs,
+    environment,  # noqa: E402
+    markdown_table,
+    matmul_tflops,
+    print_header,
+    require_cuda,
+)
 from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
 from fastcifar.kernels.conv_stats import TritonConvBlock  # noqa: E402
 from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool  # noqa: E402
@@ -64,8 +72,11 @@ def impls(c_in, c_out, pool, device):
     torch.manual_seed(0)
     base = ConvBlock(c_in, c_out, NormActPool, act=ACT, pool=pool)
     out = {}
-    for name, norm, cls in (("cudnn+eager", NormActPool, ConvBlock), ("cudnn+triton", TritonNormActPool, ConvBlock),
-                            ("fused", TritonNormActPool, TritonConvBlock)):
+    for name, norm, cls in (
+        ("cudnn+eager", NormActPool, ConvBlock),
+        ("cudnn+triton", TritonNormActPool, ConvBlock),
+        ("fused", TritonNormActPool, TritonConvBlock),
+    ):
         block = ConvBlock(c_in, c_out, norm, act=ACT, pool=pool)
         block.load_state_dict(base.state_dict())
         block.__class__ = cls  # TritonConvBlock: ConvBlock's state, the fused forward
@@ -101,6 +112,7 @@ def bench_convs(device, convs, tflops, graphs, record=None):
                     if not diff <= bound:  # a wrong kernel fails the stage, not just a slow one
                         cells["error"] = f"fused output off by {diff:.3g} > {bound:.3g}"
                 return cells
+
             rows += direction_rows({"batch": n, "conv": conv, "impl": name}, block, x, dy, params, graphs, figures)
         print(f"{conv}: {len(rows) - first} rows", flush=True)
         if record is not None:
@@ -110,8 +122,9 @@ def bench_convs(device, convs, tflops, graphs, record=None):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_index_argument(p, "--convs", len(CONVS),
-                       "indices into bench/kernel_registers.py's DEFAULT_CONVS (default: all)")
+    add_index_argument(
+        p, "--convs", len(CONVS), "indices into bench/kernel_registers.py's DEFAULT_CONVS (default: all)"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
     args = p.parse_args(argv)
     if not SMOKE:
@@ -122,8 +135,12 @@ def main(argv=None) -> int:
     env = environment()
     copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)
     tflops = matmul_tflops(smoke=SMOKE)
-    print_header("conv + batchnorm statistics (+ 2x2 pool): fused Triton conv vs the library's conv + the "
-                 "normalize block, fp16 channels-last, training mode", env, copy_gbs)
+    print_header(
+        "conv + batchnorm statistics (+ 2x2 pool): fused Triton conv vs the library's conv + the "
+        "normalize block, fp16 channels-last, training mode",
+        env,
+        copy_gbs,
+    )
     print(f"measured fp16 matmul rate: {tflops:.0f} TFLOP/s (the ceiling the % matmul column compares with)\n")
 
     def record(conv_rows):  # appended conv by conv: a stage cut off at its limit keeps what it measured
@@ -131,8 +148,26 @@ def main(argv=None) -> int:
 
     convs = SMOKE_CONVS if SMOKE else [CONVS[i] for i in args.convs]
     rows = bench_convs(device, convs, tflops, graphs=device == "cuda", record=None if SMOKE else record)
-    print(markdown_table(rows, ["batch", "conv", "impl", "dir", "timing", "median_ms", "p20_ms", "p80_ms",
-                                "launch_ms", "TFLOP/s", "% matmul", "max |fused - cudnn+triton|", "error"]))
+    print(
+        markdown_table(
+            rows,
+            [
+                "batch",
+                "conv",
+                "impl",
+                "dir",
+                "timing",
+                "median_ms",
+                "p20_ms",
+                "p80_ms",
+                "launch_ms",
+                "TFLOP/s",
+                "% matmul",
+                "max |fused - cudnn+triton|",
+                "error",
+            ],
+        )
+    )
     if SMOKE:
         print("\n(smoke run on CPU under the Triton interpreter: timings meaningless, nothing written)")
     failed = [r for r in rows if r.get("error")]

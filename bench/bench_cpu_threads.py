@@ -36,8 +36,21 @@ def run(setting: str, data: str, epochs: str, smoke: bool) -> dict:
         env["OMP_NUM_THREADS"] = setting
     extra = ["--subset", "200", "--batch-size", "50", "--widths", "8,16,16", "--whiten-images", "50"] if smoke else []
     with tempfile.TemporaryDirectory() as out:
-        args = [sys.executable, "-m", "fastcifar.train", *CPU_EXAMPLE, *extra, "--data", data, "--epochs", epochs,
-                "--out-dir", out, "--no-save-model", "--quiet"]
+        args = [
+            sys.executable,
+            "-m",
+            "fastcifar.train",
+            *CPU_EXAMPLE,
+            *extra,
+            "--data",
+            data,
+            "--epochs",
+            epochs,
+            "--out-dir",
+            out,
+            "--no-save-model",
+            "--quiet",
+        ]
         load = os.getloadavg()[0]
         proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -46,10 +59,17 @@ def run(setting: str, data: str, epochs: str, smoke: bool) -> dict:
         doc = json.loads((run_dir / "summary.json").read_text())
     result = doc["results"][0]
     epoch_s = [e["train_time"] for e in result["epochs"]]
-    return {"omp_num_threads": setting, "torch_threads": doc["device"]["cpu_threads"],
-            "epochs": len(epoch_s), "epoch_s_mean": sum(epoch_s) / len(epoch_s), "epoch_s_max": max(epoch_s),
-            "train_s": result["train_time"], "run_wall_s": result["wall_time"], "load_avg_1m": round(load, 2),
-            "test_acc": result["test_acc"]}
+    return {
+        "omp_num_threads": setting,
+        "torch_threads": doc["device"]["cpu_threads"],
+        "epochs": len(epoch_s),
+        "epoch_s_mean": sum(epoch_s) / len(epoch_s),
+        "epoch_s_max": max(epoch_s),
+        "train_s": result["train_time"],
+        "run_wall_s": result["wall_time"],
+        "load_avg_1m": round(load, 2),
+        "test_acc": result["test_acc"],
+    }
 
 
 def main(argv=None) -> int:
@@ -63,8 +83,21 @@ def main(argv=None) -> int:
     rows = [run(s, args.data, args.epochs, args.smoke) for s in args.threads.split(",")]
     print(f"## CPU threads: the README's CPU example, {args.epochs} epochs\n")
     print(f"{env['device']} | {os.cpu_count()} CPUs | torch {env['torch']} | {env['date']} | commit {env['commit']}\n")
-    print(markdown_table(rows, ["omp_num_threads", "torch_threads", "epoch_s_mean", "epoch_s_max", "train_s",
-                                "run_wall_s", "load_avg_1m", "test_acc"]))
+    print(
+        markdown_table(
+            rows,
+            [
+                "omp_num_threads",
+                "torch_threads",
+                "epoch_s_mean",
+                "epoch_s_max",
+                "train_s",
+                "run_wall_s",
+                "load_avg_1m",
+                "test_acc",
+            ],
+        )
+    )
     if args.smoke:
         print("\nsmoke run: figures meaningless, nothing written")
     else:

@@ -65,8 +65,19 @@ def pil_decode(encoded: list[bytes]) -> np.ndarray:
 def torch_loader(images, labels, batch, device, seed):
     """The torch side: the trainer's TorchLoader over the whole set as one shard."""
     shard = np.arange(len(images))
-    loader = TorchLoader(images, labels, shard, batch, len(shard) // batch, pad=4, pad_mode="reflect", cutout=8,
-                         flip=True, dtype=torch.float16 if device.type == "cuda" else torch.float32, device=device)
+    loader = TorchLoader(
+        images,
+        labels,
+        shard,
+        batch,
+        len(shard) // batch,
+        pad=4,
+        pad_mode="reflect",
+        cutout=8,
+        flip=True,
+        dtype=torch.float16 if device.type == "cuda" else torch.float32,
+        device=device,
+    )
     loader.set_epoch(seed, 0)
     return loader
 
@@ -137,16 +148,27 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench_loader: --device cuda but torch sees no CUDA GPU; run with --device cpu for the CPU-sized version")
+        sys.exit(
+            "bench_loader: --device cuda but torch sees no CUDA GPU; run with --device cpu for the CPU-sized version"
+        )
     ok, dali_version = dali_available()
     if not ok and "dali" in args.loaders:
         print(f"note: DALI unavailable ({dali_version}); timing the torch loader only")
         args.loaders = [name for name in args.loaders if name != "dali"]
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": name,
-            "python": platform.python_version(), "torch": torch.__version__,
-            "dali": dali_version if ok else "unavailable", "numpy": np.__version__}
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    )
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": name,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "dali": dali_version if ok else "unavailable",
+        "numpy": np.__version__,
+    }
     print(" | ".join(f"{k} {v}" for k, v in meta.items()))
 
     if args.data.is_file():
@@ -161,9 +183,19 @@ def main() -> None:
     rows = []
 
     def record(loader, batch, metric, value, unit, images):
-        rows.append({**meta, "loader": loader, "batch": batch, "metric": metric, "value": round(value, 6),
-                     "unit": unit, "images": images, "data": data_name,
-                     "mode": "cuda" if device.type == "cuda" else "cpu-sized"})
+        rows.append(
+            {
+                **meta,
+                "loader": loader,
+                "batch": batch,
+                "metric": metric,
+                "value": round(value, 6),
+                "unit": unit,
+                "images": images,
+                "data": data_name,
+                "mode": "cuda" if device.type == "cuda" else "cpu-sized",
+            }
+        )
 
     # ---- start-up: decode the whole JPEG set ----
     startup = []
@@ -190,7 +222,7 @@ def main() -> None:
         startup += [("torch (PIL)", t_pil, float("nan"))]
         record("torch", 0, "startup_decode_s", t_pil, "s", len(everything))
         if "dali" not in args.loaders:
-            train_images = pil[:len(train_enc)]
+            train_images = pil[: len(train_enc)]
     else:
         train_images = np.random.default_rng(0).integers(0, 256, (50000, 32, 32, 3), dtype=np.uint8)
         train_labels = np.random.default_rng(1).integers(0, 10, 50000)

@@ -31,12 +31,48 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import RESULTS_DIR, environment, markdown_table, run_trainer  # noqa: E402
 
 SIZES = {
-    "smoke": ["--preset", "resnet9", "--device", "cpu", "--widths", "8,16,32,64", "--batch-size", "100",
-              "--epochs", "1", "--warmup-steps", "1", "--eval-batch-size", "200", "--mask-samples", "100",
-              "--loader", "torch"],
-    "cpu": ["--preset", "resnet9", "--device", "cpu", "--widths", "8,16,32,64", "--batch-size", "100",
-            "--subset", "2000", "--epochs", "4", "--warmup-steps", "1", "--eval-batch-size", "500",
-            "--mask-samples", "256", "--loader", "torch"],
+    "smoke": [
+        "--preset",
+        "resnet9",
+        "--device",
+        "cpu",
+        "--widths",
+        "8,16,32,64",
+        "--batch-size",
+        "100",
+        "--epochs",
+        "1",
+        "--warmup-steps",
+        "1",
+        "--eval-batch-size",
+        "200",
+        "--mask-samples",
+        "100",
+        "--loader",
+        "torch",
+    ],
+    "cpu": [
+        "--preset",
+        "resnet9",
+        "--device",
+        "cpu",
+        "--widths",
+        "8,16,32,64",
+        "--batch-size",
+        "100",
+        "--subset",
+        "2000",
+        "--epochs",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--eval-batch-size",
+        "500",
+        "--mask-samples",
+        "256",
+        "--loader",
+        "torch",
+    ],
     "full": ["--preset", "resnet9"],
 }
 
@@ -51,20 +87,36 @@ def run(args: list[str], out: Path, ranks: int) -> dict:
 
 def mask_rows(base: list[str], fractions, every_epoch: bool, workdir: Path, kinds) -> list[dict]:
     rows = []
-    settings = [("none", 0.0, 0)] + [(k, f, e) for f in fractions for k in kinds for e in ([0, 1] if every_epoch else [0])]
+    settings = [("none", 0.0, 0)] + [
+        (k, f, e) for f in fractions for k in kinds for e in ([0, 1] if every_epoch else [0])
+    ]
     for i, (kind, frac, every) in enumerate(settings):
         args = [*base]
         if kind != "none":
-            args += ["--sparse-mask", kind, "--sparse-fraction", str(frac), "--mask-every", str(every),
-                     "--sparse-checkpoints"]
+            args += [
+                "--sparse-mask",
+                kind,
+                "--sparse-fraction",
+                str(frac),
+                "--mask-every",
+                str(every),
+                "--sparse-checkpoints",
+            ]
         r = run(args, workdir / f"mask{i}", 1)
         result, diffs = r["summary"]["results"][0], r["sparse"].get("diffs", [])
-        rows.append({"table": "masks", "mask": kind, "K": frac if kind != "none" else None,
-                     "mask_every": every if kind != "none" else None,
-                     "trained_params": r["sparse"]["masks"][0]["count"] if kind != "none" else None,
-                     "test_acc": result["test_acc"], "train_s": round(result["train_time"], 2),
-                     "diff_bytes_mean": round(sum(d["bytes"] for d in diffs) / len(diffs)) if diffs else None,
-                     "dense_file_bytes": diffs[0]["dense_bytes"] if diffs else None})
+        rows.append(
+            {
+                "table": "masks",
+                "mask": kind,
+                "K": frac if kind != "none" else None,
+                "mask_every": every if kind != "none" else None,
+                "trained_params": r["sparse"]["masks"][0]["count"] if kind != "none" else None,
+                "test_acc": result["test_acc"],
+                "train_s": round(result["train_time"], 2),
+                "diff_bytes_mean": round(sum(d["bytes"] for d in diffs) / len(diffs)) if diffs else None,
+                "dense_file_bytes": diffs[0]["dense_bytes"] if diffs else None,
+            }
+        )
         print(f"  {kind} K={frac} every={every}: {result['test_acc']:.2f}%", file=sys.stderr, flush=True)
     return rows
 
@@ -74,9 +126,18 @@ def local_rows(base: list[str], hs, fraction: float, ranks: int, workdir: Path) 
     r = run(base, workdir / "dp", ranks)
     dp = r["summary"]
     steps = dp["steps_per_epoch"] * dp["config"]["epochs"]
-    rows.append({"table": "local_sgd", "mode": "data parallel", "H": None, "ranks": ranks,
-                 "test_acc": dp["results"][0]["test_acc"], "merges": steps, "bytes_per_merge": None,
-                 "run_bytes_per_rank": None})
+    rows.append(
+        {
+            "table": "local_sgd",
+            "mode": "data parallel",
+            "H": None,
+            "ranks": ranks,
+            "test_acc": dp["results"][0]["test_acc"],
+            "merges": steps,
+            "bytes_per_merge": None,
+            "run_bytes_per_rank": None,
+        }
+    )
     for h in hs:
         for kind in ("none", "fisher"):
             args = [*base, "--local-steps", str(h)]
@@ -84,11 +145,19 @@ def local_rows(base: list[str], hs, fraction: float, ranks: int, workdir: Path) 
                 args += ["--sparse-mask", kind, "--sparse-fraction", str(fraction)]
             r = run(args, workdir / f"local{h}{kind}", ranks)
             lsgd = r["sparse"]["local_sgd"]
-            rows.append({"table": "local_sgd", "mode": "dense local SGD" if kind == "none" else f"fisher K={fraction}",
-                         "H": h, "ranks": ranks, "test_acc": r["summary"]["results"][0]["test_acc"],
-                         "merges": lsgd["merges"], "bytes_per_merge": lsgd["per_merge"],
-                         "run_bytes_per_rank": lsgd["merges"] * lsgd["per_merge"],
-                         "dp_run_bytes_per_rank": steps * lsgd["dense_allreduce"]})
+            rows.append(
+                {
+                    "table": "local_sgd",
+                    "mode": "dense local SGD" if kind == "none" else f"fisher K={fraction}",
+                    "H": h,
+                    "ranks": ranks,
+                    "test_acc": r["summary"]["results"][0]["test_acc"],
+                    "merges": lsgd["merges"],
+                    "bytes_per_merge": lsgd["per_merge"],
+                    "run_bytes_per_rank": lsgd["merges"] * lsgd["per_merge"],
+                    "dp_run_bytes_per_rank": steps * lsgd["dense_allreduce"],
+                }
+            )
             print(f"  local SGD H={h} {kind}: {rows[-1]['test_acc']:.2f}%", file=sys.stderr, flush=True)
     return rows
 
@@ -96,6 +165,7 @@ def local_rows(base: list[str], hs, fraction: float, ranks: int, workdir: Path) 
 def synthetic_data(folder: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import write_official
+
     return write_official(folder, per_batch=200, n_test=400)[0]
 
 
@@ -106,8 +176,12 @@ def main(argv=None) -> int:
     p.add_argument("--fractions", default="0.005,0.02,0.1", help="K values, comma-separated")
     p.add_argument("--local-steps", default="1,4,16", help="H values for local SGD, comma-separated")
     p.add_argument("--local-fraction", type=float, default=0.02, help="K of the sparse local SGD rows")
-    p.add_argument("--tables", choices=("both", "masks", "local"), default="both",
-                   help="which table to measure (e.g. table 2 again after a change to local SGD alone)")
+    p.add_argument(
+        "--tables",
+        choices=("both", "masks", "local"),
+        default="both",
+        help="which table to measure (e.g. table 2 again after a change to local SGD alone)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny synthetic run of every code path; writes nothing")
     args = p.parse_args(argv)
     size = "smoke" if args.smoke else args.size
@@ -123,6 +197,7 @@ def main(argv=None) -> int:
         ranks = 2
         if size == "full":
             import torch
+
             ranks = torch.cuda.device_count()
         rows, lrows = [], []
         if args.tables != "local":
@@ -132,12 +207,38 @@ def main(argv=None) -> int:
     print(f"## sparse training ({size})\n")
     print(f"{env['device']} | torch {env['torch']} | {env['date']} | commit {env['commit']}\n")
     if rows:
-        print(markdown_table(rows, ["mask", "K", "mask_every", "trained_params", "test_acc", "train_s",
-                                    "diff_bytes_mean", "dense_file_bytes"]))
+        print(
+            markdown_table(
+                rows,
+                [
+                    "mask",
+                    "K",
+                    "mask_every",
+                    "trained_params",
+                    "test_acc",
+                    "train_s",
+                    "diff_bytes_mean",
+                    "dense_file_bytes",
+                ],
+            )
+        )
         print()
     if lrows:
-        print(markdown_table(lrows, ["mode", "H", "ranks", "test_acc", "merges", "bytes_per_merge",
-                                     "run_bytes_per_rank", "dp_run_bytes_per_rank"]))
+        print(
+            markdown_table(
+                lrows,
+                [
+                    "mode",
+                    "H",
+                    "ranks",
+                    "test_acc",
+                    "merges",
+                    "bytes_per_merge",
+                    "run_bytes_per_rank",
+                    "dp_run_bytes_per_rank",
+                ],
+            )
+        )
     elif args.tables != "masks":
         print("local SGD: skipped, it needs at least 2 devices (this machine has 1 GPU)")
     if args.smoke:

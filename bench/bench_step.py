@@ -49,8 +49,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (append_results, copy_bandwidth_gbs, environment, markdown_table,  # noqa: E402
-                          matmul_tflops, print_header, require_cuda, smoke_mode, time_ms)
+from bench.common import (
+    append_results,
+    copy_bandwidth_gbs,
+    environment,
+    markdown_table,  # noqa: E402
+    matmul_tflops,
+    print_header,
+    require_cuda,
+    smoke_mode,
+    time_ms,
+)
 
 SMOKE = smoke_mode()
 
@@ -86,9 +95,12 @@ def conv_flops_per_image(model: torch.nn.Module, device, dtype) -> float:
             total += conv_flops(module, *output.shape[2:])
         elif isinstance(module, torch.nn.Linear):
             total += 2.0 * module.in_features * module.out_features
-    handles = [m.register_forward_hook(hook) for m in model.modules()
-               if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
-               or (isinstance(m, ConvBlock) and type(m) is not ConvBlock)]
+
+    handles = [
+        m.register_forward_hook(hook)
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)) or (isinstance(m, ConvBlock) and type(m) is not ConvBlock)
+    ]
     with torch.no_grad():
         model.eval()
         model(torch.zeros(1, 3, 32, 32, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last))
@@ -110,11 +122,17 @@ def build_step(cfg: Config, batch: int, graphs: bool, device, dtype, ctx: DistCo
     opt = make_optimizer(model, cfg, batch, peak, ctx)
     schedule = DeviceSchedule([peak] * 10_000, device)
     net, buckets = (sync.net, sync.buckets) if sync is not None else (model, None)
-    step = TrainStep(make_step(net, opt, schedule, cfg.label_smoothing, buckets=buckets),
-                     StaticBatch(batch, dtype, device), capture=graphs)
+    step = TrainStep(
+        make_step(net, opt, schedule, cfg.label_smoothing, buckets=buckets),
+        StaticBatch(batch, dtype, device),
+        capture=graphs,
+    )
     g = torch.Generator(device=device).manual_seed(0)
-    images = torch.randn(batch, 3, 32, 32, device=device, generator=g).to(dtype).contiguous(
-        memory_format=torch.channels_last)
+    images = (
+        torch.randn(batch, 3, 32, 32, device=device, generator=g)
+        .to(dtype)
+        .contiguous(memory_format=torch.channels_last)
+    )
     labels = torch.randint(0, 10, (batch,), device=device, generator=g)
     step.batch.load(images, labels)
     model.train()
@@ -123,9 +141,11 @@ def build_step(cfg: Config, batch: int, graphs: bool, device, dtype, ctx: DistCo
 
 
 # What a row timed under --fake-world says about its world (the jsonl field "world_emulated").
-FAKE_WORLD = ("rank 0 of a fake process group (torch.testing._internal.distributed.fake_pg): its collectives "
-              "complete at once without moving data, so the step is compute plus the buckets' launch and "
-              "division overheads, no communication")
+FAKE_WORLD = (
+    "rank 0 of a fake process group (torch.testing._internal.distributed.fake_pg): its collectives "
+    "complete at once without moving data, so the step is compute plus the buckets' launch and "
+    "division overheads, no communication"
+)
 
 
 def fake_group(world: int, device) -> DistContext:
@@ -134,12 +154,15 @@ def fake_group(world: int, device) -> DistContext:
     lived at this path, with ``FakeStore`` and the backend name "fake", since torch 2.1 (2.11 and
     2.14 included); it is internal, so a release that moves it ends the run with one line."""
     import torch.distributed as dist
+
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     except ImportError as exc:
-        print(f"bench_step: --fake-world needs torch's fake process group "
-              f"(torch.testing._internal.distributed.fake_pg), which this torch {torch.__version__} lacks: {exc}",
-              file=sys.stderr)
+        print(
+            f"bench_step: --fake-world needs torch's fake process group "
+            f"(torch.testing._internal.distributed.fake_pg), which this torch {torch.__version__} lacks: {exc}",
+            file=sys.stderr,
+        )
         sys.exit(2)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     return DistContext(rank=0, world_size=world, local_rank=0, device=device, backend="fake")
@@ -171,9 +194,14 @@ def time_steps(step, images, labels, device, window: int, repeats: int) -> float
 # a conv with a fused ReLU epilogue is a conv; "_apply_kernel" is exact because PyTorch's optimizer
 # kernels are "multi_tensor_apply_kernel"). What matches none is "other"; the top-kernel list printed
 # beside the breakdown shows what a new library version calls its kernels.
-TRITON_PHASES = {"_stats_kernel": "bn_act_pool", "_stats_finalize_kernel": "bn_act_pool",
-                 "_apply_kernel": "bn_act_pool", "_bwd_reduce_kernel": "bn_act_pool",
-                 "_bwd_finalize_kernel": "bn_act_pool", "_bwd_dx_kernel": "bn_act_pool"}
+TRITON_PHASES = {
+    "_stats_kernel": "bn_act_pool",
+    "_stats_finalize_kernel": "bn_act_pool",
+    "_apply_kernel": "bn_act_pool",
+    "_bwd_reduce_kernel": "bn_act_pool",
+    "_bwd_finalize_kernel": "bn_act_pool",
+    "_bwd_dx_kernel": "bn_act_pool",
+}
 PHASE_SUBSTRINGS = (
     ("bn_act_pool", ("bn_fw", "bn_bw", "batch_norm", "batchnorm")),
     ("convs", ("conv", "gemm", "xmma", "cutlass", "fprop", "dgrad", "wgrad")),
@@ -261,22 +289,29 @@ def launched_by(events, steps: int) -> dict[str, str]:
     for event in events:
         for kernel in event.kernels:
             counts.setdefault(kernel.name, Counter())[launch_label(event)] += 1
-    return {name: next(iter(per)) if len(per) == 1 else
-            "; ".join(f"{label} x{n / steps:g}" for label, n in per.most_common())
-            for name, per in counts.items()}
+    return {
+        name: next(iter(per))
+        if len(per) == 1
+        else "; ".join(f"{label} x{n / steps:g}" for label, n in per.most_common())
+        for name, per in counts.items()
+    }
 
 
 def phase_kernels(row: dict, phase: str) -> list[str]:
     """One markdown line per kernel of ``phase`` in a row's ``per_kernel``: its short name, the ops
     that launched it (``launched_by``, from an eager trace), launches and ms per step."""
     origins = row.get("launched_by", {})
-    return [f"| {short_name(name)} | {origins.get(name, '')} | {n:g} | {v:.4f} |"
-            for name, p, n, v in row.get("per_kernel", ()) if p == phase]
+    return [
+        f"| {short_name(name)} | {origins.get(name, '')} | {n:g} | {v:.4f} |"
+        for name, p, n, v in row.get("per_kernel", ())
+        if p == phase
+    ]
 
 
 def traced_kernels(run, steps: int) -> list[tuple[str, float, float]]:
     """(name, start_us, end_us) of every CUDA kernel ``run`` launches, ``steps`` times, under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -289,6 +324,7 @@ def kernel_origins(run, steps: int = 2) -> dict[str, str]:
     """``launched_by`` of an eager ``run`` under torch.profiler with the CPU ops traced too. A graph's
     replay has no ops to tie its kernels to: its row borrows the eager row's (the same kernels)."""
     from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -329,28 +365,49 @@ def graph_node_gap_us(nodes: int = 200, replays: int = 10) -> dict:
     replay_ms = time_ms(graph.replay)["median_ms"]
     per = breakdown(traced_kernels(graph.replay, replays), replays)
     span_ms = per["busy_ms"] + per["idle_ms"]
-    return {"nodes": nodes, "plain": (replay_ms - per["busy_ms"]) * 1e3 / nodes,
-            "traced": (span_ms - per["busy_ms"]) * 1e3 / nodes, "kernel": per["busy_ms"] * 1e3 / nodes}
+    return {
+        "nodes": nodes,
+        "plain": (replay_ms - per["busy_ms"]) * 1e3 / nodes,
+        "traced": (span_ms - per["busy_ms"]) * 1e3 / nodes,
+        "kernel": per["busy_ms"] * 1e3 / nodes,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+",
-                        help="images per GPU per step (default 256 512); with --fake-world, global images per "
-                        "step split over the ranks (default: the preset's batch)")
-    parser.add_argument("--preset", help="the network of this preset (e.g. fast: FastNet 64/256/256, GELU); "
-                        "default the ResNet-9 of the config's defaults")
-    parser.add_argument("--kernels", nargs="+", choices=["torch", "triton", "auto"],
-                        help="default torch triton (with --fused-conv: triton, which it needs); auto: the "
-                        "trainer's default on CUDA")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        help="images per GPU per step (default 256 512); with --fake-world, global images per "
+        "step split over the ranks (default: the preset's batch)",
+    )
+    parser.add_argument(
+        "--preset",
+        help="the network of this preset (e.g. fast: FastNet 64/256/256, GELU); "
+        "default the ResNet-9 of the config's defaults",
+    )
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=["torch", "triton", "auto"],
+        help="default torch triton (with --fused-conv: triton, which it needs); auto: the trainer's default on CUDA",
+    )
     parser.add_argument("--graphs", nargs="+", default=["off", "on"], choices=["off", "on"])
     parser.add_argument("--window", type=int, default=20, help="steps per timed window")
     parser.add_argument("--repeats", type=int, default=5, help="timed windows; the median is reported")
-    parser.add_argument("--fake-world", type=int, metavar="N",
-                        help="time rank 0's step of an N-rank run (per-rank batch = batch / N, gradient buckets "
-                        "issuing their all-reduces to a fake N-rank group, which completes them at once)")
-    parser.add_argument("--fused-conv", action="store_true",
-                        help="the trainer's --fused-conv: convs that take their batchnorm statistics (Triton kernels)")
+    parser.add_argument(
+        "--fake-world",
+        type=int,
+        metavar="N",
+        help="time rank 0's step of an N-rank run (per-rank batch = batch / N, gradient buckets "
+        "issuing their all-reduces to a fake N-rank group, which completes them at once)",
+    )
+    parser.add_argument(
+        "--fused-conv",
+        action="store_true",
+        help="the trainer's --fused-conv: convs that take their batchnorm statistics (Triton kernels)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
     args = parser.parse_args(argv)
 
@@ -368,8 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for batch in args.batches if args.fake_world else ():  # before anything is measured, as the trainer refuses it
         if batch < world or batch % world:
-            print(f"bench_step: --batches {batch} does not divide over --fake-world {world} ranks "
-                  f"(the per-rank batch must be a whole number of images)", file=sys.stderr)
+            print(
+                f"bench_step: --batches {batch} does not divide over --fake-world {world} ranks "
+                f"(the per-rank batch must be a whole number of images)",
+                file=sys.stderr,
+            )
             return 2
     if SMOKE:
         device, dtype = torch.device("cpu"), torch.float32
@@ -392,8 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured fp16 matmul rate: {tflops:.0f} TFLOP/s (the floor column divides the step's FLOPs by it)")
     gap = None if SMOKE else graph_node_gap_us()
     if gap:
-        print(f"gap between dependent kernels of a CUDA graph ({gap['nodes']} one-element kernels of "
-              f"{gap['kernel']:.2f} us): {gap['plain']:.2f} us timed plainly, {gap['traced']:.2f} us in the trace")
+        print(
+            f"gap between dependent kernels of a CUDA graph ({gap['nodes']} one-element kernels of "
+            f"{gap['kernel']:.2f} us): {gap['plain']:.2f} us timed plainly, {gap['traced']:.2f} us in the trace"
+        )
     print()
 
     net = f"{base.arch} ({args.preset})" if args.preset else base.arch
@@ -413,29 +475,62 @@ def main(argv: list[str] | None = None) -> int:
                 if parts and graphs == "off" and torch.cuda.is_available():
                     eager_origins[batch, kernels] = kernel_origins(lambda: step(images, labels))
                 origins = eager_origins.get((batch, kernels), {})
-                ranks = {} if ctx is None else {
-                    "world_size": world, "global_batch": global_batch, "world_emulated": FAKE_WORLD,
-                    "buckets": len(sync.buckets) if sync.buckets is not None else 0}
-                rows.append({"net": net, "batch": batch, **ranks, "kernels": kernels, "fused_conv": args.fused_conv,
-                             "graphs": graphs, "step_ms": ms,
-                             "images_per_s": batch / ms * 1e3, "floor_ms": flops / (tflops * 1e12) * 1e3,
-                             "gpu_idle_pct": 100 * parts["idle_share"] if parts else None,
-                             "idle_vs_step_pct": idle_against_step(parts["busy_ms"], ms) if parts else None,
-                             **{k: v for k, v in parts.items() if k != "idle_share"},
-                             **({"launched_by": origins} if parts and origins else {}),
-                             **({"graph_gap_plain_us": gap["plain"], "graph_gap_traced_us": gap["traced"]} if gap else {})})
+                ranks = (
+                    {}
+                    if ctx is None
+                    else {
+                        "world_size": world,
+                        "global_batch": global_batch,
+                        "world_emulated": FAKE_WORLD,
+                        "buckets": len(sync.buckets) if sync.buckets is not None else 0,
+                    }
+                )
+                rows.append(
+                    {
+                        "net": net,
+                        "batch": batch,
+                        **ranks,
+                        "kernels": kernels,
+                        "fused_conv": args.fused_conv,
+                        "graphs": graphs,
+                        "step_ms": ms,
+                        "images_per_s": batch / ms * 1e3,
+                        "floor_ms": flops / (tflops * 1e12) * 1e3,
+                        "gpu_idle_pct": 100 * parts["idle_share"] if parts else None,
+                        "idle_vs_step_pct": idle_against_step(parts["busy_ms"], ms) if parts else None,
+                        **{k: v for k, v in parts.items() if k != "idle_share"},
+                        **({"launched_by": origins} if parts and origins else {}),
+                        **({"graph_gap_plain_us": gap["plain"], "graph_gap_traced_us": gap["traced"]} if gap else {}),
+                    }
+                )
                 if sync is not None:
                     sync.remove()
                 del model, step, sync
     if ctx is not None:
         import torch.distributed as dist
+
         dist.destroy_process_group()
     per_rank = ["world_size", "global_batch", "buckets"] if ctx is not None else []
-    columns = ["net", "batch", *per_rank, "kernels", "graphs", "step_ms", "images_per_s", "floor_ms", "gpu_idle_pct",
-               "busy_ms", "idle_vs_step_pct", "kernels_per_step", "fused_conv"]
+    columns = [
+        "net",
+        "batch",
+        *per_rank,
+        "kernels",
+        "graphs",
+        "step_ms",
+        "images_per_s",
+        "floor_ms",
+        "gpu_idle_pct",
+        "busy_ms",
+        "idle_vs_step_pct",
+        "kernels_per_step",
+        "fused_conv",
+    ]
     if ctx is not None:
-        print(f"the step of rank 0 of {world} ranks: batch = images per rank (global_batch / world_size), "
-              f"images_per_s per rank; {FAKE_WORLD}.\n")
+        print(
+            f"the step of rank 0 of {world} ranks: batch = images per rank (global_batch / world_size), "
+            f"images_per_s per rank; {FAKE_WORLD}.\n"
+        )
     print(markdown_table(rows, columns))
     parts = [f"{p}_ms" for p in PHASES] + ["idle_ms"]
     if any("idle_ms" in r for r in rows):
@@ -448,8 +543,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:  # what "other" is made of, kernel by kernel (the jsonl row lists every phase's)
             lines = phase_kernels(r, "other")
             if lines:
-                print(f"\n#### {r['net']}, {r['batch']} images, {r['kernels']} kernels, graphs {r['graphs']}: "
-                      f"the {len(lines)} kernels of \"other\" ({r['other_ms']:.3f} ms a step)\n")
+                print(
+                    f"\n#### {r['net']}, {r['batch']} images, {r['kernels']} kernels, graphs {r['graphs']}: "
+                    f'the {len(lines)} kernels of "other" ({r["other_ms"]:.3f} ms a step)\n'
+                )
                 print("| kernel | launched by (eager trace) | launches per step | ms per step |\n|---|---|---|---|")
                 print("\n".join(lines))
     if SMOKE:

@@ -48,21 +48,33 @@ from fastcifar.train import train  # noqa: E402
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         split = argv.index("--")
-        argv, passthrough = argv[:split], argv[split + 1:]
+        argv, passthrough = argv[:split], argv[split + 1 :]
     else:
         passthrough = []
-    p = argparse.ArgumentParser(prog="bench/bench_train.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench/bench_train.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS), help="the preset under test")
     p.add_argument("--compare", nargs="*", default=[], choices=list(PRESETS), help="presets to run beside it")
     p.add_argument("--runs", type=int, default=25, help="measured runs per preset")
     p.add_argument("--warmup-runs", type=int, default=1, help="untimed, unreported runs before them")
-    p.add_argument("--args-for", action="append", default=[], metavar="PRESET=FLAGS",
-                   help="trainer flags for one preset only, e.g. 'resnet9=--widths 8,16,32,64'")
-    p.add_argument("--bar-preset", default=None, help="count runs below this preset's mean (default: resnet9 "
-                                                      "when it runs)")
-    p.add_argument("--results", default=str(ROOT / "bench" / "results" / "train.jsonl"),
-                   help="JSON lines file the rows are appended to")
+    p.add_argument(
+        "--args-for",
+        action="append",
+        default=[],
+        metavar="PRESET=FLAGS",
+        help="trainer flags for one preset only, e.g. 'resnet9=--widths 8,16,32,64'",
+    )
+    p.add_argument(
+        "--bar-preset", default=None, help="count runs below this preset's mean (default: resnet9 when it runs)"
+    )
+    p.add_argument(
+        "--results",
+        default=str(ROOT / "bench" / "results" / "train.jsonl"),
+        help="JSON lines file the rows are appended to",
+    )
     p.add_argument("--plot", default=None, help="PNG path (default: beside --results, named by date)")
     p.add_argument("--out-dir", default="runs/bench", help="where the trainer's own logs go")
     args = p.parse_args(argv)
@@ -74,19 +86,24 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def run_stats(results: list[RunResult], target: float, bar: float | None) -> dict:
     s = summarize(results, target)
     times = [r.train_time for r in results]
-    s.update(below_target=s["runs"] - s["reached"],
-             train_time_std=statistics.stdev(times) if len(times) > 1 else 0.0,
-             train_time_median=statistics.median(times), train_time_min=min(times),
-             wall_time_first=results[0].wall_time)
+    s.update(
+        below_target=s["runs"] - s["reached"],
+        train_time_std=statistics.stdev(times) if len(times) > 1 else 0.0,
+        train_time_median=statistics.median(times),
+        train_time_min=min(times),
+        wall_time_first=results[0].wall_time,
+    )
     if bar is not None:
         s.update(bar=bar, below_bar=sum(r.test_acc < bar for r in results))
     return s
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| preset | runs | acc mean ± std | acc min | below target | below bar | "
-             "train s mean ± std | median | min | max | wall s (1st run) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| preset | runs | acc mean ± std | acc min | below target | below bar | "
+        "train s mean ± std | median | min | max | wall s (1st run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         s = row["summary"]
         bar = f"{s['below_bar']} (< {s['bar']:.2f})" if "bar" in s else "-"
@@ -94,13 +111,15 @@ def table(rows: list[dict]) -> str:
             f"| {row['preset']} | {s['runs']} | {s['acc_mean']:.2f} ± {s['acc_std']:.2f} | {s['acc_min']:.2f} | "
             f"{s['below_target']} (< {s['target_acc']:.2f}) | {bar} | "
             f"{s['train_time_mean']:.3f} ± {s['train_time_std']:.3f} | {s['train_time_median']:.3f} | "
-            f"{s['train_time_min']:.3f} | {s['train_time_max']:.3f} | {s['wall_time_first']:.1f} |")
+            f"{s['train_time_min']:.3f} | {s['train_time_max']:.3f} | {s['wall_time_first']:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path, target: float) -> str:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -109,11 +128,22 @@ def plot(rows: list[dict], path: Path, target: float) -> str:
     for k, row in enumerate(rows):
         colour = f"C{k}"
         runs = row["runs"]
-        ax_runs.scatter([r["train_time"] for r in runs], [r["test_acc"] for r in runs], color=colour, s=18,
-                        label=f"{row['preset']} (n={len(runs)})")
+        ax_runs.scatter(
+            [r["train_time"] for r in runs],
+            [r["test_acc"] for r in runs],
+            color=colour,
+            s=18,
+            label=f"{row['preset']} (n={len(runs)})",
+        )
         for n, r in enumerate(runs):
-            ax_epochs.plot(r["epoch_train_time"], r["epoch_test_acc"], color=colour, alpha=0.35, lw=1,
-                           label=row["preset"] if n == 0 else None)
+            ax_epochs.plot(
+                r["epoch_train_time"],
+                r["epoch_test_acc"],
+                color=colour,
+                alpha=0.35,
+                lw=1,
+                label=row["preset"] if n == 0 else None,
+            )
     for ax in (ax_runs, ax_epochs):
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.2f}%")
         ax.set_xlabel("train time (s, summed epochs)")
@@ -124,24 +154,42 @@ def plot(rows: list[dict], path: Path, target: float) -> str:
     ax_epochs.set_ylabel("test accuracy (%) after each epoch")
     ax_epochs.set_title("test accuracy per epoch")
     device = rows[0]["device"]
-    fig.suptitle(f"{device['name']} x{device['world_size']} | torch {rows[0]['versions']['torch']} | {rows[0]['date']}",
-                 fontsize=9)
+    fig.suptitle(
+        f"{device['name']} x{device['world_size']} | torch {rows[0]['versions']['torch']} | {rows[0]['date']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return f"plot: {path}"
 
 
-def bench_row(cfg: Config, results: list[RunResult], summary_doc: dict, stamp: str, warmup_runs: int,
-              bar: float | None) -> dict:
+def bench_row(
+    cfg: Config, results: list[RunResult], summary_doc: dict, stamp: str, warmup_runs: int, bar: float | None
+) -> dict:
     return {
-        "bench": stamp, "date": summary_doc["date"], "preset": cfg.preset,
-        "device": summary_doc["device"], "versions": summary_doc["versions"], "data": summary_doc["data"],
-        "config": dataclasses.asdict(cfg), "warmup_runs": warmup_runs, "timing_protocol": TIMING_PROTOCOL,
+        "bench": stamp,
+        "date": summary_doc["date"],
+        "preset": cfg.preset,
+        "device": summary_doc["device"],
+        "versions": summary_doc["versions"],
+        "data": summary_doc["data"],
+        "config": dataclasses.asdict(cfg),
+        "warmup_runs": warmup_runs,
+        "timing_protocol": TIMING_PROTOCOL,
         "summary": run_stats(results, cfg.target_acc, bar),
-        "runs": [{"run": r.run, "seed": r.seed, "test_acc": r.test_acc, "train_time": r.train_time,
-                  "wall_time": r.wall_time, "epoch_test_acc": [e.test_acc for e in r.epochs],
-                  "epoch_train_time": [e.total_train_time for e in r.epochs]} for r in results],
+        "runs": [
+            {
+                "run": r.run,
+                "seed": r.seed,
+                "test_acc": r.test_acc,
+                "train_time": r.train_time,
+                "wall_time": r.wall_time,
+                "epoch_test_acc": [e.test_acc for e in r.epochs],
+                "epoch_train_time": [e.total_train_time for e in r.epochs],
+            }
+            for r in results
+        ],
     }
 
 
@@ -157,8 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         extra.setdefault(name, []).extend(shlex.split(flags))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_root = Path(args.out_dir) / stamp
-    cfgs = [parse_args(["--preset", p, *passthrough, *extra.get(p, []), "--runs", str(args.runs),
-                        "--out-dir", str(out_root / p)]) for p in presets]
+    cfgs = [
+        parse_args(
+            ["--preset", p, *passthrough, *extra.get(p, []), "--runs", str(args.runs), "--out-dir", str(out_root / p)]
+        )
+        for p in presets
+    ]
     ctx = None
     try:
         ctx = distributed.setup(cfgs[0].device, cfgs[0].dist_timeout_s)
@@ -192,10 +244,14 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     device = rows[0]["device"]
-    print(f"\n{device['type']} {device['name']} x{device['world_size']} | torch {rows[0]['versions']['torch']} | "
-          f"{rows[0]['date']} | {rows[0]['data']}")
-    print(f"{args.warmup_runs} untimed warm-up run(s) per preset before the measured ones; "
-          f"bar: {bar_preset + ' mean' if bar is not None else 'none'}\n")
+    print(
+        f"\n{device['type']} {device['name']} x{device['world_size']} | torch {rows[0]['versions']['torch']} | "
+        f"{rows[0]['date']} | {rows[0]['data']}"
+    )
+    print(
+        f"{args.warmup_runs} untimed warm-up run(s) per preset before the measured ones; "
+        f"bar: {bar_preset + ' mean' if bar is not None else 'none'}\n"
+    )
     print(table(rows))
     print(f"\nrows: {results_path}")
     plot_path = Path(args.plot) if args.plot else results_path.with_name(f"train-{stamp}.png")

@@ -38,8 +38,9 @@ def require_cuda(name: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        print(f"{name}: no CUDA device here, nothing measured (use --smoke to check the script on CPU)",
-              file=sys.stderr)
+        print(
+            f"{name}: no CUDA device here, nothing measured (use --smoke to check the script on CPU)", file=sys.stderr
+        )
         sys.exit(2)
 
 
@@ -54,8 +55,9 @@ def time_ms(fn: Callable[[], object], smoke: bool = False, grad_to_none=None, re
         return {"median_ms": ms, "p20_ms": ms, "p80_ms": ms}
     import triton
 
-    med, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none,
-                                            quantiles=[0.5, 0.2, 0.8])
+    med, p20, p80 = triton.testing.do_bench(
+        fn, warmup=25, rep=rep, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8]
+    )
     return {"median_ms": med, "p20_ms": p20, "p80_ms": p80}
 
 
@@ -88,6 +90,7 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, smoke: bool = False) -> float:
 def git_commit(where: Path) -> str:
     """The short commit of the checkout at ``where``, with "+dirty" when tracked files differ from
     it (figures measured on uncommitted code must not be filed under the commit); "" outside git."""
+
     def git(*args):
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=where, check=False).stdout.strip()
 
@@ -105,7 +108,9 @@ def environment() -> Dict[str, str]:
 
     commit = git_commit(Path(__file__).resolve().parent)
     return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({platform.processor() or platform.machine()})",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": str(torch.version.cuda),
@@ -116,8 +121,10 @@ def environment() -> Dict[str, str]:
 
 def print_header(title: str, env: Dict[str, str], copy_gbs: float) -> None:
     print(f"## {title}\n")
-    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']} | "
-          f"{env['date']} | commit {env['commit']}")
+    print(
+        f"{env['device']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']} | "
+        f"{env['date']} | commit {env['commit']}"
+    )
     print(f"measured device-to-device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)\n")
 
 
@@ -131,10 +138,19 @@ def run_trainer(args: Sequence[str], out: Path, ranks: int = 1, name: str = "ben
     env.pop("RANK", None)
     launcher = [sys.executable, "-m", "fastcifar.train"]
     if ranks > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-                    "-m", "fastcifar.train"]
-    proc = subprocess.run([*launcher, *map(str, args), "--out-dir", str(out)], cwd=root, env=env,
-                          capture_output=True, text=True)
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(ranks),
+            "-m",
+            "fastcifar.train",
+        ]
+    proc = subprocess.run(
+        [*launcher, *map(str, args), "--out-dir", str(out)], cwd=root, env=env, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         sys.exit(f"{name}: a run failed ({' '.join(map(str, args))}):\n{proc.stderr[-2000:]}")
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
@@ -144,11 +160,13 @@ def run_trainer(args: Sequence[str], out: Path, ranks: int = 1, name: str = "ben
 def add_index_argument(p: argparse.ArgumentParser, flag: str, count: int, help: str) -> None:
     """``flag``: one or more indices into a list of ``count`` shapes (default: all of them); an index
     out of range is refused by argparse with "indices 0..count-1, not I"."""
+
     def index(text: str) -> int:
         i = int(text)
         if not 0 <= i < count:
             raise argparse.ArgumentTypeError(f"indices 0..{count - 1}, not {i}")
         return i
+
     p.add_argument(flag, type=index, nargs="+", default=list(range(count)), help=help)
 
 
@@ -195,4 +213,4 @@ def matmul_tflops(n: int = 8192, smoke: bool = False) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     t = time_ms(lambda: a @ b, smoke)["median_ms"]
-    return 2 * n ** 3 / (t * 1e-3) / 1e12
+    return 2 * n**3 / (t * 1e-3) / 1e12

@@ -33,10 +33,22 @@ from fastcifar.ops.norm_act_pool import ACTIVATIONS  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # (batch, channels, map side, pool) of each NormActPool in the presets, at their per-GPU batch
-FAST_BLOCKS = [(1024, 64, 31, "before"), (1024, 64, 15, None), (1024, 256, 15, "before"),
-               (1024, 256, 7, None), (1024, 256, 7, "before"), (1024, 256, 3, None)]
-RESNET9_BLOCKS = [(512, 64, 32, None), (512, 128, 32, "after"), (512, 128, 16, None),
-                  (512, 256, 16, "after"), (512, 512, 8, "after"), (512, 512, 4, None)]
+FAST_BLOCKS = [
+    (1024, 64, 31, "before"),
+    (1024, 64, 15, None),
+    (1024, 256, 15, "before"),
+    (1024, 256, 7, None),
+    (1024, 256, 7, "before"),
+    (1024, 256, 3, None),
+]
+RESNET9_BLOCKS = [
+    (512, 64, 32, None),
+    (512, 128, 32, "after"),
+    (512, 128, 16, None),
+    (512, 256, 16, "after"),
+    (512, 512, 8, "after"),
+    (512, 512, 4, None),
+]
 # fast-muon320 (the default until visit 10): `fast`'s blocks at 2000 images, the wide ones at 320 channels
 MUON320_BLOCKS = [(2000, 64 if c == 64 else 320, s, pool) for _, c, s, pool in FAST_BLOCKS]
 # the default preset, fast-jitter (and fast-muon9 before it): `fast`'s blocks (64/256/256) at 2000 images
@@ -44,28 +56,41 @@ DEFAULT_BLOCKS = [(2000, c, s, pool) for _, c, s, pool in FAST_BLOCKS]
 # the same with each preset's activation, (batch, channels, side, act, pool): the blocks the
 # kernel benchmark times and the CUDA kernel tests check (in the order they were added, so the
 # indices that bench/results/ quote stay: 0-11 fast and resnet9, 12-17 fast-muon320, 18-23 the default)
-PRESET_BLOCKS = ([(b, c, s, "gelu", pool) for b, c, s, pool in FAST_BLOCKS]
-                 + [(b, c, s, "relu", pool) for b, c, s, pool in RESNET9_BLOCKS]
-                 + [(b, c, s, "gelu", pool) for b, c, s, pool in MUON320_BLOCKS]
-                 + [(b, c, s, "gelu", pool) for b, c, s, pool in DEFAULT_BLOCKS])
+PRESET_BLOCKS = (
+    [(b, c, s, "gelu", pool) for b, c, s, pool in FAST_BLOCKS]
+    + [(b, c, s, "relu", pool) for b, c, s, pool in RESNET9_BLOCKS]
+    + [(b, c, s, "gelu", pool) for b, c, s, pool in MUON320_BLOCKS]
+    + [(b, c, s, "gelu", pool) for b, c, s, pool in DEFAULT_BLOCKS]
+)
 # (batch, c_in, c_out, map side, pool) of each conv the default preset fuses with --fused-conv
 # (kernels/conv_stats.py): its blocks' two convs, the first pooling before its batchnorm
-DEFAULT_CONVS = [(2000, 24, 64, 31, "before"), (2000, 64, 64, 15, None), (2000, 64, 256, 15, "before"),
-                 (2000, 256, 256, 7, None), (2000, 256, 256, 7, "before"), (2000, 256, 256, 3, None)]
+DEFAULT_CONVS = [
+    (2000, 24, 64, 31, "before"),
+    (2000, 64, 64, 15, None),
+    (2000, 64, 256, 15, "before"),
+    (2000, 256, 256, 7, None),
+    (2000, 256, 256, 7, "before"),
+    (2000, 256, 256, 3, None),
+]
 ODD_CONVS = [(3, 5, 7, 7, None), (3, 5, 7, 7, "before"), (2, 3, 70, 9, None)]
 # odd shapes: two with every pool mode, one more odd map pooled before; each listed once
-ODD_BLOCKS = ([(3, 5, 7, pool) for pool in (None, "before", "after")]
-              + [(2, 24, 6, pool) for pool in (None, "before", "after")] + [(1, 3, 9, "before")])
+ODD_BLOCKS = (
+    [(3, 5, 7, pool) for pool in (None, "before", "after")]
+    + [(2, 24, 6, pool) for pool in (None, "before", "after")]
+    + [(1, 3, 9, "before")]
+)
 
 
 def bn_call(batch, channels, side, pool, dtype, act, training) -> Callable[[], None]:
     def call():
         from fastcifar.kernels.bn_act_pool import bn_act_pool_backward, bn_act_pool_forward
+
         x = torch.empty(batch, channels, side, side, dtype=dtype).contiguous(memory_format=torch.channels_last)
         vec = lambda: torch.ones(channels)  # noqa: E731
         y, saved = bn_act_pool_forward(x, vec(), vec(), vec(), vec(), training, 0.1, 1e-5, act, pool)
         dy = torch.empty_like(y, memory_format=torch.channels_last)
         bn_act_pool_backward(dy, saved, vec(), vec(), x.shape, training, act, pool)
+
     call.__name__ = f"bn_act_pool {dtype} {act} pool={pool} training={training} {batch}x{channels}x{side}x{side}"
     return call
 
@@ -73,9 +98,11 @@ def bn_call(batch, channels, side, pool, dtype, act, training) -> Callable[[], N
 def conv_call(batch, c_in, c_out, side, pool, dtype, training) -> Callable[[], None]:
     def call():
         from fastcifar.kernels.conv_stats import conv_stats_forward
+
         x = torch.empty(batch, c_in, side, side, dtype=dtype).contiguous(memory_format=torch.channels_last)
         w = torch.empty(c_out, c_in, 3, 3, dtype=dtype).contiguous(memory_format=torch.channels_last)
         conv_stats_forward(x, w, training, pool)
+
     call.__name__ = f"conv_stats {dtype} pool={pool} training={training} {batch}x{c_in}->{c_out}x{side}x{side}"
     return call
 
@@ -84,6 +111,7 @@ def augment_call(batch, data, pad, cutout, dtype, indexed, jitter=False) -> Call
     def call():
         from fastcifar.ops.augment import AugmentParams
         from fastcifar.kernels.augment import augment
+
         side = 32 + 2 * pad
         images = torch.empty(data, side, side, 3, dtype=torch.uint8)
         p = [torch.zeros(batch, dtype=torch.int64) for _ in range(5)]
@@ -91,6 +119,7 @@ def augment_call(batch, data, pad, cutout, dtype, indexed, jitter=False) -> Call
             p += [torch.zeros(batch), torch.ones(batch)]
         index = torch.zeros(batch, dtype=torch.int64) if indexed else None
         augment(images if indexed else images[:batch], AugmentParams(*p), cutout, dtype=dtype, index=index)
+
     call.__name__ = f"augment {dtype} batch={batch} pad={pad} cutout={cutout} indexed={indexed} jitter={jitter}"
     return call
 
@@ -98,9 +127,11 @@ def augment_call(batch, data, pad, cutout, dtype, indexed, jitter=False) -> Call
 def cutout_call(batch, channels, side, size, dtype) -> Callable[[], None]:
     def call():
         from fastcifar.kernels.cutout import cutout_forward
+
         x = torch.empty(batch, channels, side, side, dtype=dtype).contiguous(memory_format=torch.channels_last)
         pos = torch.zeros(batch, dtype=torch.int64)
         cutout_forward(x, pos, pos, size)
+
     call.__name__ = f"cutout {dtype} {batch}x{channels}x{side}x{side} size={size}"
     return call
 
@@ -116,25 +147,34 @@ def calls(which: str) -> list[Callable[[], None]]:
     out = []
     if which == "ci":
         fp16 = torch.float16
-        out += [bn_call(1024, 64, 31, "before", fp16, "gelu", True), bn_call(1024, 64, 15, None, fp16, "gelu", True),
-                bn_call(1024, 256, 7, "before", fp16, "gelu", False),
-                bn_call(512, 128, 32, "after", fp16, "relu", True), bn_call(3, 5, 7, None, torch.float32, "celu", True),
-                augment_call(1024, 50000, 2, 0, fp16, True), augment_call(1024, 50000, 2, 0, fp16, True, jitter=True),
-                cutout_call(512, 3, 32, 8, fp16),
-                conv_call(2000, 24, 64, 31, "before", fp16, True), conv_call(2000, 320, 320, 7, None, fp16, True),
-                conv_call(2000, 320, 320, 7, "before", fp16, False),
-                # fp32 has tiles of its own (conv_stats.LAUNCH_FP32: fp16's spilled); bf16 shares fp16's
-                conv_call(2000, 24, 64, 31, "before", torch.float32, True),
-                conv_call(2000, 320, 320, 7, None, torch.float32, True),
-                conv_call(2000, 24, 64, 31, "before", torch.bfloat16, True)]
+        out += [
+            bn_call(1024, 64, 31, "before", fp16, "gelu", True),
+            bn_call(1024, 64, 15, None, fp16, "gelu", True),
+            bn_call(1024, 256, 7, "before", fp16, "gelu", False),
+            bn_call(512, 128, 32, "after", fp16, "relu", True),
+            bn_call(3, 5, 7, None, torch.float32, "celu", True),
+            augment_call(1024, 50000, 2, 0, fp16, True),
+            augment_call(1024, 50000, 2, 0, fp16, True, jitter=True),
+            cutout_call(512, 3, 32, 8, fp16),
+            conv_call(2000, 24, 64, 31, "before", fp16, True),
+            conv_call(2000, 320, 320, 7, None, fp16, True),
+            conv_call(2000, 320, 320, 7, "before", fp16, False),
+            # fp32 has tiles of its own (conv_stats.LAUNCH_FP32: fp16's spilled); bf16 shares fp16's
+            conv_call(2000, 24, 64, 31, "before", torch.float32, True),
+            conv_call(2000, 320, 320, 7, None, torch.float32, True),
+            conv_call(2000, 24, 64, 31, "before", torch.bfloat16, True),
+        ]
         return out
     if which == "presets":
         for training in (True, False):
             out += [bn_call(b, c, s, pool, torch.float16, act, training) for b, c, s, act, pool in PRESET_BLOCKS]
             out += [conv_call(b, ci, co, s, pool, torch.float16, training) for b, ci, co, s, pool in DEFAULT_CONVS]
-        return out + [augment_call(1024, 50000, 2, 0, torch.float16, True),
-                      augment_call(2000, 50000, 2, 0, torch.float16, True, jitter=True),
-                      augment_call(512, 50000, 4, 8, torch.float16, True), cutout_call(512, 3, 32, 8, torch.float16)]
+        return out + [
+            augment_call(1024, 50000, 2, 0, torch.float16, True),
+            augment_call(2000, 50000, 2, 0, torch.float16, True, jitter=True),
+            augment_call(512, 50000, 4, 8, torch.float16, True),
+            cutout_call(512, 3, 32, 8, torch.float16),
+        ]
     if which != "full":
         raise ValueError(f"unknown variant set {which!r}: ci, presets or full")
     for dtype in DTYPES.values():
@@ -143,9 +183,12 @@ def calls(which: str) -> list[Callable[[], None]]:
                 for b, c, s, pool in FAST_BLOCKS + RESNET9_BLOCKS + MUON320_BLOCKS + DEFAULT_BLOCKS + ODD_BLOCKS:
                     out.append(bn_call(b, c, s, pool, dtype, act, training))
         for indexed in (True, False):
-            out += [augment_call(1024, 50000 if indexed else 1024, 2, 0, dtype, indexed),
-                    augment_call(512, 50000 if indexed else 512, 4, 8, dtype, indexed),
-                    augment_call(5, 7, 1, 3, dtype, indexed), augment_call(5, 7, 1, 3, dtype, indexed, jitter=True)]
+            out += [
+                augment_call(1024, 50000 if indexed else 1024, 2, 0, dtype, indexed),
+                augment_call(512, 50000 if indexed else 512, 4, 8, dtype, indexed),
+                augment_call(5, 7, 1, 3, dtype, indexed),
+                augment_call(5, 7, 1, 3, dtype, indexed, jitter=True),
+            ]
         out += [cutout_call(512, 3, 32, 8, dtype), cutout_call(3, 5, 7, 3, dtype)]
         for training in (True, False):
             out += [conv_call(b, ci, co, s, pool, dtype, training) for b, ci, co, s, pool in DEFAULT_CONVS + ODD_CONVS]
@@ -163,23 +206,35 @@ def sweep(archs: Iterable[int], which: str, log=print, on_row=lambda row: None) 
             try:
                 rows.append(aot.compile_variant(v, arch))
             except Exception as exc:  # a failure is a result: reported in the table, fails the test
-                rows.append({"arch": f"sm_{arch}", "kernel": v.kernel, "variant": v.label(), "from": v.where,
-                             "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
+                rows.append(
+                    {
+                        "arch": f"sm_{arch}",
+                        "kernel": v.kernel,
+                        "variant": v.label(),
+                        "from": v.where,
+                        "error": f"{type(exc).__name__}: {str(exc)[:500]}",
+                    }
+                )
             on_row(rows[-1])
     return rows
 
 
 def table(rows: list[dict], header: str) -> str:
-    lines = [header, "",
-             "| arch | kernel | variant | regs | spill st/ld B | stack B | smem B | compile s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| arch | kernel | variant | regs | spill st/ld B | stack B | smem B | compile s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['arch']} | {r['kernel']} | {r['variant']} | FAILED: {r['error'][:120]} | | | | |")
         else:
-            lines.append(f"| {r['arch']} | {r['kernel']} | {r['variant']} | {r['registers']} | "
-                         f"{r['spill_store_bytes']}/{r['spill_load_bytes']} | {r['stack_bytes']} | "
-                         f"{r['shared_bytes']} | {r['compile_s']} |")
+            lines.append(
+                f"| {r['arch']} | {r['kernel']} | {r['variant']} | {r['registers']} | "
+                f"{r['spill_store_bytes']}/{r['spill_load_bytes']} | {r['stack_bytes']} | "
+                f"{r['shared_bytes']} | {r['compile_s']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -226,16 +281,19 @@ def main(argv=None) -> int:
     # scope(): the deleted folder does not stay Triton's cache after main (tests call it in-process)
     with triton.knobs.cache.scope(), tempfile.TemporaryDirectory() as cache:
         triton.knobs.cache.dir = cache  # a fresh cache: every variant really compiles, and ptxas reports
-        rows = sweep([int(a) for a in args.arch.split(",")], args.set, log=lambda m: print(m, file=sys.stderr),
-                     on_row=on_row)
+        rows = sweep(
+            [int(a) for a in args.arch.split(",")], args.set, log=lambda m: print(m, file=sys.stderr), on_row=on_row
+        )
     print(summary(rows), file=sys.stderr)
     if args.out:
-        header = (f"### Triton {env['triton']}, torch {env['torch']}, compiled on the CPU (no GPU) for "
-                  f"{', '.join('sm_' + a for a in args.arch.split(','))}, set `{args.set}`, {env['date']}, "
-                  f"commit {env['commit'] or 'unknown'}\n\n"
-                  f"{summary(rows)}\n\nregisters per thread, spills and stack from ptxas -v of the real compile; "
-                  "shared memory from Triton's metadata; compile s is wall time on this machine "
-                  f"({os.cpu_count()} CPUs, possibly shared).")
+        header = (
+            f"### Triton {env['triton']}, torch {env['torch']}, compiled on the CPU (no GPU) for "
+            f"{', '.join('sm_' + a for a in args.arch.split(','))}, set `{args.set}`, {env['date']}, "
+            f"commit {env['commit'] or 'unknown'}\n\n"
+            f"{summary(rows)}\n\nregisters per thread, spills and stack from ptxas -v of the real compile; "
+            "shared memory from Triton's metadata; compile s is wall time on this machine "
+            f"({os.cpu_count()} CPUs, possibly shared)."
+        )
         with open(args.out + ".md", "a") as f:
             f.write(table(rows, header) + "\n")
     if args.json:

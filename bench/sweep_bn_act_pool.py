@@ -34,11 +34,28 @@ SMOKE = smoke_mode()  # before triton is imported: --smoke runs the kernels in i
 
 import torch  # noqa: E402
 
-from bench.bench_bn_act_pool import (BLOCKS, CL, GRAPH_WARMUP, SMOKE_BLOCKS, direction_bodies,  # noqa: E402
-                                     add_blocks_argument, graph_timings, kernel_bytes, traffic_bytes)
+from bench.bench_bn_act_pool import (
+    BLOCKS,
+    CL,
+    GRAPH_WARMUP,
+    SMOKE_BLOCKS,
+    direction_bodies,  # noqa: E402
+    add_blocks_argument,
+    graph_timings,
+    kernel_bytes,
+    traffic_bytes,
+)
 from bench.bench_step import traced_kernels  # noqa: E402
-from bench.common import (append_results, best_setting, copy_bandwidth_gbs, environment,  # noqa: E402
-                          markdown_table, print_header, require_cuda, time_ms)
+from bench.common import (
+    append_results,
+    best_setting,
+    copy_bandwidth_gbs,
+    environment,  # noqa: E402
+    markdown_table,
+    print_header,
+    require_cuda,
+    time_ms,
+)
 from fastcifar.run.graphs import capture  # noqa: E402
 from fastcifar.kernels import bn_act_pool as bn  # noqa: E402
 from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
@@ -119,8 +136,7 @@ def kernel_rows(block, setting: str, per_kernel: dict, copy_gbs: float) -> list[
     own = kernel_bytes(n, c, hw, hw, pool)
     rows = []
     for name, us in per_kernel.items():
-        row = {"block": f"{n} c{c} {hw}x{hw} {act} pool={pool}", "setting": setting, "kernel": name,
-               "us": round(us, 2)}
+        row = {"block": f"{n} c{c} {hw}x{hw} {act} pool={pool}", "setting": setting, "kernel": name, "us": round(us, 2)}
         if name in own:
             gbs = own[name] / (us * 1e-6) / 1e9
             row.update({"GB/s (own bytes)": round(gbs, 1), "% copy (own)": round(100 * gbs / copy_gbs, 1)})

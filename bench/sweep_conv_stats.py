@@ -37,8 +37,17 @@ import torch  # noqa: E402
 
 from bench.bench_bn_act_pool import graph_timings  # noqa: E402
 from bench.bench_conv_stats import CL, CONVS, DIFF_TOL, SMOKE_CONVS, impls  # noqa: E402
-from bench.common import (add_index_argument, append_results, best_setting, copy_bandwidth_gbs,  # noqa: E402
-                          environment, markdown_table, print_header, require_cuda, time_ms)
+from bench.common import (
+    add_index_argument,
+    append_results,
+    best_setting,
+    copy_bandwidth_gbs,  # noqa: E402
+    environment,
+    markdown_table,
+    print_header,
+    require_cuda,
+    time_ms,
+)
 from fastcifar.kernels import conv_stats as cs  # noqa: E402
 
 C = cs.ConvLaunch
@@ -62,8 +71,10 @@ SETTINGS = {
 
 def forward_ms(block, x, device) -> float:
     """The block's training-mode forward, as a graph replay (on the CPU: one eager call): median ms."""
+
     def fwd():
         block(x)
+
     if device == "cpu":
         return time_ms(fwd, smoke=True)["median_ms"]
     return graph_timings({"fwd": fwd}, torch.cuda.Stream())["fwd"]["median_ms"]
@@ -101,7 +112,9 @@ def sweep_conv(conv, settings, device) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_index_argument(p, "--convs", len(CONVS), "indices into bench/kernel_registers.py's DEFAULT_CONVS (default: all)")
+    add_index_argument(
+        p, "--convs", len(CONVS), "indices into bench/kernel_registers.py's DEFAULT_CONVS (default: all)"
+    )
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
     args = p.parse_args(argv)
@@ -114,8 +127,12 @@ def main(argv=None) -> int:
     device = "cpu" if SMOKE else "cuda"
     env = environment()
     copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)
-    print_header("fused conv launch settings: training-mode forward (conv + statistics [+ pool]), graph replays, "
-                 "beside cuDNN + the normalize block", env, copy_gbs)
+    print_header(
+        "fused conv launch settings: training-mode forward (conv + statistics [+ pool]), graph replays, "
+        "beside cuDNN + the normalize block",
+        env,
+        copy_gbs,
+    )
     for name in args.settings:
         print(f"- {name}: {SETTINGS[name]}")
     rows = []
@@ -126,8 +143,11 @@ def main(argv=None) -> int:
         if not SMOKE:  # conv by conv: a call cut off at its time limit keeps the convs it finished
             append_results("conv_sweep", [row], env, copy_gbs)
     print()
-    print(markdown_table(rows, ["batch", "conv", "cudnn+triton", *args.settings, "best", "best vs base",
-                                "best / cudnn+triton"]))
+    print(
+        markdown_table(
+            rows, ["batch", "conv", "cudnn+triton", *args.settings, "best", "best vs base", "best / cudnn+triton"]
+        )
+    )
     if SMOKE:
         print("\n(smoke run on the CPU under the Triton interpreter: timings meaningless, nothing written)")
         return 0

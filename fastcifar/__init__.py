@@ -16,18 +16,25 @@ if not (_Path(__file__).parent / "kernels").is_dir() and (_Path(__file__).parent
 from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, validate  # noqa: E402
 from fastcifar.data import DataError  # noqa: E402
 
-_LAZY = {"train": None, "evaluate": None, "predict": None, "load_model": "models.files", "save_model": "models.files",
-         "CheckpointError": "models.files", "TrainedRun": "api"}
+_LAZY = {
+    "train": None,
+    "evaluate": None,
+    "predict": None,
+    "load_model": "models.files",
+    "save_model": "models.files",
+    "CheckpointError": "models.files",
+    "TrainedRun": "api",
+}
 
 
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'fastcifar' has no attribute {name!r}")
     import importlib
+
     if _LAZY[name] is None:  # a callable submodule; importing it sets this attribute for next time
         return importlib.import_module(f".{name}", __name__)
     return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
 
 
-__all__ = ["Config", "ConfigError", "DataError", "DEFAULT_PRESET", "PRESETS", "from_preset", "validate",
-           *_LAZY]
+__all__ = ["Config", "ConfigError", "DataError", "DEFAULT_PRESET", "PRESETS", "from_preset", "validate", *_LAZY]

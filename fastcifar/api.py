@@ -32,6 +32,7 @@ from fastcifar.run.report import RunResult
 class TrainedRun:
     """One run of ``train``: the trained network (in memory, on the run's device, evaluated
     weights), what describes it, and its metrics (per-epoch records, times)."""
+
     model: torch.nn.Module
     info: ModelInfo
     metrics: RunResult
@@ -52,10 +53,12 @@ def train(config: Config) -> list[TrainedRun]:
     from fastcifar.parallel import distributed
     from fastcifar import train as trainer
     from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
+
     if not isinstance(config, Config):
         raise ConfigError(f"train() takes a fastcifar.Config, not {type(config).__name__}")
     from fastcifar.run import report
     from fastcifar.core import signals
+
     signals.new_run()  # no handlers here, but the end must be unclaimed for this run's watchdog
     ctx = distributed.setup(config.device, config.dist_timeout_s, config.dist_group)
     try:
@@ -70,8 +73,9 @@ def train(config: Config) -> list[TrainedRun]:
         raise
     finally:
         distributed.teardown(ctx)
-    return [TrainedRun(r.model, ModelInfo(config, r.classes, CIFAR10_MEAN, CIFAR10_STD, r.test_acc), r)
-            for r in results]
+    return [
+        TrainedRun(r.model, ModelInfo(config, r.classes, CIFAR10_MEAN, CIFAR10_STD, r.test_acc), r) for r in results
+    ]
 
 
 def resolve_model(model, device="cpu") -> tuple[torch.nn.Module, ModelInfo]:

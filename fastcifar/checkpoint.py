@@ -36,26 +36,34 @@ def inspect_lines(path: str | Path) -> list[str]:
     if meta.get("format") == MODEL_FORMAT:
         n = sum(t.numel() for t in tensors.values())
         return [f"{path}: model file, {len(tensors)} tensors, {n:,} values, {size:,} bytes"]
-    lines = [f"{path}: sparse diff, epoch {meta.get('epoch')}, parent {meta.get('parent')}, "
-             f"test_acc {meta.get('test_acc')}, {size:,} bytes"]
+    lines = [
+        f"{path}: sparse diff, epoch {meta.get('epoch')}, parent {meta.get('parent')}, "
+        f"test_acc {meta.get('test_acc')}, {size:,} bytes"
+    ]
     for key, t in tensors.items():
         if key.endswith("/idx"):
-            lines.append(f"  {key[len('param/'):-len('/idx')]}: {t.numel():,} entries")
+            lines.append(f"  {key[len('param/') : -len('/idx')]}: {t.numel():,} entries")
         elif key.startswith("buffer/"):
-            lines.append(f"  {key[len('buffer/'):]}: dense {tuple(t.shape)}")
+            lines.append(f"  {key[len('buffer/') :]}: dense {tuple(t.shape)}")
     return lines
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.checkpoint") -> int:
-    parser = OneLineParser(prog=prog,
-                           description="Inspect sparse diffs, or restore a model from a base file "
-                                       "and a chain of them.")
+    parser = OneLineParser(
+        prog=prog, description="Inspect sparse diffs, or restore a model from a base file and a chain of them."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    ins = sub.add_parser("inspect", help="what each file holds",
-                         description="What each model file or sparse diff (--sparse-checkpoints) holds.")
+    ins = sub.add_parser(
+        "inspect",
+        help="what each file holds",
+        description="What each model file or sparse diff (--sparse-checkpoints) holds.",
+    )
     ins.add_argument("files", nargs="+", help="model files or sparse diffs (RUN/sparse/runN/*.safetensors)")
-    res = sub.add_parser("restore", help="base file + diffs in epoch order -> one model file",
-                         description="A model file from a sparse-diff chain: the base, then the diffs in epoch order.")
+    res = sub.add_parser(
+        "restore",
+        help="base file + diffs in epoch order -> one model file",
+        description="A model file from a sparse-diff chain: the base, then the diffs in epoch order.",
+    )
     res.add_argument("base", help="the chain's base model file (RUN/sparse/runN/base.safetensors)")
     res.add_argument("diffs", nargs="*", help="the diffs to apply, in epoch order")
     res.add_argument("--out", default="", help="model file to write (the base's format); empty: none")

@@ -72,9 +72,15 @@ def usage(prog: str = "fastcifar") -> str:
 
 def help_text(prog: str = "fastcifar") -> str:
     width = max(map(len, COMMANDS))
-    lines = [usage(prog), "", "fastcifar: a fast CIFAR-10 trainer, and tools for the models it writes.", "",
-             "commands:"]
+    lines = [
+        usage(prog),
+        "",
+        "fastcifar: a fast CIFAR-10 trainer, and tools for the models it writes.",
+        "",
+        "commands:",
+    ]
     from fastcifar.core.config import ARCH_NAMES, DEFAULT_PRESET, from_preset
+
     default = f"{ARCH_NAMES[from_preset(DEFAULT_PRESET).arch]}, preset {DEFAULT_PRESET}"
     lines += [f"  {name:<{width}}  {text.format(default=default)}" for name, (_, text) in COMMANDS.items()]
     lines += ["", f"'{prog} COMMAND --help' gives a command's options; '{prog} --version' the version."]
@@ -94,11 +100,15 @@ def main(argv: list[str] | None = None, prog: str = "fastcifar") -> int:
         return 0
     if name == "--version" and not rest:
         from fastcifar import __version__
+
         print(f"fastcifar {__version__}")
         return 0
     if name not in COMMANDS:
-        print(f"fastcifar: error: unknown command {name!r}; choose from {', '.join(COMMANDS)} "
-              f"('{prog} --help' says what each does)", file=sys.stderr)
+        print(
+            f"fastcifar: error: unknown command {name!r}; choose from {', '.join(COMMANDS)} "
+            f"('{prog} --help' says what each does)",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(COMMANDS[name][0])  # by name: the commands import this module
     return module.main(rest, prog=f"{prog} {name}")

@@ -52,22 +52,50 @@ def resolve_tta(tta: int | None, cfg) -> int:
 
 
 @torch.no_grad()
-def logits_of(model: torch.nn.Module, images: np.ndarray, *, mean, std, tta: int, batch_size: int,
-              device="cpu", tta_share: float = 1.0) -> torch.Tensor:
+def logits_of(
+    model: torch.nn.Module,
+    images: np.ndarray,
+    *,
+    mean,
+    std,
+    tta: int,
+    batch_size: int,
+    device="cpu",
+    tta_share: float = 1.0,
+) -> torch.Tensor:
     """(N, classes) fp32 logits on the CPU of uint8 NHWC ``images``, batched, normalized and laid
     out as the trainer's evaluation lays them out (channels-last, the model's dtype); the TTA views
     go to the ``tta_share`` of each batch least sure of its class, as in the trainer."""
     model.eval()
-    batches = EvalSet(images, np.zeros(len(images), dtype=np.int64), batch_size,
-                      dtype=next(model.parameters()).dtype, device=torch.device(device), mean=mean, std=std)
+    batches = EvalSet(
+        images,
+        np.zeros(len(images), dtype=np.int64),
+        batch_size,
+        dtype=next(model.parameters()).dtype,
+        device=torch.device(device),
+        mean=mean,
+        std=std,
+    )
     return torch.cat([tta_logits(model, x, tta, tta_share).float().cpu() for x, _ in batches])
 
 
-def evaluate_arrays(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, classes, *, mean, std,
-                    tta: int, batch_size: int = 1000, device="cpu", tta_share: float = 1.0) -> Evaluation:
+def evaluate_arrays(
+    model: torch.nn.Module,
+    images: np.ndarray,
+    labels: np.ndarray,
+    classes,
+    *,
+    mean,
+    std,
+    tta: int,
+    batch_size: int = 1000,
+    device="cpu",
+    tta_share: float = 1.0,
+) -> Evaluation:
     """Accuracy of ``model`` on uint8 NHWC ``images`` with integer ``labels``."""
-    logits = logits_of(model, images, mean=mean, std=std, tta=tta, batch_size=batch_size, device=device,
-                       tta_share=tta_share)
+    logits = logits_of(
+        model, images, mean=mean, std=std, tta=tta, batch_size=batch_size, device=device, tta_share=tta_share
+    )
     loss = F.cross_entropy(logits, torch.from_numpy(labels).long(), reduction="sum").item()
     pred = logits.argmax(1).numpy()
     correct = pred == labels
@@ -76,18 +104,28 @@ def evaluate_arrays(model: torch.nn.Module, images: np.ndarray, labels: np.ndarr
         mine = labels == k
         per_count[name] = int(mine.sum())
         per_class[name] = 100.0 * float(correct[mine].mean()) if mine.any() else float("nan")
-    return Evaluation(100.0 * float(correct.mean()), loss / len(labels), len(labels), tta, per_class,
-                      per_count, pred)
+    return Evaluation(100.0 * float(correct.mean()), loss / len(labels), len(labels), tta, per_class, per_count, pred)
 
 
 def check_classes(info: ModelInfo, data: Dataset) -> None:
     if tuple(info.classes) != tuple(data.classes):
-        raise DataError(f"{data.source}: its {len(data.classes)} classes are not the model's {len(info.classes)} "
-                        f"(model: {', '.join(info.classes[:5])}...; data: {', '.join(data.classes[:5])}...)")
+        raise DataError(
+            f"{data.source}: its {len(data.classes)} classes are not the model's {len(info.classes)} "
+            f"(model: {', '.join(info.classes[:5])}...; data: {', '.join(data.classes[:5])}...)"
+        )
 
 
-def evaluate(model, data, *, tta: int | None = None, subset: int | None = None, batch_size: int | None = None,
-             device="cpu", cache_dir=None, log=lambda msg: None) -> Evaluation:
+def evaluate(
+    model,
+    data,
+    *,
+    tta: int | None = None,
+    subset: int | None = None,
+    batch_size: int | None = None,
+    device="cpu",
+    cache_dir=None,
+    log=lambda msg: None,
+) -> Evaluation:
     """``model``: a model file's path, or ``(network, ModelInfo)`` as ``load_model`` returns;
     ``data``: a path in any layout, or a loaded ``Dataset``. ``None`` settings take the run's."""
     net, info = resolve_model(model, device)
@@ -99,9 +137,18 @@ def evaluate(model, data, *, tta: int | None = None, subset: int | None = None, 
     if subset:
         data = data.subset(subset)
         log(f"note: the test images of --subset {subset}, as in training (--subset 0 for all)")
-    return evaluate_arrays(net, data.test_images, data.test_labels, info.classes, mean=info.mean, std=info.std,
-                           tta=resolve_tta(tta, cfg), batch_size=batch_size or cfg.eval_batch_size, device=device,
-                           tta_share=cfg.tta_share)  # the run's: its views went to that share of each batch
+    return evaluate_arrays(
+        net,
+        data.test_images,
+        data.test_labels,
+        info.classes,
+        mean=info.mean,
+        std=info.std,
+        tta=resolve_tta(tta, cfg),
+        batch_size=batch_size or cfg.eval_batch_size,
+        device=device,
+        tta_share=cfg.tta_share,
+    )  # the run's: its views went to that share of each batch
 
 
 def _share(share: float) -> str:
@@ -109,17 +156,28 @@ def _share(share: float) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.evaluate") -> int:
-    parser = OneLineParser(prog=prog,
-                           description="Test accuracy (overall and per class) of a saved model.")
+    parser = OneLineParser(prog=prog, description="Test accuracy (overall and per class) of a saved model.")
     parser.add_argument("model", help="a model file written by the trainer (model.safetensors)")
     parser.add_argument("--data", required=True, help="the data set, in any layout the trainer accepts")
-    parser.add_argument("--tta", type=int, choices=CHOICES["tta"], default=None,
-                        help="test-time augmentation level (default: the run's)")
-    parser.add_argument("--subset", type=int, default=None,
-                        help="evaluate on the test subset of --subset N (default: the run's; 0 = whole test set)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="images per batch (default: the run's; with a TTA share below 1 it decides which "
-                             "images share the views)")
+    parser.add_argument(
+        "--tta",
+        type=int,
+        choices=CHOICES["tta"],
+        default=None,
+        help="test-time augmentation level (default: the run's)",
+    )
+    parser.add_argument(
+        "--subset",
+        type=int,
+        default=None,
+        help="evaluate on the test subset of --subset N (default: the run's; 0 = whole test set)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="images per batch (default: the run's; with a TTA share below 1 it decides which images share the views)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--cache-dir", default="", help="decoded-image cache, as in training")
     args = parser.parse_args(argv)
@@ -133,12 +191,24 @@ def _report(args) -> int:
     net, info = load_model(args.model, device)
     cfg = info.config
     recorded = "none recorded" if info.test_acc is None else f"recorded test_acc {info.test_acc:.2f}%"
-    print(f"model: {args.model} ({cfg.arch} {','.join(map(str, cfg.widths))}, {len(info.classes)} classes, "
-          f"{recorded} with TTA {cfg.tta}{_share(cfg.tta_share)})")
-    result = evaluate((net, info), args.data, tta=args.tta, subset=args.subset, batch_size=args.batch_size,
-                      device=device, cache_dir=args.cache_dir or None, log=print)
-    print(f"test_acc {result.accuracy:.2f}% (TTA {result.tta}{_share(cfg.tta_share) if result.tta else ''}, "
-          f"{result.count} images), loss {result.loss:.4f}")
+    print(
+        f"model: {args.model} ({cfg.arch} {','.join(map(str, cfg.widths))}, {len(info.classes)} classes, "
+        f"{recorded} with TTA {cfg.tta}{_share(cfg.tta_share)})"
+    )
+    result = evaluate(
+        (net, info),
+        args.data,
+        tta=args.tta,
+        subset=args.subset,
+        batch_size=args.batch_size,
+        device=device,
+        cache_dir=args.cache_dir or None,
+        log=print,
+    )
+    print(
+        f"test_acc {result.accuracy:.2f}% (TTA {result.tta}{_share(cfg.tta_share) if result.tta else ''}, "
+        f"{result.count} images), loss {result.loss:.4f}"
+    )
     width = max(len(name) for name in info.classes)
     print("per class:")
     for name in info.classes:

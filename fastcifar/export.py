@@ -46,9 +46,12 @@ def max_opset() -> int:
     """The newest opset torch's TorchScript-based exporter writes (20 in torch 2.14)."""
     try:
         from torch.onnx import _constants
+
         return int(_constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET)
     except (ImportError, AttributeError):  # a torch that moved it: let the exporter judge
         return 10**6
+
+
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
 CHECK_TOLERANCE = 1e-4  # onnxruntime against PyTorch after the export: max |difference| / max(1, max |logit|)
 
@@ -72,15 +75,24 @@ def onnx_bytes(net: torch.nn.Module, mean, std, opset: int = DEFAULT_OPSET) -> b
     try:
         import onnx  # noqa: F401  # the TorchScript exporter writes its protobuf with it
     except ImportError:
-        raise ConfigError("export needs the onnx package: pip install onnx (or pip install -e '.[onnx]' in the checkout)") from None
+        raise ConfigError(
+            "export needs the onnx package: pip install onnx (or pip install -e '.[onnx]' in the checkout)"
+        ) from None
     model = Normalized(net.float().cpu().eval(), mean, std).eval()
     example = torch.rand(2, 3, 32, 32) * 255
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the legacy exporter's deprecation notes: not the user's to act on
-        torch.onnx.export(model, (example,), buffer, dynamo=False, opset_version=opset,
-                          input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                          dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
+        torch.onnx.export(
+            model,
+            (example,),
+            buffer,
+            dynamo=False,
+            opset_version=opset,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+        )
     return buffer.getvalue()
 
 
@@ -119,8 +131,10 @@ def export(model_path, out, *, opset: int = DEFAULT_OPSET, force: bool = False, 
         raise ConfigError(f"ONNX export failed at opset {opset}: {str(exc).splitlines()[0]}") from None
     diff = check_with_onnxruntime(blob, net, info.mean, info.std)
     if diff is not None and not diff <= CHECK_TOLERANCE:
-        raise DataError(f"the exported graph disagrees with the model (relative logit difference {diff:.3g} "
-                        f"> {CHECK_TOLERANCE:g} under onnxruntime); nothing written")
+        raise DataError(
+            f"the exported graph disagrees with the model (relative logit difference {diff:.3g} "
+            f"> {CHECK_TOLERANCE:g} under onnxruntime); nothing written"
+        )
     if not out.parent.is_dir():  # a typo in the path would quietly make folders
         raise ConfigError(f"{out.parent}: no such folder (make it first)")
     try:
@@ -128,27 +142,39 @@ def export(model_path, out, *, opset: int = DEFAULT_OPSET, force: bool = False, 
     except OSError as exc:
         raise DataError(f"cannot write {out}: {exc.strerror or type(exc).__name__}") from None
     cfg = info.config
-    log(f"wrote {out} ({len(blob):,} bytes): {cfg.arch} {','.join(map(str, cfg.widths))}, "
+    log(
+        f"wrote {out} ({len(blob):,} bytes): {cfg.arch} {','.join(map(str, cfg.widths))}, "
         f"{len(info.classes)} classes, opset {opset}, input {INPUT_NAME} float32 (N, 3, 32, 32) 0..255 RGB, "
-        f"output {OUTPUT_NAME} (N, {len(info.classes)})")
-    log(f"checked with onnxruntime: relative logit difference {diff:.2g}" if diff is not None
-        else "not checked: onnxruntime is not installed (pip install onnxruntime)")
+        f"output {OUTPUT_NAME} (N, {len(info.classes)})"
+    )
+    log(
+        f"checked with onnxruntime: relative logit difference {diff:.2g}"
+        if diff is not None
+        else "not checked: onnxruntime is not installed (pip install onnxruntime)"
+    )
     return out
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.export") -> int:
     parser = OneLineParser(
-        prog=prog, description=(
+        prog=prog,
+        description=(
             "Write a saved model as an ONNX file. Input 'images': float32 (N, 3, 32, 32), RGB pixel "
             "values 0..255 (uint8 values as floats, channels first), any batch size N; the model "
             "file's normalization is baked in as the graph's first step. Output 'logits': float32 "
             "(N, classes) in the model file's class order. Eval mode, fp32, no test-time augmentation "
             "(the logits of predict --tta 0). Needs the onnx package; with onnxruntime installed the "
-            "file is checked against the PyTorch model. pip install -e '.[onnx]' installs both."))
+            "file is checked against the PyTorch model. pip install -e '.[onnx]' installs both."
+        ),
+    )
     parser.add_argument("model", help="a model file written by the trainer (model.safetensors)")
     parser.add_argument("--onnx", required=True, metavar="OUT.onnx", help="the ONNX file to write")
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET,
-                        help=f"ONNX opset version, {MIN_OPSET}..{max_opset()} (default: {DEFAULT_OPSET})")
+    parser.add_argument(
+        "--opset",
+        type=int,
+        default=DEFAULT_OPSET,
+        help=f"ONNX opset version, {MIN_OPSET}..{max_opset()} (default: {DEFAULT_OPSET})",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
     args = parser.parse_args(argv)
     return run_command(lambda: _run(args))

@@ -70,8 +70,9 @@ def read_image(path: Path) -> tuple[np.ndarray, tuple | None]:
         return np.asarray(img, dtype=np.uint8), (size if size != (SIZE, SIZE) else None)
 
 
-def predict(model, images, *, top: int = 3, tta: int | None = None, device="cpu", batch_size: int = 500,
-            warn=lambda msg: None) -> list[Prediction]:
+def predict(
+    model, images, *, top: int = 3, tta: int | None = None, device="cpu", batch_size: int = 500, warn=lambda msg: None
+) -> list[Prediction]:
     """``model``: a model file's path, ``(network, ModelInfo)`` or a run from ``train()``;
     ``images``: image files and folders, or a uint8 array (N, 32, 32, 3). One Prediction per image,
     in order; unreadable files come back with ``error`` set (and ``warn`` is called with one line)."""
@@ -108,8 +109,9 @@ def predict(model, images, *, top: int = 3, tta: int | None = None, device="cpu"
             arrays.append(array)
     readable = [r for r in results if not r.error]
     if arrays:
-        probs = logits_of(net, np.stack(arrays), mean=info.mean, std=info.std, tta=tta, batch_size=batch_size,
-                          device=device).softmax(1)
+        probs = logits_of(
+            net, np.stack(arrays), mean=info.mean, std=info.std, tta=tta, batch_size=batch_size, device=device
+        ).softmax(1)
         k = min(top, probs.shape[1])
         values, indices = probs.topk(k, dim=1)
         for r, v, i in zip(readable, values.tolist(), indices.tolist()):
@@ -118,13 +120,17 @@ def predict(model, images, *, top: int = 3, tta: int | None = None, device="cpu"
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.predict") -> int:
-    parser = OneLineParser(prog=prog,
-                           description="Top classes, with probabilities, of each image.")
+    parser = OneLineParser(prog=prog, description="Top classes, with probabilities, of each image.")
     parser.add_argument("model", help="a model file written by the trainer (model.safetensors)")
     parser.add_argument("images", nargs="+", help="image files or folders of images")
     parser.add_argument("--top", type=int, default=3, help="classes to print per image")
-    parser.add_argument("--tta", type=int, choices=CHOICES["tta"], default=None,
-                        help="test-time augmentation level (default: the run's)")
+    parser.add_argument(
+        "--tta",
+        type=int,
+        choices=CHOICES["tta"],
+        default=None,
+        help="test-time augmentation level (default: the run's)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     args = parser.parse_args(argv)
@@ -137,8 +143,17 @@ def _report(args) -> int:
     if not results:
         raise DataError(f"no image files in {' '.join(args.images)}")
     if args.json:
-        print(json.dumps({"model": args.model, "predictions": [
-            {**asdict(r), "top": [{"class": c, "probability": p} for c, p in r.top]} for r in results]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "predictions": [
+                        {**asdict(r), "top": [{"class": c, "probability": p} for c, p in r.top]} for r in results
+                    ],
+                },
+                indent=2,
+            )
+        )
     else:
         for r in results:
             if not r.error:

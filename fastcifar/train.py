@@ -47,8 +47,7 @@ from fastcifar.run import components, graphs, profiling, recipe, report, state
 from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep
 from fastcifar.run.step import evaluate, make_step, synchronize
 from fastcifar.run.progress import Progress, chunked_decoder
-from fastcifar.run.report import (EpochRecord, RunLog, RunResult, device_info, process_start_time, provenance,
-                                  versions)
+from fastcifar.run.report import EpochRecord, RunLog, RunResult, device_info, process_start_time, provenance, versions
 from fastcifar.run.schedule import DeviceSchedule, epoch_lengths, lr_schedule
 from fastcifar.run.sparse.run import SparseRun
 
@@ -89,8 +88,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
             raise
         # Another rank died or stalled. No teardown: a broken group can block in it; exiting frees it.
         # one line, also when the watchdog sees the stall in the same second (it then prints it)
-        if not distributed.report_failure(f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
-                                          f"{distributed.failure_message(exc, cfg.dist_timeout_s)}"):
+        if not distributed.report_failure(
+            f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
+            f"{distributed.failure_message(exc, cfg.dist_timeout_s)}"
+        ):
             signals.wait_for_claimant()
         report.stop_open_logs("failed", distributed.failure_message(exc, cfg.dist_timeout_s))
         ctx = None
@@ -128,8 +129,9 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     """``cfg.runs`` runs, logged and summarized; ``warmup_runs`` whole runs before them that are
     neither logged nor returned (bench/bench_train.py: caches, clocks and allocator settle)."""
     # first: a --cuda-graphs on that cannot work is refused before anything is read or written
-    use_graphs, graphs_note = graphs.resolve(cfg.cuda_graphs, ctx.device,
-                                             capture_blocker(cfg, ctx.world_size, ctx.distributed))
+    use_graphs, graphs_note = graphs.resolve(
+        cfg.cuda_graphs, ctx.device, capture_blocker(cfg, ctx.world_size, ctx.distributed)
+    )
     resume = state.load_state(cfg.resume, cfg, ctx) if cfg.resume else None  # refused before any write
     log = RunLog(cfg, cfg.out_dir, enabled=ctx.is_main)  # checks --out-dir; the folder comes at log.start
     progress = Progress.for_rank(ctx.is_main, cfg.quiet)
@@ -140,8 +142,13 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
     kernels = resolve_kernels(cfg.kernels, ctx.device, cfg.fused_conv)  # refused before anything is written
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
-    for note in (report.cpu_note(cfg, ctx.device), report.cpu_threads_note(ctx.device), notice, graphs_note,
-                 profiling.graphs_note(cfg.nvtx, use_graphs)):
+    for note in (
+        report.cpu_note(cfg, ctx.device),
+        report.cpu_threads_note(ctx.device),
+        notice,
+        graphs_note,
+        profiling.graphs_note(cfg.nvtx, use_graphs),
+    ):
         if note:
             log.line(note)
 
@@ -153,48 +160,113 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         decode = chunked_decoder(decode, progress)
 
     def read_data(first: bool):  # first: local rank 0 of the node
-        return load_dataset(cfg.data, cfg.download, cfg.cache_dir or None, log=log.line, decode=decode,
-                            download_set=cfg.download_set, write=first)
+        return load_dataset(
+            cfg.data,
+            cfg.download,
+            cfg.cache_dir or None,
+            log=log.line,
+            decode=decode,
+            download_set=cfg.download_set,
+            write=first,
+        )
+
     doing = "downloading or reading the data" if cfg.download else "reading the data"
     data, val_images, val_labels, notes = for_run(  # every rank's data read before the model handshake
         distributed.load_once_per_node(read_data, ctx, doing, distributed.data_timeout(cfg.dist_timeout_s)),
-        cfg.subset, cfg.val_split)  # --subset, then --val-split's held-out images, before any sharding
+        cfg.subset,
+        cfg.val_split,
+    )  # --subset, then --val-split's held-out images, before any sharding
     per_rank_batch = cfg.batch_size // ctx.world_size
     steps = len(data.train_labels) // ctx.world_size // per_rank_batch
     check_run_length(cfg, steps, len(data.train_labels), ctx.world_size)  # 1..MAX_STEPS steps in all
     shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
-    train_loader = make_train_loader(loader_name, data.train_images, data.train_labels, shard, per_rank_batch, steps,
-                                     kernels=kernels, pad=cfg.crop_pad, pad_mode=cfg.pad_mode, cutout=cfg.cutout,
-                                     flip=cfg.flip, flip_mode=cfg.flip_mode, brightness=cfg.brightness,
-                                     contrast=cfg.contrast, dtype=dtype, device=ctx.device,
-                                     rank=ctx.rank, emulate_ranks=cfg.emulate_ranks)  # N ranks' side by side
-    test_set = EvalSet(data.test_images, data.test_labels, cfg.eval_batch_size, dtype=dtype,
-                       device=ctx.device, rank=ctx.rank, world_size=ctx.world_size)
+    train_loader = make_train_loader(
+        loader_name,
+        data.train_images,
+        data.train_labels,
+        shard,
+        per_rank_batch,
+        steps,
+        kernels=kernels,
+        pad=cfg.crop_pad,
+        pad_mode=cfg.pad_mode,
+        cutout=cfg.cutout,
+        flip=cfg.flip,
+        flip_mode=cfg.flip_mode,
+        brightness=cfg.brightness,
+        contrast=cfg.contrast,
+        dtype=dtype,
+        device=ctx.device,
+        rank=ctx.rank,
+        emulate_ranks=cfg.emulate_ranks,
+    )  # N ranks' side by side
+    test_set = EvalSet(
+        data.test_images,
+        data.test_labels,
+        cfg.eval_batch_size,
+        dtype=dtype,
+        device=ctx.device,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+    )
     # each epoch's evaluation: the test set, or --val-split's held-out images (the test set then once, at the end)
-    eval_set = test_set if not len(val_labels) else EvalSet(
-        val_images, val_labels, cfg.eval_batch_size, dtype=dtype, device=ctx.device, rank=ctx.rank,
-        world_size=ctx.world_size)
-    engine = {"loader": loader_name, "kernels": kernels, "precision": "fp16" if half else "fp32",
-              "cuda graphs": "on" if use_graphs else "off"}
+    eval_set = (
+        test_set
+        if not len(val_labels)
+        else EvalSet(
+            val_images,
+            val_labels,
+            cfg.eval_batch_size,
+            dtype=dtype,
+            device=ctx.device,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+        )
+    )
+    engine = {
+        "loader": loader_name,
+        "kernels": kernels,
+        "precision": "fp16" if half else "fp32",
+        "cuda graphs": "on" if use_graphs else "off",
+    }
     if cfg.fused_conv:
         engine["conv"] = "fused with the batchnorm statistics"
     if ctx.distributed:
         engine["comm"] = cfg.comm
     # the class names once, as "classes" (the header shows a few; log.txt and summary.json all)
-    log.start({"versions": versions(), "device": device_info(ctx.device, ctx.world_size),
-               "provenance": provenance(cfg, ctx.device) if ctx.is_main else {},
-               "data": f"{data.source}: {len(data.train_labels)} train, "
-                       + (f"{len(val_labels)} validation, " if len(val_labels) else "")
-                       + f"{len(data.test_labels)} test images, {len(data.classes)} classes",
-               "steps_per_epoch": steps, "per_rank_batch": per_rank_batch, "engine": engine,
-               "classes": list(data.classes)})
+    log.start(
+        {
+            "versions": versions(),
+            "device": device_info(ctx.device, ctx.world_size),
+            "provenance": provenance(cfg, ctx.device) if ctx.is_main else {},
+            "data": f"{data.source}: {len(data.train_labels)} train, "
+            + (f"{len(val_labels)} validation, " if len(val_labels) else "")
+            + f"{len(data.test_labels)} test images, {len(data.classes)} classes",
+            "steps_per_epoch": steps,
+            "per_rank_batch": per_rank_batch,
+            "engine": engine,
+            "classes": list(data.classes),
+        }
+    )
 
     for note in notes:
         log.line(note)
-    session = components.Session(cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs,
-                                 tuple(data.classes), resume, eval_set)
-    quiet = components.Session(cfg, ctx, dtype, train_loader, test_set, RunLog(cfg, "", False), Progress(False),
-                               use_graphs, tuple(data.classes), None, eval_set)  # a warm-up run: no logs, no bars
+    session = components.Session(
+        cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs, tuple(data.classes), resume, eval_set
+    )
+    quiet = components.Session(
+        cfg,
+        ctx,
+        dtype,
+        train_loader,
+        test_set,
+        RunLog(cfg, "", False),
+        Progress(False),
+        use_graphs,
+        tuple(data.classes),
+        None,
+        eval_set,
+    )  # a warm-up run: no logs, no bars
     for _ in range(warmup_runs):  # seed + runs: a seed no measured run uses
         train_one_run(quiet, 0, cfg.seed + cfg.runs)
     results = []
@@ -228,8 +300,13 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
     step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), sync.buckets)
     train_step = TrainStep(step, StaticBatch(per_rank_batch, session.dtype, ctx.device), capture=session.use_graphs)
     loader.bind_static(train_step.batch.images, train_step.batch.labels)  # DALI: the one copy, into the step's buffers
-    eval_step = EvalStep(model, StaticBatch(cfg.eval_batch_size, session.dtype, ctx.device), cfg.tta,
-                         capture=session.use_graphs, tta_share=cfg.tta_share)
+    eval_step = EvalStep(
+        model,
+        StaticBatch(cfg.eval_batch_size, session.dtype, ctx.device),
+        cfg.tta,
+        capture=session.use_graphs,
+        tta_share=cfg.tta_share,
+    )
 
     # Off the clock: warm-up steps (cuDNN's algorithm search, first allocations) and graph capture
     # on a real batch; then weights, batchnorm statistics, momentum and the schedule go back to
@@ -285,11 +362,20 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
         test_loss, test_acc = evaluate(model, eval_step, session.eval_set, ctx)  # --val-split: held-out images
         n_train = epoch_steps * per_rank_batch * ctx.world_size
         train_loss, train_correct = distributed.all_sum(
-            [train_step.loss_sum.item(), float(train_step.correct.item())], ctx, ctx.device)
-        record = EpochRecord(run=run, epoch=epoch + 1, lr=schedule.value(sum(lengths[:epoch + 1]) - 1) * per_rank_batch,
-                             train_time=epoch_time, train_loss=train_loss / n_train,
-                             train_acc=100.0 * train_correct / n_train, test_time=time.perf_counter() - t1,
-                             test_loss=test_loss, test_acc=test_acc, total_train_time=total_train_time)
+            [train_step.loss_sum.item(), float(train_step.correct.item())], ctx, ctx.device
+        )
+        record = EpochRecord(
+            run=run,
+            epoch=epoch + 1,
+            lr=schedule.value(sum(lengths[: epoch + 1]) - 1) * per_rank_batch,
+            train_time=epoch_time,
+            train_loss=train_loss / n_train,
+            train_acc=100.0 * train_correct / n_train,
+            test_time=time.perf_counter() - t1,
+            test_loss=test_loss,
+            test_acc=test_acc,
+            total_train_time=total_train_time,
+        )
         result.epochs.append(record)
         log.epoch(record)
         run_parts.epoch_done(epoch, record)  # off the clock: sparse diffs, the divergence guard, checkpoints

@@ -25,8 +25,10 @@ def load(name: str, interpret: bool) -> ModuleType:
         from .checks import interpreted
 
         if not interpreted():  # its helpers are compiled-mode: the kernels would refuse CPU tensors later
-            raise RuntimeError("fastcifar.kernels.load: triton was imported before its interpreter could be switched "
-                               "on; import fastcifar's kernels first or set TRITON_INTERPRET=1 before starting Python")
+            raise RuntimeError(
+                "fastcifar.kernels.load: triton was imported before its interpreter could be switched "
+                "on; import fastcifar's kernels first or set TRITON_INTERPRET=1 before starting Python"
+            )
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         module = importlib.import_module(qualified)

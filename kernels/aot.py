@@ -43,14 +43,25 @@ class Variant:
     where: str = ""  # the first launcher call that produced it
 
     def key(self) -> str:
-        return json.dumps([self.kernel, self.signature, {str(k): v for k, v in self.constexprs.items()},
-                           {str(k): v for k, v in self.attrs.items()}, self.options], sort_keys=True, default=str)
+        return json.dumps(
+            [
+                self.kernel,
+                self.signature,
+                {str(k): v for k, v in self.constexprs.items()},
+                {str(k): v for k, v in self.attrs.items()},
+                self.options,
+            ],
+            sort_keys=True,
+            default=str,
+        )
 
     def label(self) -> str:
         ptrs = sorted({v[1:] for v in self.signature.values() if isinstance(v, str) and v.startswith("*")})
         names = getattr(self.fn, "arg_names", [])
-        consts = ",".join(f"{names[k[0]] if isinstance(k, tuple) and k[0] < len(names) else k}={v}"
-                          for k, v in self.constexprs.items())
+        consts = ",".join(
+            f"{names[k[0]] if isinstance(k, tuple) and k[0] < len(names) else k}={v}"
+            for k, v in self.constexprs.items()
+        )
         ints = []
         for k, val in self.attrs.items():
             name = names[k[0]] if names else k
@@ -86,7 +97,9 @@ def recording(arch: int, out: list):
         launch = {"num_warps": options.num_warps, "num_stages": options.num_stages}
         if not options.enable_fp_fusion:  # only where a launch turns it off: the other variants' keys stay
             launch["enable_fp_fusion"] = False
-        out.append(Variant(self.__name__, dict(signature), dict(constexprs), dict(attrs), launch, self, recording.where))
+        out.append(
+            Variant(self.__name__, dict(signature), dict(constexprs), dict(attrs), launch, self, recording.where)
+        )
 
     real_run, real_interpreted = jit.JITFunction.run, checks.interpreted
     jit.JITFunction.run = run
@@ -148,8 +161,15 @@ def compile_variant(v: Variant, arch: int) -> dict:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(v.options))
     finally:
         triton.knobs.nvidia.dump_ptxas_log = old
-    row = {"arch": f"sm_{arch}", "kernel": v.kernel, "variant": v.label(), "from": v.where,
-           **parse_ptxas(buf.getvalue()), "shared_bytes": int(compiled.metadata.shared),
-           "ptx_bytes": len(compiled.asm["ptx"]), "cubin_bytes": len(compiled.asm["cubin"]),
-           "compile_s": round(time.perf_counter() - t0, 2)}
+    row = {
+        "arch": f"sm_{arch}",
+        "kernel": v.kernel,
+        "variant": v.label(),
+        "from": v.where,
+        **parse_ptxas(buf.getvalue()),
+        "shared_bytes": int(compiled.metadata.shared),
+        "ptx_bytes": len(compiled.asm["ptx"]),
+        "cubin_bytes": len(compiled.asm["cubin"]),
+        "compile_s": round(time.perf_counter() - t0, 2),
+    }
     return row

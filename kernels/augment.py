@@ -47,9 +47,30 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _augment_kernel(data_ptr, index_ptr, dy_ptr, dx_ptr, flip_ptr, cy_ptr, cx_ptr, shift_ptr, scale_ptr, mean_ptr,
-                    std_ptr, out_ptr, num_images, Hp, Wp, cutout, C: tl.constexpr, S: tl.constexpr,
-                    ROWS: tl.constexpr, LANES: tl.constexpr, HAS_INDEX: tl.constexpr, JITTER: tl.constexpr):
+def _augment_kernel(
+    data_ptr,
+    index_ptr,
+    dy_ptr,
+    dx_ptr,
+    flip_ptr,
+    cy_ptr,
+    cx_ptr,
+    shift_ptr,
+    scale_ptr,
+    mean_ptr,
+    std_ptr,
+    out_ptr,
+    num_images,
+    Hp,
+    Wp,
+    cutout,
+    C: tl.constexpr,
+    S: tl.constexpr,
+    ROWS: tl.constexpr,
+    LANES: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    JITTER: tl.constexpr,
+):
     """out[b, oh, ow, c] (flat NHWC) = (data[img, dy+oh, dx+(flip ? S-1-ow : ow), c] - mean[c]) * (1 / std[c]),
     then (JITTER) (that + shift[b]) * scale[b]; 0 inside the cutout square; img = index[b] (or b).
     Program (b, r) writes rows r * ROWS .. of image b (those < S), lanes j = ow * C + c < S * C of LANES."""
@@ -93,8 +114,10 @@ def tile(size: int, channels: int) -> tuple[int, int]:
     one, whose image then takes 12 programs)."""
     lanes = triton.next_power_of_2(size * channels)
     if lanes > MAX_LANES:
-        raise ValueError(f"images of side {size} with {channels} channels have {size * channels} values a row; "
-                         f"the augmentation kernel takes at most {MAX_LANES}")
+        raise ValueError(
+            f"images of side {size} with {channels} channels have {size * channels} values a row; "
+            f"the augmentation kernel takes at most {MAX_LANES}"
+        )
     return lanes, min(triton.next_power_of_2(size), max(1, TILE // lanes))
 
 
@@ -105,8 +128,10 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def _check_vector(t, name, n, device, dtypes=(torch.int32, torch.int64)):
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != n:
-        raise ValueError(f"{name} must be a 1-D tensor of length {n}, got "
-                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        raise ValueError(
+            f"{name} must be a 1-D tensor of length {n}, got "
+            f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+        )
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must be one of {dtypes}, got {t.dtype}")
     if not t.is_contiguous():
@@ -123,8 +148,16 @@ def channel_constants(values, channels: int, device) -> torch.Tensor:
     return t
 
 
-def augment(data: torch.Tensor, params: AugmentParams, cutout: int, mean=CIFAR10_MEAN, std=CIFAR10_STD,
-            dtype: torch.dtype = torch.float16, size: int = 32, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+def augment(
+    data: torch.Tensor,
+    params: AugmentParams,
+    cutout: int,
+    mean=CIFAR10_MEAN,
+    std=CIFAR10_STD,
+    dtype: torch.dtype = torch.float16,
+    size: int = 32,
+    index: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Launcher. ``data``: padded NHWC uint8 images, (D, size+2*pad, size+2*pad, C) contiguous -- the
     batch itself, or (better) the whole padded data set with ``index`` (B,) picking the batch.
     Returns (B, C, size, size) ``dtype``, channels-last, equal to ``augment_reference(data[index], ...)``.
@@ -159,19 +192,44 @@ def augment(data: torch.Tensor, params: AugmentParams, cutout: int, mean=CIFAR10
     if y.numel():
         jitter = (params.shift, params.scale) if params.jitter else (mean_t, mean_t)  # unread without JITTER
         _augment_kernel[(b, triton.cdiv(size, rows))](
-            data, index if index is not None else data, params.dy, params.dx, params.flip, params.cy, params.cx,
-            *jitter, mean_t, std_t, y, d, hp, wp, cutout, C=c, S=size, ROWS=rows, LANES=lanes,
-            HAS_INDEX=index is not None, JITTER=params.jitter,
+            data,
+            index if index is not None else data,
+            params.dy,
+            params.dx,
+            params.flip,
+            params.cy,
+            params.cx,
+            *jitter,
+            mean_t,
+            std_t,
+            y,
+            d,
+            hp,
+            wp,
+            cutout,
+            C=c,
+            S=size,
+            ROWS=rows,
+            LANES=lanes,
+            HAS_INDEX=index is not None,
+            JITTER=params.jitter,
             num_warps=NUM_WARPS,
-            enable_fp_fusion=not params.jitter)
+            enable_fp_fusion=not params.jitter,
+        )
     return y
 
 
 class TritonAugment(nn.Module):
     """Holds the constants (mean/std as device buffers, cutout, dtype) and calls ``augment``."""
 
-    def __init__(self, cutout: int, mean: Sequence[float] = CIFAR10_MEAN, std: Sequence[float] = CIFAR10_STD,
-                 dtype: torch.dtype = torch.float16, size: int = 32):
+    def __init__(
+        self,
+        cutout: int,
+        mean: Sequence[float] = CIFAR10_MEAN,
+        std: Sequence[float] = CIFAR10_STD,
+        dtype: torch.dtype = torch.float16,
+        size: int = 32,
+    ):
         super().__init__()
         self.cutout, self.dtype, self.size = cutout, dtype, size
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32), persistent=False)
@@ -185,9 +243,16 @@ class TritonAugment(nn.Module):
         return f"cutout={self.cutout}, dtype={self.dtype}, size={self.size}"
 
 
-def augment_indexed_reference(data: torch.Tensor, params: AugmentParams, cutout: int, mean=CIFAR10_MEAN,
-                              std=CIFAR10_STD, dtype: torch.dtype = torch.float32, size: int = 32,
-                              index: Optional[torch.Tensor] = None) -> torch.Tensor:
+def augment_indexed_reference(
+    data: torch.Tensor,
+    params: AugmentParams,
+    cutout: int,
+    mean=CIFAR10_MEAN,
+    std=CIFAR10_STD,
+    dtype: torch.dtype = torch.float32,
+    size: int = 32,
+    index: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``augment``'s contract in plain PyTorch: gather the batch, then ``augment_reference``."""
     batch = data if index is None else data[index]
     return augment_reference(batch, params, cutout, mean, std, dtype, size)

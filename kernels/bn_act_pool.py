@@ -74,6 +74,7 @@ class Launch(NamedTuple):
     stats and dx of "before", the apply, reduction and dx of "after": 4 elements per row, so fewer
     rows), the warps per program, and the number of stage-1 reduction programs (split over the
     channel blocks)."""
+
     tile: int
     pool_tile: int
     warps: int
@@ -171,10 +172,24 @@ def _window_base(rows, H, W, Hw, Ww):
 
 
 @triton.jit
-def _stats_kernel(x_ptr, z_ptr, idx_ptr, pmean_ptr, pm2_ptr,
-                  R, C, H, W, Ho, Wo, rows_per_prog,
-                  POOL: tl.constexpr, STATS: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _stats_kernel(
+    x_ptr,
+    z_ptr,
+    idx_ptr,
+    pmean_ptr,
+    pm2_ptr,
+    R,
+    C,
+    H,
+    W,
+    Ho,
+    Wo,
+    rows_per_prog,
+    POOL: tl.constexpr,
+    STATS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Stage 1 of the batch statistics: the (mean, M2) partial of a chunk of rows.
 
     POOL: rows are 2x2 windows of x; the window max goes to z, its position (0..3) to idx, and the
@@ -230,9 +245,22 @@ def _stats_kernel(x_ptr, z_ptr, idx_ptr, pmean_ptr, pm2_ptr,
 
 
 @triton.jit
-def _stats_finalize_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, rmean_ptr, rvar_ptr,
-                           R, C, rows_per_prog, num_chunks, momentum, eps,
-                           CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+def _stats_finalize_kernel(
+    pmean_ptr,
+    pm2_ptr,
+    mean_ptr,
+    rstd_ptr,
+    rmean_ptr,
+    rvar_ptr,
+    R,
+    C,
+    rows_per_prog,
+    num_chunks,
+    momentum,
+    eps,
+    CHUNKS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Stage 2: combine the chunk partials (mean = sum n_k m_k / R, M2 = sum M2_k + n_k (m_k - mean)^2),
     write mean and 1/sqrt(var + eps) (biased var), update the running stats (unbiased var).
     All CHUNKS (>= num_chunks, a power of 2) partials of BLOCK_C channels load at once: a loop over
@@ -260,10 +288,24 @@ def _stats_finalize_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, rmean_ptr, rv
 
 
 @triton.jit
-def _apply_kernel(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr,
-                  R_out, C, H, W, Ho, Wo,
-                  ACT: tl.constexpr, POOL_AFTER: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _apply_kernel(
+    x_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    w_ptr,
+    b_ptr,
+    R_out,
+    C,
+    H,
+    W,
+    Ho,
+    Wo,
+    ACT: tl.constexpr,
+    POOL_AFTER: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """y = act(x * scale + shift), scale = w * rstd, shift = b - mean * scale; POOL_AFTER: then 2x2 max."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -289,10 +331,27 @@ def _apply_kernel(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr,
 
 
 @triton.jit
-def _bwd_reduce_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, psum_g_ptr, psum_gx_ptr,
-                       R, C, H, W, Ho, Wo, rows_per_prog,
-                       ACT: tl.constexpr, POOL_AFTER: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _bwd_reduce_kernel(
+    x_ptr,
+    dy_ptr,
+    mean_ptr,
+    rstd_ptr,
+    w_ptr,
+    b_ptr,
+    psum_g_ptr,
+    psum_gx_ptr,
+    R,
+    C,
+    H,
+    W,
+    Ho,
+    Wo,
+    rows_per_prog,
+    ACT: tl.constexpr,
+    POOL_AFTER: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Stage 1 of backward: per-chunk sums of g = dy * act'(pre) and g * xhat (db and dw partials).
 
     Rows are rows of dy: BN-input rows, or (POOL_AFTER) 2x2 windows of x whose argmax is recomputed.
@@ -335,8 +394,9 @@ def _bwd_reduce_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, psum_g_p
 
 
 @triton.jit
-def _bwd_finalize_kernel(psum_g_ptr, psum_gx_ptr, db_ptr, dw_ptr, C, num_chunks,
-                         CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+def _bwd_finalize_kernel(
+    psum_g_ptr, psum_gx_ptr, db_ptr, dw_ptr, C, num_chunks, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr
+):
     """Stage 2 of backward: db = sum g, dw = sum g * xhat over all chunks, loaded at once (as the
     forward's stage 2)."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -356,10 +416,32 @@ def _dx_value(v, pre, g_on, dy, mean, rstd, coef, c1, c2, ACT: tl.constexpr):
 
 
 @triton.jit
-def _bwd_dx_kernel(x_ptr, dy_ptr, idx_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, db_ptr, dw_ptr,
-                   R, C, H, W, Ho, Wo, Hw, Ww, inv_count,
-                   ACT: tl.constexpr, MODE: tl.constexpr, TRAINING: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _bwd_dx_kernel(
+    x_ptr,
+    dy_ptr,
+    idx_ptr,
+    dx_ptr,
+    mean_ptr,
+    rstd_ptr,
+    w_ptr,
+    b_ptr,
+    db_ptr,
+    dw_ptr,
+    R,
+    C,
+    H,
+    W,
+    Ho,
+    Wo,
+    Hw,
+    Ww,
+    inv_count,
+    ACT: tl.constexpr,
+    MODE: tl.constexpr,
+    TRAINING: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Input gradient. MODE 0: rows of x. MODE 1 (pool before) and 2 (pool after): rows are 2x2 windows
     on a ceil(H/2) x ceil(W/2) grid, so the row/column a floor-mode pool drops is written too.
     MODE 1: x_ptr is the pooled z, idx the saved argmax; dx is dz at the argmax, 0 elsewhere.
@@ -402,12 +484,19 @@ def _bwd_dx_kernel(x_ptr, dy_ptr, idx_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_
             k = tl.load(idx_ptr + p_offs, mask=valid, other=-1).to(tl.int32)
             zero = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
             tl.store(dx_ptr + offs, tl.where(valid & (k == 0), dz, zero).to(dx_ptr.dtype.element_ty), mask=mask)
-            tl.store(dx_ptr + offs + C, tl.where(valid & (k == 1), dz, zero).to(dx_ptr.dtype.element_ty),
-                     mask=mask & in_w1)
-            tl.store(dx_ptr + offs + W * C, tl.where(valid & (k == 2), dz, zero).to(dx_ptr.dtype.element_ty),
-                     mask=mask & in_h1)
-            tl.store(dx_ptr + offs + (W + 1) * C, tl.where(valid & (k == 3), dz, zero).to(dx_ptr.dtype.element_ty),
-                     mask=mask & in_w1 & in_h1)
+            tl.store(
+                dx_ptr + offs + C, tl.where(valid & (k == 1), dz, zero).to(dx_ptr.dtype.element_ty), mask=mask & in_w1
+            )
+            tl.store(
+                dx_ptr + offs + W * C,
+                tl.where(valid & (k == 2), dz, zero).to(dx_ptr.dtype.element_ty),
+                mask=mask & in_h1,
+            )
+            tl.store(
+                dx_ptr + offs + (W + 1) * C,
+                tl.where(valid & (k == 3), dz, zero).to(dx_ptr.dtype.element_ty),
+                mask=mask & in_w1 & in_h1,
+            )
         else:
             v0, p0, a0 = _bn_act_at(x_ptr, offs, mask, scale, shift, ACT)
             v1, p1, a1 = _bn_act_at(x_ptr, offs + C, mask & in_w1, scale, shift, ACT)
@@ -440,8 +529,10 @@ def _check_channel_vector(t: Optional[torch.Tensor], name: str, c: int, device) 
     if t is None:
         raise ValueError(f"{name} is required (affine batchnorm with running statistics)")
     if t.shape != (c,) or t.dtype != torch.float32 or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous fp32 tensor of shape ({c},), got "
-                         f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        raise ValueError(
+            f"{name} must be a contiguous fp32 tensor of shape ({c},), got "
+            f"{t.dtype} {tuple(t.shape)} strides {t.stride()}"
+        )
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, the activations on {device}")
 
@@ -451,8 +542,14 @@ def _tiling(c: int, pool: Optional[str]):
     the 2x2-window kernels, channels per tile, channel blocks, warps and stage-1 programs."""
     launch = LAUNCH[pool]
     block_c = min(BLOCK_C_MAX, triton.next_power_of_2(c))
-    return (max(1, launch.tile // block_c), max(1, launch.pool_tile // block_c), block_c,
-            triton.cdiv(c, block_c), launch.warps, launch.programs)
+    return (
+        max(1, launch.tile // block_c),
+        max(1, launch.pool_tile // block_c),
+        block_c,
+        triton.cdiv(c, block_c),
+        launch.warps,
+        launch.programs,
+    )
 
 
 def _chunking(rows: int, c_blocks: int, block_r: int, programs: int):
@@ -476,8 +573,18 @@ def _check_args(act, pool):
         raise ValueError(f"pool must be one of {POOL_PLACES}, not {pool!r}")
 
 
-def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bool, momentum: float,
-                        eps: float, act: str = "relu", pool: Optional[str] = None):
+def bn_act_pool_forward(
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training: bool,
+    momentum: float,
+    eps: float,
+    act: str = "relu",
+    pool: Optional[str] = None,
+):
     """Forward launcher. Returns (y, saved) with saved = (src, idx, mean, rstd) for the backward
     launcher: src is x (pool None/"after") or the pooled z ("before"), idx the int8 argmax or None.
     In training mode it updates running_mean/running_var in place (momentum as F.batch_norm's)."""
@@ -498,22 +605,57 @@ def bn_act_pool_forward(x, weight, bias, running_mean, running_var, training: bo
     partials = None
     if training:
         if bn_rows < 2:
-            raise ValueError(f"expected more than 1 value per channel when training, got input of shape {tuple(x.shape)}")
+            raise ValueError(
+                f"expected more than 1 value per channel when training, got input of shape {tuple(x.shape)}"
+            )
         br = pblock_r if pool == "before" else block_r
         rows_per_prog, chunks = _chunking(bn_rows, c_blocks, br, programs)
         pmean = _empty((chunks, c), torch.float32, dev)
         pm2 = _empty((chunks, c), torch.float32, dev)
         _stats_kernel[(chunks, c_blocks)](
-            x, src, idx, pmean, pm2, bn_rows, c, h, w, ho, wo, rows_per_prog,
-            POOL=pool == "before", STATS=True, BLOCK_R=br, BLOCK_C=block_c, num_warps=warps)
+            x,
+            src,
+            idx,
+            pmean,
+            pm2,
+            bn_rows,
+            c,
+            h,
+            w,
+            ho,
+            wo,
+            rows_per_prog,
+            POOL=pool == "before",
+            STATS=True,
+            BLOCK_R=br,
+            BLOCK_C=block_c,
+            num_warps=warps,
+        )
         partials = Partials(pmean, pm2, rows_per_prog)
     elif pool == "before":
         rows_per_prog, chunks = _chunking(bn_rows, c_blocks, pblock_r, programs)
         _stats_kernel[(chunks, c_blocks)](
-            x, src, idx, src, src, bn_rows, c, h, w, ho, wo, rows_per_prog,
-            POOL=True, STATS=False, BLOCK_R=pblock_r, BLOCK_C=block_c, num_warps=warps)
-    return normalize_partials(src, idx, partials, (n, c, h, w), weight, bias, running_mean, running_var,
-                              momentum, eps, act, pool)
+            x,
+            src,
+            idx,
+            src,
+            src,
+            bn_rows,
+            c,
+            h,
+            w,
+            ho,
+            wo,
+            rows_per_prog,
+            POOL=True,
+            STATS=False,
+            BLOCK_R=pblock_r,
+            BLOCK_C=block_c,
+            num_warps=warps,
+        )
+    return normalize_partials(
+        src, idx, partials, (n, c, h, w), weight, bias, running_mean, running_var, momentum, eps, act, pool
+    )
 
 
 class Partials(NamedTuple):
@@ -521,13 +663,26 @@ class Partials(NamedTuple):
     (sum of squared deviations from its mean) over ``rows_per_prog`` consecutive rows of the map the
     batchnorm normalizes (the last chunk: what is left). ``_stats_kernel`` writes them, and so does
     a producer of that map that sees its values anyway (``kernels/conv_stats.py``, the conv)."""
+
     pmean: torch.Tensor
     pm2: torch.Tensor
     rows_per_prog: int
 
 
-def normalize_partials(src, idx, partials: Optional[Partials], x_shape, weight, bias, running_mean, running_var,
-                       momentum: float, eps: float, act: str = "relu", pool: Optional[str] = None):
+def normalize_partials(
+    src,
+    idx,
+    partials: Optional[Partials],
+    x_shape,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    momentum: float,
+    eps: float,
+    act: str = "relu",
+    pool: Optional[str] = None,
+):
     """Stage 2 and the apply, from stage 1's ``partials`` (training) or the running statistics
     (``partials`` None: eval mode). ``src``: the map the batchnorm normalizes (x, or for "before" the
     pooled z with its int8 argmax ``idx``), channels-last; ``x_shape``: the block's input shape.
@@ -538,8 +693,9 @@ def normalize_partials(src, idx, partials: Optional[Partials], x_shape, weight, 
     ho, wo = (h // 2, w // 2) if pool else (h, w)
     expected = (n, c, ho, wo) if pool == "before" else (n, c, h, w)
     if tuple(src.shape) != expected:
-        raise ValueError(f"src must have shape {expected} for pool={pool!r} on input {tuple(x_shape)}, "
-                         f"got {tuple(src.shape)}")
+        raise ValueError(
+            f"src must have shape {expected} for pool={pool!r} on input {tuple(x_shape)}, got {tuple(src.shape)}"
+        )
     dev = src.device
     for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
         _check_channel_vector(t, name, c, dev)
@@ -549,15 +705,33 @@ def normalize_partials(src, idx, partials: Optional[Partials], x_shape, weight, 
     rstd = _empty((c,), torch.float32, dev)
     if partials is not None:
         chunks = partials.pmean.shape[0]
-        if partials.pmean.shape != (chunks, c) or partials.pm2.shape != (chunks, c) or \
-                chunks != triton.cdiv(bn_rows, partials.rows_per_prog):
-            raise ValueError(f"partials of shape {tuple(partials.pmean.shape)}/{tuple(partials.pm2.shape)} do not "
-                             f"cover {bn_rows} rows of {c} channels in chunks of {partials.rows_per_prog}")
+        if (
+            partials.pmean.shape != (chunks, c)
+            or partials.pm2.shape != (chunks, c)
+            or chunks != triton.cdiv(bn_rows, partials.rows_per_prog)
+        ):
+            raise ValueError(
+                f"partials of shape {tuple(partials.pmean.shape)}/{tuple(partials.pm2.shape)} do not "
+                f"cover {bn_rows} rows of {c} channels in chunks of {partials.rows_per_prog}"
+            )
         chunks_p2, fin_c, fin_programs = _finalize_tiling(chunks, c)
         _stats_finalize_kernel[(fin_programs,)](
-            partials.pmean, partials.pm2, mean, rstd, running_mean, running_var, bn_rows, c,
-            partials.rows_per_prog, chunks, float(momentum), float(eps), CHUNKS=chunks_p2, BLOCK_C=fin_c,
-            num_warps=FINALIZE_WARPS)
+            partials.pmean,
+            partials.pm2,
+            mean,
+            rstd,
+            running_mean,
+            running_var,
+            bn_rows,
+            c,
+            partials.rows_per_prog,
+            chunks,
+            float(momentum),
+            float(eps),
+            CHUNKS=chunks_p2,
+            BLOCK_C=fin_c,
+            num_warps=FINALIZE_WARPS,
+        )
     else:
         mean.copy_(running_mean)  # a copy: backward must see the statistics this forward used
         torch.rsqrt(running_var + eps, out=rstd)
@@ -566,17 +740,50 @@ def normalize_partials(src, idx, partials: Optional[Partials], x_shape, weight, 
     out_rows = n * ho * wo
     if pool == "after":
         _apply_kernel[(triton.cdiv(out_rows, pblock_r), c_blocks)](
-            src, y, mean, rstd, weight, bias, out_rows, c, h, w, ho, wo,
-            ACT=ACT_IDS[act], POOL_AFTER=True, BLOCK_R=pblock_r, BLOCK_C=block_c, num_warps=warps)
+            src,
+            y,
+            mean,
+            rstd,
+            weight,
+            bias,
+            out_rows,
+            c,
+            h,
+            w,
+            ho,
+            wo,
+            ACT=ACT_IDS[act],
+            POOL_AFTER=True,
+            BLOCK_R=pblock_r,
+            BLOCK_C=block_c,
+            num_warps=warps,
+        )
     else:
         _apply_kernel[(triton.cdiv(out_rows, block_r), c_blocks)](
-            src, y, mean, rstd, weight, bias, out_rows, c, h, w, ho, wo,
-            ACT=ACT_IDS[act], POOL_AFTER=False, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+            src,
+            y,
+            mean,
+            rstd,
+            weight,
+            bias,
+            out_rows,
+            c,
+            h,
+            w,
+            ho,
+            wo,
+            ACT=ACT_IDS[act],
+            POOL_AFTER=False,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=warps,
+        )
     return y, (src, idx, mean, rstd)
 
 
-def bn_act_pool_backward(dy, saved, weight, bias, x_shape, training: bool, act: str = "relu",
-                         pool: Optional[str] = None):
+def bn_act_pool_backward(
+    dy, saved, weight, bias, x_shape, training: bool, act: str = "relu", pool: Optional[str] = None
+):
     """Backward launcher: (dx, dweight, dbias) from dy and the forward's ``saved``."""
     _check_args(act, pool)
     src, idx, mean, rstd = saved
@@ -597,13 +804,33 @@ def bn_act_pool_backward(dy, saved, weight, bias, x_shape, training: bool, act: 
     psum_g = _empty((chunks, c), torch.float32, dev)
     psum_gx = _empty((chunks, c), torch.float32, dev)
     _bwd_reduce_kernel[(chunks, c_blocks)](
-        src, dy, mean, rstd, weight, bias, psum_g, psum_gx, dy_rows, c, h, w, ho, wo, rows_per_prog,
-        ACT=ACT_IDS[act], POOL_AFTER=pool == "after", BLOCK_R=br, BLOCK_C=block_c, num_warps=warps)
+        src,
+        dy,
+        mean,
+        rstd,
+        weight,
+        bias,
+        psum_g,
+        psum_gx,
+        dy_rows,
+        c,
+        h,
+        w,
+        ho,
+        wo,
+        rows_per_prog,
+        ACT=ACT_IDS[act],
+        POOL_AFTER=pool == "after",
+        BLOCK_R=br,
+        BLOCK_C=block_c,
+        num_warps=warps,
+    )
     db = _empty((c,), torch.float32, dev)
     dw = _empty((c,), torch.float32, dev)
     chunks_p2, fin_c, fin_programs = _finalize_tiling(chunks, c)
-    _bwd_finalize_kernel[(fin_programs,)](psum_g, psum_gx, db, dw, c, chunks,
-                                          CHUNKS=chunks_p2, BLOCK_C=fin_c, num_warps=FINALIZE_WARPS)
+    _bwd_finalize_kernel[(fin_programs,)](
+        psum_g, psum_gx, db, dw, c, chunks, CHUNKS=chunks_p2, BLOCK_C=fin_c, num_warps=FINALIZE_WARPS
+    )
 
     dx = _empty((n, c, h, w), dy.dtype, dev, channels_last=True)
     bn_count = src.numel() // c  # elements per channel the statistics were taken over
@@ -612,10 +839,32 @@ def bn_act_pool_backward(dy, saved, weight, bias, x_shape, training: bool, act: 
     else:
         rows, br = n * triton.cdiv(h, 2) * triton.cdiv(w, 2), pblock_r
     _bwd_dx_kernel[(triton.cdiv(rows, br), c_blocks)](
-        src, dy, idx if idx is not None else src, dx, mean, rstd, weight, bias, db, dw,
-        rows, c, h, w, ho, wo, triton.cdiv(h, 2), triton.cdiv(w, 2), 1.0 / bn_count,
-        ACT=ACT_IDS[act], MODE=MODE_IDS[pool], TRAINING=training, BLOCK_R=br, BLOCK_C=block_c,
-        num_warps=warps)
+        src,
+        dy,
+        idx if idx is not None else src,
+        dx,
+        mean,
+        rstd,
+        weight,
+        bias,
+        db,
+        dw,
+        rows,
+        c,
+        h,
+        w,
+        ho,
+        wo,
+        triton.cdiv(h, 2),
+        triton.cdiv(w, 2),
+        1.0 / bn_count,
+        ACT=ACT_IDS[act],
+        MODE=MODE_IDS[pool],
+        TRAINING=training,
+        BLOCK_R=br,
+        BLOCK_C=block_c,
+        num_warps=warps,
+    )
     return dx, dw, db
 
 
@@ -628,7 +877,8 @@ class BnActPoolFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, act, pool):
         y, (src, idx, mean, rstd) = bn_act_pool_forward(
-            x, weight, bias, running_mean, running_var, training, momentum, eps, act, pool)
+            x, weight, bias, running_mean, running_var, training, momentum, eps, act, pool
+        )
         ctx.save_for_backward(src, idx, mean, rstd, weight, bias)
         ctx.cfg = (tuple(x.shape), training, act, pool)
         return y
@@ -644,8 +894,18 @@ class BnActPoolFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None
 
 
-def bn_act_pool(x, weight, bias, running_mean, running_var, training: bool, momentum: float = 0.1,
-                eps: float = 1e-5, act: str = "relu", pool: Optional[str] = None) -> torch.Tensor:
+def bn_act_pool(
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    act: str = "relu",
+    pool: Optional[str] = None,
+) -> torch.Tensor:
     """Functional form with autograd; same signature as ``bn_act_pool_reference``."""
     return BnActPoolFunction.apply(x, weight, bias, running_mean, running_var, training, momentum, eps, act, pool)
 
@@ -654,10 +914,12 @@ class TritonNormActPool(NormActPool):
     """``NormActPool`` computed by the fused Triton kernels: its constructor, state and math, only
     ``normalize`` differs."""
 
-    def normalize(self, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
-                  momentum: float) -> torch.Tensor:
-        return BnActPoolFunction.apply(x, self.weight, self.bias, running_mean, running_var,
-                                       self.training, momentum, self.eps, self.act, self.pool)
+    def normalize(
+        self, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float
+    ) -> torch.Tensor:
+        return BnActPoolFunction.apply(
+            x, self.weight, self.bias, running_mean, running_var, self.training, momentum, self.eps, self.act, self.pool
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -665,8 +927,18 @@ class TritonNormActPool(NormActPool):
 # ----------------------------------------------------------------------------------------------
 
 
-def bn_act_pool_reference(x, weight, bias, running_mean, running_var, training: bool, momentum: float = 0.1,
-                          eps: float = 1e-5, act: str = "relu", pool: Optional[str] = None) -> torch.Tensor:
+def bn_act_pool_reference(
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    act: str = "relu",
+    pool: Optional[str] = None,
+) -> torch.Tensor:
     """Plain PyTorch: [2x2 max-pool] -> batch_norm -> activation -> [2x2 max-pool] (NormActPool.forward)."""
     if pool == "before":
         x = F.max_pool2d(x, 2)
@@ -677,8 +949,9 @@ def bn_act_pool_reference(x, weight, bias, running_mean, running_var, training: 
     return x
 
 
-def bn_act_pool_reference_with_stats(x, weight, bias, mean, rstd, act: str = "relu",
-                                     pool: Optional[str] = None, eps: float = 1e-5) -> torch.Tensor:
+def bn_act_pool_reference_with_stats(
+    x, weight, bias, mean, rstd, act: str = "relu", pool: Optional[str] = None, eps: float = 1e-5
+) -> torch.Tensor:
     """Training-mode reference whose forward uses the given batch statistics (the kernel's own fp32
     ``mean``/``rstd``, from ``bn_act_pool_forward``'s ``saved``) while its gradient flows through the
     batch mean and variance as batchnorm's does.

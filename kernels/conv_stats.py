@@ -72,8 +72,15 @@ import triton
 import triton.language as tl
 
 from fastcifar.ops.norm_act_pool import ConvBlock
-from .bn_act_pool import (Partials, TritonNormActPool, _argmax4, _empty, bn_act_pool_backward,
-                          bn_act_pool_reference, normalize_partials)
+from .bn_act_pool import (
+    Partials,
+    TritonNormActPool,
+    _argmax4,
+    _empty,
+    bn_act_pool_backward,
+    bn_act_pool_reference,
+    normalize_partials,
+)
 from .checks import check_activation
 
 
@@ -120,11 +127,34 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _conv_stats_kernel(x_ptr, w_ptr, out_ptr, idx_ptr, pmean_ptr, pm2_ptr,
-                       H, W, C_in, C_out, Ho, Wo, R, num_tiles, tiles_per_prog,
-                       sw_o, sw_i, sw_h, sw_w,
-                       KSIZE: tl.constexpr, POOL: tl.constexpr, STATS: tl.constexpr, IEEE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _conv_stats_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    idx_ptr,
+    pmean_ptr,
+    pm2_ptr,
+    H,
+    W,
+    C_in,
+    C_out,
+    Ho,
+    Wo,
+    R,
+    num_tiles,
+    tiles_per_prog,
+    sw_o,
+    sw_i,
+    sw_h,
+    sw_w,
+    KSIZE: tl.constexpr,
+    POOL: tl.constexpr,
+    STATS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Programs: axis 0 channel blocks (fastest, so the programs sharing an A tile run together and
     find it in L2), axis 1 chunks of ``tiles_per_prog`` M tiles. R: rows of the output map (pixels of
     the conv output, or of the pooled map when POOL).
@@ -175,8 +205,9 @@ def _conv_stats_kernel(x_ptr, w_ptr, out_ptr, idx_ptr, pmean_ptr, pm2_ptr,
             kk = (step % k_blocks) * BLOCK_K + ks
             kmask = kk < C_in
             b_tap = w_ptr + (tap // KSIZE) * sw_h + (tap % KSIZE) * sw_w
-            b = tl.load(b_tap + kk[:, None] * sw_i + cols[None, :] * sw_o, mask=kmask[:, None] & cmask[None, :],
-                        other=0.0)
+            b = tl.load(
+                b_tap + kk[:, None] * sw_i + cols[None, :] * sw_o, mask=kmask[:, None] & cmask[None, :], other=0.0
+            )
             acc0 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh, dw, H, W, C_in, kk, kmask), b, acc0, IEEE)
             if POOL:
                 acc1 = _mma(_a_tile(x_ptr, n, oh, ow, ok, dh, dw + 1, H, W, C_in, kk, kmask), b, acc1, IEEE)
@@ -185,9 +216,12 @@ def _conv_stats_kernel(x_ptr, w_ptr, out_ptr, idx_ptr, pmean_ptr, pm2_ptr,
         # rounded once, as the conv's output is stored; the pool compares the rounded values
         v = acc0.to(out_ptr.dtype.element_ty).to(tl.float32)
         if POOL:
-            v, k = _argmax4(v, acc1.to(out_ptr.dtype.element_ty).to(tl.float32),
-                            acc2.to(out_ptr.dtype.element_ty).to(tl.float32),
-                            acc3.to(out_ptr.dtype.element_ty).to(tl.float32))
+            v, k = _argmax4(
+                v,
+                acc1.to(out_ptr.dtype.element_ty).to(tl.float32),
+                acc2.to(out_ptr.dtype.element_ty).to(tl.float32),
+                acc3.to(out_ptr.dtype.element_ty).to(tl.float32),
+            )
         mask = ok[:, None] & cmask[None, :]
         offs = rows.to(tl.int64)[:, None] * C_out + cols[None, :]
         tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
@@ -219,7 +253,7 @@ def _check_filter(x: torch.Tensor, weight: torch.Tensor) -> int:
         raise ValueError(f"conv weight must be 4-D (C_out, C_in, k, k), got shape {tuple(weight.shape)}")
     c_out, c_in, kh, kw = weight.shape
     if kh != kw or kh % 2 == 0:
-        raise ValueError(f"conv weight must have an odd square kernel (\"same\" padding k//2), got {kh}x{kw}")
+        raise ValueError(f'conv weight must have an odd square kernel ("same" padding k//2), got {kh}x{kw}')
     if c_in != x.shape[1]:
         raise ValueError(f"conv weight takes {c_in} input channels, x has {x.shape[1]}")
     if weight.dtype != x.dtype:
@@ -250,8 +284,15 @@ def conv_tiling(c_in: int, c_out: int, rows: int, pool: bool, launch: ConvLaunch
     tile_rows = launch.block_m // 4 if pool else launch.block_m
     num_tiles = triton.cdiv(rows, tile_rows)
     tiles_per_prog = triton.cdiv(num_tiles, max(1, launch.programs // n_blocks))
-    return ConvTiling(block_n, block_k, n_blocks, num_tiles, tiles_per_prog, triton.cdiv(num_tiles, tiles_per_prog),
-                      tiles_per_prog * tile_rows)
+    return ConvTiling(
+        block_n,
+        block_k,
+        n_blocks,
+        num_tiles,
+        tiles_per_prog,
+        triton.cdiv(num_tiles, tiles_per_prog),
+        tiles_per_prog * tile_rows,
+    )
 
 
 def conv_stats_forward(x: torch.Tensor, weight: torch.Tensor, training: bool, pool: Optional[str] = None):
@@ -280,14 +321,38 @@ def conv_stats_forward(x: torch.Tensor, weight: torch.Tensor, training: bool, po
     idx = _empty((n, c_out, ho, wo), torch.int8, dev, channels_last=True) if pooled else None
     partials = None
     if training:
-        partials = Partials(_empty((tiling.chunks, c_out), torch.float32, dev),
-                            _empty((tiling.chunks, c_out), torch.float32, dev), tiling.rows_per_prog)
+        partials = Partials(
+            _empty((tiling.chunks, c_out), torch.float32, dev),
+            _empty((tiling.chunks, c_out), torch.float32, dev),
+            tiling.rows_per_prog,
+        )
     _conv_stats_kernel[(tiling.n_blocks, tiling.chunks)](
-        x, weight, out, idx if pooled else out, partials.pmean if training else out,
-        partials.pm2 if training else out, h, w, c_in, c_out, ho, wo, rows, tiling.num_tiles, tiling.tiles_per_prog,
-        *weight.stride(), KSIZE=k, POOL=pooled, STATS=training, IEEE=x.dtype == torch.float32,
-        BLOCK_M=launch.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=launch.warps,
-        num_stages=launch.stages)
+        x,
+        weight,
+        out,
+        idx if pooled else out,
+        partials.pmean if training else out,
+        partials.pm2 if training else out,
+        h,
+        w,
+        c_in,
+        c_out,
+        ho,
+        wo,
+        rows,
+        tiling.num_tiles,
+        tiling.tiles_per_prog,
+        *weight.stride(),
+        KSIZE=k,
+        POOL=pooled,
+        STATS=training,
+        IEEE=x.dtype == torch.float32,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=tiling.block_n,
+        BLOCK_K=tiling.block_k,
+        num_warps=launch.warps,
+        num_stages=launch.stages,
+    )
     return out, idx, partials
 
 
@@ -306,8 +371,9 @@ class ConvBnActPoolFunction(torch.autograd.Function):
         out, idx, partials = conv_stats_forward(x, conv_weight, training, pool)
         n, _, h, w = x.shape
         conv_shape = (n, conv_weight.shape[0], h, w)
-        y, (src, idx, mean, rstd) = normalize_partials(out, idx, partials, conv_shape, weight, bias, running_mean,
-                                                       running_var, momentum, eps, act, pool)
+        y, (src, idx, mean, rstd) = normalize_partials(
+            out, idx, partials, conv_shape, weight, bias, running_mean, running_var, momentum, eps, act, pool
+        )
         ctx.save_for_backward(x, conv_weight, src, idx, mean, rstd, weight, bias)
         ctx.cfg = (conv_shape, training, act, pool)
         return y
@@ -320,17 +386,38 @@ class ConvBnActPoolFunction(torch.autograd.Function):
         dconv, dw, db = bn_act_pool_backward(dy, (src, idx, mean, rstd), weight, bias, conv_shape, training, act, pool)
         pad = conv_weight.shape[-1] // 2
         dx, dfilter, _ = torch.ops.aten.convolution_backward(
-            dconv, x, conv_weight, None, [1, 1], [pad, pad], [1, 1], False, [0, 0], 1,
-            [ctx.needs_input_grad[0], ctx.needs_input_grad[1], False])
+            dconv,
+            x,
+            conv_weight,
+            None,
+            [1, 1],
+            [pad, pad],
+            [1, 1],
+            False,
+            [0, 0],
+            1,
+            [ctx.needs_input_grad[0], ctx.needs_input_grad[1], False],
+        )
         return dx, dfilter, dw, db, None, None, None, None, None, None, None
 
 
-def conv_bn_act_pool(x, conv_weight, weight, bias, running_mean, running_var, training: bool,
-                     momentum: float = 0.1, eps: float = 1e-5, act: str = "relu",
-                     pool: Optional[str] = None) -> torch.Tensor:
+def conv_bn_act_pool(
+    x,
+    conv_weight,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    act: str = "relu",
+    pool: Optional[str] = None,
+) -> torch.Tensor:
     """Functional form with autograd; same signature as ``conv_bn_act_pool_reference``."""
-    return ConvBnActPoolFunction.apply(x, conv_weight, weight, bias, running_mean, running_var, training,
-                                       momentum, eps, act, pool)
+    return ConvBnActPoolFunction.apply(
+        x, conv_weight, weight, bias, running_mean, running_var, training, momentum, eps, act, pool
+    )
 
 
 def fusable(block: torch.nn.Module) -> bool:
@@ -342,9 +429,17 @@ def fusable(block: torch.nn.Module) -> bool:
         return False
     conv = block.conv
     k = conv.kernel_size
-    return (type(block.norm) is TritonNormActPool and conv.bias is None and conv.groups == 1
-            and k[0] == k[1] and k[0] % 2 == 1 and conv.stride == (1, 1) and conv.dilation == (1, 1)
-            and conv.padding == (k[0] // 2, k[0] // 2) and conv.padding_mode == "zeros")
+    return (
+        type(block.norm) is TritonNormActPool
+        and conv.bias is None
+        and conv.groups == 1
+        and k[0] == k[1]
+        and k[0] % 2 == 1
+        and conv.stride == (1, 1)
+        and conv.dilation == (1, 1)
+        and conv.padding == (k[0] // 2, k[0] // 2)
+        and conv.padding_mode == "zeros"
+    )
 
 
 class TritonConvBlock(ConvBlock):
@@ -356,9 +451,19 @@ class TritonConvBlock(ConvBlock):
         # as the library's conv, any layout in: a no-op for the blocks' own (channels-last) outputs,
         # a copy for a first conv's input in another layout (ResNet-9's on the images)
         x = x.contiguous(memory_format=torch.channels_last)
-        return ConvBnActPoolFunction.apply(x, self.conv.weight, norm.weight, norm.bias, norm.running_mean,
-                                           norm.running_var, norm.training, norm.step_momentum(), norm.eps,
-                                           norm.act, norm.pool)
+        return ConvBnActPoolFunction.apply(
+            x,
+            self.conv.weight,
+            norm.weight,
+            norm.bias,
+            norm.running_mean,
+            norm.running_var,
+            norm.training,
+            norm.step_momentum(),
+            norm.eps,
+            norm.act,
+            norm.pool,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,9 +471,19 @@ class TritonConvBlock(ConvBlock):
 # ----------------------------------------------------------------------------------------------
 
 
-def conv_bn_act_pool_reference(x, conv_weight, weight, bias, running_mean, running_var, training: bool,
-                               momentum: float = 0.1, eps: float = 1e-5, act: str = "relu",
-                               pool: Optional[str] = None) -> torch.Tensor:
+def conv_bn_act_pool_reference(
+    x,
+    conv_weight,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    act: str = "relu",
+    pool: Optional[str] = None,
+) -> torch.Tensor:
     """Plain PyTorch: conv (stride 1, padding k//2, no bias), then ``bn_act_pool_reference``."""
     y = torch.nn.functional.conv2d(x, conv_weight, padding=conv_weight.shape[-1] // 2)
     return bn_act_pool_reference(y, weight, bias, running_mean, running_var, training, momentum, eps, act, pool)

@@ -68,8 +68,9 @@ def cutout_forward(x: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor, size: in
         raise ValueError(f"cutout size must be a non-negative int, got {size!r}")
     y = _empty_like(x)
     if x.numel():
-        _cutout_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, y, cy, cx, x.numel(), c, h, w, size,
-                                                         BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _cutout_kernel[(triton.cdiv(x.numel(), BLOCK),)](
+            x, y, cy, cx, x.numel(), c, h, w, size, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
     return y
 
 

@@ -33,9 +33,11 @@ def export(data: str | Path, out: str | Path, log=print) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for split in ("train", "test"):
-        doc = {"images": torch.from_numpy(getattr(ds, f"{split}_images")).contiguous(),
-               "labels": torch.from_numpy(getattr(ds, f"{split}_labels")).long(),
-               "classes": list(ds.classes)}
+        doc = {
+            "images": torch.from_numpy(getattr(ds, f"{split}_images")).contiguous(),
+            "labels": torch.from_numpy(getattr(ds, f"{split}_labels")).long(),
+            "classes": list(ds.classes),
+        }
         target = out / f"{split}.pt"
         buffer = io.BytesIO()
         torch.save(doc, buffer)

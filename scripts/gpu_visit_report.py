@@ -64,22 +64,29 @@ def engines(root: Path, tol: float) -> tuple[list[str], list[str]]:
         losses = [e["train_loss"] for e in r["epochs"]]
         fell = len(losses) >= 2 and losses[-1] < losses[0]
         final[name] = losses[-1] if losses else float("nan")
-        lines.append(f"| {name} | {' > '.join(f'{v:.4f}' for v in losses)} | {r['test_acc']:.2f} | "
-                     f"{r['train_time']:.2f} | {'yes' if fell else 'NO'} |")
+        lines.append(
+            f"| {name} | {' > '.join(f'{v:.4f}' for v in losses)} | {r['test_acc']:.2f} | "
+            f"{r['train_time']:.2f} | {'yes' if fell else 'NO'} |"
+        )
         if not fell:
             problems.append(f"{name}: train loss did not fall over its epochs: {losses}")
         if name == "nccl-1rank" and "comm" not in r["_engine"]:
-            problems.append(f"{name}: the run formed no process group (--dist-group always missing?): "
-                            f"no bucket or collective ran")
+            problems.append(
+                f"{name}: the run formed no process group (--dist-group always missing?): no bucket or collective ran"
+            )
     for kernels in ("auto", "triton", "torch"):
         on, off = final.get(f"k-{kernels}-g-on"), final.get(f"k-{kernels}-g-off")
         if on is None or off is None:
             continue
         gap = abs(on - off) / abs(off)
-        lines.append(f"\ngraphed vs eager, kernels {kernels}: final train loss {on:.4f} vs {off:.4f} "
-                     f"({100 * gap:.2f}% apart, bound {100 * tol:.0f}%)")
+        lines.append(
+            f"\ngraphed vs eager, kernels {kernels}: final train loss {on:.4f} vs {off:.4f} "
+            f"({100 * gap:.2f}% apart, bound {100 * tol:.0f}%)"
+        )
         if not gap <= tol:
-            problems.append(f"kernels {kernels}: graphed {on:.4f} vs eager {off:.4f} train loss, {100 * gap:.1f}% apart")
+            problems.append(
+                f"kernels {kernels}: graphed {on:.4f} vs eager {off:.4f} train loss, {100 * gap:.1f}% apart"
+            )
     if not runs:
         problems.append(f"no summary.json under {root}")
     return lines, problems
@@ -97,13 +104,16 @@ def accuracy(roots: list[Path]) -> tuple[list[str], list[str]]:
         accs = [r[2] for r in rows if r[0] == preset]
         times = [r[3] for r in rows if r[0] == preset]
         std = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        lines.append(f"\n{preset}: {len(accs)} runs, test acc mean {statistics.fmean(accs):.2f} ± {std:.2f} "
-                     f"(min {min(accs):.2f}), train time mean {statistics.fmean(times):.2f} s")
+        lines.append(
+            f"\n{preset}: {len(accs)} runs, test acc mean {statistics.fmean(accs):.2f} ± {std:.2f} "
+            f"(min {min(accs):.2f}), train time mean {statistics.fmean(times):.2f} s"
+        )
     return lines, ([] if rows else ["no runs found"])
 
 
-def emulated(roots: list[Path], data: Path | None = None, call: str = "", commit: str = "",
-             today: str | None = None) -> tuple[list[str], list[dict], list[str]]:
+def emulated(
+    roots: list[Path], data: Path | None = None, call: str = "", commit: str = "", today: str | None = None
+) -> tuple[list[str], list[dict], list[str]]:
     """(table lines, jsonl rows, problems): one set per (preset, emulated ranks) found under the
     folders. The device, versions and data come from the runs' own summary.json (what ran them);
     the times are one device running every rank's share, not an N-GPU time."""
@@ -116,9 +126,12 @@ def emulated(roots: list[Path], data: Path | None = None, call: str = "", commit
             key = (config.get("preset", "?"), int(config.get("emulate_ranks", 1)))
             sets.setdefault(key, []).extend(doc.get("results", []))
             docs.setdefault(key, doc)
-    lines = [f"emulated ranks (--emulate-ranks): accuracy on one device, bar {BAR:.1f}%", "",
-             "| preset | ranks | per-rank batch | runs | acc mean ± std (min) | below bar | p | device |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"emulated ranks (--emulate-ranks): accuracy on one device, bar {BAR:.1f}%",
+        "",
+        "| preset | ranks | per-rank batch | runs | acc mean ± std (min) | below bar | p | device |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     rows, problems = [], []
     for (preset, ranks), results in sorted(sets.items()):
         if not results:
@@ -128,18 +141,29 @@ def emulated(roots: list[Path], data: Path | None = None, call: str = "", commit
         versions = doc.get("versions", {})
         s = summarize([r["test_acc"] for r in results], [r["train_time"] for r in results], BAR)
         batch = doc.get("config", {}).get("batch_size", 0)
-        row = {"call": call, "date": today or dt.date.today().isoformat(),
-               "device": doc.get("device", {}).get("name"), "driver": doc.get("provenance", {}).get("driver"),
-               "torch": versions.get("torch"),
-               "triton": versions.get("triton"), "commit": commit or None,
-               "data": data_name(data) if data else doc.get("data"), "preset": preset, "emulated": ranks > 1,
-               "ranks": ranks, "per_rank_batch": batch // ranks, **s,
-               "seeds": sorted(r["seed"] for r in results),
-               "time": "one device running every rank's share of each step: not an N-GPU time"}
+        row = {
+            "call": call,
+            "date": today or dt.date.today().isoformat(),
+            "device": doc.get("device", {}).get("name"),
+            "driver": doc.get("provenance", {}).get("driver"),
+            "torch": versions.get("torch"),
+            "triton": versions.get("triton"),
+            "commit": commit or None,
+            "data": data_name(data) if data else doc.get("data"),
+            "preset": preset,
+            "emulated": ranks > 1,
+            "ranks": ranks,
+            "per_rank_batch": batch // ranks,
+            **s,
+            "seeds": sorted(r["seed"] for r in results),
+            "time": "one device running every rank's share of each step: not an N-GPU time",
+        }
         rows.append(row)
-        lines.append(f"| {preset} | {ranks} | {row['per_rank_batch']} | {s['runs']} | {s['acc_mean']:.2f} ± "
-                     f"{s['acc_std']:.2f} ({s['acc_min']:.2f}) | {s['below_bar']} | "
-                     f"{'-' if s['p_value'] is None else format(s['p_value'], '.2g')} | {row['device']} |")
+        lines.append(
+            f"| {preset} | {ranks} | {row['per_rank_batch']} | {s['runs']} | {s['acc_mean']:.2f} ± "
+            f"{s['acc_std']:.2f} ({s['acc_min']:.2f}) | {s['below_bar']} | "
+            f"{'-' if s['p_value'] is None else format(s['p_value'], '.2g')} | {row['device']} |"
+        )
         if s["runs"] < 10:
             lines.append(f"\nnote: {preset} at {ranks} ranks has {s['runs']} runs; issue 46 asks for at least 10")
     if not sets:
@@ -180,19 +204,31 @@ def largest_gap(losses: list[float], reference: list[float]) -> float | None:
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
 
-def nccl2(root: Path, log: Path | None, kill: Path | None, call: str = "", commit: str = "",
-          today: str | None = None) -> tuple[list[str], list[dict], list[str]]:
+def nccl2(
+    root: Path, log: Path | None, kill: Path | None, call: str = "", commit: str = "", today: str | None = None
+) -> tuple[list[str], list[dict], list[str]]:
     """(table lines, jsonl rows, problems) of gpu_visit.sh nccl2: two NCCL ranks on one GPU."""
     runs = load_runs(root)
     log_text = log.read_text(errors="replace") if log is not None and log.is_file() else ""
     first = {name: results[0] for name, results in runs.items() if results}
     some = next(iter(first.values()), {})
-    base = {"call": call, "date": today or dt.date.today().isoformat(), "device": some.get("_device", {}).get("name"),
-            "driver": some.get("_provenance", {}).get("driver"), "torch": some.get("_versions", {}).get("torch"),
-            "triton": some.get("_versions", {}).get("triton"), "commit": commit or None, "world_size": 2,
-            "backend": "nccl"}
-    lines = ["two NCCL ranks on one GPU (scripts/rank_env.sh: FASTCIFAR_SHARE_GPU=1, an NCCL_HOSTID per rank)", "",
-             "| run | ranks | train loss by epoch | test acc % | train s |", "|---|---|---|---|---|"]
+    base = {
+        "call": call,
+        "date": today or dt.date.today().isoformat(),
+        "device": some.get("_device", {}).get("name"),
+        "driver": some.get("_provenance", {}).get("driver"),
+        "torch": some.get("_versions", {}).get("torch"),
+        "triton": some.get("_versions", {}).get("triton"),
+        "commit": commit or None,
+        "world_size": 2,
+        "backend": "nccl",
+    }
+    lines = [
+        "two NCCL ranks on one GPU (scripts/rank_env.sh: FASTCIFAR_SHARE_GPU=1, an NCCL_HOSTID per rank)",
+        "",
+        "| run | ranks | train loss by epoch | test acc % | train s |",
+        "|---|---|---|---|---|",
+    ]
     losses = {}
     for name, ranks in ((RANKS, "2 (NCCL)"), (EMULATED, "1 (2 emulated)"), (PLAIN, "1")):
         r = first.get(name)
@@ -200,21 +236,29 @@ def nccl2(root: Path, log: Path | None, kill: Path | None, call: str = "", commi
             lines.append(f"| {name} | {ranks} | no summary.json | | |")
             continue
         losses[name] = [e["train_loss"] for e in r["epochs"]]
-        lines.append(f"| {name} | {ranks} | {' > '.join(f'{v:.4f}' for v in losses[name])} | {r['test_acc']:.2f} | "
-                     f"{r['train_time']:.2f} |")
+        lines.append(
+            f"| {name} | {ranks} | {' > '.join(f'{v:.4f}' for v in losses[name])} | {r['test_acc']:.2f} | "
+            f"{r['train_time']:.2f} |"
+        )
     problems, rows = [], []
     row = {**base, "check": "nccl-2-ranks-one-gpu", "transport": nccl_transport(log_text)}
     ranks_run = first.get(RANKS)
     if ranks_run is None:
         refusal = nccl_refusal(log_text)
-        row.update(ok=False, message=f"NCCL: {refusal}" if refusal else
-                   f"the 2-rank run left no summary.json and NCCL said nothing (see {log.name if log else 'its log'})")
+        row.update(
+            ok=False,
+            message=f"NCCL: {refusal}"
+            if refusal
+            else f"the 2-rank run left no summary.json and NCCL said nothing (see {log.name if log else 'its log'})",
+        )
         problems.append(f"2 ranks on one GPU did not train: {row['message']}")
     else:
         checks = []
         if ranks_run["_device"].get("world_size") != 2 or "comm" not in ranks_run["_engine"]:
-            checks.append(f"the {RANKS} run was not 2 ranks in a process group "
-                          f"(world size {ranks_run['_device'].get('world_size')}, engine {ranks_run['_engine']})")
+            checks.append(
+                f"the {RANKS} run was not 2 ranks in a process group "
+                f"(world size {ranks_run['_device'].get('world_size')}, engine {ranks_run['_engine']})"
+            )
         for name, tol, what in ((EMULATED, RANKS_TOL, "--emulate-ranks 2"), (PLAIN, PLAIN_TOL, "1 rank")):
             if name not in losses:
                 checks.append(f"no {name} run to compare with")
@@ -224,13 +268,20 @@ def nccl2(root: Path, log: Path | None, kill: Path | None, call: str = "", commi
             if gap is None:
                 checks.append(f"{RANKS} and {name} trained different epoch counts")
                 continue
-            lines.append(f"\n2 ranks vs {what} over the same global batch: per-epoch train loss at most "
-                         f"{100 * gap:.2f}% apart (bound {100 * tol:g}%)")
+            lines.append(
+                f"\n2 ranks vs {what} over the same global batch: per-epoch train loss at most "
+                f"{100 * gap:.2f}% apart (bound {100 * tol:g}%)"
+            )
             if not gap <= tol:
                 checks.append(f"2 ranks vs {what}: train loss {100 * gap:.2f}% apart, past {100 * tol:g}%")
-        row.update(ok=not checks, message="; ".join(checks) or "2 ranks trained and matched one process over the "
-                   f"global batch (transport {row['transport'] or 'not logged'})",
-                   train_loss=losses[RANKS], reference_train_loss={k: v for k, v in losses.items() if k != RANKS})
+        row.update(
+            ok=not checks,
+            message="; ".join(checks)
+            or "2 ranks trained and matched one process over the "
+            f"global batch (transport {row['transport'] or 'not logged'})",
+            train_loss=losses[RANKS],
+            reference_train_loss={k: v for k, v in losses.items() if k != RANKS},
+        )
         problems += checks
     lines.append(f"\nNCCL transport: {row['transport'] or 'not in the log'}; {row['message']}")
     rows.append(row)
@@ -239,10 +290,21 @@ def nccl2(root: Path, log: Path | None, kill: Path | None, call: str = "", commi
     if verdict is None:
         problems.append(f"no kill verdict ({kill}): the kill step did not run or was cut short")
     else:
-        rows.append({**base, "check": "nccl-2-ranks-kill", "ok": verdict["ok"], "message": verdict["message"],
-                     "seconds": verdict.get("seconds"), "bound_s": verdict["bound_s"],
-                     "dist_timeout_s": verdict["dist_timeout_s"], "survivors": verdict["survivors"]})
-        lines.append(f"\nkill -9 of rank {verdict['killed']}: {'ok' if verdict['ok'] else 'FAIL'}: {verdict['message']}")
+        rows.append(
+            {
+                **base,
+                "check": "nccl-2-ranks-kill",
+                "ok": verdict["ok"],
+                "message": verdict["message"],
+                "seconds": verdict.get("seconds"),
+                "bound_s": verdict["bound_s"],
+                "dist_timeout_s": verdict["dist_timeout_s"],
+                "survivors": verdict["survivors"],
+            }
+        )
+        lines.append(
+            f"\nkill -9 of rank {verdict['killed']}: {'ok' if verdict['ok'] else 'FAIL'}: {verdict['message']}"
+        )
         if not verdict["ok"]:
             problems.append(f"kill test: {verdict['message']}")
     return lines, rows, problems
@@ -257,7 +319,9 @@ def main(argv=None) -> int:
     p.add_argument("--data", type=Path, help="emulated: the data set the runs read (names it in the rows)")
     p.add_argument("--jsonl", type=Path, help="emulated, nccl2: append one row per set (check) here")
     p.add_argument("--call", default="", help="emulated, nccl2: names this call in the rows")
-    p.add_argument("--commit", default="", help="emulated, nccl2: the project's commit (the GPU machine's copy has no .git)")
+    p.add_argument(
+        "--commit", default="", help="emulated, nccl2: the project's commit (the GPU machine's copy has no .git)"
+    )
     p.add_argument("--log", type=Path, help="nccl2: the 2-rank run's log (NCCL's transport or refusal)")
     p.add_argument("--kill", type=Path, help="nccl2: scripts/kill_rank.py's kill.json")
     args = p.parse_args(argv)

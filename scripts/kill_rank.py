@@ -48,16 +48,29 @@ def start(command: list[str], ranks: int, out: Path, timeout_s: float) -> list[s
     port = free_port()
     procs = []
     for rank in range(ranks):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                   LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(ranks),
+            LOCAL_WORLD_SIZE=str(ranks),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         with open(out / f"rank{rank}.out", "w") as stdout, open(out / f"rank{rank}.err", "w") as stderr:
-            procs.append(subprocess.Popen([*command, "--dist-timeout-s", f"{timeout_s:g}", "--out-dir",
-                                           str(out / "runs")], env=env, stdout=stdout, stderr=stderr))
+            procs.append(
+                subprocess.Popen(
+                    [*command, "--dist-timeout-s", f"{timeout_s:g}", "--out-dir", str(out / "runs")],
+                    env=env,
+                    stdout=stdout,
+                    stderr=stderr,
+                )
+            )
     return procs
 
 
 def wait_for_training(procs, out: Path, limit_s: float) -> str:
-    """"" once rank 0 has logged an epoch; else why not (a rank ended first, or the limit passed)."""
+    """ "" once rank 0 has logged an epoch; else why not (a rank ended first, or the limit passed)."""
     deadline = time.monotonic() + limit_s
     while TRAINING not in (out / "rank0.out").read_text(errors="replace"):
         ended = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() is not None]
@@ -101,8 +114,15 @@ def verdict(ended: dict, out: Path, bound_s: float, slack_s: float) -> tuple[boo
         if len(lines) != 1 or LOST not in lines[0]:
             problems.append(f"{len(lines)} '{ERROR}' lines, not one naming lost contact")
         ok = ok and not problems
-        survivors.append({"rank": rank, "exit": code, "seconds": round(seconds, 2), "line": lines[0] if lines else "",
-                          "problems": problems})
+        survivors.append(
+            {
+                "rank": rank,
+                "exit": code,
+                "seconds": round(seconds, 2),
+                "line": lines[0] if lines else "",
+                "problems": problems,
+            }
+        )
     return ok, survivors
 
 
@@ -121,15 +141,24 @@ def main(argv=None) -> int:
     p.add_argument("--ready-s", type=float, default=300.0, help="how long rank 0 may take to log its first epoch")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv[:split])
-    command = argv[split + 1:]
+    command = argv[split + 1 :]
     if not command or not 2 <= args.ranks <= 64 or not 1 <= args.kill < args.ranks or args.dist_timeout_s <= 0:
-        print("kill_rank: needs a command, 2..64 ranks, a rank to kill in 1..ranks-1 and a positive "
-              "--dist-timeout-s", file=sys.stderr)
+        print(
+            "kill_rank: needs a command, 2..64 ranks, a rank to kill in 1..ranks-1 and a positive --dist-timeout-s",
+            file=sys.stderr,
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     bound = args.dist_timeout_s + BOUND_PAST_TIMEOUT_S
-    result = {"check": "kill-rank", "ranks": args.ranks, "killed": args.kill, "dist_timeout_s": args.dist_timeout_s,
-              "bound_s": bound, "slack_s": args.slack_s, "command": command}
+    result = {
+        "check": "kill-rank",
+        "ranks": args.ranks,
+        "killed": args.kill,
+        "dist_timeout_s": args.dist_timeout_s,
+        "bound_s": bound,
+        "slack_s": args.slack_s,
+        "command": command,
+    }
     # a step limit's SIGTERM (gpu_visit.sh's timeout) must not orphan the ranks on the GPU: the
     # finally below kills them
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
@@ -145,10 +174,17 @@ def main(argv=None) -> int:
             ended = watch_survivors(procs, args.kill, t_kill, bound + args.slack_s + 30)
             ok, survivors = verdict(ended, args.out, bound, args.slack_s)
             slowest = max(s["seconds"] for s in survivors)
-            result.update(ok=ok, survivors=survivors, seconds=slowest, message=(
-                f"rank {args.kill} killed; every other rank ended with exit 3 and one line within "
-                f"{slowest:.1f} s (bound {bound:g} s)" if ok else
-                "; ".join(f"rank {s['rank']}: {', '.join(s['problems'])}" for s in survivors if s["problems"])))
+            result.update(
+                ok=ok,
+                survivors=survivors,
+                seconds=slowest,
+                message=(
+                    f"rank {args.kill} killed; every other rank ended with exit 3 and one line within "
+                    f"{slowest:.1f} s (bound {bound:g} s)"
+                    if ok
+                    else "; ".join(f"rank {s['rank']}: {', '.join(s['problems'])}" for s in survivors if s["problems"])
+                ),
+            )
     finally:
         for proc in procs:
             if proc.poll() is None:

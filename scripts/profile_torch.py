@@ -37,9 +37,12 @@ class WindowRecorded(Exception):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    ours, trainer_flags = argv[:split], argv[split + 1:]
-    p = argparse.ArgumentParser(prog="scripts/profile_torch.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ours, trainer_flags = argv[:split], argv[split + 1 :]
+    p = argparse.ArgumentParser(
+        prog="scripts/profile_torch.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--skip", type=int, default=10, help="timed steps before the profiler's warm-up step")
     p.add_argument("--steps", type=int, default=5, help="steps recorded")
     p.add_argument("--top", type=int, default=20, help="rows of the table")
@@ -63,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         window = args.skip + 1 + args.steps  # boundaries until the trace is ready
         boundaries = 0
         with torch.profiler.profile(
-                activities=activities,
-                schedule=torch.profiler.schedule(wait=args.skip, warmup=1, active=args.steps, repeat=1),
-                on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace))) as prof:
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=args.skip, warmup=1, active=args.steps, repeat=1),
+            on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
+        ) as prof:
 
             def step_boundary() -> None:
                 nonlocal boundaries
@@ -82,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 profiling.remove_step_callback(step_boundary)
         if boundaries < window:
-            raise ConfigError(f"the run ended after {boundaries} timed steps; the window needs {window} "
-                              f"(--skip {args.skip} + 1 + --steps {args.steps}): add epochs or lower --skip")
+            raise ConfigError(
+                f"the run ended after {boundaries} timed steps; the window needs {window} "
+                f"(--skip {args.skip} + 1 + --steps {args.steps}): add epochs or lower --skip"
+            )
     except (ConfigError, DataError) as exc:
         print(f"profile_torch: error: {exc}", file=sys.stderr)
         return 2
@@ -93,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
 
     sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
     what = "CUDA kernels and ops by self device time" if on_device else "ops by self CPU time (no device)"
-    print(f"\nprofile of {args.steps} steps after {args.skip} timed steps, preset {cfg.preset}, "
-          f"{ctx.device.type}: top {args.top} {what}")
+    print(
+        f"\nprofile of {args.steps} steps after {args.skip} timed steps, preset {cfg.preset}, "
+        f"{ctx.device.type}: top {args.top} {what}"
+    )
     print(prof.key_averages().table(sort_by=sort_by, row_limit=args.top))
     print(f"trace: {trace}")
     return 0

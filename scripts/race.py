@@ -50,6 +50,7 @@ BAR = 94.0  # % official test accuracy, the record scripts' bar
 @dataclass(frozen=True)
 class Peer:
     """A public script as the race runs it."""
+
     name: str  # its log is NAME.log; its row's trainer is NAME@COMMIT
     file: str  # the file name in SCRIPTS_DIR
     origin: str  # repository and path it was copied from
@@ -63,26 +64,40 @@ class Peer:
 PEERS = (
     # the current record (its README: 94.02% in 1.98 s on one A100, PR #6); hiverge's own mirror
     # here stops at 5cd49b1 (2.015 s), the fork ljbuturovic/cifar10-speedrun holds 06c6072
-    Peer("hiverge", "cifar10_speedrun.py", "hiverge/cifar10-speedrun:cifar10_speedrun.py",
-         "06c60727547042c847d919c5848e807e8119d582",
-         "6c5a096876586909412ab78ad359712c16dfd39d67faf8a8c8dfb922c73664f9",
-         ("for run in range(200):", "for run in range({runs}):"),
-         # about 3.5 s of idle GPU before each run (6e9 cycles at 1.7-1.98 GHz): 25 runs would spend
-         # 90 s of a 9-minute call asleep; the sleep is outside its clock
-         (("torch.cuda._sleep(int(6000000000))", "pass"),),
-         "whitening init through the TTA evaluation (one CUDA-event span); its compile warm-up run off the clock"),
-    Peer("airbench94_muon", "airbench94_muon.py", "KellerJordan/cifar10-airbench:airbench94_muon.py",
-         "f1c599c4af24aca803e3e65a6a7e52a502e09d0e",
-         "704e29251a5207d8aed8a35adf13f772ff386b90a712aaddc2a28854385b536e",
-         ("[main(run, model) for run in range(200)]", "[main(run, model) for run in range({runs})]"), (),
-         "whitening init, the training epochs and the TTA evaluation; per-epoch evaluations and its "
-         "compile warm-up run off the clock"),
-    Peer("airbench94", "airbench94.py", "KellerJordan/cifar10-airbench:legacy/airbench94.py",
-         "f1c599c4af24aca803e3e65a6a7e52a502e09d0e",
-         "0b155e0ff0e696bc01ae136654ddae88a24cd053cd2b4313d44548c29ed6c91d",
-         ("[main(run) for run in range(25)]", "[main(run) for run in range({runs})]"), (),
-         "whitening init, the training epochs and the TTA evaluation; per-epoch evaluations off the "
-         "clock; no warm-up run (its first run pays cuDNN's autotuning)"),
+    Peer(
+        "hiverge",
+        "cifar10_speedrun.py",
+        "hiverge/cifar10-speedrun:cifar10_speedrun.py",
+        "06c60727547042c847d919c5848e807e8119d582",
+        "6c5a096876586909412ab78ad359712c16dfd39d67faf8a8c8dfb922c73664f9",
+        ("for run in range(200):", "for run in range({runs}):"),
+        # about 3.5 s of idle GPU before each run (6e9 cycles at 1.7-1.98 GHz): 25 runs would spend
+        # 90 s of a 9-minute call asleep; the sleep is outside its clock
+        (("torch.cuda._sleep(int(6000000000))", "pass"),),
+        "whitening init through the TTA evaluation (one CUDA-event span); its compile warm-up run off the clock",
+    ),
+    Peer(
+        "airbench94_muon",
+        "airbench94_muon.py",
+        "KellerJordan/cifar10-airbench:airbench94_muon.py",
+        "f1c599c4af24aca803e3e65a6a7e52a502e09d0e",
+        "704e29251a5207d8aed8a35adf13f772ff386b90a712aaddc2a28854385b536e",
+        ("[main(run, model) for run in range(200)]", "[main(run, model) for run in range({runs})]"),
+        (),
+        "whitening init, the training epochs and the TTA evaluation; per-epoch evaluations and its "
+        "compile warm-up run off the clock",
+    ),
+    Peer(
+        "airbench94",
+        "airbench94.py",
+        "KellerJordan/cifar10-airbench:legacy/airbench94.py",
+        "f1c599c4af24aca803e3e65a6a7e52a502e09d0e",
+        "0b155e0ff0e696bc01ae136654ddae88a24cd053cd2b4313d44548c29ed6c91d",
+        ("[main(run) for run in range(25)]", "[main(run) for run in range({runs})]"),
+        (),
+        "whitening init, the training epochs and the TTA evaluation; per-epoch evaluations off the "
+        "clock; no warm-up run (its first run pays cuDNN's autotuning)",
+    ),
 )
 PEER_NAMES = tuple(p.name for p in PEERS)
 
@@ -93,15 +108,23 @@ class RaceError(Exception):
 
 # --- statistics -------------------------------------------------------------------------------
 
+
 def summarize(accs: list[float], times: list[float], bar: float = BAR) -> dict:
     """The figures the race reports for one trainer: accuracy in %, times in s."""
-    return {"runs": len(accs), "acc_mean": statistics.fmean(accs),
-            "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0, "acc_min": min(accs),
-            "below_bar": sum(a < bar for a in accs), "p_value": p_above(accs, bar),
-            "time_mean_s": statistics.fmean(times), "time_max_s": max(times)}
+    return {
+        "runs": len(accs),
+        "acc_mean": statistics.fmean(accs),
+        "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+        "acc_min": min(accs),
+        "below_bar": sum(a < bar for a in accs),
+        "p_value": p_above(accs, bar),
+        "time_mean_s": statistics.fmean(times),
+        "time_max_s": max(times),
+    }
 
 
 # --- the runs ---------------------------------------------------------------------------------
+
 
 def parse_peer_log(text: str) -> list[tuple[float, float]]:
     """(TTA test accuracy %, seconds) per run, in order, from a public script's printed table.
@@ -149,8 +172,10 @@ def fastcifar_runs(root: Path) -> dict[str, list[dict]]:
     return found
 
 
-FASTCIFAR_CLOCK = ("train clock: per-epoch training summed, whitening init on it, per-epoch evaluations, "
-                   "warm-up and graph capture off it (run.report.TIMING_PROTOCOL)")
+FASTCIFAR_CLOCK = (
+    "train clock: per-epoch training summed, whitening init on it, per-epoch evaluations, "
+    "warm-up and graph capture off it (run.report.TIMING_PROTOCOL)"
+)
 
 
 def with_final_evaluation(result: dict) -> float:
@@ -164,7 +189,9 @@ def with_final_evaluation(result: dict) -> float:
 # the training steps and the final TTA evaluation, and none its warm-up/compile or per-epoch
 # evaluations: the same span, named per script so a script that counts otherwise gets its own.
 COUNTED_AS = {name: with_final_evaluation for name in PEER_NAMES}
-COUNTED_CLOCK = "whitening init through the final TTA evaluation; per-epoch evaluations, warm-up and capture off the clock"
+COUNTED_CLOCK = (
+    "whitening init through the final TTA evaluation; per-epoch evaluations, warm-up and capture off the clock"
+)
 
 
 # --- variants ---------------------------------------------------------------------------------
@@ -187,8 +214,9 @@ def check_variants(preset: str, variants: list[str]) -> None:
                 cfg, given = parse_command_line(["--preset", preset, *words])
                 validate(cfg)
         except SystemExit:
-            raise RaceError(f"variant {flags!r} refused: "
-                            f"{said.getvalue().strip().removeprefix('fastcifar: error: ')}") from None
+            raise RaceError(
+                f"variant {flags!r} refused: {said.getvalue().strip().removeprefix('fastcifar: error: ')}"
+            ) from None
         except ConfigError as exc:
             raise RaceError(f"variant {flags!r} refused: {exc}") from None
         own = [k for k in given if k in STAGE_SETS]
@@ -197,14 +225,16 @@ def check_variants(preset: str, variants: list[str]) -> None:
             raise RaceError(f"variant {flags!r} refused: the stage sets --{own[0].replace('_', '-')} itself")
         name = " ".join(recipe_flags(dataclasses.asdict(cfg)))
         if not name:
-            raise RaceError(f"variant {flags!r} refused: it trains the {preset} recipe itself: "
-                            "its runs would join the default's")
+            raise RaceError(
+                f"variant {flags!r} refused: it trains the {preset} recipe itself: its runs would join the default's"
+            )
         if name in seen:
             raise RaceError(f"variant {flags!r} refused: it trains the same recipe as {seen[name]!r}")
         seen[name] = flags
 
 
 # --- prepare ----------------------------------------------------------------------------------
+
 
 def edited(peer: Peer, source: str, runs: int) -> str:
     """The script with the race's edits; each must match exactly once."""
@@ -246,9 +276,11 @@ def prepare(scripts: Path, work: Path, images: Path, runs: int, log=print) -> li
 
 # --- report -----------------------------------------------------------------------------------
 
+
 def data_name(path: Path) -> str:
-    """"cifar10-official" for the official CIFAR-10 release (its lossless batch files), else what it is."""
+    """ "cifar10-official" for the official CIFAR-10 release (its lossless batch files), else what it is."""
     from fastcifar.data.official import CIFAR10, set_of_folder
+
     if path.is_dir() and set_of_folder(path) == CIFAR10:
         return "cifar10-official"
     return f"other:{path.name}"
@@ -258,6 +290,7 @@ def environment() -> dict:
     """The machine the figures come from: GPU name and driver, torch and triton versions."""
     import torch
     from fastcifar.run.report import gpu_identity, versions
+
     device, driver = gpu_identity(torch.device("cuda")) if torch.cuda.is_available() else ("cpu", None)
     v = versions()
     return {"device": device, "driver": driver, "torch": v["torch"], "triton": v["triton"]}
@@ -267,12 +300,25 @@ def _fmt_p(p: float | None) -> str:
     return "-" if p is None else f"{p:.2g}"
 
 
-def report(work: Path, fastcifar: Path, data: Path, bar: float = BAR, call: str = "", commit: str = "",
-           env: dict | None = None, today: str | None = None) -> tuple[list[str], list[dict], list[str]]:
+def report(
+    work: Path,
+    fastcifar: Path,
+    data: Path,
+    bar: float = BAR,
+    call: str = "",
+    commit: str = "",
+    env: dict | None = None,
+    today: str | None = None,
+) -> tuple[list[str], list[dict], list[str]]:
     """(table lines, jsonl rows, problems) for one call's race."""
     env = env or environment()
-    base = {"call": call, "date": today or dt.date.today().isoformat(), **env, "commit": commit or None,
-            "data": data_name(data)}
+    base = {
+        "call": call,
+        "date": today or dt.date.today().isoformat(),
+        **env,
+        "commit": commit or None,
+        "data": data_name(data),
+    }
     rows, problems = [], []
     peers = {}
     for peer in PEERS:
@@ -285,17 +331,22 @@ def report(work: Path, fastcifar: Path, data: Path, bar: float = BAR, call: str 
     contenders = fastcifar_runs(fastcifar)
     if not contenders:
         problems.append(f"no fastcifar summary.json under {fastcifar}")
-    lines = [f"official-data race, bar {bar:.1f}%, data {base['data']}, {env['device']} (driver {env['driver']}), "
-             f"torch {env['torch']}, triton {env['triton']}", "",
-             "| trainer | runs | acc mean ± std (min) | below bar | p | time mean (max) s | clock |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"official-data race, bar {bar:.1f}%, data {base['data']}, {env['device']} (driver {env['driver']}), "
+        f"torch {env['torch']}, triton {env['triton']}",
+        "",
+        "| trainer | runs | acc mean ± std (min) | below bar | p | time mean (max) s | clock |",
+        "|---|---|---|---|---|---|---|",
+    ]
 
     def add(trainer: str, accs: list[float], times: list[float], clock: str, **extra) -> dict:
         s = summarize(accs, times, bar)
         rows.append({**base, "trainer": trainer, **s, "clock": clock, **extra})
-        lines.append(f"| {trainer} | {s['runs']} | {s['acc_mean']:.2f} ± {s['acc_std']:.2f} ({s['acc_min']:.2f}) | "
-                     f"{s['below_bar']} | {_fmt_p(s['p_value'])} | {s['time_mean_s']:.3f} ({s['time_max_s']:.3f}) | "
-                     f"{clock.split(';')[0]} |")
+        lines.append(
+            f"| {trainer} | {s['runs']} | {s['acc_mean']:.2f} ± {s['acc_std']:.2f} ({s['acc_min']:.2f}) | "
+            f"{s['below_bar']} | {_fmt_p(s['p_value'])} | {s['time_mean_s']:.3f} ({s['time_max_s']:.3f}) | "
+            f"{clock.split(';')[0]} |"
+        )
         return s
 
     peer_means = {name: statistics.fmean(t for _, t in runs) for name, runs in peers.items()}
@@ -315,14 +366,24 @@ def report(work: Path, fastcifar: Path, data: Path, bar: float = BAR, call: str 
         against = {}
         if contender != preset and preset in plain:  # a variant: what it gains and costs beside its preset
             ref = plain[preset]
-            against = {"variant_of": f"fastcifar:{preset}",
-                       "time_ratio_to_preset": statistics.fmean(times) / ref["time_mean_s"],
-                       "acc_diff_to_preset": statistics.fmean(accs) - ref["acc_mean"]}
+            against = {
+                "variant_of": f"fastcifar:{preset}",
+                "time_ratio_to_preset": statistics.fmean(times) / ref["time_mean_s"],
+                "acc_diff_to_preset": statistics.fmean(accs) - ref["acc_mean"],
+            }
             variants.append((contender, against))
-        s = add(f"fastcifar:{contender}", accs, times, COUNTED_CLOCK,
-                train_clock_mean_s=statistics.fmean(own), train_clock_max_s=max(own), train_clock=FASTCIFAR_CLOCK,
-                setup_first_s=setup[0] if setup else None, setup_mean_s=statistics.fmean(setup) if setup else None,
-                **against)
+        s = add(
+            f"fastcifar:{contender}",
+            accs,
+            times,
+            COUNTED_CLOCK,
+            train_clock_mean_s=statistics.fmean(own),
+            train_clock_max_s=max(own),
+            train_clock=FASTCIFAR_CLOCK,
+            setup_first_s=setup[0] if setup else None,
+            setup_mean_s=statistics.fmean(setup) if setup else None,
+            **against,
+        )
         if contender == preset:
             plain[preset] = s
     for peer in PEERS:
@@ -333,18 +394,23 @@ def report(work: Path, fastcifar: Path, data: Path, bar: float = BAR, call: str 
         add(f"{peer.name}@{peer.commit[:7]}", list(accs), list(times), peer.clock, **ratios)
     for contender, means in mine.items():
         for name, mean in means.items():
-            lines.append(f"\nfastcifar:{contender} / {name}: {mean:.3f} / {peer_means[name]:.3f} s = "
-                         f"**{mean / peer_means[name]:.3f}** (counted as {name} counts)")
+            lines.append(
+                f"\nfastcifar:{contender} / {name}: {mean:.3f} / {peer_means[name]:.3f} s = "
+                f"**{mean / peer_means[name]:.3f}** (counted as {name} counts)"
+            )
     for contender, against in variants:
-        lines.append(f"\nfastcifar:{contender} beside {against['variant_of']}: time x{against['time_ratio_to_preset']:.3f}, "
-                     f"accuracy {against['acc_diff_to_preset']:+.2f} points")
-    lines.append(f"\nclocks: fastcifar {COUNTED_CLOCK} (own train clock in the jsonl's train_clock_mean_s); "
-                 + "; ".join(f"{p.name}: {p.clock}" for p in PEERS if p.name in peers))
+        lines.append(
+            f"\nfastcifar:{contender} beside {against['variant_of']}: time x{against['time_ratio_to_preset']:.3f}, "
+            f"accuracy {against['acc_diff_to_preset']:+.2f} points"
+        )
+    lines.append(
+        f"\nclocks: fastcifar {COUNTED_CLOCK} (own train clock in the jsonl's train_clock_mean_s); "
+        + "; ".join(f"{p.name}: {p.clock}" for p in PEERS if p.name in peers)
+    )
     return lines, rows, problems
 
 
-def write_report(lines: list[str], problems: list[str], rows: list[dict], out: Path | None,
-                 jsonl: Path | None) -> None:
+def write_report(lines: list[str], problems: list[str], rows: list[dict], out: Path | None, jsonl: Path | None) -> None:
     """Print the table and its problems, append them to ``out`` and the rows to ``jsonl`` (also
     scripts/gpu_visit_report.py's way of filing its reports)."""
     text = "\n".join(lines + [f"\nPROBLEM: {m}" for m in problems]) + "\n"

@@ -41,8 +41,15 @@ def make_images(n: int, seed: int, noise: float = 40.0) -> tuple[np.ndarray, np.
 def batch_bytes(images: np.ndarray, labels: np.ndarray, protocol: int = 2) -> bytes:
     """One batch pickled as the official release stores it (byte keys, planar rows)."""
     data = images.transpose(0, 3, 1, 2).reshape(len(images), -1)
-    return pickle.dumps({b"batch_label": b"synthetic", b"labels": [int(v) for v in labels],
-                         b"data": data, b"filenames": [b"x.png"] * len(labels)}, protocol=protocol)
+    return pickle.dumps(
+        {
+            b"batch_label": b"synthetic",
+            b"labels": [int(v) for v in labels],
+            b"data": data,
+            b"filenames": [b"x.png"] * len(labels),
+        },
+        protocol=protocol,
+    )
 
 
 def write_official(root: Path, per_batch: int = 40, n_test: int = 50) -> tuple[Path, dict]:
@@ -65,8 +72,9 @@ def tar_folder(src: Path, archive: Path, arcname: str) -> Path:
     return archive
 
 
-def write_image_folder(root: Path, n_train: int = 60, n_test: int = 30, fmt: str = "PNG",
-                       size: int = 32) -> tuple[Path, dict]:
+def write_image_folder(
+    root: Path, n_train: int = 60, n_test: int = 30, fmt: str = "PNG", size: int = 32
+) -> tuple[Path, dict]:
     """train/<class>/*.png and test/<class>/*.png (lossless, so decoding is exact)."""
     arrays = {}
     for split, n, seed in (("train", n_train, 3), ("test", n_test, 4)):
@@ -133,12 +141,14 @@ def http_folder(tmp_path):
     import functools
     import http.server
     import threading
+
     root = tmp_path / "served"
     root.mkdir()
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
+
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -153,6 +163,7 @@ def http_folder(tmp_path):
 def one_rank_group(tmp_path):
     """A 1-rank gloo group: gradient buckets and compression collectives really run, in this process."""
     import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -23,8 +23,10 @@ from pathlib import Path
 # .<target>.<writer's host>.<writer's pid>-<8 hex>.tmp. Older names (tempfile.mkstemp's 8 characters
 # of [a-z0-9_], or a pid without a host) and another host's are judged by age alone: a pid says
 # nothing about a process on another node sharing the folder.
-_TMP = re.compile(r"^\.(?P<target>.+?)\.(?:(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)-[0-9a-f]{8}|\d+-[0-9a-f]{8}"
-                  r"|[a-z0-9_]{8})\.tmp$")
+_TMP = re.compile(
+    r"^\.(?P<target>.+?)\.(?:(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)-[0-9a-f]{8}|\d+-[0-9a-f]{8}"
+    r"|[a-z0-9_]{8})\.tmp$"
+)
 STALE_AGE_S = 600.0  # a temporary whose writer cannot be told (another host, old name) is stale after this
 
 

@@ -37,11 +37,18 @@ class Config:
     loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: torch on CUDA, dali on the CPU (the faster measured: fastcifar.data.dali.AUTO_LOADER)
     # --- model ---
     arch: str = "resnet9"  # network: resnet9 (fastcifar.models.resnet9) | fastnet (fastcifar.models.fastnet) | alexnet (fastcifar.models.alexnet)
-    widths: tuple = (64, 128, 256, 512)  # channels (each 1..4096): resnet9 prep,layer1,layer2,layer3; fastnet its 3 blocks; alexnet its 5 convs
+    widths: tuple = (
+        64,
+        128,
+        256,
+        512,
+    )  # channels (each 1..4096): resnet9 prep,layer1,layer2,layer3; fastnet its 3 blocks; alexnet its 5 convs
     whiten_kernel: int = 2  # fastnet: side of the patches its first conv whitens (2*3*side^2 channels)
     whiten_eps: float = 5e-4  # fastnet: added to each patch eigenvalue before the 1/sqrt scaling (damps smaller ones)
     activation: str = "gelu"  # fastnet: after the whitening conv and every batchnorm: gelu | silu | relu | celu
-    whiten_images: int = 5000  # fastnet: training images whose patches set the first conv, on the clock; 0 = random init
+    whiten_images: int = (
+        5000  # fastnet: training images whose patches set the first conv, on the clock; 0 = random init
+    )
     whiten_frozen: bool = True  # fastnet: the whitening conv's weights are not trained
     whiten_bias_epochs: int = 3  # fastnet: epochs the whitening conv's bias trains before it is frozen
     bn_momentum: float = 0.1  # weight of each batch in batchnorm's running statistics (torch convention)
@@ -50,7 +57,9 @@ class Config:
     epochs: float = 24  # passes over the training set, in (0, 1000]; a fraction cuts the last one short (9.9: ceil(9.9 x steps) steps)
     batch_size: int = 512  # images per step (1..65536), global: split evenly over the ranks
     lr: float = 0.4  # peak rate for the mean loss, per 512 images of global batch: the run peaks at lr x batch-size / 512 (the log's lr column)
-    warmup_epochs: float = 5.0  # from lr-start x peak up to the peak, then to lr-end x peak; scales with --epochs unless given
+    warmup_epochs: float = (
+        5.0  # from lr-start x peak up to the peak, then to lr-end x peak; scales with --epochs unless given
+    )
     lr_start: float = 0.0  # rate at the first step, as a fraction of the peak
     lr_end: float = 0.0  # rate at the last step, as a fraction of the peak
     bias_lr_scale: float = 1.0  # batchnorm shifts: rate x this, weight decay / this (same decay per step)
@@ -58,12 +67,16 @@ class Config:
     nesterov: bool = True  # Nesterov momentum
     weight_decay: float = 5e-4  # per example (the step multiplies it by the per-rank batch, as it sums the loss: docs/presets.md, learning-rate rule)
     label_smoothing: float = 0.2  # cross-entropy label smoothing
-    lookahead_steps: int = 0  # every this many steps slow weights move toward the trained ones and replace them; 0 = off
+    lookahead_steps: int = (
+        0  # every this many steps slow weights move toward the trained ones and replace them; 0 = off
+    )
     lookahead_decay: float = 0.7738  # slow weights' share at the last sync (0.95^5), ramping up from 0 as progress^3
     crop_pad: int = 4  # random crop from this many pixels of padding per side
     pad_mode: str = "reflect"  # padding for the random crop: reflect | zero
     flip: bool = True  # horizontal flip, half of the images per epoch
-    flip_mode: str = "random"  # random: a coin per image per epoch | alternate: a coin per image, mirrored every other epoch
+    flip_mode: str = (
+        "random"  # random: a coin per image per epoch | alternate: a coin per image, mirrored every other epoch
+    )
     cutout: int = 8  # side of the zeroed square, pixels; 0 = off
     brightness: float = 0.0  # jitter: each training image, normalized, plus a uniform draw in [-B, B] (units of each channel's std); 0 = off
     contrast: float = 0.0  # jitter: then times a uniform draw in [1 - C, 1 + C], one per image; 0 = off
@@ -79,7 +92,9 @@ class Config:
     muon_lr: float = 0.24  # muon: a filter's step at the peak, x its orthogonalized update (weights renormalized to sqrt(out channels))
     muon_momentum: float = 0.6  # muon: Nesterov momentum of the filters
     muon_ns_steps: int = 3  # muon: Newton-Schulz iterations per orthogonalization
-    muon_shard: bool = False  # muon, several ranks: each orthogonalizes every world-th filter, one all-reduce shares them
+    muon_shard: bool = (
+        False  # muon, several ranks: each orthogonalizes every world-th filter, one all-reduce shares them
+    )
     head_lr_scale: float = 1.0  # the linear head: rate x this, weight decay / this (same decay per step)
     logit_scale: float = 0.0  # fastnet: logits x this; 0 = 1/9 (airbench94)
     head_unit_init: bool = False  # fastnet: head weights rescaled to standard deviation 1 at init (fast-muon)
@@ -87,7 +102,9 @@ class Config:
     sparse_mask: str = "none"  # which parameters train: none (all) | fisher (top Fisher scores) | random (same count)
     sparse_fraction: float = 0.02  # K: fraction of the trainable parameters in the mask (classifier/BN shifts on top)
     mask_samples: int = 1024  # N: training images whose per-sample gradients score the parameters (split over ranks)
-    mask_score: str = "squared"  # Fisher score per sample: squared grad at the true label | abs | expected (over the model's labels)
+    mask_score: str = (
+        "squared"  # Fisher score per sample: squared grad at the true label | abs | expected (over the model's labels)
+    )
     mask_every: int = 0  # recompute the mask every this many epochs; 0 = one mask for the whole run
     mask_bn_shifts: bool = True  # batchnorm shifts always train (else they compete for the mask like the rest)
     sparse_update: str = "full"  # full: mask gradient, weight decay and momentum | grad: the gradient only
@@ -100,7 +117,9 @@ class Config:
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     kernels: str = "auto"  # triton (fused BN+act+pool, augmentation) | torch (reference) | auto: triton on CUDA
     precision: str = "auto"  # auto (fp16 on cuda, fp32 on cpu) | fp16 | fp32
-    comm: str = "bucketed"  # gradient averaging over ranks: bucketed (fastcifar.parallel.comm, overlapped) | ddp (stock)
+    comm: str = (
+        "bucketed"  # gradient averaging over ranks: bucketed (fastcifar.parallel.comm, overlapped) | ddp (stock)
+    )
     bucket_mb: float = 2.0  # MiB of gradients per all-reduce bucket (--comm bucketed), see fastcifar.parallel.comm
     cuda_graphs: str = "auto"  # capture the train step and eval batch as CUDA graphs: auto (on for CUDA) | on | off
     eval_batch_size: int = 1000  # images per evaluation batch, per rank (1..65536); with --tta-share < 1 it decides which images share the views
@@ -108,19 +127,29 @@ class Config:
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the run
     dist_group: str = "auto"  # process group: auto (only with several ranks) | always (also for one rank: its gradient buckets, comm stream and captured collectives run, as on several)
     emulate_ranks: int = 1  # one process trains what N ranks train (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged): the N-GPU recipe's accuracy on one device (fastcifar.data.loader.EmulatedRanks); 1 = off
-    compile: bool = False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
+    compile: bool = (
+        False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
+    )
     fused_conv: bool = False  # the blocks' convs as Triton implicit GEMMs that take the batchnorm statistics (and a pool-first block's 2x2 pool) in their epilogue (fastcifar.kernels.conv_stats); needs the Triton kernels; slower than cuDNN so far (bench/results/visits/visit-11.md)
     # --- compressed gradient communication (fastcifar.parallel.compress; several ranks, --comm bucketed) ---
-    compress: str = "none"  # none (plain all-reduce) | fp16 | bf16 | topk | randomk | threshold | terngrad | qsgd | powersgd
+    compress: str = (
+        "none"  # none (plain all-reduce) | fp16 | bf16 | topk | randomk | threshold | terngrad | qsgd | powersgd
+    )
     compress_ratio: float = 0.01  # topk/randomk: fraction K of each chunk's coordinates sent, 0 < K <= 1
     compress_threshold: float = 1e-3  # threshold: send |g_i| >= V (units of the summed-loss gradient)
     qsgd_levels: int = 127  # qsgd: quantization levels s (int8 on the wire up to 127)
     powersgd_rank: int = 4  # powersgd: rank r of the P Q^T approximation
-    compress_scope: str = "bucket"  # what one compressor call sees: layer (each parameter) | bucket | model (one vector per dtype)
+    compress_scope: str = (
+        "bucket"  # what one compressor call sees: layer (each parameter) | bucket | model (one vector per dtype)
+    )
     error_feedback: bool = True  # add what compression dropped to the next step's gradient
     compress_warmup_steps: int = 0  # steps averaged uncompressed before compression starts
-    compress_transport: str = "sparse"  # sparse: payloads only (all-reduce or all-gather) | dense: the seed's zero-filled all-reduce
-    randomk_unbiased: bool = False  # randomk: values x d/k (unbiased; pair with --no-error-feedback) | off: the seed's unscaled
+    compress_transport: str = (
+        "sparse"  # sparse: payloads only (all-reduce or all-gather) | dense: the seed's zero-filled all-reduce
+    )
+    randomk_unbiased: bool = (
+        False  # randomk: values x d/k (unbiased; pair with --no-error-feedback) | off: the seed's unscaled
+    )
     terngrad_clip: bool = False  # terngrad: clip to +-2.5 standard deviations before ternarizing
     nvtx: bool = False  # NVTX ranges around data, forward, backward, optimizer (for nsys); off: no CUDA calls
     profile_steps: str = ""  # A:B: cudaProfilerStart after A timed steps of run 1, Stop after B (nsys capture range)
@@ -162,23 +191,55 @@ PRESETS: dict[str, dict[str, Any]] = {
     #   lookahead from epoch 3 (slow copy at its first 5th step), every 5 steps at
     #      0.95^5 x (step / 476)^3, and the weights reset to the slow copy at every epoch end.
     "fast": {
-        "arch": "fastnet", "widths": (64, 256, 256), "whiten_kernel": 2, "whiten_images": 5000,
-        "whiten_frozen": True, "whiten_bias_epochs": 3, "bn_momentum": 0.4, "bn_scale_frozen": True,
-        "epochs": 9.9, "batch_size": 1024, "lr": 11.5 * 512 / (1024 * (1 + 1 / (1 - 0.85))),
-        "warmup_epochs": 0.23 * 9.9, "lr_start": 0.2, "lr_end": 0.07,
-        "bias_lr_scale": 64.0, "momentum": 0.85, "nesterov": True, "weight_decay": 0.0153 / 11.5,
-        "label_smoothing": 0.2, "lookahead_steps": 5, "lookahead_decay": 0.95 ** 5,
-        "crop_pad": 2, "pad_mode": "reflect", "flip": True, "flip_mode": "alternate", "cutout": 0, "tta": 2,
-        "bn_eps": 1e-12, "whiten_centred": False, "lr_at": "start", "lookahead_start_epoch": 3,
+        "arch": "fastnet",
+        "widths": (64, 256, 256),
+        "whiten_kernel": 2,
+        "whiten_images": 5000,
+        "whiten_frozen": True,
+        "whiten_bias_epochs": 3,
+        "bn_momentum": 0.4,
+        "bn_scale_frozen": True,
+        "epochs": 9.9,
+        "batch_size": 1024,
+        "lr": 11.5 * 512 / (1024 * (1 + 1 / (1 - 0.85))),
+        "warmup_epochs": 0.23 * 9.9,
+        "lr_start": 0.2,
+        "lr_end": 0.07,
+        "bias_lr_scale": 64.0,
+        "momentum": 0.85,
+        "nesterov": True,
+        "weight_decay": 0.0153 / 11.5,
+        "label_smoothing": 0.2,
+        "lookahead_steps": 5,
+        "lookahead_decay": 0.95**5,
+        "crop_pad": 2,
+        "pad_mode": "reflect",
+        "flip": True,
+        "flip_mode": "alternate",
+        "cutout": 0,
+        "tta": 2,
+        "bn_eps": 1e-12,
+        "whiten_centred": False,
+        "lr_at": "start",
+        "lookahead_start_epoch": 3,
         "lookahead_epoch_end": "reset",
     },
 }
 # `fast` as it was before issue 14: its former departures from airbench94, each a field, kept
 # side by side for the GPU to measure (bench/bench_train.py --preset fast --compare fast-departures).
-PRESETS["fast-departures"] = {**PRESETS["fast"], "epochs": 10, "warmup_epochs": 2.3, "lr": 0.75,
-                              "weight_decay": 1.33e-3, "lookahead_decay": 0.7738, "bn_eps": 1e-5,
-                              "whiten_centred": True, "lr_at": "end", "lookahead_start_epoch": 0,
-                              "lookahead_epoch_end": "fold"}
+PRESETS["fast-departures"] = {
+    **PRESETS["fast"],
+    "epochs": 10,
+    "warmup_epochs": 2.3,
+    "lr": 0.75,
+    "weight_decay": 1.33e-3,
+    "lookahead_decay": 0.7738,
+    "bn_eps": 1e-5,
+    "whiten_centred": True,
+    "lr_at": "end",
+    "lookahead_start_epoch": 0,
+    "lookahead_epoch_end": "fold",
+}
 # The next lever (airbench94_muon, Jordan: 94.01% in 2.59 s on one A100, per its authors):
 # orthogonalized momentum on the conv filters, Nesterov SGD on the biases and the head, batch
 # 2000, 8 epochs, the rate falling linearly from the peak to 0, no lookahead. Their per-group
@@ -188,11 +249,25 @@ PRESETS["fast-departures"] = {**PRESETS["fast"], "epochs": 10, "warmup_epochs": 
 # example. Logits / 256 from a unit-std head. Two departures: their whitening bias's rate falls
 # to 0 over its 3 epochs (here it follows the global schedule until frozen at epoch 3), and it
 # starts from torch's default conv-bias init (here from 0, as in airbench94).
-PRESETS["fast-muon"] = {**PRESETS["fast"], "epochs": 8, "batch_size": 2000, "lr": 0.053 * 512,
-                        "warmup_epochs": 0.0, "lr_start": 1.0, "lr_end": 0.0, "bias_lr_scale": 1.0,
-                        "head_lr_scale": 0.67 / 0.053, "weight_decay": 2e-6 * 2000 / 0.053 / 2000,
-                        "lookahead_steps": 0, "optimizer": "muon", "muon_lr": 0.24, "muon_momentum": 0.6,
-                        "muon_ns_steps": 3, "logit_scale": 1 / 256, "head_unit_init": True}
+PRESETS["fast-muon"] = {
+    **PRESETS["fast"],
+    "epochs": 8,
+    "batch_size": 2000,
+    "lr": 0.053 * 512,
+    "warmup_epochs": 0.0,
+    "lr_start": 1.0,
+    "lr_end": 0.0,
+    "bias_lr_scale": 1.0,
+    "head_lr_scale": 0.67 / 0.053,
+    "weight_decay": 2e-6 * 2000 / 0.053 / 2000,
+    "lookahead_steps": 0,
+    "optimizer": "muon",
+    "muon_lr": 0.24,
+    "muon_momentum": 0.6,
+    "muon_ns_steps": 3,
+    "logit_scale": 1 / 256,
+    "head_unit_init": True,
+}
 # The default until visit 10: `fast-muon` with its two wide blocks at 320 channels, chosen on the
 # JPEG copy as the best mean within 1.5 s on one H100 (bench/results/visits/visit-6.md 6a-6b,
 # visit-7.md 7b); logits stay / 256, as measured there. On official CIFAR-10 it held 94% with
@@ -212,6 +287,7 @@ PRESETS["fast-muon9"] = {**PRESETS["fast-muon"], "epochs": 9}
 PRESETS["fast-jitter"] = {**PRESETS["fast-muon9"], "epochs": 8.5, "brightness": 0.14, "contrast": 0.13}
 DEFAULT_PRESET = "fast-jitter"  # what `python -m fastcifar.train` runs
 
+
 def parse_window(spec: str) -> tuple[int, int] | None:
     """'A:B' -> (A, B) with 0 <= A < B; '' -> None. ValueError otherwise."""
     if not spec:
@@ -228,9 +304,22 @@ def parse_window(spec: str) -> tuple[int, int] | None:
 # Fields that leave the training trajectory alone: where things are, what is logged. A resumed run
 # may change them (run.state refuses a checkpoint written under any other difference), and a run's
 # config hash (run.report.provenance) leaves them out.
-TRAJECTORY_FREE_FIELDS = ("data", "download", "download_set", "cache_dir", "out_dir", "resume", "checkpoint_every",
-                      "save_model", "nvtx", "profile_steps", "dist_timeout_s", "target_acc", "eval_batch_size",
-                      "quiet")
+TRAJECTORY_FREE_FIELDS = (
+    "data",
+    "download",
+    "download_set",
+    "cache_dir",
+    "out_dir",
+    "resume",
+    "checkpoint_every",
+    "save_model",
+    "nvtx",
+    "profile_steps",
+    "dist_timeout_s",
+    "target_acc",
+    "eval_batch_size",
+    "quiet",
+)
 
 
 def training_settings(cfg: "Config") -> dict:
@@ -354,7 +443,8 @@ def _range_error(name: str, value, low, high, brackets: str) -> ConfigError:
     integer = isinstance(value, int) and all(isinstance(b, int) for b in (low, high) if b is not None)
     text = _range_text(low, high, brackets, integer)
     phrase = {"positive": "must be positive", "not negative": "must not be negative"}.get(
-        text, f"must be {text}" if high is None else f"must lie in {text}")
+        text, f"must be {text}" if high is None else f"must lie in {text}"
+    )
     return ConfigError(f"--{_flag(name)} {phrase}, not {value}")
 
 
@@ -373,13 +463,13 @@ def _check_types(cfg: Config) -> None:
             ok, what = isinstance(value, str), "a string"
         elif kind == "tuple":
             ok = isinstance(value, (tuple, list)) and all(
-                isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)
+                isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value
+            )
             what = "a list of whole numbers"
         else:
             raise AssertionError(f"Config.{f.name}: no type check for {kind!r}")  # a new field's type
         if not ok:
             raise ConfigError(f"--{_flag(f.name)} must be {what}, not {value!r}")
-
 
 
 def from_preset(name: str = DEFAULT_PRESET, **overrides) -> Config:
@@ -408,19 +498,24 @@ def check_fields(cfg: Config) -> Config:
             raise ConfigError(f"--{_flag(f.name)} must be a finite number, not {value}")
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
-            raise ConfigError(f"--{_flag(name)} must be one of {', '.join(map(str, allowed))}, "
-                              f"not {getattr(cfg, name)!r}")
+            raise ConfigError(
+                f"--{_flag(name)} must be one of {', '.join(map(str, allowed))}, not {getattr(cfg, name)!r}"
+            )
     for name, (low, high, brackets) in RANGES.items():
         if not _in_range(getattr(cfg, name), low, high, brackets):
             raise _range_error(name, getattr(cfg, name), low, high, brackets)
     n_widths = {"resnet9": 4, "fastnet": 3, "alexnet": 5}[cfg.arch]
     if len(cfg.widths) != n_widths or min(cfg.widths) <= 0:
-        raise ConfigError(f"--widths takes {('three', 'four', 'five')[n_widths - 3]} positive channel counts for "
-                          f"--arch {cfg.arch}, not {tuple(cfg.widths)}")
+        raise ConfigError(
+            f"--widths takes {('three', 'four', 'five')[n_widths - 3]} positive channel counts for "
+            f"--arch {cfg.arch}, not {tuple(cfg.widths)}"
+        )
     for width in cfg.widths:
         if not _in_range(width, *WIDTH_RANGE):
-            raise ConfigError(f"--widths: each must lie in {_range_text(*WIDTH_RANGE, True)} channels, "
-                              f"not {width} (in {tuple(cfg.widths)})")
+            raise ConfigError(
+                f"--widths: each must lie in {_range_text(*WIDTH_RANGE, True)} channels, "
+                f"not {width} (in {tuple(cfg.widths)})"
+            )
     return cfg
 
 
@@ -429,8 +524,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check_fields(cfg)
     world_size = _validate_emulated(cfg, world_size)  # below, the emulated ranks count as ranks
     if cfg.fused_conv and (cfg.compile or cfg.emulate_ranks > 1 or cfg.kernels == "torch"):
-        raise ConfigError("--fused-conv runs the Triton conv + normalize kernels in eager mode on one batch's "
-                          "statistics: it does not combine with --compile, --emulate-ranks or --kernels torch")
+        raise ConfigError(
+            "--fused-conv runs the Triton conv + normalize kernels in eager mode on one batch's "
+            "statistics: it does not combine with --compile, --emulate-ranks or --kernels torch"
+        )
     if not 0 <= cfg.warmup_epochs <= cfg.epochs:
         raise ConfigError(f"--warmup-epochs must lie in 0..{cfg.epochs} (the epochs), not {cfg.warmup_epochs}")
     if not 0 <= cfg.seed <= SEED_MAX - cfg.runs:  # run r uses seed + r - 1; bench's warm-up run seed + runs
@@ -439,8 +536,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--val-split must be 0 or at least the number of ranks ({world_size}), not {cfg.val_split}")
     max_pad = IMAGE_SIDE - 1 if cfg.pad_mode == "reflect" else IMAGE_SIDE  # reflection needs pad < side
     if cfg.crop_pad > max_pad:
-        raise ConfigError(f"--crop-pad must be at most {max_pad} with --pad-mode {cfg.pad_mode} "
-                          f"(the image side is {IMAGE_SIDE}), not {cfg.crop_pad}")
+        raise ConfigError(
+            f"--crop-pad must be at most {max_pad} with --pad-mode {cfg.pad_mode} "
+            f"(the image side is {IMAGE_SIDE}), not {cfg.crop_pad}"
+        )
     if cfg.activation != "gelu" and cfg.arch != "fastnet":
         raise ConfigError(f"--activation applies to --arch fastnet only ({cfg.arch} uses ReLU), not {cfg.activation!r}")
     if cfg.optimizer == "muon" and cfg.lr == 0:  # Muon's rate is --muon-lr x (the scheduled rate / the peak)
@@ -453,20 +552,27 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--profile-steps: {exc}") from None
     if (cfg.checkpoint_every or cfg.resume) and cfg.runs != 1:
         raise ConfigError(f"--checkpoint-every and --resume hold one run; use --runs 1, not {cfg.runs}")
-    if (cfg.checkpoint_every or cfg.resume) and (cfg.compress != "none" or cfg.sparse_mask != "none"
-                                                 or cfg.local_steps):
+    if (cfg.checkpoint_every or cfg.resume) and (
+        cfg.compress != "none" or cfg.sparse_mask != "none" or cfg.local_steps
+    ):
         # their state (error-feedback residuals, masks, local-SGD anchors) is not in the checkpoint
-        raise ConfigError("--checkpoint-every and --resume do not yet hold --compress, --sparse-mask or "
-                          "--local-steps state; use one or the other")
+        raise ConfigError(
+            "--checkpoint-every and --resume do not yet hold --compress, --sparse-mask or "
+            "--local-steps state; use one or the other"
+        )
     if cfg.optimizer == "muon" and (cfg.sparse_mask != "none" or cfg.local_steps):
         # the default preset trains with Muon: say where it came from and what to run instead
         from_muon_preset = PRESETS.get(cfg.preset, {}).get("optimizer") == "muon"  # an API Config may name none
         source = f"preset {cfg.preset} trains with --optimizer muon" if from_muon_preset else "--optimizer muon"
-        raise ConfigError(f"{source}, which does not combine with --sparse-mask or --local-steps (their "
-                          f"masked update and local merges wrap Nesterov SGD); use an SGD preset, e.g. --preset resnet9")
+        raise ConfigError(
+            f"{source}, which does not combine with --sparse-mask or --local-steps (their "
+            f"masked update and local merges wrap Nesterov SGD); use an SGD preset, e.g. --preset resnet9"
+        )
     if cfg.batch_size % world_size:
-        raise ConfigError(f"--batch-size {cfg.batch_size} does not divide over {world_size} ranks "
-                          f"(the per-rank batch must be a whole number)")
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} does not divide over {world_size} ranks "
+            f"(the per-rank batch must be a whole number)"
+        )
     return cfg
 
 
@@ -477,11 +583,15 @@ def _validate_emulated(cfg: Config, world_size: int) -> int:
     if cfg.emulate_ranks == 1:
         return world_size
     if world_size > 1:
-        raise ConfigError(f"--emulate-ranks {cfg.emulate_ranks} emulates ranks in one process, but this run has "
-                          f"{world_size} real ranks (torchrun): use one or the other")
+        raise ConfigError(
+            f"--emulate-ranks {cfg.emulate_ranks} emulates ranks in one process, but this run has "
+            f"{world_size} real ranks (torchrun): use one or the other"
+        )
     if cfg.compress != "none" or cfg.sparse_mask != "none" or cfg.local_steps:
-        raise ConfigError(f"--emulate-ranks {cfg.emulate_ranks} emulates the plain average of gradients; it does "
-                          f"not combine with --compress, --sparse-mask or --local-steps")
+        raise ConfigError(
+            f"--emulate-ranks {cfg.emulate_ranks} emulates the plain average of gradients; it does "
+            f"not combine with --compress, --sparse-mask or --local-steps"
+        )
     return cfg.emulate_ranks
 
 
@@ -498,17 +608,22 @@ def _validate_sparse(cfg: Config, world_size: int) -> None:
     if cfg.sparse_checkpoints and cfg.sparse_mask == "none":
         raise ConfigError("--sparse-checkpoints needs --sparse-mask fisher or random (a dense run's diffs are dense)")
     if cfg.local_steps and cfg.compress != "none":
-        raise ConfigError(f"--compress {cfg.compress} needs --local-steps 0 (local SGD merges weights, "
-                          "it has no gradient all-reduce to compress)")
+        raise ConfigError(
+            f"--compress {cfg.compress} needs --local-steps 0 (local SGD merges weights, "
+            "it has no gradient all-reduce to compress)"
+        )
     if cfg.local_steps and cfg.lookahead_steps:
-        raise ConfigError("--local-steps needs --lookahead-steps 0 (each rank's slow copy would drift from the "
-                          "merged weights)")
+        raise ConfigError(
+            "--local-steps needs --lookahead-steps 0 (each rank's slow copy would drift from the merged weights)"
+        )
     if cfg.mask_layout == "disjoint":
         if not cfg.local_steps or cfg.sparse_mask == "none":
             raise ConfigError("--mask-layout disjoint needs --local-steps and --sparse-mask fisher or random")
         if world_size * cfg.sparse_fraction > 1:
-            raise ConfigError(f"--mask-layout disjoint deals {world_size} x --sparse-fraction "
-                              f"{cfg.sparse_fraction} of the parameters: more than all of them")
+            raise ConfigError(
+                f"--mask-layout disjoint deals {world_size} x --sparse-fraction "
+                f"{cfg.sparse_fraction} of the parameters: more than all of them"
+            )
 
 
 def full_recipe(cfg: Config) -> bool:
@@ -519,12 +634,19 @@ def full_recipe(cfg: Config) -> bool:
     if cfg.preset not in PRESETS:
         return False
     base = from_preset(cfg.preset)
-    return (cfg.subset == 0 and cfg.val_split == 0 and cfg.arch == base.arch and cfg.epochs >= base.epochs
-            and len(cfg.widths) == len(base.widths) and all(w >= b for w, b in zip(cfg.widths, base.widths)))
+    return (
+        cfg.subset == 0
+        and cfg.val_split == 0
+        and cfg.arch == base.arch
+        and cfg.epochs >= base.epochs
+        and len(cfg.widths) == len(base.widths)
+        and all(w >= b for w, b in zip(cfg.widths, base.widths))
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Command line: --preset, then one flag per field, each defaulting to the preset's value.
+
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
@@ -580,6 +702,7 @@ def _field_notes() -> dict[str, tuple[str, str]]:
     """Field name -> (its ``# --- section ---`` in Config, the comment after it)."""
     import inspect
     import re
+
     out, section = {}, ""
     for line in inspect.getsource(Config).splitlines():
         head = re.match(r"\s+# --- (.*?) ---", line)
@@ -599,47 +722,63 @@ HELP_GROUPS = (  # (title, Config sections it holds)
     ("data", ("data",)),
     ("model", ("model",)),
     ("recipe", ("recipe",)),
-    ("recipe: airbench94 parity and Muon", ("recipe, issue 14: airbench94 parity, its former departures, "
-                                            "orthogonalized momentum",)),
+    (
+        "recipe: airbench94 parity and Muon",
+        ("recipe, issue 14: airbench94 parity, its former departures, orthogonalized momentum",),
+    ),
     ("engines", ("engine",)),
     ("distributed (torchrun)", ("distributed",)),
-    ("compressed gradient communication", ("compressed gradient communication (fastcifar.parallel.compress; "
-                                           "several ranks, --comm bucketed)",)),
+    (
+        "compressed gradient communication",
+        ("compressed gradient communication (fastcifar.parallel.compress; several ranks, --comm bucketed)",),
+    ),
     ("sparse training and local SGD", ("sparse training (fastcifar.run.sparse)",)),
     ("checkpoints and model files", ("checkpoints (fastcifar.checkpoint)",)),
     ("output and logging", ("runs and reporting",)),
 )
 # fields whose Config section is not the group they read best in
-HELP_GROUP_OF = {"comm": "distributed", "bucket_mb": "distributed", "dist_timeout_s": "distributed",
-                 "dist_group": "distributed",
-                 "muon_shard": "distributed", "nvtx": "runs and reporting", "profile_steps": "runs and reporting",
-                 "emulate_ranks": "distributed"}
+HELP_GROUP_OF = {
+    "comm": "distributed",
+    "bucket_mb": "distributed",
+    "dist_timeout_s": "distributed",
+    "dist_group": "distributed",
+    "muon_shard": "distributed",
+    "nvtx": "runs and reporting",
+    "profile_steps": "runs and reporting",
+    "emulate_ranks": "distributed",
+}
 ARCH_NAMES = {"resnet9": "ResNet-9", "fastnet": "FastNet", "alexnet": "AlexNet"}
 
 
 def _description() -> str:
     d = from_preset(DEFAULT_PRESET)
     optimizer = {"muon": "Muon on the conv filters", "sgd": "Nesterov SGD"}[d.optimizer]
-    return (f"Train a network on CIFAR-10 (or CIFAR-100, or your own image folders), on one device or "
-            f"data-parallel under torchrun. The default preset, {DEFAULT_PRESET}, trains "
-            f"{ARCH_NAMES[d.arch]} {'/'.join(map(str, d.widths))} for {d.epochs:g} epochs at batch "
-            f"{d.batch_size} with {optimizer}; --preset resnet9 is the ResNet-9 seed recipe. Every field of "
-            f"the run's config has a flag; the preset sets their defaults. --lr is the peak learning rate "
-            f"for the mean loss per 512 images of global batch: the run's peak is --lr x --batch-size / 512 "
-            f"(the default preset: {d.lr:g} x {d.batch_size} / 512 = {d.lr * d.batch_size / 512:.4g}), and "
-            f"the log's lr column prints the rate at each epoch's last step on that scale (the peak times "
-            f"the schedule).")
+    return (
+        f"Train a network on CIFAR-10 (or CIFAR-100, or your own image folders), on one device or "
+        f"data-parallel under torchrun. The default preset, {DEFAULT_PRESET}, trains "
+        f"{ARCH_NAMES[d.arch]} {'/'.join(map(str, d.widths))} for {d.epochs:g} epochs at batch "
+        f"{d.batch_size} with {optimizer}; --preset resnet9 is the ResNet-9 seed recipe. Every field of "
+        f"the run's config has a flag; the preset sets their defaults. --lr is the peak learning rate "
+        f"for the mean loss per 512 images of global batch: the run's peak is --lr x --batch-size / 512 "
+        f"(the default preset: {d.lr:g} x {d.batch_size} / 512 = {d.lr * d.batch_size / 512:.4g}), and "
+        f"the log's lr column prints the rate at each epoch's last step on that scale (the peak times "
+        f"the schedule)."
+    )
 
 
 def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog=prog, allow_abbrev=False,  # --warmup-epo would pass for --warmup-epochs
+        prog=prog,
+        allow_abbrev=False,  # --warmup-epo would pass for --warmup-epochs
         usage="%(prog)s [--preset NAME] [--data PATH] [--download] [--device DEVICE] [OPTION ...]",
-        description=_description(), formatter_class=_HelpFormatter)
+        description=_description(),
+        formatter_class=_HelpFormatter,
+    )
     notes = _field_notes()
     groups = {"basic": parser.add_argument_group("basic options")}
-    groups["basic"].add_argument("--preset", default=base.preset, choices=list(PRESETS),
-                                 help="named recipe that sets the defaults below")
+    groups["basic"].add_argument(
+        "--preset", default=base.preset, choices=list(PRESETS), help="named recipe that sets the defaults below"
+    )
     for title, sections in HELP_GROUPS:
         group = parser.add_argument_group(title)
         for section in sections:
@@ -667,8 +806,7 @@ def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argpa
             kwargs["choices"] = CHOICES[f.name]
         groups[section].add_argument(f"--{_flag(f.name)}", dest=f.name, **kwargs)
         if f.name == "tta":
-            groups[section].add_argument("--no-tta", dest="tta", action="store_const", const=0,
-                                         help="same as --tta 0")
+            groups[section].add_argument("--no-tta", dest="tta", action="store_const", const=0, help="same as --tta 0")
     return parser
 
 
@@ -676,8 +814,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastcifar.t
     return parse_command_line(argv, prog)[0]
 
 
-def parse_command_line(argv: list[str] | None = None,
-                       prog: str = "python -m fastcifar.train") -> tuple[Config, dict[str, Any]]:
+def parse_command_line(
+    argv: list[str] | None = None, prog: str = "python -m fastcifar.train"
+) -> tuple[Config, dict[str, Any]]:
     """The run's config, and the fields given explicitly on the command line with their values
     (``--resume`` takes the checkpoint's settings for the others: run.state.resume_settings)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -739,9 +878,13 @@ def check_run_length(cfg: Config, steps_per_epoch: int, images: int, world_size:
     run of more than MAX_STEPS steps in all (the schedule holds one rate per step). One line,
     before the run folder is made."""
     if steps_per_epoch == 0:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set "
-                          f"({images} images over {world_size} rank{'s' if world_size > 1 else ''})")
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is larger than the training set "
+            f"({images} images over {world_size} rank{'s' if world_size > 1 else ''})"
+        )
     total = math.ceil(cfg.epochs * steps_per_epoch)
     if total > MAX_STEPS:
-        raise ConfigError(f"--epochs {cfg.epochs} x {steps_per_epoch} steps per epoch (--batch-size {cfg.batch_size}) is "
-                          f"{total} steps, more than {MAX_STEPS}: fewer epochs or a larger batch")
+        raise ConfigError(
+            f"--epochs {cfg.epochs} x {steps_per_epoch} steps per epoch (--batch-size {cfg.batch_size}) is "
+            f"{total} steps, more than {MAX_STEPS}: fewer epochs or a larger batch"
+        )

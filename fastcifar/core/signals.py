@@ -107,11 +107,13 @@ def exit_now(code: int, exc: BaseException | None = None) -> None:
 def call_bounded(fn: Callable, arg, timeout_s: float) -> None:
     """``fn(arg)`` in a thread of its own, waited on for at most ``timeout_s``; errors are dropped
     (best effort: the caller ends the process either way)."""
+
     def call():
         try:
             fn(arg)
         except BaseException:
             pass
+
     t = threading.Thread(target=call, name="fastcifar-record", daemon=True)
     t.start()
     t.join(timeout_s)

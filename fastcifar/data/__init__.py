@@ -24,17 +24,40 @@ import numpy as np
 from fastcifar.data.dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
 from fastcifar.core.errors import DataError
 from fastcifar.core.readfile import kind, why
-from fastcifar.data.folder import BatchDecoder, cache_path, decoder_name, find_split_root, load_cache, read_folder, read_folder_archive, save_cache
-from fastcifar.data.official import (OFFICIAL_SETS, check_input, download, fetch_by_hand, is_file_like, read_archive,
-                                     read_batch_dir, set_of_folder)
+from fastcifar.data.folder import (
+    BatchDecoder,
+    cache_path,
+    decoder_name,
+    find_split_root,
+    load_cache,
+    read_folder,
+    read_folder_archive,
+    save_cache,
+)
+from fastcifar.data.official import (
+    OFFICIAL_SETS,
+    check_input,
+    download,
+    fetch_by_hand,
+    is_file_like,
+    read_archive,
+    read_batch_dir,
+    set_of_folder,
+)
 
 __all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "shard_indices"]
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 
 
-def _cached(source: Path, cache_dir: Path | None, read: Callable[[Path, BatchDecoder | None], Dataset],
-            decode: BatchDecoder | None, log, write: bool = True) -> Dataset:
+def _cached(
+    source: Path,
+    cache_dir: Path | None,
+    read: Callable[[Path, BatchDecoder | None], Dataset],
+    decode: BatchDecoder | None,
+    log,
+    write: bool = True,
+) -> Dataset:
     """``read(source, decode)``, through a cache keyed by the source and by the decoder; the cache
     is written only when ``write``."""
     target = cache_path(source, cache_dir, decoder_name(decode))
@@ -54,8 +77,10 @@ def _cached(source: Path, cache_dir: Path | None, read: Callable[[Path, BatchDec
 
 def _download(path: Path, log, download_set: str, write: bool) -> Dataset:
     if not write:  # another process of this node fetched it already; this one only reads
-        raise DataError(f"{path}: still no data after local rank 0 of this node fetched it; "
-                        f"do all ranks of a node see the same --data?")
+        raise DataError(
+            f"{path}: still no data after local rank 0 of this node fetched it; "
+            f"do all ranks of a node see the same --data?"
+        )
     return read_archive(download(path, progress=log, spec=OFFICIAL_SETS[download_set]))
 
 
@@ -64,8 +89,9 @@ def _read_any_archive(path: Path, decode: BatchDecoder | None) -> Dataset:
     try:
         with tarfile.open(path, "r:gz") as tar:
             members = tar.getmembers()
-            official = any(spec.folder in PurePosixPath(m.name).parts
-                           for m in members for spec in OFFICIAL_SETS.values())
+            official = any(
+                spec.folder in PurePosixPath(m.name).parts for m in members for spec in OFFICIAL_SETS.values()
+            )
             if not official:
                 return read_folder_archive(path, tar, members, decode)
     except DataError:
@@ -75,9 +101,16 @@ def _read_any_archive(path: Path, decode: BatchDecoder | None) -> Dataset:
     return read_archive(path)
 
 
-def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: str | Path | None = None,
-                 log: Callable[[str], None] = print, decode: BatchDecoder | None = None,
-                 download_set: str = "cifar10", offer_download: bool = True, write: bool = True) -> Dataset:
+def load_dataset(
+    path: str | Path,
+    download_missing: bool = False,
+    cache_dir: str | Path | None = None,
+    log: Callable[[str], None] = print,
+    decode: BatchDecoder | None = None,
+    download_set: str = "cifar10",
+    offer_download: bool = True,
+    write: bool = True,
+) -> Dataset:
     """Load CIFAR from ``path`` in any layout above; raise DataError on anything unusable (an
     OSError the readers do not name themselves included: one line with the path and the OS's reason).
     ``decode`` decodes an image folder's files in batches when no cache holds them (PIL when None,
@@ -86,16 +119,20 @@ def load_dataset(path: str | Path, download_missing: bool = False, cache_dir: st
     download nor write a cache (a rank whose node's local rank 0 did both already)."""
     path = Path(path).expanduser()
     spec = OFFICIAL_SETS.get(download_set, OFFICIAL_SETS["cifar10"])
-    hint = (f"pass --download to fetch official {spec.title} there, or " if offer_download
-            else f"for official {spec.title}, ") + fetch_by_hand(path, spec)
+    hint = (
+        f"pass --download to fetch official {spec.title} there, or "
+        if offer_download
+        else f"for official {spec.title}, "
+    ) + fetch_by_hand(path, spec)
     try:
         return _load(path, download_missing, cache_dir, log, decode, download_set, hint, write)
     except OSError as exc:
         raise DataError(f"{exc.filename or path}: {why(exc)}") from None
 
 
-def _load(path: Path, download_missing: bool, cache_dir, log, decode, download_set: str, hint: str,
-          write: bool) -> Dataset:
+def _load(
+    path: Path, download_missing: bool, cache_dir, log, decode, download_set: str, hint: str, write: bool
+) -> Dataset:
     cache = Path(cache_dir).expanduser() if cache_dir else None
     if path.is_file():
         if not path.name.endswith(ARCHIVE_SUFFIXES):
@@ -118,8 +155,10 @@ def _load(path: Path, download_missing: bool, cache_dir, log, decode, download_s
             return _download(path, log, download_set, write)
         if not any(path.iterdir()):
             raise DataError(f"{path}: empty folder; {hint}")
-        raise DataError(f"{path}: unknown layout (no cifar-10-batches-py/, cifar-100-python/, their .tar.gz, "
-                        f"or train/ and test/ class folders); {hint}")
+        raise DataError(
+            f"{path}: unknown layout (no cifar-10-batches-py/, cifar-100-python/, their .tar.gz, "
+            f"or train/ and test/ class folders); {hint}"
+        )
     if os.path.lexists(path):  # a FIFO, a device, a symlink loop, or behind a folder it may not enter
         try:
             reason = f"{kind(path.stat().st_mode)}, not a data file or folder"

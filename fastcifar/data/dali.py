@@ -39,8 +39,15 @@ import torch
 from fastcifar.core.config import CHOICES, ConfigError
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, normalize, pad_images
 from fastcifar.data import shard_indices
-from fastcifar.data.loader import (PARAM_FIELDS, EmulatedRanks, EpochAhead, TorchLoader, TrainLoader, epoch_plan,
-                                   to_device)
+from fastcifar.data.loader import (
+    PARAM_FIELDS,
+    EmulatedRanks,
+    EpochAhead,
+    TorchLoader,
+    TrainLoader,
+    epoch_plan,
+    to_device,
+)
 
 LOADERS = CHOICES["loader"]
 # What "auto" picks per device type: the faster in bench/bench_loader.py (bench/results/loader.jsonl,
@@ -84,8 +91,10 @@ def resolve_loader(requested: str, device: torch.device | str) -> tuple[str, str
     ok, why = dali_available()
     if requested == "dali":
         if not ok:
-            raise DaliUnavailableError(f"--loader dali: NVIDIA DALI cannot be imported ({why}); "
-                                       f"install nvidia-dali-cuda130 or use --loader torch")
+            raise DaliUnavailableError(
+                f"--loader dali: NVIDIA DALI cannot be imported ({why}); "
+                f"install nvidia-dali-cuda130 or use --loader torch"
+            )
         return "dali", None
     choice = AUTO_LOADER[torch.device(device).type]
     if choice == "dali" and not ok:
@@ -192,13 +201,31 @@ class DaliLoader(TrainLoader):
     Yields ``(images, labels)``: (B, 3, S, S) channels-last ``dtype`` and (B,) int64 on ``device``.
     """
 
-    def __init__(self, images, labels, shard: np.ndarray | None, batch_size: int,
-                 steps_per_epoch: int | None = None, *, pad: int = 4, pad_mode: str = "reflect",
-                 cutout: int = 8, flip: bool = True, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu", rank: int = 0, mean=CIFAR10_MEAN, std=CIFAR10_STD,
-                 seed: int = 0, prefetch: int = 2, num_threads: int = 2, flip_mode: str = "random",
-                 params_fn: Callable[[int, int, int], AugmentParams] | None = None, brightness: float = 0.0,
-                 contrast: float = 0.0):
+    def __init__(
+        self,
+        images,
+        labels,
+        shard: np.ndarray | None,
+        batch_size: int,
+        steps_per_epoch: int | None = None,
+        *,
+        pad: int = 4,
+        pad_mode: str = "reflect",
+        cutout: int = 8,
+        flip: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        rank: int = 0,
+        mean=CIFAR10_MEAN,
+        std=CIFAR10_STD,
+        seed: int = 0,
+        prefetch: int = 2,
+        num_threads: int = 2,
+        flip_mode: str = "random",
+        params_fn: Callable[[int, int, int], AugmentParams] | None = None,
+        brightness: float = 0.0,
+        contrast: float = 0.0,
+    ):
         Pipeline, fn, types = _dali()
         images, labels = _check_images(images, labels)
         device_id = _device_id(torch.device(device))
@@ -222,8 +249,10 @@ class DaliLoader(TrainLoader):
             raise ValueError(f"shard must be a non-empty 1-D array of indices into {len(images)} images")
         steps = len(shard_t) // batch_size if steps_per_epoch is None else steps_per_epoch
         if steps < 1 or steps * batch_size > len(shard_t):
-            raise ValueError(f"{max(steps, 1)} steps of {batch_size} need {max(steps, 1) * batch_size} images, "
-                             f"the shard has {len(shard_t)}")
+            raise ValueError(
+                f"{max(steps, 1)} steps of {batch_size} need {max(steps, 1) * batch_size} images, "
+                f"the shard has {len(shard_t)}"
+            )
 
         self.batch_size, self.steps, self.size = batch_size, steps, size
         self.pad, self.cutout, self.flip, self.rank = pad, cutout, flip, rank
@@ -243,9 +272,13 @@ class DaliLoader(TrainLoader):
         self._feed_stream = torch.cuda.Stream(self.device) if device_id is not None else None
 
         backend = "gpu" if device_id is not None else "cpu"
-        pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
-                        prefetch_queue_depth=min(prefetch, steps),
-                        exec_dynamic=True)  # dynamic executor: outputs stay valid while torch holds them
+        pipe = Pipeline(
+            batch_size=batch_size,
+            num_threads=num_threads,
+            device_id=device_id,
+            prefetch_queue_depth=min(prefetch, steps),
+            exec_dynamic=True,
+        )  # dynamic executor: outputs stay valid while torch holds them
         with pipe:
             padded = fn.external_source(name="images", device=backend, layout="HWC", dtype=types.UINT8, ndim=3)
             args = {}
@@ -262,17 +295,24 @@ class DaliLoader(TrainLoader):
             # the jitter too works on float32 and rounds once at the end, as the reference does
             late_cast = half and (cutout or jitter)
             out = fn.crop_mirror_normalize(
-                padded, device=backend, mean=[float(m) for m in mean], std=[float(s) for s in std],
+                padded,
+                device=backend,
+                mean=[float(m) for m in mean],
+                std=[float(s) for s in std],
                 dtype=types.FLOAT16 if half and not late_cast else types.FLOAT,
-                output_layout="HWC", rounding="round", **args)  # dy/(2*pad) * 2*pad rounds back to dy
+                output_layout="HWC",
+                rounding="round",
+                **args,
+            )  # dy/(2*pad) * 2*pad rounds back to dy
             if jitter:  # a batch of per-image scalars broadcasts over the image; on the pipeline's device
                 shift = fn.external_source(name="shift", device=backend, dtype=types.FLOAT, ndim=0)
                 scale = fn.external_source(name="scale", device=backend, dtype=types.FLOAT, ndim=0)
                 out = (out + shift) * scale
             if cutout:
                 anchor = fn.external_source(name="cut_anchor", dtype=types.FLOAT, ndim=1)
-                out = fn.erase(out, device=backend, anchor=anchor, shape=[float(cutout)] * 2,
-                               axis_names="HW", fill_value=0.0)
+                out = fn.erase(
+                    out, device=backend, anchor=anchor, shape=[float(cutout)] * 2, axis_names="HW", fill_value=0.0
+                )
             if late_cast:
                 out = fn.cast(out, device=backend, dtype=types.FLOAT16)
             pipe.set_outputs(out)
@@ -283,7 +323,7 @@ class DaliLoader(TrainLoader):
     def plain_images(self, n: int) -> torch.Tensor:
         """The shard's first ``n`` images un-augmented, normalized, fp32, NCHW-shaped (channels-last):
         what a data-dependent init (the whitening conv) reads; the same as TorchLoader's."""
-        centre = self.images[:n, self.pad:self.pad + self.size, self.pad:self.pad + self.size]
+        centre = self.images[:n, self.pad : self.pad + self.size, self.pad : self.pad + self.size]
         return normalize(centre, self.mean, self.std, torch.float32)
 
     def prepare(self, run_seed: int, epoch: int) -> None:
@@ -296,23 +336,42 @@ class DaliLoader(TrainLoader):
         ``images``: (B, 3, S, S) channels-last ``dtype``; ``labels``: (B,) int64; both on ``device``.
         """
         want = (self.batch_size, 3, self.size, self.size)
-        if (tuple(images.shape) != want or images.dtype != self.dtype or images.device != self.device
-                or not images.is_contiguous(memory_format=torch.channels_last)):
-            raise ValueError(f"static images must be {want} channels-last {self.dtype} on {self.device}, "
-                             f"not {tuple(images.shape)} {images.dtype} on {images.device} "
-                             f"with strides {images.stride()}")
+        if (
+            tuple(images.shape) != want
+            or images.dtype != self.dtype
+            or images.device != self.device
+            or not images.is_contiguous(memory_format=torch.channels_last)
+        ):
+            raise ValueError(
+                f"static images must be {want} channels-last {self.dtype} on {self.device}, "
+                f"not {tuple(images.shape)} {images.dtype} on {images.device} "
+                f"with strides {images.stride()}"
+            )
         if tuple(labels.shape) != (self.batch_size,) or labels.dtype != torch.int64 or labels.device != self.device:
-            raise ValueError(f"static labels must be ({self.batch_size},) int64 on {self.device}, "
-                             f"not {tuple(labels.shape)} {labels.dtype} on {labels.device}")
+            raise ValueError(
+                f"static labels must be ({self.batch_size},) int64 on {self.device}, "
+                f"not {tuple(labels.shape)} {labels.dtype} on {labels.device}"
+            )
         self._static = (images, labels)
 
     def _epoch_plan(self, run_seed: int, epoch: int) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """An epoch's batch order (indices into the shard) and DALI's argument inputs, all batches."""
         n = self.steps * self.batch_size
-        order, p = epoch_plan(run_seed, self.rank, epoch, len(self.labels), n, pad=self.pad,
-                              cutout=self.cutout, flip=self.flip, flip_mode=self.flip_mode,
-                              shard_index=self.shard_index, size=self.size, brightness=self.brightness,
-                              contrast=self.contrast)  # the torch loader's too
+        order, p = epoch_plan(
+            run_seed,
+            self.rank,
+            epoch,
+            len(self.labels),
+            n,
+            pad=self.pad,
+            cutout=self.cutout,
+            flip=self.flip,
+            flip_mode=self.flip_mode,
+            shard_index=self.shard_index,
+            size=self.size,
+            brightness=self.brightness,
+            contrast=self.contrast,
+        )  # the torch loader's too
         if self.params_fn is not None:
             batches = [self._checked(self.params_fn(epoch, s, self.batch_size)) for s in range(self.steps)]
             p = AugmentParams.concat(batches)
@@ -334,23 +393,34 @@ class DaliLoader(TrainLoader):
         jitter's as CPU float32, present exactly when the loader jitters."""
         jitter = self.jitter
         if p.jitter != jitter:
-            raise ValueError(f"params_fn: shift and scale must be {'given' if jitter else 'None'}: this loader "
-                             f"{'jitters' if jitter else 'does not jitter'}")
-        p = AugmentParams(*(torch.as_tensor(getattr(p, f)).cpu().long() for f in PARAM_FIELDS),
-                          *((torch.as_tensor(p.shift).cpu().float(), torch.as_tensor(p.scale).cpu().float())
-                            if jitter else ()))
+            raise ValueError(
+                f"params_fn: shift and scale must be {'given' if jitter else 'None'}: this loader "
+                f"{'jitters' if jitter else 'does not jitter'}"
+            )
+        p = AugmentParams(
+            *(torch.as_tensor(getattr(p, f)).cpu().long() for f in PARAM_FIELDS),
+            *((torch.as_tensor(p.shift).cpu().float(), torch.as_tensor(p.scale).cpu().float()) if jitter else ()),
+        )
         for name in ("shift", "scale") if jitter else ():  # a wrong length would put later feeds out of step
             v = getattr(p, name)
             if v.shape != (self.batch_size,) or not bool(torch.isfinite(v).all()):
-                raise ValueError(f"params_fn: {name} must be {self.batch_size} finite values, got shape "
-                                 f"{tuple(v.shape)}")
-        limits = {"dy": 2 * self.pad, "dx": 2 * self.pad, "flip": int(self.flip), "cy": self.size - self.cutout,
-                  "cx": self.size - self.cutout}
+                raise ValueError(
+                    f"params_fn: {name} must be {self.batch_size} finite values, got shape {tuple(v.shape)}"
+                )
+        limits = {
+            "dy": 2 * self.pad,
+            "dx": 2 * self.pad,
+            "flip": int(self.flip),
+            "cy": self.size - self.cutout,
+            "cx": self.size - self.cutout,
+        }
         for name, high in limits.items():
             v = getattr(p, name)
             if v.shape != (self.batch_size,) or v.min() < 0 or v.max() > high:
-                raise ValueError(f"params_fn: {name} must be {self.batch_size} values in 0..{high}, "
-                                 f"got shape {tuple(v.shape)} range {v.min().item()}..{v.max().item()}")
+                raise ValueError(
+                    f"params_fn: {name} must be {self.batch_size} values in 0..{high}, "
+                    f"got shape {tuple(v.shape)} range {v.min().item()}..{v.max().item()}"
+                )
         return p
 
     def quiesce(self) -> None:
@@ -385,7 +455,7 @@ class DaliLoader(TrainLoader):
 
         for step, (out,) in enumerate(self._flight.run(self.steps, feed, stream)):
             x = torch.from_dlpack(out.as_tensor()).permute(0, 3, 1, 2)  # NHWC memory, NCHW shape
-            y = labels[step * b:(step + 1) * b]
+            y = labels[step * b : (step + 1) * b]
             if self._static is not None:
                 sx, sy = self._static
                 sx.copy_(x)  # same strides on both sides: one flat device-to-device copy
@@ -394,8 +464,14 @@ class DaliLoader(TrainLoader):
             yield x, y
 
 
-def decode_jpegs(encoded: Sequence[bytes], device: torch.device | str = "cpu", *, size: int = 32,
-                 batch_size: int = DECODE_BATCH, num_threads: int = 2) -> torch.Tensor:
+def decode_jpegs(
+    encoded: Sequence[bytes],
+    device: torch.device | str = "cpu",
+    *,
+    size: int = 32,
+    batch_size: int = DECODE_BATCH,
+    num_threads: int = 2,
+) -> torch.Tensor:
     """Decode JPEG byte strings once into resident uint8 (N, size, size, 3) RGB on ``device``.
 
     On CUDA nvJPEG decodes (DALI device "mixed", libjpeg-turbo's chroma upsampling so it agrees
@@ -419,14 +495,15 @@ def decode_jpegs(encoded: Sequence[bytes], device: torch.device | str = "cpu", *
     b = min(batch_size, n)
     steps = -(-n // b)
     with _dali_log_captured():  # a bad JPEG: DALI's own "[ERROR] [jpeg_parser]" line is not shown
-        return _decode_arrays(arrays, encoded, out, Pipeline, fn, types, device, device_id, size, b, steps,
-                              num_threads)
+        return _decode_arrays(arrays, encoded, out, Pipeline, fn, types, device, device_id, size, b, steps, num_threads)
 
 
 # One record of DALI's (nvImageCodec's) own log on stderr: "[ERROR] [jpeg_parser] Invalid marker",
 # coloured, not always ending in a newline.
-_DALI_LOG = re.compile(rb"(?:\x1b\[[0-9;]*m)?\[(?:ERROR|WARNING|WARN|INFO|DEBUG)\] ?(?:\x1b\[[0-9;]*m)?"
-                       rb"\[[\w .:-]+\][^\n\x1b]*\n?")
+_DALI_LOG = re.compile(
+    rb"(?:\x1b\[[0-9;]*m)?\[(?:ERROR|WARNING|WARN|INFO|DEBUG)\] ?(?:\x1b\[[0-9;]*m)?"
+    rb"\[[\w .:-]+\][^\n\x1b]*\n?"
+)
 _COLOUR = re.compile(rb"\x1b\[[0-9;]*m")
 
 
@@ -491,17 +568,24 @@ def _route(line: bytes, held: list, stderr_fd: int) -> None:
 
 def _decode_arrays(arrays, encoded, out, Pipeline, fn, types, device, device_id, size, b, steps, num_threads):
     n = len(arrays)
-    pipe = Pipeline(batch_size=b, num_threads=num_threads, device_id=device_id,
-                    prefetch_queue_depth=min(2, steps), exec_dynamic=True)
+    pipe = Pipeline(
+        batch_size=b,
+        num_threads=num_threads,
+        device_id=device_id,
+        prefetch_queue_depth=min(2, steps),
+        exec_dynamic=True,
+    )
     with pipe:
         data = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
         extra = {"jpeg_fancy_upsampling": True} if device_id is not None else {}
-        pipe.set_outputs(fn.decoders.image(data, device="mixed" if device_id is not None else "cpu",
-                                           output_type=types.RGB, **extra))
+        pipe.set_outputs(
+            fn.decoders.image(data, device="mixed" if device_id is not None else "cpu", output_type=types.RGB, **extra)
+        )
     pipe.build()
     stream = torch.cuda.current_stream(device) if device_id is not None else None
-    batches = _InFlight(pipe, min(2, steps)).run(steps, lambda s: pipe.feed_input("encoded", arrays[s * b:(s + 1) * b]),
-                                                 stream)
+    batches = _InFlight(pipe, min(2, steps)).run(
+        steps, lambda s: pipe.feed_input("encoded", arrays[s * b : (s + 1) * b]), stream
+    )
     for step in range(steps):
         lo = step * b
         try:
@@ -510,9 +594,10 @@ def _decode_arrays(arrays, encoded, out, Pipeline, fn, types, device, device_id,
             raise JpegDecodeError(_locate_failure(encoded, lo, min(lo + 2 * b, n), exc)) from None
         for i, shape in enumerate(images.shape()):
             if tuple(shape) != (size, size, 3):
-                raise JpegDecodeError(f"encoded[{lo + i}] decodes to {'x'.join(map(str, shape))}, "
-                                      f"expected {size}x{size}x3")
-        out[lo:lo + len(images)].copy_(torch.from_dlpack(images.as_tensor()))
+                raise JpegDecodeError(
+                    f"encoded[{lo + i}] decodes to {'x'.join(map(str, shape))}, expected {size}x{size}x3"
+                )
+        out[lo : lo + len(images)].copy_(torch.from_dlpack(images.as_tensor()))
     return out
 
 
@@ -551,11 +636,11 @@ def jpeg_size(raw) -> tuple[int, int] | None:
         if marker in (0x01, *range(0xD0, 0xD8)):  # no length
             i += 2
             continue
-        length = int.from_bytes(data[i + 2:i + 4], "big")
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
         if marker in _SOF:
             if i + 9 > n:
                 return None
-            return int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big")
+            return int.from_bytes(data[i + 7 : i + 9], "big"), int.from_bytes(data[i + 5 : i + 7], "big")
         if marker == 0xDA or length < 2:  # scan data before any frame header: not a JPEG we read
             return None
         i += 2 + length
@@ -568,6 +653,7 @@ def dali_decoder(device: torch.device | str):
     arrays come back to the host once, for the cache; the loader then keeps its shard on the device.
     It declines (returns None, and PIL decodes) anything that is not all JPEG, not all 32x32 by
     its header, or fails to decode, so PIL's error (or its header check) names the bad file."""
+
     def decode(raws: list, wheres: list):
         if not raws or not all(bytes(r[:2]) == b"\xff\xd8" for r in raws):
             return None
@@ -577,12 +663,23 @@ def dali_decoder(device: torch.device | str):
             return decode_jpegs(raws, device).cpu().numpy()
         except JpegDecodeError:
             return None
+
     decode.name = f"dali-{torch.device(device).type}"  # the cache key's decoder: nvJPEG and libjpeg-turbo differ
     return decode
 
 
-def make_train_loader(name: str, images, labels, shard: np.ndarray, batch_size: int, steps: int, *,
-                      kernels: str, emulate_ranks: int = 1, **augment) -> TrainLoader:
+def make_train_loader(
+    name: str,
+    images,
+    labels,
+    shard: np.ndarray,
+    batch_size: int,
+    steps: int,
+    *,
+    kernels: str,
+    emulate_ranks: int = 1,
+    **augment,
+) -> TrainLoader:
     """The training loader ``resolve_loader`` chose: ``DaliLoader`` or ``TorchLoader`` (which
     augments with ``kernels``: the Triton kernel or the reference). ``emulate_ranks`` N > 1 (one
     process): N of them side by side (``loader.EmulatedRanks``), rank r's over its part of
@@ -592,9 +689,22 @@ def make_train_loader(name: str, images, labels, shard: np.ndarray, batch_size: 
         if augment.pop("rank", 0):
             raise ValueError("emulated ranks run in one process, rank 0 of 1")
         per_rank = batch_size // emulate_ranks
-        return EmulatedRanks([make_train_loader(name, images, labels, shard[shard_indices(len(shard), r, emulate_ranks)],
-                                                per_rank, steps, kernels=kernels, rank=r, **augment)
-                              for r in range(emulate_ranks)])
+        return EmulatedRanks(
+            [
+                make_train_loader(
+                    name,
+                    images,
+                    labels,
+                    shard[shard_indices(len(shard), r, emulate_ranks)],
+                    per_rank,
+                    steps,
+                    kernels=kernels,
+                    rank=r,
+                    **augment,
+                )
+                for r in range(emulate_ranks)
+            ]
+        )
     if name == "dali":
         return DaliLoader(images, labels, shard, batch_size, steps, **augment)
     return TorchLoader(images, labels, shard, batch_size, steps, kernels=kernels, **augment)

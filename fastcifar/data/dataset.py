@@ -8,8 +8,7 @@ import numpy as np
 
 from fastcifar.core.errors import DataError
 
-CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
-                   "dog", "frog", "horse", "ship", "truck")
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 IMAGE_SHAPE = (32, 32, 3)
 
 
@@ -28,11 +27,11 @@ class Dataset:
             images = getattr(self, f"{split}_images")
             labels = getattr(self, f"{split}_labels")
             if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != IMAGE_SHAPE:
-                raise DataError(f"{self.source}: {split} images must be uint8 (N, 32, 32, 3), "
-                                f"got {images.dtype} {images.shape}")
+                raise DataError(
+                    f"{self.source}: {split} images must be uint8 (N, 32, 32, 3), got {images.dtype} {images.shape}"
+                )
             if labels.shape != (images.shape[0],):
-                raise DataError(f"{self.source}: {split} has {images.shape[0]} images "
-                                f"but {labels.shape[0]} labels")
+                raise DataError(f"{self.source}: {split} has {images.shape[0]} images but {labels.shape[0]} labels")
             if len(labels) and (labels.min() < 0 or labels.max() >= len(self.classes)):
                 raise DataError(f"{self.source}: {split} labels outside 0..{len(self.classes) - 1}")
             if len(labels) == 0:
@@ -45,16 +44,20 @@ class Dataset:
         so taking the first N would give one class; the sample uses a constant seed instead."""
         n_all = len(self.train_labels)
         if n_train > n_all:
-            raise DataError(f"--subset {n_train} is larger than the training set of {self.source} "
-                            f"({n_all} images)")
+            raise DataError(f"--subset {n_train} is larger than the training set of {self.source} ({n_all} images)")
         if n_train <= 0 or n_train == n_all:
             return self
         n_test = min(len(self.test_labels), max(100, round(len(self.test_labels) * n_train / n_all)))
         pick_train = np.sort(np.random.default_rng(0).permutation(n_all)[:n_train])
         pick_test = np.sort(np.random.default_rng(1).permutation(len(self.test_labels))[:n_test])
-        return Dataset(self.train_images[pick_train], self.train_labels[pick_train],
-                       self.test_images[pick_test], self.test_labels[pick_test], self.classes,
-                       f"{self.source} (a fixed subset)")  # the counts are printed beside the source
+        return Dataset(
+            self.train_images[pick_train],
+            self.train_labels[pick_train],
+            self.test_images[pick_test],
+            self.test_labels[pick_test],
+            self.classes,
+            f"{self.source} (a fixed subset)",
+        )  # the counts are printed beside the source
 
     def hold_out(self, n_val: int) -> tuple["Dataset", np.ndarray, np.ndarray]:
         """``--val-split``: (the set without ``n_val`` training images, their images, their labels).
@@ -67,8 +70,14 @@ class Dataset:
             raise DataError(f"--val-split {n_val} leaves no training images: {self.source} has {n_all}")
         order = np.random.default_rng(2).permutation(n_all)
         val, keep = np.sort(order[:n_val]), np.sort(order[n_val:])
-        rest = Dataset(self.train_images[keep], self.train_labels[keep], self.test_images, self.test_labels,
-                       self.classes, self.source)
+        rest = Dataset(
+            self.train_images[keep],
+            self.train_labels[keep],
+            self.test_images,
+            self.test_labels,
+            self.classes,
+            self.source,
+        )
         return rest, self.train_images[val], self.train_labels[val]
 
 
@@ -78,10 +87,14 @@ def for_run(data: Dataset, subset: int, val_split: int) -> tuple[Dataset, np.nda
     cut = data.subset(subset)
     notes = []
     if len(cut.test_labels) < len(data.test_labels):
-        notes.append(f"--subset {subset}: the test set is cut to the same fraction, {len(cut.test_labels)} of "
-                     f"{len(data.test_labels)} images (its accuracy is noisier than the full set's)")
+        notes.append(
+            f"--subset {subset}: the test set is cut to the same fraction, {len(cut.test_labels)} of "
+            f"{len(data.test_labels)} images (its accuracy is noisier than the full set's)"
+        )
     cut, val_images, val_labels = cut.hold_out(val_split)
     if val_split:
-        notes.append(f"--val-split {val_split}: each epoch is evaluated on {val_split} held-out training "
-                     f"images (val_acc); the test set once, after the last epoch")
+        notes.append(
+            f"--val-split {val_split}: each epoch is evaluated on {val_split} held-out training "
+            f"images (val_acc); the test set once, after the last epoch"
+        )
     return cut, val_images, val_labels, notes

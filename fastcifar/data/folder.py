@@ -56,8 +56,10 @@ def _split_files(entries: list[tuple[PurePosixPath, object]], source: str):
     if train_classes != test_classes:
         only_train = sorted(set(train_classes) - set(test_classes))
         only_test = sorted(set(test_classes) - set(train_classes))
-        raise DataError(f"{source}: class folders of train/ and test/ differ "
-                        f"(only in train: {only_train or 'none'}; only in test: {only_test or 'none'})")
+        raise DataError(
+            f"{source}: class folders of train/ and test/ differ "
+            f"(only in train: {only_train or 'none'}; only in test: {only_test or 'none'})"
+        )
     return tree, tuple(train_classes)
 
 
@@ -121,8 +123,11 @@ BatchDecoder = Callable[[list, list], Optional[np.ndarray]]
 def _decode_tree(tree, classes, read, source: str, decode: BatchDecoder | None = None) -> Dataset:
     arrays = {}
     for split in SPLITS:
-        items = [(rel, handle, label) for label, cls in enumerate(classes)
-                 for rel, handle in sorted(tree[split][cls], key=lambda t: str(t[0]))]
+        items = [
+            (rel, handle, label)
+            for label, cls in enumerate(classes)
+            for rel, handle in sorted(tree[split][cls], key=lambda t: str(t[0]))
+        ]
         wheres = [f"{source}/{rel}" for rel, _, _ in items]
         raws = [read(handle, where) for (_, handle, _), where in zip(items, wheres)]
         images = decode(raws, wheres) if decode is not None else None
@@ -156,8 +161,11 @@ def _folder_entries(root: Path) -> list[tuple[PurePosixPath, Path]]:
             continue
         for cls in _scan(Path(split.path)):
             if _is_dir(cls):
-                entries += [(PurePosixPath(split.name, cls.name, f.name), Path(f.path))
-                            for f in _scan(Path(cls.path)) if not _is_dir(f)]
+                entries += [
+                    (PurePosixPath(split.name, cls.name, f.name), Path(f.path))
+                    for f in _scan(Path(cls.path))
+                    if not _is_dir(f)
+                ]
     return entries
 
 
@@ -169,6 +177,7 @@ def read_folder(root: Path, decode: BatchDecoder | None = None) -> Dataset:
             return read_regular(p)  # a FIFO is refused, not waited on
         except OSError as exc:
             raise DataError(f"{where}: cannot read image: {why(exc)}") from None
+
     return _decode_tree(tree, classes, read, str(root), decode)
 
 
@@ -185,15 +194,19 @@ def tar_split_prefix(names: list[str]) -> str | None:
     return None
 
 
-def read_folder_archive(path: Path, tar: tarfile.TarFile, members: list[tarfile.TarInfo],
-                        decode: BatchDecoder | None = None) -> Dataset:
+def read_folder_archive(
+    path: Path, tar: tarfile.TarFile, members: list[tarfile.TarInfo], decode: BatchDecoder | None = None
+) -> Dataset:
     names = [m.name.lstrip("./") for m in members]
     prefix = tar_split_prefix(names)
     if prefix is None:
         raise DataError(f"{path}: unknown layout (no train/ and test/ folders, no cifar-10-batches-py/)")
     strip = len(PurePosixPath(prefix).parts) if prefix else 0
-    entries = [(PurePosixPath(*PurePosixPath(n).parts[strip:]), m)
-               for n, m in zip(names, members) if m.isfile() and len(PurePosixPath(n).parts) > strip]
+    entries = [
+        (PurePosixPath(*PurePosixPath(n).parts[strip:]), m)
+        for n, m in zip(names, members)
+        if m.isfile() and len(PurePosixPath(n).parts) > strip
+    ]
     tree, classes = _split_files(entries, str(path))
 
     def read(member: tarfile.TarInfo, where: str) -> bytes:
@@ -201,11 +214,13 @@ def read_folder_archive(path: Path, tar: tarfile.TarFile, members: list[tarfile.
             return tar.extractfile(member).read()
         except Exception as exc:
             raise DataError(f"{where}: truncated or corrupt archive ({exc})") from None
+
     return _decode_tree(tree, classes, read, str(path), decode)
 
 
 # ---------------------------------------------------------------------------------------------
 # The cache of decoded arrays
+
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastcifar"
@@ -246,8 +261,14 @@ def load_cache(path: Path, source: str) -> Dataset | None:
         return None
     try:
         with np.load(path, allow_pickle=False) as z:
-            return Dataset(z["train_images"], z["train_labels"], z["test_images"], z["test_labels"],
-                           tuple(str(c) for c in z["classes"]), source).validate()
+            return Dataset(
+                z["train_images"],
+                z["train_labels"],
+                z["test_images"],
+                z["test_labels"],
+                tuple(str(c) for c in z["classes"]),
+                source,
+            ).validate()
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, DataError):
         return None  # an unreadable cache is rebuilt, never trusted
 
@@ -257,9 +278,14 @@ def save_cache(path: Path, ds: Dataset) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, train_images=ds.train_images, train_labels=ds.train_labels,
-                     test_images=ds.test_images, test_labels=ds.test_labels,
-                     classes=np.array(ds.classes))
+            np.savez(
+                f,
+                train_images=ds.train_images,
+                train_labels=ds.train_labels,
+                test_images=ds.test_images,
+                test_labels=ds.test_labels,
+                classes=np.array(ds.classes),
+            )
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache is as readable as the data
         os.replace(tmp, path)
     finally:

@@ -18,7 +18,15 @@ import itertools
 import numpy as np
 import torch
 
-from fastcifar.ops.augment import (CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference, draw_params, normalize, pad_images)
+from fastcifar.ops.augment import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    AugmentParams,
+    augment_reference,
+    draw_params,
+    normalize,
+    pad_images,
+)
 
 PARAM_FIELDS = ("dy", "dx", "flip", "cy", "cx")  # AugmentParams' int64 fields; shift and scale (jitter) are float32
 
@@ -28,9 +36,22 @@ def epoch_seed(run_seed: int, rank: int, epoch: int) -> int:
     return int(np.random.SeedSequence([run_seed, rank, epoch]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-def epoch_plan(run_seed: int, rank: int, epoch: int, n_shard: int, n: int, *, pad: int, cutout: int,
-               flip: bool, flip_mode: str, shard_index: torch.Tensor, size: int = 32, brightness: float = 0.0,
-               contrast: float = 0.0):
+def epoch_plan(
+    run_seed: int,
+    rank: int,
+    epoch: int,
+    n_shard: int,
+    n: int,
+    *,
+    pad: int,
+    cutout: int,
+    flip: bool,
+    flip_mode: str,
+    shard_index: torch.Tensor,
+    size: int = 32,
+    brightness: float = 0.0,
+    contrast: float = 0.0,
+):
     """One rank's whole epoch, drawn once on the host: the order (the first ``n`` of a permutation
     of the shard's ``n_shard`` slots) and every image's augmentation parameters, from one CPU
     generator seeded by ``epoch_seed``. Both loaders take their epoch from here, so a seed gives
@@ -38,8 +59,21 @@ def epoch_plan(run_seed: int, rank: int, epoch: int, n_shard: int, n: int, *, pa
     the CPU one). ``shard_index`` (CPU int64): each slot's data-set index, for alternating flips."""
     g = torch.Generator().manual_seed(epoch_seed(run_seed, rank, epoch))
     order = torch.randperm(n_shard, generator=g)[:n]
-    params = draw_params(n, pad, cutout, g, "cpu", size=size, flip=flip, flip_mode=flip_mode,
-                         index=shard_index[order], epoch=epoch, seed=run_seed, brightness=brightness, contrast=contrast)
+    params = draw_params(
+        n,
+        pad,
+        cutout,
+        g,
+        "cpu",
+        size=size,
+        flip=flip,
+        flip_mode=flip_mode,
+        index=shard_index[order],
+        epoch=epoch,
+        seed=run_seed,
+        brightness=brightness,
+        contrast=contrast,
+    )
     return order, params
 
 
@@ -117,14 +151,33 @@ class TrainLoader:
 class TorchLoader(TrainLoader):
     """Training batches of one rank's fixed shard, reshuffled every epoch, last partial batch dropped."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, shard: np.ndarray, batch_size: int,
-                 steps_per_epoch: int, *, pad: int, pad_mode: str, cutout: int, flip: bool,
-                 dtype: torch.dtype, device: torch.device, rank: int = 0,
-                 mean=CIFAR10_MEAN, std=CIFAR10_STD, flip_mode: str = "random", kernels: str = "torch",
-                 brightness: float = 0.0, contrast: float = 0.0):
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        shard: np.ndarray,
+        batch_size: int,
+        steps_per_epoch: int,
+        *,
+        pad: int,
+        pad_mode: str,
+        cutout: int,
+        flip: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank: int = 0,
+        mean=CIFAR10_MEAN,
+        std=CIFAR10_STD,
+        flip_mode: str = "random",
+        kernels: str = "torch",
+        brightness: float = 0.0,
+        contrast: float = 0.0,
+    ):
         if steps_per_epoch * batch_size > len(shard):
-            raise ValueError(f"{steps_per_epoch} steps of {batch_size} need {steps_per_epoch * batch_size} "
-                             f"images, the shard has {len(shard)}")
+            raise ValueError(
+                f"{steps_per_epoch} steps of {batch_size} need {steps_per_epoch * batch_size} "
+                f"images, the shard has {len(shard)}"
+            )
         self.images = pad_images(torch.from_numpy(images[shard]).to(device), pad, pad_mode)
         self.labels = torch.from_numpy(labels[shard]).to(device)
         self.flip_mode = flip_mode
@@ -137,6 +190,7 @@ class TorchLoader(TrainLoader):
         self.fused = None
         if kernels == "triton":  # one Triton pass from the padded set: gather, crop, flip, normalize, cutout
             from fastcifar import kernels
+
             self.fused = kernels.module("augment").TritonAugment(cutout, mean, std, dtype).to(device)
         self.shard_index = torch.from_numpy(shard).to(torch.int64)  # host copy: epoch_plan hashes it
         self._ahead = EpochAhead(self._device_plan)
@@ -146,7 +200,7 @@ class TorchLoader(TrainLoader):
         """The shard's first ``n`` images un-augmented (the centre of the padded copy), normalized,
         fp32, NCHW-shaped: the data a data-dependent init (the whitening conv) reads."""
         size = self.images.shape[1] - 2 * self.pad
-        centre = self.images[:n, self.pad:self.pad + size, self.pad:self.pad + size]
+        centre = self.images[:n, self.pad : self.pad + size, self.pad : self.pad + size]
         return normalize(centre, self.mean, self.std, torch.float32)
 
     def prepare(self, run_seed: int, epoch: int) -> None:
@@ -154,9 +208,20 @@ class TorchLoader(TrainLoader):
         self._ahead.prepare(run_seed, epoch)
 
     def _device_plan(self, run_seed: int, epoch: int) -> tuple[torch.Tensor, AugmentParams]:
-        order, plan = epoch_plan(run_seed, self.rank, epoch, len(self.labels), self.steps * self.batch_size,
-                                 pad=self.pad, cutout=self.cutout, flip=self.flip, flip_mode=self.flip_mode,
-                                 shard_index=self.shard_index, brightness=self.brightness, contrast=self.contrast)
+        order, plan = epoch_plan(
+            run_seed,
+            self.rank,
+            epoch,
+            len(self.labels),
+            self.steps * self.batch_size,
+            pad=self.pad,
+            cutout=self.cutout,
+            flip=self.flip,
+            flip_mode=self.flip_mode,
+            shard_index=self.shard_index,
+            brightness=self.brightness,
+            contrast=self.contrast,
+        )
         # one host-to-device copy per epoch (6 int64 per image: 2.4 MB for 50,000), none per step;
         # the jitter's two float32 per image in a second one
         rows = to_device(torch.stack([order, *(getattr(plan, f) for f in PARAM_FIELDS)]), self.device)
@@ -167,7 +232,7 @@ class TorchLoader(TrainLoader):
         b = self.batch_size
         order, plan = self._ahead.take(self.run_seed, self.epoch)
         for step in range(self.steps):
-            idx = order[step * b:(step + 1) * b]
+            idx = order[step * b : (step + 1) * b]
             params = plan.part(step * b, (step + 1) * b)
             if self.fused is not None:
                 images = self.fused(self.images, params, index=idx)
@@ -224,9 +289,19 @@ class EmulatedRanks(TrainLoader):
 class EvalSet:
     """The test images of one rank (every ``world_size``-th), normalized once, in fixed batches."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, *, dtype: torch.dtype,
-                 device: torch.device, rank: int = 0, world_size: int = 1,
-                 mean=CIFAR10_MEAN, std=CIFAR10_STD):
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        batch_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        mean=CIFAR10_MEAN,
+        std=CIFAR10_STD,
+    ):
         mine = slice(rank, None, world_size)
         self.images = normalize(torch.from_numpy(images[mine]).to(device), mean, std, dtype)
         self.labels = torch.from_numpy(labels[mine]).to(device)
@@ -237,4 +312,4 @@ class EvalSet:
 
     def __iter__(self):
         for start in range(0, len(self.labels), self.batch_size):
-            yield self.images[start:start + self.batch_size], self.labels[start:start + self.batch_size]
+            yield self.images[start : start + self.batch_size], self.labels[start : start + self.batch_size]

@@ -32,6 +32,7 @@ from fastcifar.core.readfile import check_regular, read_regular, why
 @dataclass(frozen=True)
 class OfficialSet:
     """One official release: where it is fetched from, and how its folder is laid out."""
+
     name: str  # as --download-set spells it
     title: str  # for messages
     archive: str
@@ -46,20 +47,43 @@ class OfficialSet:
     num_classes: int = 10  # labels lie in 0..num_classes-1
 
 
-CIFAR10 = OfficialSet("cifar10", "CIFAR-10", "cifar-10-python.tar.gz",
-                      "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a",
-                      "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), "test_batch",
-                      "batches.meta", "labels", "label_names")
-CIFAR100 = OfficialSet("cifar100", "CIFAR-100", "cifar-100-python.tar.gz",
-                       "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85",
-                       "cifar-100-python", ("train",), "test", "meta", "fine_labels", "fine_label_names", 100)
+CIFAR10 = OfficialSet(
+    "cifar10",
+    "CIFAR-10",
+    "cifar-10-python.tar.gz",
+    "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+    "c58f30108f718f92721af3b95e74349a",
+    "cifar-10-batches-py",
+    tuple(f"data_batch_{i}" for i in range(1, 6)),
+    "test_batch",
+    "batches.meta",
+    "labels",
+    "label_names",
+)
+CIFAR100 = OfficialSet(
+    "cifar100",
+    "CIFAR-100",
+    "cifar-100-python.tar.gz",
+    "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+    "eb9058c3a382ffc7106e4002c42a8d85",
+    "cifar-100-python",
+    ("train",),
+    "test",
+    "meta",
+    "fine_labels",
+    "fine_label_names",
+    100,
+)
 OFFICIAL_SETS = {s.name: s for s in (CIFAR10, CIFAR100)}
 
 # What a CIFAR batch pickle may reference: numpy's array reconstruction (and bytes), nothing else.
 _ALLOWED_GLOBALS = {
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"), ("numpy", "dtype"),
-    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
     ("_codecs", "encode"),  # how a protocol-2 pickle written by Python 3 stores bytes
 }
 
@@ -88,8 +112,7 @@ def decode_batch(raw: bytes, where: str, spec: OfficialSet = CIFAR10) -> tuple[n
         raise DataError(f"{where}: {spec.title} batch without 'data' and '{spec.label_key}' entries")
     data = np.asarray(batch["data"])
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-        raise DataError(f"{where}: images must be uint8 rows of 3072 values (32x32 RGB), "
-                        f"got {data.dtype} {data.shape}")
+        raise DataError(f"{where}: images must be uint8 rows of 3072 values (32x32 RGB), got {data.dtype} {data.shape}")
     labels = _labels(batch[spec.label_key], where, spec)
     if labels.shape != (data.shape[0],):
         raise DataError(f"{where}: {data.shape[0]} images but {labels.size} labels")
@@ -105,16 +128,22 @@ def _labels(raw, where: str, spec: OfficialSet) -> np.ndarray:
         ok = raw.ndim == 1 and raw.dtype.kind in "iu"
     else:
         ok = isinstance(raw, (list, tuple)) and all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in raw)
+            isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in raw
+        )
     if not ok:
-        kinds = sorted({type(v).__name__ for v in raw}) if isinstance(raw, (list, tuple)) else [
-            f"{type(raw).__name__} of {raw.dtype}" if isinstance(raw, np.ndarray) else type(raw).__name__]
+        kinds = (
+            sorted({type(v).__name__ for v in raw})
+            if isinstance(raw, (list, tuple))
+            else [f"{type(raw).__name__} of {raw.dtype}" if isinstance(raw, np.ndarray) else type(raw).__name__]
+        )
         raise DataError(f"{where}: labels must be a list of integers, got {', '.join(kinds[:3])}")
     labels = np.asarray([int(v) for v in raw] if not isinstance(raw, np.ndarray) else raw)
     if labels.size and (labels.min() < 0 or labels.max() >= spec.num_classes):
         bad = labels[(labels < 0) | (labels >= spec.num_classes)][0]
-        raise DataError(f"{where}: labels outside 0..{spec.num_classes - 1} (one is {bad}; {spec.title} has "
-                        f"{spec.num_classes} classes)")
+        raise DataError(
+            f"{where}: labels outside 0..{spec.num_classes - 1} (one is {bad}; {spec.title} has "
+            f"{spec.num_classes} classes)"
+        )
     return labels.astype(np.int64)
 
 
@@ -133,8 +162,14 @@ def _assemble(read, source: str, spec: OfficialSet = CIFAR10) -> Dataset:
     """Build the data set from ``read(name) -> bytes`` for each batch name."""
     train = [decode_batch(read(name), f"{source}/{name}", spec) for name in spec.train]
     test_images, test_labels = decode_batch(read(spec.test), f"{source}/{spec.test}", spec)
-    return Dataset(np.concatenate([t[0] for t in train]), np.concatenate([t[1] for t in train]),
-                   test_images, test_labels, _class_names(read, source, spec), source).validate()
+    return Dataset(
+        np.concatenate([t[0] for t in train]),
+        np.concatenate([t[1] for t in train]),
+        test_images,
+        test_labels,
+        _class_names(read, source, spec),
+        source,
+    ).validate()
 
 
 def is_file_like(path: Path) -> bool:
@@ -173,6 +208,7 @@ def read_batch_dir(path: Path) -> Dataset:
             raise DataError(f"{path}: missing {spec.title} batch file {name!r}") from None
         except OSError as exc:
             raise DataError(f"{f}: cannot read {spec.title} batch file: {why(exc)}") from None
+
     return _assemble(read, str(path), spec)
 
 
@@ -182,14 +218,16 @@ def read_archive(path: Path) -> Dataset:
     try:
         with tarfile.open(path, "r:gz") as tar:
             files = [m for m in tar.getmembers() if m.isfile()]
-            spec = next((s for s in OFFICIAL_SETS.values() if any(Path(m.name).parent.name == s.folder for m in files)),
-                        CIFAR10)
+            spec = next(
+                (s for s in OFFICIAL_SETS.values() if any(Path(m.name).parent.name == s.folder for m in files)), CIFAR10
+            )
             members = {Path(m.name).name: m for m in files if Path(m.name).parent.name == spec.folder}
 
             def read(name: str) -> bytes:
                 if name not in members:
                     raise DataError(f"{path}: archive has no {spec.folder}/{name}")
                 return tar.extractfile(members[name]).read()
+
             return _assemble(read, str(path), spec)
     except DataError:
         raise
@@ -199,8 +237,10 @@ def read_archive(path: Path) -> Dataset:
 
 def fetch_by_hand(root: Path, spec: OfficialSet = CIFAR10) -> str:
     """How to do the download's work by hand, for an error message."""
-    return (f"fetch {spec.url} by hand (MD5 {spec.md5}) and put {spec.archive} "
-            f"in {root}{'' if str(root).endswith('/') else '/'}")
+    return (
+        f"fetch {spec.url} by hand (MD5 {spec.md5}) and put {spec.archive} "
+        f"in {root}{'' if str(root).endswith('/') else '/'}"
+    )
 
 
 def _missing_folders(path: Path) -> list[Path]:
@@ -237,6 +277,7 @@ def download(root: Path, progress=print, spec: OfficialSet = CIFAR10) -> Path:
 
 def _fetch(root: Path, progress, spec: OfficialSet) -> Path:
     from torchvision.datasets.utils import check_integrity, download_url  # late: a second of import
+
     url, md5 = spec.url, spec.md5
     target = root / spec.archive
     if target.is_file():

@@ -20,8 +20,7 @@ from fastcifar.ops.norm_act_pool import NormActPool
 
 
 class AlexNet(nn.Module):
-    def __init__(self, num_classes: int = 10, norm: NormFactory = NormActPool,
-                 widths=(64, 192, 384, 256, 256)):
+    def __init__(self, num_classes: int = 10, norm: NormFactory = NormActPool, widths=(64, 192, 384, 256, 256)):
         super().__init__()
         w1, w2, w3, w4, w5 = widths
         self.features = nn.Sequential(

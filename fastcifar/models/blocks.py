@@ -15,6 +15,7 @@ from torch import nn
 
 from fastcifar.core.config import CHOICES, ConfigError
 from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool, NormFactory  # noqa: F401 (ConvBlock: the networks import it here)
+
 KERNELS = CHOICES["kernels"]  # --kernels' choices: one list, in fastcifar.core.config
 ALLOW_INTERPRETER = "FASTCIFAR_ALLOW_INTERPRETER"  # "1": --kernels triton without a GPU runs (slowly)
 
@@ -33,15 +34,21 @@ def resolve_kernels(requested: str, device: torch.device, fused_conv: bool = Fal
         raise ValueError(f"kernels must be one of {KERNELS}, not {requested!r}")
     kernels = ("triton" if device.type == "cuda" else "torch") if requested == "auto" else requested
     if kernels == "triton" and device.type != "cuda" and torch.cuda.is_available():
-        raise ConfigError("--kernels triton on the CPU needs Triton's interpreter, which a machine with a GPU "
-                          "does not run (Triton compiles for the GPU there): use --kernels torch or --device cuda")
+        raise ConfigError(
+            "--kernels triton on the CPU needs Triton's interpreter, which a machine with a GPU "
+            "does not run (Triton compiles for the GPU there): use --kernels torch or --device cuda"
+        )
     if kernels == "triton" and device.type != "cuda" and os.environ.get(ALLOW_INTERPRETER) != "1":
         # issue 48: it used to run, silently, for minutes per epoch
-        raise ConfigError(f"--kernels triton without a GPU runs Triton's interpreter, minutes per epoch (it is "
-                          f"there for tests): use --kernels torch, or set {ALLOW_INTERPRETER}=1 to run it anyway")
+        raise ConfigError(
+            f"--kernels triton without a GPU runs Triton's interpreter, minutes per epoch (it is "
+            f"there for tests): use --kernels torch, or set {ALLOW_INTERPRETER}=1 to run it anyway"
+        )
     if fused_conv and kernels != "triton":
-        raise ConfigError(f"--fused-conv needs the Triton kernels; --kernels {requested} runs the torch ones on "
-                          f"{device.type} (use --kernels triton on a GPU)")
+        raise ConfigError(
+            f"--fused-conv needs the Triton kernels; --kernels {requested} runs the torch ones on "
+            f"{device.type} (use --kernels triton on a GPU)"
+        )
     return kernels
 
 
@@ -49,6 +56,7 @@ def norm_factory(kernels: str) -> NormFactory:
     """The NormActPool implementation of a kernel path (``resolve_kernels``' answer)."""
     if kernels == "triton":
         from fastcifar import kernels
+
         return kernels.module("bn_act_pool").TritonNormActPool
     return NormActPool
 

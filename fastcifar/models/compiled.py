@@ -43,20 +43,37 @@ def _channels_last(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("fastcifar::bn_act_pool_fwd", mutates_args=())
-def bn_act_pool_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running_mean: torch.Tensor,
-                    running_var: torch.Tensor, training: bool, momentum: float, eps: float, act: str,
-                    pool: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                        torch.Tensor, torch.Tensor]:
+def bn_act_pool_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    training: bool,
+    momentum: float,
+    eps: float,
+    act: str,
+    pool: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, pooled input or empty, argmax or empty, mean, rstd, new running mean, new running var):
     the launcher's output, its saved tensors, and the statistics it would update in place."""
     from fastcifar.kernels.bn_act_pool import bn_act_pool_forward
+
     x = _channels_last(x)
     new_mean, new_var = running_mean.clone(), running_var.clone()
-    y, (src, idx, mean, rstd) = bn_act_pool_forward(x, weight, bias, new_mean, new_var, training,
-                                                    momentum, eps, act, _pool(pool))
+    y, (src, idx, mean, rstd) = bn_act_pool_forward(
+        x, weight, bias, new_mean, new_var, training, momentum, eps, act, _pool(pool)
+    )
     empty = x.new_empty(0)
-    return (y, src if src is not x else empty, idx if idx is not None else empty.to(torch.int8), mean, rstd,
-            new_mean, new_var)
+    return (
+        y,
+        src if src is not x else empty,
+        idx if idx is not None else empty.to(torch.int8),
+        mean,
+        rstd,
+        new_mean,
+        new_var,
+    )
 
 
 @bn_act_pool_fwd.register_fake
@@ -68,16 +85,26 @@ def _(x, weight, bias, running_mean, running_var, training, momentum, eps, act, 
     src = _empty_nhwc((n, c, ho, wo), x.dtype, x.device) if before else x.new_empty(0)
     idx = _empty_nhwc((n, c, ho, wo), torch.int8, x.device) if before else x.new_empty(0, dtype=torch.int8)
     stats = x.new_empty((c,), dtype=torch.float32)
-    return (y, src, idx, stats, torch.empty_like(stats), torch.empty_like(running_mean),
-            torch.empty_like(running_var))
+    return (y, src, idx, stats, torch.empty_like(stats), torch.empty_like(running_mean), torch.empty_like(running_var))
 
 
 @torch.library.custom_op("fastcifar::bn_act_pool_bwd", mutates_args=())
-def bn_act_pool_bwd(dy: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                    weight: torch.Tensor, bias: torch.Tensor, x_shape: list[int], training: bool, act: str,
-                    pool: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def bn_act_pool_bwd(
+    dy: torch.Tensor,
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    x_shape: list[int],
+    training: bool,
+    act: str,
+    pool: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias) from the backward launcher."""
     from fastcifar.kernels.bn_act_pool import bn_act_pool_backward
+
     saved = (_channels_last(src), idx if idx.numel() else None, mean, rstd)
     return bn_act_pool_backward(_channels_last(dy), saved, weight, bias, tuple(x_shape), training, act, _pool(pool))
 
@@ -112,11 +139,21 @@ def _custom_op_norm():
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
 
     class CompiledNormActPool(TritonNormActPool):
-        def normalize(self, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
-                      momentum: float) -> torch.Tensor:
+        def normalize(
+            self, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float
+        ) -> torch.Tensor:
             y, _, _, _, _, new_mean, new_var = torch.ops.fastcifar.bn_act_pool_fwd(
-                x, self.weight, self.bias, running_mean, running_var, self.training, momentum,
-                self.eps, self.act, self.pool or _NO_POOL)
+                x,
+                self.weight,
+                self.bias,
+                running_mean,
+                running_var,
+                self.training,
+                momentum,
+                self.eps,
+                self.act,
+                self.pool or _NO_POOL,
+            )
             if self.training:  # the op is functional (autograd needs that): the update lands here
                 with torch.no_grad():  # statistics, not a path for gradients into the next step
                     running_mean.copy_(new_mean)

@@ -39,17 +39,25 @@ class FastBlock(nn.Module):
 
 
 class FastNet(nn.Module):
-    def __init__(self, num_classes: int = 10, norm: NormFactory = NormActPool, widths=(64, 256, 256),
-                 act: str = "gelu", whiten_kernel: int = 2, logit_scale: float = 1 / 9,
-                 head_unit_init: bool = False):
+    def __init__(
+        self,
+        num_classes: int = 10,
+        norm: NormFactory = NormActPool,
+        widths=(64, 256, 256),
+        act: str = "gelu",
+        whiten_kernel: int = 2,
+        logit_scale: float = 1 / 9,
+        head_unit_init: bool = False,
+    ):
         super().__init__()
         w0, w1, w2 = widths
         self.act = act
         patch_dim = 3 * whiten_kernel * whiten_kernel
         self.whiten = nn.Conv2d(3, 2 * patch_dim, kernel_size=whiten_kernel, padding=0, bias=True)
         nn.init.zeros_(self.whiten.bias)  # the data init sets the weights; the bias starts at no shift
-        self.blocks = nn.Sequential(FastBlock(2 * patch_dim, w0, norm, act), FastBlock(w0, w1, norm, act),
-                                    FastBlock(w1, w2, norm, act))
+        self.blocks = nn.Sequential(
+            FastBlock(2 * patch_dim, w0, norm, act), FastBlock(w0, w1, norm, act), FastBlock(w1, w2, norm, act)
+        )
         self.fc = nn.Linear(w2, num_classes, bias=False)
         self.logit_scale = logit_scale
         # Identity ("dirac") init of each 3x3 conv's first c_in filters: the block starts by passing
@@ -57,7 +65,7 @@ class FastNet(nn.Module):
         with torch.no_grad():
             for m in self.blocks.modules():
                 if isinstance(m, nn.Conv2d):
-                    nn.init.dirac_(m.weight[:m.in_channels])
+                    nn.init.dirac_(m.weight[: m.in_channels])
             if head_unit_init:  # airbench94_muon's head: std 1, paired with logits / width
                 self.fc.weight.div_(self.fc.weight.std())
 
@@ -85,15 +93,22 @@ def patch_covariance(images: torch.Tensor, kernel: int, chunk: int = 1000) -> tu
     outer = torch.zeros(d, d, dtype=torch.float64, device=images.device)
     count = 0
     for start in range(0, len(images), chunk):
-        x = patches(images[start:start + chunk].double(), kernel)
+        x = patches(images[start : start + chunk].double(), kernel)
         total += x.sum(0)
         outer += x.T @ x
         count += x.shape[0]
     return total, outer, count
 
 
-def whitening_weights(total: torch.Tensor, outer: torch.Tensor, count: int, kernel: int, channels: int = 3,
-                      eps: float = 5e-4, centred: bool = False) -> torch.Tensor:
+def whitening_weights(
+    total: torch.Tensor,
+    outer: torch.Tensor,
+    count: int,
+    kernel: int,
+    channels: int = 3,
+    eps: float = 5e-4,
+    centred: bool = False,
+) -> torch.Tensor:
     """Conv weights (2*D, C, k, k), D = C*k*k, that whiten patches: row i is eigenvector v_i of the
     patches' second moment E[x x^T] (airbench's; ``centred``: their covariance, E[x x^T] - m m^T)
     over sqrt(lambda_i + eps), rows D.. the same negated. On normalized CIFAR-10 the patch mean is
@@ -112,8 +127,9 @@ def whitening_weights(total: torch.Tensor, outer: torch.Tensor, count: int, kern
 
 
 @torch.no_grad()
-def init_whitening(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4,
-                   reduce=None, centred: bool = False) -> torch.Tensor:
+def init_whitening(
+    conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4, reduce=None, centred: bool = False
+) -> torch.Tensor:
     """Set ``conv``'s weights to whiten the patches of ``images`` (NCHW, normalized) in place.
 
     ``reduce`` (optional) sums the covariance parts over ranks in place, so that every rank gets
@@ -121,12 +137,11 @@ def init_whitening(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4,
     """
     kernel = conv.kernel_size[0]
     total, outer, count = patch_covariance(images, kernel)
-    parts = torch.cat([total, outer.flatten(), torch.tensor([float(count)], dtype=torch.float64,
-                                                              device=total.device)])
+    parts = torch.cat([total, outer.flatten(), torch.tensor([float(count)], dtype=torch.float64, device=total.device)])
     if reduce is not None:
         reduce(parts)
     d = total.numel()
-    total, outer, count = parts[:d], parts[d:d + d * d].view(d, d), parts[-1].item()
+    total, outer, count = parts[:d], parts[d : d + d * d].view(d, d), parts[-1].item()
     w = whitening_weights(total, outer, count, kernel, conv.in_channels, eps, centred)
     conv.weight.copy_(w.to(conv.weight.dtype))  # in place: storage a captured graph may hold stays
     return w

@@ -72,6 +72,7 @@ def config_from_dict(values: dict) -> Config:
 # ---------------------------------------------------------------------------------------------
 # The model file
 
+
 @dataclass
 class ModelInfo:
     config: Config
@@ -96,10 +97,16 @@ def save_weights(path, tensors: dict, cfg: Config, classes, test_acc: float | No
     """``save_model`` for a state dict already on the host (contiguous CPU tensors): the sparse
     diffs' base and restored files (fastcifar.run.sparse.diffs) are model files written here too."""
     from safetensors.torch import save
-    metadata = {"format": MODEL_FORMAT, "config": json.dumps(dataclasses.asdict(cfg)),
-                "classes": json.dumps(list(classes)), "mean": json.dumps([float(m) for m in mean]),
-                "std": json.dumps([float(s) for s in std]), "test_acc": "" if test_acc is None else str(float(test_acc)),
-                "torch": str(torch.__version__)}
+
+    metadata = {
+        "format": MODEL_FORMAT,
+        "config": json.dumps(dataclasses.asdict(cfg)),
+        "classes": json.dumps(list(classes)),
+        "mean": json.dumps([float(m) for m in mean]),
+        "std": json.dumps([float(s) for s in std]),
+        "test_acc": "" if test_acc is None else str(float(test_acc)),
+        "torch": str(torch.__version__),
+    }
     return write_atomic(path, save(tensors, metadata=metadata))
 
 
@@ -114,6 +121,7 @@ def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Te
     """The tensors (on the CPU) and string metadata of a safetensors file (``what``, for the
     error), in one read."""
     from safetensors import safe_open
+
     path = Path(path)
     try:
         check_regular(path)  # the OS's reason (permission, a FIFO, a loop), before safetensors reads it
@@ -126,8 +134,10 @@ def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Te
             return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
     except Exception as exc:  # safetensors reports a damaged header or short file in several types
         if _is_torch_archive(path):
-            raise CheckpointError(f"{path}: a training checkpoint (for --resume), not a {what}; the run's "
-                                  f"model is {path.with_name(MODEL_NAME)}") from None
+            raise CheckpointError(
+                f"{path}: a training checkpoint (for --resume), not a {what}; the run's "
+                f"model is {path.with_name(MODEL_NAME)}"
+            ) from None
         raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {exc})") from None
 
 
@@ -143,8 +153,9 @@ def _is_torch_archive(path: Path) -> bool:
 def read_model_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors, meta = read_safetensors(path)
     if meta.get("format") != MODEL_FORMAT:
-        raise CheckpointError(f"{path}: not a fastcifar model file (format {meta.get('format')!r}, "
-                              f"expected {MODEL_FORMAT!r})")
+        raise CheckpointError(
+            f"{path}: not a fastcifar model file (format {meta.get('format')!r}, expected {MODEL_FORMAT!r})"
+        )
     return tensors, meta
 
 
@@ -160,9 +171,13 @@ def model_info(meta: dict[str, str], source: str) -> ModelInfo:
         values = json.loads(meta["config"])
         if not isinstance(values, dict):
             raise ValueError(f"config is a {type(values).__name__}, not a JSON object")
-        info = ModelInfo(config_from_dict(values), tuple(json.loads(meta["classes"])),
-                         tuple(json.loads(meta["mean"])), tuple(json.loads(meta["std"])),
-                         float(meta["test_acc"]) if meta.get("test_acc") else None)
+        info = ModelInfo(
+            config_from_dict(values),
+            tuple(json.loads(meta["classes"])),
+            tuple(json.loads(meta["mean"])),
+            tuple(json.loads(meta["std"])),
+            float(meta["test_acc"]) if meta.get("test_acc") else None,
+        )
     except Exception as exc:
         raise CheckpointError(f"{source}: unusable metadata ({type(exc).__name__}: {exc})") from None
     try:
@@ -170,26 +185,33 @@ def model_info(meta: dict[str, str], source: str) -> ModelInfo:
     except ConfigError as exc:
         raise CheckpointError(f"{source}: unusable metadata: config {exc}") from None
     if not 1 <= len(info.classes) <= MAX_CLASSES or not all(isinstance(c, str) for c in info.classes):
-        raise CheckpointError(f"{source}: unusable metadata: classes must be 1..{MAX_CLASSES} names, "
-                              f"not {len(info.classes)} of types {sorted({type(c).__name__ for c in info.classes})}")
+        raise CheckpointError(
+            f"{source}: unusable metadata: classes must be 1..{MAX_CLASSES} names, "
+            f"not {len(info.classes)} of types {sorted({type(c).__name__ for c in info.classes})}"
+        )
     for name in ("mean", "std"):
         values = getattr(info, name)
-        numbers_ok = len(values) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                              and math.isfinite(v) for v in values)
+        numbers_ok = len(values) == 3 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
+        )
         if not numbers_ok or (name == "std" and min(values) <= 0):
-            raise CheckpointError(f"{source}: unusable metadata: {name} must be 3 finite numbers (one per channel)"
-                                  f"{', each positive' if name == 'std' else ''}, not {list(values)}")
+            raise CheckpointError(
+                f"{source}: unusable metadata: {name} must be 3 finite numbers (one per channel)"
+                f"{', each positive' if name == 'std' else ''}, not {list(values)}"
+            )
     if info.test_acc is not None and not 0 <= info.test_acc <= 100:  # nan fails both
         raise CheckpointError(f"{source}: unusable metadata: test_acc must lie in 0..100, not {info.test_acc}")
     return info
 
 
-def network_from_weights(tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str,
-                         device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelInfo]:
+def network_from_weights(
+    tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str, device: str | torch.device = "cpu"
+) -> tuple[torch.nn.Module, ModelInfo]:
     """The network a model file's tensors and metadata describe (``load_model`` without the
     read: a sparse-diff chain restores its tensors in memory)."""
     from fastcifar.models.blocks import norm_blocks
     from fastcifar.models.network import make_network
+
     device = torch.device(device)
     info = model_info(meta, source)
     try:
@@ -205,12 +227,15 @@ def network_from_weights(tensors: dict[str, torch.Tensor], meta: dict[str, str],
 def _check_shapes(want: dict, got: dict, source: str) -> None:
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
-        raise CheckpointError(f"{source}: tensors do not match the model (missing: {missing[:3] or 'none'}; "
-                              f"unexpected: {extra[:3] or 'none'})")
+        raise CheckpointError(
+            f"{source}: tensors do not match the model (missing: {missing[:3] or 'none'}; "
+            f"unexpected: {extra[:3] or 'none'})"
+        )
     for name, t in want.items():
         if tuple(got[name].shape) != tuple(t.shape):
-            raise CheckpointError(f"{source}: {name} has shape {tuple(got[name].shape)}, "
-                                  f"the model's is {tuple(t.shape)}")
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(got[name].shape)}, the model's is {tuple(t.shape)}"
+            )
 
 
 def _check_finite(tensors: dict, source: str) -> None:

@@ -20,8 +20,11 @@ from fastcifar.ops.norm_act_pool import per_rank
 def norm_layers(model: nn.Module) -> list[nn.Module]:
     """The batchnorm-like blocks: anything with running statistics and a scale/shift (NormActPool,
     its Triton drop-in, plain BatchNorm)."""
-    return [m for m in model.modules()
-            if hasattr(m, "running_mean") and isinstance(getattr(m, "weight", None), nn.Parameter)]
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "running_mean") and isinstance(getattr(m, "weight", None), nn.Parameter)
+    ]
 
 
 def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
@@ -31,8 +34,15 @@ def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
     elif cfg.arch == "alexnet":
         model = AlexNet(num_classes, widths=cfg.widths, norm=norm)
     elif cfg.arch == "fastnet":
-        model = FastNet(num_classes, widths=cfg.widths, norm=norm, whiten_kernel=cfg.whiten_kernel,
-                        logit_scale=cfg.logit_scale or 1 / 9, head_unit_init=cfg.head_unit_init, act=cfg.activation)
+        model = FastNet(
+            num_classes,
+            widths=cfg.widths,
+            norm=norm,
+            whiten_kernel=cfg.whiten_kernel,
+            logit_scale=cfg.logit_scale or 1 / 9,
+            head_unit_init=cfg.head_unit_init,
+            act=cfg.activation,
+        )
         model.whiten.weight.requires_grad_(not cfg.whiten_frozen)
     else:
         raise ValueError(f"unknown arch {cfg.arch!r}")

@@ -30,8 +30,14 @@ class ResNet9(nn.Module):
     """The seed ResNet-9: prep 64; layer1 128 + pool + residual; layer2 256 + pool;
     layer3 512 + pool + residual; global max pool; linear 512->10 (no bias), logits x 0.125."""
 
-    def __init__(self, num_classes: int = 10, norm: NormFactory = NormActPool,
-                 widths=(64, 128, 256, 512), act: str = "relu", logit_scale: float = 0.125):
+    def __init__(
+        self,
+        num_classes: int = 10,
+        norm: NormFactory = NormActPool,
+        widths=(64, 128, 256, 512),
+        act: str = "relu",
+        logit_scale: float = 0.125,
+    ):
         super().__init__()
         w0, w1, w2, w3 = widths
         self.prep = ConvBlock(3, w0, norm, act)

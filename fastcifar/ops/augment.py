@@ -58,14 +58,22 @@ class AugmentParams:
 
     def part(self, lo: int, hi: int) -> "AugmentParams":
         """The parameters of images lo..hi-1 (views, no copy)."""
-        return AugmentParams(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[lo:hi]
-                                for f in dataclasses.fields(self)})
+        return AugmentParams(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[lo:hi]
+                for f in dataclasses.fields(self)
+            }
+        )
 
     @staticmethod
     def concat(parts: "list[AugmentParams]") -> "AugmentParams":
         """Batches' parameters one after the other (jittered all, or none)."""
-        return AugmentParams(**{f.name: None if getattr(parts[0], f.name) is None
-                                else torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(parts[0])})
+        return AugmentParams(
+            **{
+                f.name: None if getattr(parts[0], f.name) is None else torch.cat([getattr(p, f.name) for p in parts])
+                for f in dataclasses.fields(parts[0])
+            }
+        )
 
 
 FLIP_MODES = CHOICES["flip_mode"]

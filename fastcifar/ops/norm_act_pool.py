@@ -54,8 +54,14 @@ class NormActPool(nn.BatchNorm2d):
     statistics stay fp32 when the activations are fp16.
     """
 
-    def __init__(self, num_features: int, act: str = "relu", pool: Optional[str] = None,
-                 eps: float = 1e-5, momentum: Optional[float] = 0.1):
+    def __init__(
+        self,
+        num_features: int,
+        act: str = "relu",
+        pool: Optional[str] = None,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+    ):
         if act not in ACTIVATIONS:
             raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
         if pool not in POOL_PLACES:
@@ -79,8 +85,9 @@ class NormActPool(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.normalize(x, self.running_mean, self.running_var, self.step_momentum())
 
-    def normalize(self, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
-                  momentum: float) -> torch.Tensor:
+    def normalize(
+        self, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float
+    ) -> torch.Tensor:
         """The block on ``x`` with these running statistics (updated in place in training, with
         ``momentum``): what each kernel path (the Triton kernel, its custom op) overrides, so
         ``PerRankStatistics`` can run any of them once per rank."""
@@ -102,8 +109,16 @@ class ConvBlock(nn.Module):
     block, so that the fused conv kernel (``fastcifar.kernels.conv_stats.TritonConvBlock``, same
     constructor and state) can build on it as the Triton normalize block builds on NormActPool."""
 
-    def __init__(self, c_in: int, c_out: int, norm: NormFactory, act: str = "relu",
-                 pool: Optional[str] = None, kernel: int = 3, stride: int = 1):
+    def __init__(
+        self,
+        c_in: int,
+        c_out: int,
+        norm: NormFactory,
+        act: str = "relu",
+        pool: Optional[str] = None,
+        kernel: int = 3,
+        stride: int = 1,
+    ):
         super().__init__()
         self.conv = nn.Conv2d(c_in, c_out, kernel_size=kernel, stride=stride, padding=kernel // 2, bias=False)
         self.norm = norm(c_out, act=act, pool=pool)
@@ -140,8 +155,9 @@ class PerRankStatistics:
         momentum = self.step_momentum()  # once: each rank counts one batch a step
         means = self.running_mean.expand(self.ranks, -1).clone()  # row r: rank r's running statistics
         variances = self.running_var.expand(self.ranks, -1).clone()
-        out = torch.cat([self.normalize(chunk, means[r], variances[r], momentum)
-                         for r, chunk in enumerate(x.chunk(self.ranks))])
+        out = torch.cat(
+            [self.normalize(chunk, means[r], variances[r], momentum) for r, chunk in enumerate(x.chunk(self.ranks))]
+        )
         with torch.no_grad():
             self.running_mean.copy_(means.mean(0))
             self.running_var.copy_(variances.mean(0))

@@ -39,7 +39,7 @@ def translations(images: torch.Tensor, pixels: int = 1) -> tuple[torch.Tensor, t
     windows at the padded image's top-left and bottom-right corners, reflect padding."""
     padded = F.pad(images, (pixels,) * 4, mode="reflect")
     h, w = images.shape[2:]
-    return padded[:, :, :h, :w], padded[:, :, 2 * pixels:, 2 * pixels:]
+    return padded[:, :, :h, :w], padded[:, :, 2 * pixels :, 2 * pixels :]
 
 
 def _stacked(model, views: list[torch.Tensor]) -> torch.Tensor:
@@ -47,8 +47,9 @@ def _stacked(model, views: list[torch.Tensor]) -> torch.Tensor:
     return model(batch).float().view(len(views), views[0].shape[0], -1)
 
 
-def tta_logits(model: torch.nn.Module, images: torch.Tensor, level: int, share: float = 1.0,
-               valid: torch.Tensor | None = None) -> torch.Tensor:
+def tta_logits(
+    model: torch.nn.Module, images: torch.Tensor, level: int, share: float = 1.0, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Float32 logits (B, classes) of an NCHW batch with test-time augmentation ``level``, given to
     the ``share`` of its rows the plain view is least sure of (the rest keep the plain view's
     logits); ``valid`` (B,), nonzero for real rows, keeps padding rows out of that share."""
@@ -84,7 +85,13 @@ def _all_views(model: torch.nn.Module, images: torch.Tensor, level: int) -> torc
     if level == 1:
         return _stacked(model, [images, images.flip(3)]).mean(0)
     toward_bottom_right, toward_top_left = translations(images)
-    views = [images, images.flip(3), toward_bottom_right, toward_bottom_right.flip(3),
-             toward_top_left, toward_top_left.flip(3)]
+    views = [
+        images,
+        images.flip(3),
+        toward_bottom_right,
+        toward_bottom_right.flip(3),
+        toward_top_left,
+        toward_top_left.flip(3),
+    ]
     logits = _stacked(model, views).view(3, 2, images.shape[0], -1).mean(1)  # flip mean per view
     return 0.5 * logits[0] + 0.25 * (logits[1] + logits[2])

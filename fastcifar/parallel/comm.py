@@ -136,8 +136,16 @@ class GradBuckets:
     stream; scope ``model`` makes one bucket per dtype (the whole gradient as one vector).
     """
 
-    def __init__(self, params, bucket_mb: float = 2.0, group=None, communicate: bool = True,
-                 names: dict | None = None, trace: list | None = None, compression=None):
+    def __init__(
+        self,
+        params,
+        bucket_mb: float = 2.0,
+        group=None,
+        communicate: bool = True,
+        names: dict | None = None,
+        trace: list | None = None,
+        compression=None,
+    ):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, not {bucket_mb}")
         self.compression = compression
@@ -186,12 +194,16 @@ class GradBuckets:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is None or p.grad.data_ptr() != self._ptr[p]:
-            raise RuntimeError(f"the gradient of {self._name(p)} no longer lives in its bucket: was .grad "
-                               "replaced or set to None (zero_grad(set_to_none=True))? Zero it in place")
+            raise RuntimeError(
+                f"the gradient of {self._name(p)} no longer lives in its bucket: was .grad "
+                "replaced or set to None (zero_grad(set_to_none=True))? Zero it in place"
+            )
         b = self._bucket_of[p]
         if b.pending <= 0:
-            raise RuntimeError(f"the gradient of {self._name(p)} was accumulated twice before finish(): "
-                               "call finish() after every backward")
+            raise RuntimeError(
+                f"the gradient of {self._name(p)} was accumulated twice before finish(): "
+                "call finish() after every backward"
+            )
         if self.trace is not None:
             self.trace.append(("grad", self._name(p)))
         b.pending -= 1
@@ -219,8 +231,10 @@ class GradBuckets:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 if capturing and not torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError(f"gradient bucket {b.index}'s all-reduce would be issued outside the CUDA "
-                                       "graph being captured: the comm stream did not join the capture")
+                    raise RuntimeError(
+                        f"gradient bucket {b.index}'s all-reduce would be issued outside the CUDA "
+                        "graph being captured: the comm stream did not join the capture"
+                    )
                 b.work = self._average(b)
         else:
             b.work = self._average(b)

@@ -178,8 +178,10 @@ def check_same(digest: str, what: str, ctx: DistContext, timeout_s: float = HAND
     digests = [bytes(g.cpu().view(torch.uint8).tolist()).hex() for g in gathered]
     differ = [r for r, d in enumerate(digests) if d != digests[0]]
     if differ:
-        raise ConfigError(f"ranks disagree on the {what}: rank(s) {', '.join(map(str, differ))} differ from "
-                          f"rank 0 (digest {digests[0][:12]}); launch every rank with the same settings and code")
+        raise ConfigError(
+            f"ranks disagree on the {what}: rank(s) {', '.join(map(str, differ))} differ from "
+            f"rank 0 (digest {digests[0][:12]}); launch every rank with the same settings and code"
+        )
 
 
 # How long a rank waits for the data step of the others (``load_once_per_node``):
@@ -269,8 +271,11 @@ def _wait(store, keys: list[str], timeout_s: float, failed: str, ctx: DistContex
             return []
         if store.check([failed]):
             rank, local_rank, detail = json.loads(store.get(failed).decode())
-            who = (f"local rank 0 of this node (rank {rank})" if rank == ctx.rank - ctx.local_rank
-                   else f"rank {rank}" + (" (local rank 0 of its node)" if local_rank == 0 else ""))
+            who = (
+                f"local rank 0 of this node (rank {rank})"
+                if rank == ctx.rank - ctx.local_rank
+                else f"rank {rank}" + (" (local rank 0 of its node)" if local_rank == 0 else "")
+            )
             raise PeerDataError(f"{who} could not load the data: {detail}")
         if store.check([stopped]):
             rank, detail = json.loads(store.get(stopped).decode())
@@ -307,9 +312,11 @@ def load_once_per_node(load: Callable[[bool], T], ctx: DistContext, doing: str, 
             store.set(mine, "ok")
         else:
             if _wait(store, [mine], timeout_s, failed, ctx):
-                raise DataError(f"local rank 0 of this node (rank {first}) is still {doing} after {timeout_s:g} s; "
-                                f"a slower link or disk needs a larger --dist-timeout-s (the data waits "
-                                f"{DATA_TIMEOUT_S:g} s or that, whichever is longer)")
+                raise DataError(
+                    f"local rank 0 of this node (rank {first}) is still {doing} after {timeout_s:g} s; "
+                    f"a slower link or disk needs a larger --dist-timeout-s (the data waits "
+                    f"{DATA_TIMEOUT_S:g} s or that, whichever is longer)"
+                )
             result = load(False)
     except (PeerDataError, PeerStopped):  # another rank's failure: it told the others itself
         raise
@@ -325,10 +332,12 @@ def load_once_per_node(load: Callable[[bool], T], ctx: DistContext, doing: str, 
     missing = _wait(store, ready, timeout_s, failed, ctx)
     if missing:
         ranks = ", ".join(k.rsplit("/", 1)[1] for k in missing)
-        raise DataError(f"rank(s) {ranks} still without their data after {timeout_s:g} s (local rank 0 of "
-                        f"their node may still be downloading or decoding it); a slower link or disk needs "
-                        f"a larger --dist-timeout-s (the data waits {DATA_TIMEOUT_S:g} s or that, whichever "
-                        f"is longer)")
+        raise DataError(
+            f"rank(s) {ranks} still without their data after {timeout_s:g} s (local rank 0 of "
+            f"their node may still be downloading or decoding it); a slower link or disk needs "
+            f"a larger --dist-timeout-s (the data waits {DATA_TIMEOUT_S:g} s or that, whichever "
+            f"is longer)"
+        )
     _data_step.done = True
     return result
 
@@ -346,8 +355,10 @@ def failure_message(exc: BaseException, timeout_s: float) -> str:
     if isinstance(exc, PeerStopped):
         return str(exc)
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return (f"lost contact with the other ranks (one exited, was killed, or stalled past "
-            f"--dist-timeout-s {timeout_s:g}): {detail[:300]}")
+    return (
+        f"lost contact with the other ranks (one exited, was killed, or stalled past "
+        f"--dist-timeout-s {timeout_s:g}): {detail[:300]}"
+    )
 
 
 def report_failure(line: str, stream=None) -> bool:
@@ -380,8 +391,14 @@ class ProgressWatchdog:
     calls ``on_stall(reason)`` (the trainer passes ``report.stop_open_logs``), so log.txt and
     summary.json record the cause (status "failed"), bounded by ``RECORD_TIMEOUT_S``."""
 
-    def __init__(self, timeout_s: float, ctx: DistContext, enabled: bool, stream=sys.stderr,
-                 on_stall: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        timeout_s: float,
+        ctx: DistContext,
+        enabled: bool,
+        stream=sys.stderr,
+        on_stall: Callable[[str], None] | None = None,
+    ):
         self.timeout_s, self.ctx, self.stream, self.on_stall = timeout_s, ctx, stream, on_stall
         self.last = time.monotonic()
         self._stop = threading.Event()
@@ -397,8 +414,10 @@ class ProgressWatchdog:
         while not self._stop.wait(1.0):
             idle = time.monotonic() - self.last
             if idle > self.timeout_s:
-                reason = (f"lost contact with the other ranks (no training progress for {idle:.0f} s, past "
-                          f"--dist-timeout-s {self.timeout_s:g}: a peer stalled or died)")
+                reason = (
+                    f"lost contact with the other ranks (no training progress for {idle:.0f} s, past "
+                    f"--dist-timeout-s {self.timeout_s:g}: a peer stalled or died)"
+                )
                 if not report_failure(f"fastcifar: error: [rank {self.ctx.rank}] {reason}", self.stream):
                     return  # another thread saw it first and is ending the rank (its line, its record)
                 if self.on_stall is not None:  # in a thread of its own, waited on for RECORD_TIMEOUT_S
@@ -416,10 +435,16 @@ def stop_reason(exc: BaseException) -> str:
     another rank failed (torchrun then stops every rank) rather than a user's stop, and this rank
     cannot tell which: the reason says so, instead of a bare "interrupted by SIGTERM"."""
     reason = str(exc)
-    if (isinstance(exc, signals.Interrupted) and exc.signum == signal.SIGTERM
-            and os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1):
-        reason += (" (from torchrun, which stops every rank when one of them fails or when it is stopped "
-                   "itself; a failed rank's error is in torchrun's output)")
+    if (
+        isinstance(exc, signals.Interrupted)
+        and exc.signum == signal.SIGTERM
+        and os.environ.get("TORCHELASTIC_RUN_ID")
+        and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ):
+        reason += (
+            " (from torchrun, which stops every rank when one of them fails or when it is stopped "
+            "itself; a failed rank's error is in torchrun's output)"
+        )
     return reason
 
 
@@ -446,6 +471,7 @@ def teardown(ctx: DistContext) -> bool:
             failed.append(exc)
         finally:
             done.set()
+
     threading.Thread(target=destroy, name="fastcifar-teardown", daemon=True).start()
     if not done.wait(TEARDOWN_TIMEOUT_S):
         return False

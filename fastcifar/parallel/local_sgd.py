@@ -52,8 +52,17 @@ def memory_indices(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class LocalSGD:
-    def __init__(self, named_params: dict[str, torch.Tensor], buffers: list[torch.Tensor], opt, every: int,
-                 merge: str = "mean", momentum: str = "keep", world_size: int = 1, rank: int = 0):
+    def __init__(
+        self,
+        named_params: dict[str, torch.Tensor],
+        buffers: list[torch.Tensor],
+        opt,
+        every: int,
+        merge: str = "mean",
+        momentum: str = "keep",
+        world_size: int = 1,
+        rank: int = 0,
+    ):
         if every <= 0:
             raise ValueError(f"local SGD merges every H >= 1 steps, not {every}")
         if merge not in CHOICES["merge"] or momentum not in CHOICES["local_momentum"]:
@@ -113,9 +122,11 @@ class LocalSGD:
 
     def describe(self) -> str:
         b = self.bytes_per_merge()
-        return (f"local SGD: merge every {self.every} steps ({self.merge_op}, momentum {self.momentum}) sends "
-                f"{b['per_merge']:,} bytes per rank ({b['values']:,} values + {b['buffers']:,} BN buffers); "
-                f"dense data parallel all-reduces {b['dense_allreduce']:,} bytes of gradients every step")
+        return (
+            f"local SGD: merge every {self.every} steps ({self.merge_op}, momentum {self.momentum}) sends "
+            f"{b['per_merge']:,} bytes per rank ({b['values']:,} values + {b['buffers']:,} BN buffers); "
+            f"dense data parallel all-reduces {b['dense_allreduce']:,} bytes of gradients every step"
+        )
 
     def after_step(self) -> None:
         self.steps += 1
@@ -143,10 +154,10 @@ class LocalSGD:
                 if self.owned:
                     counts = [a.numel() for a in anchor_o]
                     mine = torch.zeros(max(counts), dtype=dtype, device=delta.device)
-                    mine[:counts[self.rank]] = now_o[0] - anchor_o[self.rank]
+                    mine[: counts[self.rank]] = now_o[0] - anchor_o[self.rank]
                     gathered = [torch.empty_like(mine) for _ in range(self.world)]
                     dist.all_gather(gathered, mine)
-                    new_o = [anchor_o[k] + gathered[k][:counts[k]] for k in range(self.world)]
+                    new_o = [anchor_o[k] + gathered[k][: counts[k]] for k in range(self.world)]
                 self._scatter(dtype, new_r, new_o)
                 merged[dtype] = (new_r, new_o)
             distributed.average_buffers(self.buffers, self.world)
@@ -161,10 +172,10 @@ class LocalSGD:
         for flat, r, o in self.plan[dtype]:
             n = _count(flat, r)
             if r is None:
-                flat.copy_(new_r[start_r:start_r + n])
+                flat.copy_(new_r[start_r : start_r + n])
             else:
-                flat[r] = new_r[start_r:start_r + n]
+                flat[r] = new_r[start_r : start_r + n]
             start_r += n
             for k, idx in enumerate(o):
-                flat[idx] = new_o[k][start_o[k]:start_o[k] + idx.numel()]
+                flat[idx] = new_o[k][start_o[k] : start_o[k] + idx.numel()]
                 start_o[k] += idx.numel()

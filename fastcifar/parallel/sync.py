@@ -16,9 +16,11 @@ from fastcifar.parallel.comm import GradBuckets
 
 # DDP without buffer broadcasts (each rank's batchnorm statistics stay its own until averaged per
 # epoch): torch >= 2.13 names it forward_sync_buffers and warns on every rank about the old name.
-_DDP_OWN_BUFFERS = ({"forward_sync_buffers": False}
-                    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                    else {"broadcast_buffers": False})
+_DDP_OWN_BUFFERS = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 class GradientSync:
@@ -31,12 +33,14 @@ class GradientSync:
         if not ctx.distributed or cfg.local_steps:  # local SGD (run.sparse) merges weights instead
             return
         if cfg.comm == "ddp":
-            self.net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-                                               **_DDP_OWN_BUFFERS)
+            self.net = DistributedDataParallel(
+                model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None, **_DDP_OWN_BUFFERS
+            )
             return
         # gradients become views into flat buckets, all-reduced during backward
-        self.buckets = GradBuckets(model.parameters(), cfg.bucket_mb,
-                                   compression=compress.from_config(cfg, ctx, seed))  # None: plain all-reduce
+        self.buckets = GradBuckets(
+            model.parameters(), cfg.bucket_mb, compression=compress.from_config(cfg, ctx, seed)
+        )  # None: plain all-reduce
         self.lines.append(self.buckets.describe())
         if self.buckets.compression is not None:
             self.lines.append(self.buckets.compression.describe())
@@ -64,9 +68,14 @@ def capture_blocker(cfg, world_size: int, grouped: bool | None = None) -> tuple[
     if not (world_size > 1 if grouped is None else grouped):
         return "", ""
     if cfg.comm == "ddp":
-        return ("--cuda-graphs on needs --comm bucketed with several ranks "
-                "(DistributedDataParallel's reducer cannot be captured)"), ""
+        return (
+            "--cuda-graphs on needs --comm bucketed with several ranks "
+            "(DistributedDataParallel's reducer cannot be captured)"
+        ), ""
     why = compress.why_not_capturable(cfg)
     if why:
-        return f"--cuda-graphs on cannot capture this step: {why}; use --cuda-graphs off", f"note: CUDA graphs off: {why}"
+        return (
+            f"--cuda-graphs on cannot capture this step: {why}; use --cuda-graphs off",
+            f"note: CUDA graphs off: {why}",
+        )
     return "", ""

@@ -30,8 +30,7 @@ import torch
 
 
 class Lookahead:
-    def __init__(self, model: torch.nn.Module, every: int, final_decay: float, total_steps: int,
-                 begin_step: int = 0):
+    def __init__(self, model: torch.nn.Module, every: int, final_decay: float, total_steps: int, begin_step: int = 0):
         if every <= 0 or total_steps <= 0:
             raise ValueError(f"lookahead needs positive every and total_steps, not {every}, {total_steps}")
         if not 0 <= final_decay < 1:

@@ -32,6 +32,7 @@ from fastcifar.run.step import evaluate
 @dataclass
 class Session:
     """What every run of one invocation shares: the settings, the ranks, the data and the logs."""
+
     cfg: Config
     ctx: distributed.DistContext
     dtype: torch.dtype
@@ -55,8 +56,9 @@ class Watchdog(Component):
     def __init__(self, session: Session):
         cfg, ctx = session.cfg, session.ctx
         # a stall ends the rank from the watchdog's thread: log.txt and summary.json say why first
-        self.dog = distributed.ProgressWatchdog(cfg.dist_timeout_s, ctx, enabled=ctx.distributed,
-                                                on_stall=lambda why: report.stop_open_logs("failed", why))
+        self.dog = distributed.ProgressWatchdog(
+            cfg.dist_timeout_s, ctx, enabled=ctx.distributed, on_stall=lambda why: report.stop_open_logs("failed", why)
+        )
 
     def after_step(self) -> None:
         self.dog.beat()
@@ -88,8 +90,9 @@ class ModelFile(Component):
 
     def finish(self, result) -> None:
         path = files.model_path(self.log.dir, self.run, self.cfg.runs)
-        result.model_path = str(files.save_model(path, result.model, self.cfg, self.classes, result.test_acc,
-                                                 CIFAR10_MEAN, CIFAR10_STD))
+        result.model_path = str(
+            files.save_model(path, result.model, self.cfg, self.classes, result.test_acc, CIFAR10_MEAN, CIFAR10_STD)
+        )
         self.log.line(f"model: {result.model_path}")
 
 
@@ -105,20 +108,24 @@ class FinalTest(Component):
         s = self.session
         _, acc = evaluate(self.model, self.eval_step, s.test_set, s.ctx)
         result.val_acc, result.test_acc = result.test_acc, acc
-        s.log.line(f"run {self.run}: the test set, evaluated once after the last epoch: test_acc {acc:.2f}% "
-                   f"(last val_acc {result.val_acc:.2f}%)")
+        s.log.line(
+            f"run {self.run}: the test set, evaluated once after the last epoch: test_acc {acc:.2f}% "
+            f"(last val_acc {result.val_acc:.2f}%)"
+        )
 
 
-def for_run(session: Session, run: int, parts: dict, sync: GradientSync, sparse: SparseRun,
-            epochs: int, eval_step=None) -> Components:
+def for_run(
+    session: Session, run: int, parts: dict, sync: GradientSync, sparse: SparseRun, epochs: int, eval_step=None
+) -> Components:
     """The components of run ``run`` (0: an unlogged warm-up run, which saves and resumes nothing).
     ``parts``: the run's objects a training state covers (run.state)."""
     cfg, log = session.cfg, session.log
     members: list[Component] = [parts["hooks"], sparse]  # built after warm-up: the window may start at 0
     members.append(profiling.StepWindow(cfg.profile_steps if run == 1 else ""))  # nsys range, profiler steps
     members.append(LossGuard(num_classes=len(session.classes)))  # NaN or exploded loss ends the run
-    members.append(Checkpoints(cfg, log, parts, epochs, session.resume if run else None,
-                               cfg.checkpoint_every if run else 0))
+    members.append(
+        Checkpoints(cfg, log, parts, epochs, session.resume if run else None, cfg.checkpoint_every if run else 0)
+    )
     members.append(SyncCleanup(sync, log, run))
     if session.eval_set is not session.test_set:  # --val-split
         members.append(FinalTest(session, parts["model"], eval_step, run))

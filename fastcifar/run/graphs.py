@@ -58,7 +58,8 @@ class StaticBatch:
 
     def __init__(self, batch: int, dtype: torch.dtype, device: torch.device, size: int = 32, channels: int = 3):
         self.images = torch.zeros(batch, channels, size, size, dtype=dtype, device=device).contiguous(
-            memory_format=torch.channels_last)
+            memory_format=torch.channels_last
+        )
         self.labels = torch.zeros(batch, dtype=torch.int64, device=device)
         self.valid = torch.ones(batch, dtype=torch.bool, device=device)
         self._valid_rows = batch  # host copy of valid.sum(): the mask is rewritten only when it changes
@@ -70,8 +71,7 @@ class StaticBatch:
     def load(self, images: torch.Tensor, labels: torch.Tensor) -> int:
         n = labels.shape[0]
         if images.shape[1:] != self.images.shape[1:] or images.shape[0] != n:
-            raise ValueError(f"batch of shape {tuple(images.shape)} does not fit buffers of "
-                             f"{tuple(self.images.shape)}")
+            raise ValueError(f"batch of shape {tuple(images.shape)} does not fit buffers of {tuple(self.images.shape)}")
         if n > self.capacity:
             raise ValueError(f"batch of {n} images exceeds the static buffer of {self.capacity}")
         if images.data_ptr() == self.images.data_ptr() and n == self.capacity:
@@ -106,8 +106,9 @@ def capture_error_mode() -> str:
     return "global"
 
 
-def capture(body: Callable[[], None], warmup_iters: int,
-            stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+def capture(
+    body: Callable[[], None], warmup_iters: int, stream: torch.cuda.Stream | None = None
+) -> torch.cuda.CUDAGraph:
     """Run ``body`` ``warmup_iters`` times on a side stream (cuDNN autotuning, Triton compilation,
     first gradients and allocator growth happen there, as capture requires), then capture it once
     (in ``capture_error_mode()``).
@@ -192,8 +193,10 @@ class TrainStep(_BatchStep):
     def select(self, variant: str) -> None:
         """Replay ``variant`` from the next step on (captured by ``warm_up_and_capture``)."""
         if self.capture and variant not in self.graphs:
-            raise RuntimeError(f"no captured training step {variant!r} (captured: {', '.join(self.graphs)}): "
-                               "capture each variant before the clock starts")
+            raise RuntimeError(
+                f"no captured training step {variant!r} (captured: {', '.join(self.graphs)}): "
+                "capture each variant before the clock starts"
+            )
         self.variant = variant
         self.graph = self.graphs.get(variant)
 

@@ -31,11 +31,14 @@ class LossGuard(Component):
     def check(self, train_loss: float, run: int, epoch: int) -> None:
         """Raise ``Diverged`` if the mean training loss of ``epoch`` (1-based) is non-finite or above the limit."""
         if not math.isfinite(train_loss):
-            raise Diverged(f"training diverged: the training loss is {train_loss} in run {run}, epoch {epoch}; "
-                           f"try a lower --lr")
+            raise Diverged(
+                f"training diverged: the training loss is {train_loss} in run {run}, epoch {epoch}; try a lower --lr"
+            )
         if train_loss > self.limit:
-            raise Diverged(f"training diverged: the training loss is {train_loss:.4g} in run {run}, epoch {epoch} "
-                           f"(above {self.limit:.3g}, {EXPLODED_FACTOR:g}x a uniform guess); try a lower --lr")
+            raise Diverged(
+                f"training diverged: the training loss is {train_loss:.4g} in run {run}, epoch {epoch} "
+                f"(above {self.limit:.3g}, {EXPLODED_FACTOR:g}x a uniform guess); try a lower --lr"
+            )
 
     def epoch_done(self, epoch: int, record) -> None:
         self.check(record.train_loss, record.run, epoch + 1)

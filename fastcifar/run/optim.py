@@ -23,8 +23,7 @@ class NesterovSGD:
     frozen ones (batchnorm scales, a whitening conv) take no step and hold no momentum.
     """
 
-    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
-                 nesterov: bool = True):
+    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0, nesterov: bool = True):
         specs = list(params)
         if not specs or not isinstance(specs[0], dict):
             specs = [{"params": specs}]
@@ -36,17 +35,23 @@ class NesterovSGD:
                 raise ValueError(f"a parameter is in more than one group (group {spec.get('name', i)!r})")
             seen.update(id(p) for p in trainable)
             self.params += trainable
-            self.param_groups.append({"name": spec.get("name", str(i)), "params": trainable,
-                                      "lr_scale": float(spec.get("lr_scale", 1.0)),
-                                      "weight_decay": float(spec.get("weight_decay", weight_decay))})
+            self.param_groups.append(
+                {
+                    "name": spec.get("name", str(i)),
+                    "params": trainable,
+                    "lr_scale": float(spec.get("lr_scale", 1.0)),
+                    "weight_decay": float(spec.get("weight_decay", weight_decay)),
+                }
+            )
         if not self.params:
             raise ValueError("no trainable parameters")
         device = self.params[0].device
         self.lr = torch.tensor(float(lr), dtype=torch.float32, device=device)
         # Per group, the rate multiplier is a device tensor too: freezing a group mid-run
         # (set_lr_scale(name, 0)) is a device write that a captured graph replays correctly.
-        self.lr_scales = {g["name"]: torch.tensor(g["lr_scale"], dtype=torch.float32, device=device)
-                          for g in self.param_groups}
+        self.lr_scales = {
+            g["name"]: torch.tensor(g["lr_scale"], dtype=torch.float32, device=device) for g in self.param_groups
+        }
         buckets = defaultdict(list)  # foreach ops want one dtype per list: (group, device, dtype)
         for g in self.param_groups:
             for p in g["params"]:
@@ -76,8 +81,7 @@ class NesterovSGD:
             grads = [p.grad for p in params]
             if any(g is None for g in grads):
                 raise RuntimeError("a parameter has no gradient; run backward before step()")
-            d_p = torch._foreach_add(grads, params, alpha=weight_decay) if weight_decay \
-                else [g.clone() for g in grads]
+            d_p = torch._foreach_add(grads, params, alpha=weight_decay) if weight_decay else [g.clone() for g in grads]
             torch._foreach_mul_(bufs, self.momentum)
             torch._foreach_add_(bufs, d_p)
             if self.nesterov:
@@ -102,14 +106,17 @@ class NesterovSGD:
 
     def state_dict(self) -> dict:
         """Momentum buffers and per-group rate multipliers (on the CPU), for checkpoints."""
-        return {"buffers": [[b.detach().cpu().clone() for b in bufs] for bufs in self.buffers],
-                "lr_scales": {name: float(t.item()) for name, t in self.lr_scales.items()}}
+        return {
+            "buffers": [[b.detach().cpu().clone() for b in bufs] for bufs in self.buffers],
+            "lr_scales": {name: float(t.item()) for name, t in self.lr_scales.items()},
+        }
 
     def check_state(self, state: dict) -> None:
         """Raises ValueError unless ``state`` fits this model's parameter groups."""
         shapes = [[tuple(b.shape) for b in bufs] for bufs in self.buffers]
-        if [[tuple(b.shape) for b in bufs] for bufs in state["buffers"]] != shapes \
-                or set(state["lr_scales"]) != set(self.lr_scales):
+        if [[tuple(b.shape) for b in bufs] for bufs in state["buffers"]] != shapes or set(state["lr_scales"]) != set(
+            self.lr_scales
+        ):
             raise ValueError("the optimizer state does not fit this model's parameter groups")
 
     @torch.no_grad()
@@ -122,8 +129,6 @@ class NesterovSGD:
             self.lr_scales[name].fill_(value)
 
 
-
-
 # --- orthogonalized momentum (Muon-style) ------------------------------------------------------
 
 # Quintic Newton-Schulz coefficients of the public Muon optimizer (Jordan et al., 2024): chosen for
@@ -132,8 +137,7 @@ class NesterovSGD:
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 3, eps: float = 1e-7,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
+def newton_schulz(g: torch.Tensor, steps: int = 3, eps: float = 1e-7, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An approximate orthogonalization of the 2-D ``g``: U S' V^T for g = U S V^T, S' near 1; or
     of each matrix of a 3-D stack ``g`` (batch, rows, cols), all in the same kernels.
 
@@ -176,9 +180,18 @@ class Muon:
     flat buffer and one all-reduce (``reduce``, a sum in place) shares the updates.
     """
 
-    def __init__(self, params, lr_source: torch.Tensor, lr_ratio: float, momentum: float = 0.6,
-                 nesterov: bool = True, ns_steps: int = 3, ns_dtype: torch.dtype | None = None,
-                 shard: tuple[int, int] = (0, 1), reduce=None):
+    def __init__(
+        self,
+        params,
+        lr_source: torch.Tensor,
+        lr_ratio: float,
+        momentum: float = 0.6,
+        nesterov: bool = True,
+        ns_steps: int = 3,
+        ns_dtype: torch.dtype | None = None,
+        shard: tuple[int, int] = (0, 1),
+        reduce=None,
+    ):
         self.params = [p for p in params if p.requires_grad]
         if not self.params or any(p.dim() < 2 for p in self.params):
             raise ValueError("Muon takes one or more trainable matrices or conv filters")

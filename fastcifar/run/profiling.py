@@ -62,7 +62,6 @@ def remove_step_callback(callback: Callable[[], None]) -> None:
     _callbacks.remove(callback)
 
 
-
 class StepWindow(Component):
     """Profiler start at step boundary A (A timed steps done) and stop at boundary B, for 'A:B'.
 
@@ -71,8 +70,7 @@ class StepWindow(Component):
     timed steps across epochs; a window that spans an epoch's end captures its evaluation too.
     """
 
-    def __init__(self, spec: str = "", start: Callable[[], None] | None = None,
-                 stop: Callable[[], None] | None = None):
+    def __init__(self, spec: str = "", start: Callable[[], None] | None = None, stop: Callable[[], None] | None = None):
         self.window = parse_window(spec)
         cuda = torch.cuda.is_available()  # without CUDA there is no profiler to start: the window does nothing
         self._start = start or (torch.cuda.profiler.start if cuda else _nothing)
@@ -111,6 +109,8 @@ class StepWindow(Component):
 def graphs_note(nvtx: bool, use_graphs: bool) -> str:
     """What --nvtx shows when the step is one captured graph ("" when it does not apply)."""
     if nvtx and use_graphs:
-        return ("note: with CUDA graphs --nvtx marks each step as one range; --cuda-graphs off "
-                "shows its forward, backward, comm and optimizer phases")
+        return (
+            "note: with CUDA graphs --nvtx marks each step as one range; --cuda-graphs off "
+            "shows its forward, backward, comm and optimizer phases"
+        )
     return ""

@@ -30,15 +30,31 @@ class Progress:
         """``iterable`` itself when off; else the same items under a bar of ``total`` steps."""
         if not self.enabled:
             return iterable
-        return tqdm(iterable, total=total, desc=desc, unit="step", leave=False, file=self.stream,
-                    dynamic_ncols=True, mininterval=0.1)
+        return tqdm(
+            iterable,
+            total=total,
+            desc=desc,
+            unit="step",
+            leave=False,
+            file=self.stream,
+            dynamic_ncols=True,
+            mininterval=0.1,
+        )
 
     def counter(self, total: int, desc: str, unit: str = "img"):
         """A bar to ``update(n)`` by hand, or an object whose ``update`` does nothing; close it."""
         if not self.enabled:
             return _Silent()
-        return tqdm(total=total, desc=desc, unit=unit, leave=False, file=self.stream, dynamic_ncols=True,
-                    mininterval=0.1, unit_scale=True)
+        return tqdm(
+            total=total,
+            desc=desc,
+            unit=unit,
+            leave=False,
+            file=self.stream,
+            dynamic_ncols=True,
+            mininterval=0.1,
+            unit_scale=True,
+        )
 
     @contextlib.contextmanager
     def stage(self, desc: str) -> Iterator[None]:
@@ -67,13 +83,14 @@ def chunked_decoder(decode: Callable | None, progress: Progress) -> Callable:
         try:
             parts = []
             for lo in range(0, len(raws), DECODE_CHUNK):
-                chunk, names = raws[lo:lo + DECODE_CHUNK], wheres[lo:lo + DECODE_CHUNK]
+                chunk, names = raws[lo : lo + DECODE_CHUNK], wheres[lo : lo + DECODE_CHUNK]
                 images = decode(chunk, names) if decode is not None else None
                 parts.append(decode_with_pil(chunk, names) if images is None else images)
                 bar.update(len(chunk))
             return np.concatenate(parts) if parts else None
         finally:
             bar.close()
+
     run.name = decoder_name(decode)  # the cache key's decoder stays DALI's: rank 0 and the others share one cache
     return run
 

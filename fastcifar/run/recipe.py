@@ -32,7 +32,6 @@ from fastcifar.run.optim import Muon, MuonSGD, NesterovSGD
 from fastcifar.run.schedule import epoch_lengths
 
 
-
 def peak_rate(cfg, per_rank_batch: int) -> float:
     """The schedule's top rate per image of a rank's summed loss: ``lr`` scaled to the global batch
     (config.py's rule, ``lr * batch_size / 512``), divided by the per-rank batch the loss sums over."""
@@ -49,11 +48,12 @@ def param_groups(model: nn.Module, cfg, per_rank_batch: int) -> list[dict]:
     filters = [p for p in model.parameters() if p.dim() == 4 and p.requires_grad] if cfg.optimizer == "muon" else []
     special = {id(p) for p in shifts + whiten_bias + head + filters}
     weights = [p for p in model.parameters() if id(p) not in special]
-    groups = [{"name": "weights", "params": weights, "weight_decay": wd},
-              {"name": "head", "params": head, "lr_scale": cfg.head_lr_scale, "weight_decay": wd / cfg.head_lr_scale},
-              {"name": "bn_shifts", "params": shifts, "lr_scale": cfg.bias_lr_scale,
-               "weight_decay": wd / cfg.bias_lr_scale},
-              {"name": "whiten_bias", "params": whiten_bias, "weight_decay": wd}]
+    groups = [
+        {"name": "weights", "params": weights, "weight_decay": wd},
+        {"name": "head", "params": head, "lr_scale": cfg.head_lr_scale, "weight_decay": wd / cfg.head_lr_scale},
+        {"name": "bn_shifts", "params": shifts, "lr_scale": cfg.bias_lr_scale, "weight_decay": wd / cfg.bias_lr_scale},
+        {"name": "whiten_bias", "params": whiten_bias, "weight_decay": wd},
+    ]
     if filters:
         groups.append({"name": "filters", "params": filters})
     return groups
@@ -66,27 +66,34 @@ def make_optimizer(model: nn.Module, cfg, per_rank_batch: int, peak: float, ctx=
     groups = param_groups(model, cfg, per_rank_batch)
     filters = [g for g in groups if g["name"] == "filters"]
     # no weight_decay argument: every group of param_groups carries its own
-    sgd = NesterovSGD([g for g in groups if g["name"] != "filters"], lr=0.0, momentum=cfg.momentum,
-                      nesterov=cfg.nesterov)
+    sgd = NesterovSGD(
+        [g for g in groups if g["name"] != "filters"], lr=0.0, momentum=cfg.momentum, nesterov=cfg.nesterov
+    )
     if not filters:
         return sgd
     device = filters[0]["params"][0].device
     shard, reduce = (0, 1), None
     if ctx is not None and ctx.distributed and cfg.muon_shard:
         import torch.distributed as dist
-        shard, reduce = (ctx.rank, ctx.world_size), dist.all_reduce
-    muon = Muon(filters[0]["params"], sgd.lr, cfg.muon_lr / peak, momentum=cfg.muon_momentum,
-                ns_steps=cfg.muon_ns_steps, ns_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                shard=shard, reduce=reduce)
-    return MuonSGD(sgd, muon)
 
+        shard, reduce = (ctx.rank, ctx.world_size), dist.all_reduce
+    muon = Muon(
+        filters[0]["params"],
+        sgd.lr,
+        cfg.muon_lr / peak,
+        momentum=cfg.muon_momentum,
+        ns_steps=cfg.muon_ns_steps,
+        ns_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        shard=shard,
+        reduce=reduce,
+    )
+    return MuonSGD(sgd, muon)
 
 
 def first_steps(loader, n: int):
     """The loader's first ``n`` batches: the loader itself for a whole epoch, so its iterator runs
     to its end (DALI finishes its pass there; a pass left suspended is drained by the next one)."""
     return loader if n >= len(loader) else itertools.islice(loader, n)
-
 
 
 class RunHooks(Component):
@@ -126,8 +133,12 @@ class RunHooks(Component):
             conv = copy.deepcopy(self.model.whiten)
             n, device = math.ceil(self.cfg.whiten_images / self.ctx.world_size), conv.weight.device
             noise = torch.Generator(device).manual_seed(0)  # its own: the run's random streams stay as they were
-            init_whitening(conv, torch.randn(n, conv.in_channels, 32, 32, device=device, generator=noise),
-                           eps=self.cfg.whiten_eps, centred=self.cfg.whiten_centred)
+            init_whitening(
+                conv,
+                torch.randn(n, conv.in_channels, 32, 32, device=device, generator=noise),
+                eps=self.cfg.whiten_eps,
+                centred=self.cfg.whiten_centred,
+            )
         if self.step is None or not self.stops_backward_at_whitening:
             return
         bias = self.model.whiten.bias
@@ -206,8 +217,10 @@ class RunHooks(Component):
         reduce = None
         if ctx.distributed:
             import torch.distributed as dist
+
             reduce = dist.all_reduce
-        init_whitening(self.model.whiten, images, eps=self.cfg.whiten_eps, reduce=reduce,
-                       centred=self.cfg.whiten_centred)
+        init_whitening(
+            self.model.whiten, images, eps=self.cfg.whiten_eps, reduce=reduce, centred=self.cfg.whiten_centred
+        )
         if ctx.distributed:
             torch.distributed.broadcast(self.model.whiten.weight.data, src=0)

@@ -35,19 +35,33 @@ from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import ConfigError, training_settings
 from fastcifar.core.stats import p_above
 
-TIMING_PROTOCOL = ("train time: summed per-epoch training time (on-device augmentation included), "
-                   "device synchronized at each epoch's start and end; per-epoch evaluation and the "
-                   "one-off warm-up steps before the clock starts are excluded. wall time: from "
-                   "process start to the end of the run's last evaluation. A resumed run's train time "
-                   "also counts the epochs trained before its checkpoint (their times as recorded "
-                   "there), its wall time this process only, so train time can exceed wall time; "
-                   "the run's line in log.txt then gives the train time before the resume and in "
-                   "this process apart.")
+TIMING_PROTOCOL = (
+    "train time: summed per-epoch training time (on-device augmentation included), "
+    "device synchronized at each epoch's start and end; per-epoch evaluation and the "
+    "one-off warm-up steps before the clock starts are excluded. wall time: from "
+    "process start to the end of the run's last evaluation. A resumed run's train time "
+    "also counts the epochs trained before its checkpoint (their times as recorded "
+    "there), its wall time this process only, so train time can exceed wall time; "
+    "the run's line in log.txt then gives the train time before the resume and in "
+    "this process apart."
+)
 
-EPOCH_HEADER = f"{'run':>4} {'epoch':>5} {'lr':>8} {'train_loss':>10} {'train_acc':>9} " \
-               f"{'test_acc':>8} {'epoch_s':>8} {'train_s':>8}"
-TSV_COLUMNS = ("run", "epoch", "lr", "train_time", "train_loss", "train_acc",
-               "test_time", "test_loss", "test_acc", "total_train_time")
+EPOCH_HEADER = (
+    f"{'run':>4} {'epoch':>5} {'lr':>8} {'train_loss':>10} {'train_acc':>9} "
+    f"{'test_acc':>8} {'epoch_s':>8} {'train_s':>8}"
+)
+TSV_COLUMNS = (
+    "run",
+    "epoch",
+    "lr",
+    "train_time",
+    "train_loss",
+    "train_acc",
+    "test_time",
+    "test_loss",
+    "test_acc",
+    "total_train_time",
+)
 # --val-split: each epoch's evaluation is on held-out training images, so its columns and fields
 # say "val" (an EpochRecord's test_* hold whichever set the epochs were evaluated on)
 VAL_NAMES = {"test_time": "val_time", "test_loss": "val_loss", "test_acc": "val_acc"}
@@ -61,6 +75,7 @@ def epoch_names(cfg) -> dict:
 def target_note(cfg, acc: float, target_acc: float) -> str:
     """The run line's verdict: reached or missed for a full recipe, else why the bar does not apply."""
     from fastcifar.core.config import full_recipe
+
     if not full_recipe(cfg):
         return f"target {target_acc:.2f}% applies to the full preset on the full data"
     return f"target {target_acc:.2f}%: {'reached' if acc >= target_acc else 'missed'}"
@@ -69,18 +84,23 @@ def target_note(cfg, acc: float, target_acc: float) -> str:
 def lr_note(cfg) -> str:
     """What the epoch lines' lr column is, with the run's numbers (config.py's learning-rate rule)."""
     muon = f"; Muon's filter step: --muon-lr {cfg.muon_lr:g} on the same schedule" if cfg.optimizer == "muon" else ""
-    return (f"lr: the base learning rate at the epoch's last step, for the mean loss over the global batch of "
-            f"{cfg.batch_size}; its peak is --lr {cfg.lr:g} x {cfg.batch_size}/512 = "
-            f"{cfg.lr * cfg.batch_size / 512:.4f}{muon}")
+    return (
+        f"lr: the base learning rate at the epoch's last step, for the mean loss over the global batch of "
+        f"{cfg.batch_size}; its peak is --lr {cfg.lr:g} x {cfg.batch_size}/512 = "
+        f"{cfg.lr * cfg.batch_size / 512:.4f}{muon}"
+    )
 
 
 def cpu_note(cfg, device: torch.device) -> str:
     """A full recipe on the CPU: a warning before it starts (hours, with TTA's 6 views each epoch)."""
     from fastcifar.core.config import full_recipe
+
     if device.type != "cpu" or not full_recipe(cfg):
         return ""
-    return (f"warning: the full {cfg.preset} preset on a CPU takes hours; for a short CPU run see the README's "
-            f"CPU example (--subset 2000 --epochs 4 --widths 16,32,32 --batch-size 128)")
+    return (
+        f"warning: the full {cfg.preset} preset on a CPU takes hours; for a short CPU run see the README's "
+        f"CPU example (--subset 2000 --epochs 4 --widths 16,32,32 --batch-size 128)"
+    )
 
 
 def cpu_threads_note(device: torch.device) -> str:
@@ -100,8 +120,10 @@ def cpu_threads_note(device: torch.device) -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads <= 1 or cores - math.ceil(load - 0.25) >= threads:
         return ""
-    return (f"note: load average {load:.1f} on {cores} cores: other work is running, and torch uses {threads} "
-            f"threads; OMP_NUM_THREADS=1 is usually much faster on a shared machine (README, CPU runs)")
+    return (
+        f"note: load average {load:.1f} on {cores} cores: other work is running, and torch uses {threads} "
+        f"threads; OMP_NUM_THREADS=1 is usually much faster on a shared machine (README, CPU runs)"
+    )
 
 
 def process_start_time() -> float:
@@ -125,19 +147,25 @@ def versions() -> dict:
             return metadata.version(dist_name)
         except metadata.PackageNotFoundError:
             return None
+
     return {
-        "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-        "triton": version_of("triton"), "numpy": version_of("numpy"),
-        "dali": version_of("nvidia-dali-cuda130"), "fastcifar": version_of("fastcifar"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "triton": version_of("triton"),
+        "numpy": version_of("numpy"),
+        "dali": version_of("nvidia-dali-cuda130"),
+        "fastcifar": version_of("fastcifar"),
     }
 
 
 def _git(*args: str) -> str:
     """A git command in the package's checkout ("" outside one, or without git)."""
     try:
-        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["git", *args], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
@@ -152,8 +180,12 @@ def gpu_identity(device: torch.device) -> tuple[str | None, str | None]:
     try:  # by UUID: nvidia-smi orders GPUs by bus id and ignores CUDA_VISIBLE_DEVICES, CUDA does neither
         uuid = str(torch.cuda.get_device_properties(index).uuid)
         gpu_id = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-        out = subprocess.run(["nvidia-smi", f"--id={gpu_id}", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["nvidia-smi", f"--id={gpu_id}", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         return name, out.stdout.strip().splitlines()[0].strip() or None
     except (OSError, subprocess.SubprocessError, IndexError, AttributeError, RuntimeError):
         return name, None
@@ -167,14 +199,24 @@ def provenance(cfg, device: torch.device) -> dict:
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
     settings = json.dumps(training_settings(cfg), sort_keys=True, default=str)
     gpu, driver = gpu_identity(device)
-    return {"commit": commit, "dirty": dirty, "config_hash": hashlib.sha256(settings.encode()).hexdigest()[:16],
-            "gpu": gpu, "driver": driver}
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "config_hash": hashlib.sha256(settings.encode()).hexdigest()[:16],
+        "gpu": gpu,
+        "driver": driver,
+    }
 
 
 def device_info(device: torch.device, world_size: int) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return {"type": device.type, "name": name, "world_size": world_size,
-            "cpu_threads": torch.get_num_threads(), "host": platform.node()}
+    return {
+        "type": device.type,
+        "name": name,
+        "world_size": world_size,
+        "cpu_threads": torch.get_num_threads(),
+        "host": platform.node(),
+    }
 
 
 @dataclass
@@ -195,7 +237,9 @@ class EpochRecord:
 class RunResult:
     run: int
     seed: int
-    test_acc: float  # %, final epoch, with the recipe's evaluation (TTA if on); --val-split: the test set once, at the end
+    test_acc: (
+        float  # %, final epoch, with the recipe's evaluation (TTA if on); --val-split: the test set once, at the end
+    )
     train_time: float  # s, see TIMING_PROTOCOL
     wall_time: float  # s since process start
     # s before the run's clock starts: model build, warm-up steps (cuDNN's search, Triton's compiles),
@@ -239,29 +283,37 @@ def summarize(results: list[RunResult], target_acc: float) -> dict:
     times = [r.train_time for r in results]
     return {
         "runs": len(results),
-        "acc_mean": statistics.fmean(accs), "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-        "acc_min": min(accs), "acc_median": statistics.median(accs), "acc_max": max(accs),
-        "target_acc": target_acc, "reached": sum(a >= target_acc for a in accs),
+        "acc_mean": statistics.fmean(accs),
+        "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+        "acc_min": min(accs),
+        "acc_median": statistics.median(accs),
+        "acc_max": max(accs),
+        "target_acc": target_acc,
+        "reached": sum(a >= target_acc for a in accs),
         "p_above_target": p_above(accs, target_acc),  # one-sided t-test of "mean > target" (None for 1 run)
-        "train_time_mean": statistics.fmean(times), "train_time_max": max(times),
+        "train_time_mean": statistics.fmean(times),
+        "train_time_max": max(times),
         "wall_time_max": max(r.wall_time for r in results),
         # the first run's set-up is the one a user waits for (compiles, cuDNN's search); later runs
         # in the process find them done
-        "setup_time_first": results[0].setup_time, "setup_time_mean": statistics.fmean(r.setup_time for r in results),
+        "setup_time_first": results[0].setup_time,
+        "setup_time_mean": statistics.fmean(r.setup_time for r in results),
     }
 
 
 def summary_table(s: dict) -> str:
     p = "-" if s["p_above_target"] is None else f"{s['p_above_target']:.2g}"
-    return "\n".join([
-        f"{'runs':>5} {'acc_mean':>8} {'acc_std':>7} {'acc_min':>7} {'acc_med':>7} {'reached':>9} {'p':>8} "
-        f"{'time_mean':>9} {'time_max':>8}",
-        f"{s['runs']:>5} {s['acc_mean']:>8.2f} {s['acc_std']:>7.2f} {s['acc_min']:>7.2f} "
-        f"{s['acc_median']:>7.2f} {str(s['reached']) + '/' + str(s['runs']):>9} {p:>8} "
-        f"{s['train_time_mean']:>9.2f} {s['train_time_max']:>8.2f}",
-        f"(accuracy in % of the test set; reached: runs at or above {s['target_acc']:.2f}%; p: one-sided "
-        f"t-test of a mean above it; times in s)",
-    ])
+    return "\n".join(
+        [
+            f"{'runs':>5} {'acc_mean':>8} {'acc_std':>7} {'acc_min':>7} {'acc_med':>7} {'reached':>9} {'p':>8} "
+            f"{'time_mean':>9} {'time_max':>8}",
+            f"{s['runs']:>5} {s['acc_mean']:>8.2f} {s['acc_std']:>7.2f} {s['acc_min']:>7.2f} "
+            f"{s['acc_median']:>7.2f} {str(s['reached']) + '/' + str(s['runs']):>9} {p:>8} "
+            f"{s['train_time_mean']:>9.2f} {s['train_time_max']:>8.2f}",
+            f"(accuracy in % of the test set; reached: runs at or above {s['target_acc']:.2f}%; p: one-sided "
+            f"t-test of a mean above it; times in s)",
+        ]
+    )
 
 
 class OutputError(ConfigError):
@@ -307,7 +359,6 @@ def _finite(value):
 
 def to_json(doc: dict) -> str:
     return json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
-
 
 
 _OPEN: list["RunLog"] = []  # started, unfinished logs: stop_open_logs closes them on any early exit
@@ -370,7 +421,9 @@ class RunLog:
         except OSError as exc:
             raise OutputError(f"--out-dir {self.out_root}: cannot create {self.dir}: {_why(exc)}") from None
         _OPEN.append(self)
-        self._write(self._tsv, "\t".join(self.names.get(c, c) for c in TSV_COLUMNS) + "\n")  # flushed: even a SIGKILL leaves the header
+        self._write(
+            self._tsv, "\t".join(self.names.get(c, c) for c in TSV_COLUMNS) + "\n"
+        )  # flushed: even a SIGKILL leaves the header
         for text in self._pending:
             self._write(self._log, text + "\n")
         self._pending = []
@@ -407,8 +460,10 @@ class RunLog:
     def _header(self, meta: dict) -> None:
         dev = meta["device"]
         name = "" if dev["name"] in ("", dev["type"]) else f" {dev['name']}"
-        self.line(f"fastcifar {meta['versions']['fastcifar'] or '(source)'} | preset {self.cfg.preset} | "
-                  f"{dev['type']}{name} x{dev['world_size']} | torch {meta['versions']['torch']}")
+        self.line(
+            f"fastcifar {meta['versions']['fastcifar'] or '(source)'} | preset {self.cfg.preset} | "
+            f"{dev['type']}{name} x{dev['world_size']} | torch {meta['versions']['torch']}"
+        )
         prov = meta.get("provenance")
         if prov:
             commit = (prov["commit"] or "unknown")[:12] + (" (dirty)" if prov["dirty"] else "")
@@ -429,15 +484,22 @@ class RunLog:
             return
         self._epochs.append(r)
         # the TSV row first: whoever sees the printed line (and stops the run) finds it on disk
-        self._write(self._tsv, "\t".join(f"{getattr(r, c):.6g}" if isinstance(getattr(r, c), float)
-                                         else str(getattr(r, c)) for c in TSV_COLUMNS) + "\n")
+        self._write(
+            self._tsv,
+            "\t".join(
+                f"{getattr(r, c):.6g}" if isinstance(getattr(r, c), float) else str(getattr(r, c)) for c in TSV_COLUMNS
+            )
+            + "\n",
+        )
         if r.epoch == 1 or not self._epochs_logged:  # a resumed run starts past epoch 1
             if not self._epochs_logged:
                 self.line(lr_note(self.cfg))
             self.line(EPOCH_HEADER.replace("test_acc", f"{self.names.get('test_acc', 'test_acc'):>8}"))
         self._epochs_logged += 1
-        self.line(f"{r.run:>4} {r.epoch:>5} {r.lr:>8.4f} {r.train_loss:>10.4f} {r.train_acc:>9.2f} "
-                  f"{r.test_acc:>8.2f} {r.train_time:>8.2f} {r.total_train_time:>8.2f}")
+        self.line(
+            f"{r.run:>4} {r.epoch:>5} {r.lr:>8.4f} {r.train_loss:>10.4f} {r.train_acc:>9.2f} "
+            f"{r.test_acc:>8.2f} {r.train_time:>8.2f} {r.total_train_time:>8.2f}"
+        )
 
     def run_done(self, res: RunResult, target_acc: float) -> None:
         self._results.append(res)
@@ -446,18 +508,28 @@ class RunLog:
         resumed = len(res.epochs) - len(here)
         if resumed > 0:  # see TIMING_PROTOCOL: the train clock spans the checkpoint, the wall clock does not
             mine = sum(r.train_time for r in here)
-            train += (f" over {len(res.epochs)} epochs ({res.train_time - mine:.2f} s in the {resumed} before "
-                      f"the resume, {mine:.2f} s in this process)")
+            train += (
+                f" over {len(res.epochs)} epochs ({res.train_time - mine:.2f} s in the {resumed} before "
+                f"the resume, {mine:.2f} s in this process)"
+            )
             wall += " in this process"
-        self.line(f"run {res.run}: test_acc {res.test_acc:.2f}% {train} {wall} setup {res.setup_time:.2f} s "
-                  f"({target_note(self.cfg, res.test_acc, target_acc)})")
+        self.line(
+            f"run {res.run}: test_acc {res.test_acc:.2f}% {train} {wall} setup {res.setup_time:.2f} s "
+            f"({target_note(self.cfg, res.test_acc, target_acc)})"
+        )
 
     def _summary_doc(self, results: list[RunResult], summary: dict | None, status: str, **extra) -> dict:
-        return {**self.meta, "status": status, **extra, "config": dataclasses.asdict(self.cfg),
-                "timing_protocol": TIMING_PROTOCOL, "summary": summary,
-                "epoch_eval_set": "validation" if self.names else "test",
-                "results": [record(r, self.names) for r in results],
-                "date": datetime.datetime.now().isoformat(timespec="seconds")}
+        return {
+            **self.meta,
+            "status": status,
+            **extra,
+            "config": dataclasses.asdict(self.cfg),
+            "timing_protocol": TIMING_PROTOCOL,
+            "summary": summary,
+            "epoch_eval_set": "validation" if self.names else "test",
+            "results": [record(r, self.names) for r in results],
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        }
 
     def _write_summary(self, doc: dict) -> None:
         try:
@@ -497,8 +569,9 @@ class RunLog:
             self._log.flush()
             summary = summarize(self._results, self.cfg.target_acc) if self._results else None
             partial = [rename(dataclasses.asdict(r), self.names) for r in self._epochs]
-            self._write_summary(self._summary_doc(self._results, summary, status, stopped=reason,
-                                                  unfinished_run_epochs=partial))
+            self._write_summary(
+                self._summary_doc(self._results, summary, status, stopped=reason, unfinished_run_epochs=partial)
+            )
         except (OSError, OutputError):
             pass
         finally:

@@ -28,8 +28,9 @@ def epoch_lengths(epochs: float, steps: int) -> list[int]:
     return [min(steps, total - start) for start in range(0, total, steps)]
 
 
-def warmup_decay_lr(progress: float, epochs: float, warmup_epochs: float, peak: float,
-                    start: float = 0.0, end: float = 0.0) -> float:
+def warmup_decay_lr(
+    progress: float, epochs: float, warmup_epochs: float, peak: float, start: float = 0.0, end: float = 0.0
+) -> float:
     """Piecewise linear: ``start x peak`` at epoch 0, ``peak`` at ``warmup_epochs``, ``end x peak``
     at ``epochs`` (the seed recipe: start = end = 0).
 
@@ -43,8 +44,7 @@ def warmup_decay_lr(progress: float, epochs: float, warmup_epochs: float, peak: 
     return peak * (end + (1.0 - end) * left)
 
 
-def stepwise_lr(step: int, total: int, warmup_steps: int, peak: float, start: float = 0.0,
-                end: float = 0.0) -> float:
+def stepwise_lr(step: int, total: int, warmup_steps: int, peak: float, start: float = 0.0, end: float = 0.0) -> float:
     """airbench's step-indexed schedule: linear through (0, start x peak), (warmup_steps, peak),
     (total, end x peak), read at the step's index (step 0 at exactly ``start``; step total - 1
     stops one step short of ``end``)."""
@@ -64,8 +64,11 @@ def lr_schedule(cfg, steps: int, peak: float) -> np.ndarray:
         if cfg.lr_at == "end":
             progress, warm, epochs = (index + 1) / steps, float(cfg.warmup_epochs), float(cfg.epochs)
             rising = peak * (start + (1.0 - start) * progress / warm)
-            falling = (np.full(total, peak) if epochs <= warm else
-                       peak * (end + (1.0 - end) * np.maximum(0.0, (epochs - progress) / (epochs - warm))))
+            falling = (
+                np.full(total, peak)
+                if epochs <= warm
+                else peak * (end + (1.0 - end) * np.maximum(0.0, (epochs - progress) / (epochs - warm)))
+            )
             return np.where(progress < warm, rising, falling)
         warm = int(round(total * cfg.warmup_epochs / cfg.epochs, 9))
         rising = peak * (start + (1.0 - start) * index / warm)

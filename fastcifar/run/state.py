@@ -35,19 +35,31 @@ from fastcifar.run.report import EpochRecord
 STATE_FORMAT = "fastcifar.state/1"
 STATE_NAME = "checkpoint.pt"
 # What a checkpoint holds (save_state); a file without one of them is refused by name.
-STATE_KEYS = ("format", "config", "world_size", "epochs_done", "steps_per_epoch", "model", "optimizer",
-              "schedule_step", "records", "ranks")
+STATE_KEYS = (
+    "format",
+    "config",
+    "world_size",
+    "epochs_done",
+    "steps_per_epoch",
+    "model",
+    "optimizer",
+    "schedule_step",
+    "records",
+    "ranks",
+)
 # What a run writes beside its checkpoint (core.atomic's temporaries of these are its own to clear)
 RUN_FILES = ("summary.json", "model*.safetensors", "sparse-run*.json")
 
 
 def _rng_state() -> dict:
     keys, pos, has_gauss, gauss = np.random.get_state()[1:]
-    return {"torch": torch.get_rng_state(),
-            # this rank's own device only: a resume may see another number of GPUs per process
-            "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else [],
-            "numpy": (torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
-            "python": random.getstate()}
+    return {
+        "torch": torch.get_rng_state(),
+        # this rank's own device only: a resume may see another number of GPUs per process
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else [],
+        "numpy": (torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+        "python": random.getstate(),
+    }
 
 
 def _set_rng_state(state: dict) -> None:
@@ -66,24 +78,34 @@ def _gist(exc: Exception) -> str:
     return f"{type(exc).__name__}: {line[:160]}"
 
 
-
 def save_state(path, *, cfg: Config, ctx, epochs_done: int, model, opt, schedule, hooks, loader, records) -> None:
     """Every rank calls this after epoch ``epochs_done`` (its evaluation included); rank 0 writes."""
-    mine = {"rng": _rng_state(), "hooks": hooks.state_dict(),
-            "loader": {"seed": int(loader.run_seed),
-                       "epoch": int(loader.epoch)}}
+    mine = {
+        "rng": _rng_state(),
+        "hooks": hooks.state_dict(),
+        "loader": {"seed": int(loader.run_seed), "epoch": int(loader.epoch)},
+    }
     ranks = [mine]
     if ctx.distributed:
         import torch.distributed as dist
+
         ranks = [None] * ctx.world_size if ctx.is_main else None
         dist.gather_object(mine, ranks, dst=0)
     if not ctx.is_main:
         return
-    state = {"format": STATE_FORMAT, "config": json.dumps(training_settings(cfg), sort_keys=True),
-             "world_size": ctx.world_size, "epochs_done": epochs_done, "steps_per_epoch": len(loader),
-             "model": host_state(model),
-             "optimizer": opt.state_dict(), "schedule_step": int(schedule.counter.item()),
-             "records": [dataclasses.asdict(r) for r in records], "ranks": ranks, "torch": str(torch.__version__)}
+    state = {
+        "format": STATE_FORMAT,
+        "config": json.dumps(training_settings(cfg), sort_keys=True),
+        "world_size": ctx.world_size,
+        "epochs_done": epochs_done,
+        "steps_per_epoch": len(loader),
+        "model": host_state(model),
+        "optimizer": opt.state_dict(),
+        "schedule_step": int(schedule.counter.item()),
+        "records": [dataclasses.asdict(r) for r in records],
+        "ranks": ranks,
+        "torch": str(torch.__version__),
+    }
     buffer = io.BytesIO()
     torch.save(state, buffer)
     write_atomic(path, buffer.getvalue())
@@ -103,6 +125,7 @@ def _on_rank0(ctx, read):
     if not ctx.distributed:
         return read()
     import torch.distributed as dist
+
     payload = [None]
     if ctx.is_main:
         try:
@@ -147,14 +170,17 @@ def _read_state(path, cfg: Config, world_size: int) -> dict:
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if differ:
         k = differ[0]
-        raise CheckpointError(f"--resume {path}: written with --{k.replace('_', '-')} {saved.get(k)}, this run "
-                              f"has {now.get(k)}" + (f" (and {len(differ) - 1} more settings differ)"
-                                                     if len(differ) > 1 else ""))
+        raise CheckpointError(
+            f"--resume {path}: written with --{k.replace('_', '-')} {saved.get(k)}, this run "
+            f"has {now.get(k)}" + (f" (and {len(differ) - 1} more settings differ)" if len(differ) > 1 else "")
+        )
     if not _is_int(state["world_size"]):
         raise CheckpointError(f"--resume {path}: field world_size is {state['world_size']!r}, not a rank count")
     if state["world_size"] != world_size:
-        raise CheckpointError(f"--resume {path}: written by {state['world_size']} ranks, this run has {world_size} "
-                              f"(each rank's shard depends on the count)")
+        raise CheckpointError(
+            f"--resume {path}: written by {state['world_size']} ranks, this run has {world_size} "
+            f"(each rank's shard depends on the count)"
+        )
     _check_progress(state, cfg, f"--resume {path}")
     return state
 
@@ -167,40 +193,59 @@ def _check_progress(state: dict, cfg: Config, where: str) -> None:
     """Issue 48: every field a resume reads, type- and range-checked against this run, so a
     tampered file is one line (CheckpointError naming the field) before anything is written;
     epochs_done 99 of a 3-epoch run once trained nothing and wrote a model, -1 a traceback."""
+
     def bad(name: str, problem: str) -> CheckpointError:
         return CheckpointError(f"{where}: field {name} {problem}")
 
     epochs = math.ceil(cfg.epochs)  # a fractional --epochs cuts the last one short
     done = state["epochs_done"]
     if not _is_int(done) or not 0 <= done < epochs:
-        raise bad("epochs_done", f"is {done!r}, this run has {epochs} epochs: it must lie in 0..{epochs - 1}"
-                  + (" (nothing left to train)" if _is_int(done) and done >= epochs else ""))
+        raise bad(
+            "epochs_done",
+            f"is {done!r}, this run has {epochs} epochs: it must lie in 0..{epochs - 1}"
+            + (" (nothing left to train)" if _is_int(done) and done >= epochs else ""),
+        )
     steps = state["steps_per_epoch"]
     if not _is_int(steps) or steps < 1:
         raise bad("steps_per_epoch", f"is {steps!r}, not a positive step count")
     if not _is_int(state["schedule_step"]) or state["schedule_step"] != done * steps:
-        raise bad("schedule_step", f"is {state['schedule_step']!r}, {done} epochs of {steps} steps end at "
-                  f"step {done * steps}")
+        raise bad(
+            "schedule_step", f"is {state['schedule_step']!r}, {done} epochs of {steps} steps end at step {done * steps}"
+        )
     records = state["records"]
     if not isinstance(records, list) or len(records) != done:
-        raise bad("records", f"holds {len(records) if isinstance(records, list) else type(records).__name__} "
-                  f"entries, expected one per epoch done ({done})")
+        raise bad(
+            "records",
+            f"holds {len(records) if isinstance(records, list) else type(records).__name__} "
+            f"entries, expected one per epoch done ({done})",
+        )
     names = {f.name for f in dataclasses.fields(EpochRecord)}
     for i, record in enumerate(records):
         # numbers throughout; the fields a resume reads (the epoch, the train clock) finite too: a
         # legitimate run may record a non-finite test loss (fp16 logits), which the guard allows
-        if (not isinstance(record, dict) or set(record) != names or record["epoch"] != i + 1
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in record.values())
-                or not math.isfinite(record["total_train_time"])):
+        if (
+            not isinstance(record, dict)
+            or set(record) != names
+            or record["epoch"] != i + 1
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in record.values())
+            or not math.isfinite(record["total_train_time"])
+        ):
             raise bad("records", f"entry {i} is not the record of epoch {i + 1}")
     ranks = state["ranks"]
     if not isinstance(ranks, list) or len(ranks) != state["world_size"]:
-        raise bad("ranks", f"holds {len(ranks) if isinstance(ranks, list) else type(ranks).__name__} entries, "
-                  f"expected one per rank ({state['world_size']})")
+        raise bad(
+            "ranks",
+            f"holds {len(ranks) if isinstance(ranks, list) else type(ranks).__name__} entries, "
+            f"expected one per rank ({state['world_size']})",
+        )
     for r, mine in enumerate(ranks):
-        if not isinstance(mine, dict) or not {"rng", "hooks", "loader"} <= set(mine) \
-                or not isinstance(mine["rng"], dict) or not isinstance(mine["hooks"], dict) \
-                or not isinstance(mine["loader"], dict):
+        if (
+            not isinstance(mine, dict)
+            or not {"rng", "hooks", "loader"} <= set(mine)
+            or not isinstance(mine["rng"], dict)
+            or not isinstance(mine["hooks"], dict)
+            or not isinstance(mine["loader"], dict)
+        ):
             raise bad("ranks", f"entry {r} is not a rank's state (rng, hooks, loader)")
         seed, epoch = mine["loader"].get("seed"), mine["loader"].get("epoch")
         if not _is_int(seed) or seed != cfg.seed:  # --resume holds run 1, seeded --seed
@@ -208,8 +253,9 @@ def _check_progress(state: dict, cfg: Config, where: str) -> None:
         if not _is_int(epoch) or not 0 <= epoch <= done:
             raise bad("ranks", f"entry {r}: loader epoch {epoch!r}, expected 0..{done}")
     model = state["model"]
-    if not isinstance(model, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
-                                              for k, t in model.items()):
+    if not isinstance(model, dict) or not all(
+        isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in model.items()
+    ):
         raise bad("model", "is not a dict of named tensors")
     for name, t in model.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -259,10 +305,11 @@ def _resume_settings(cfg: Config, given: dict) -> Config:
             flag = "--" + name.replace("_", "-")
             shown = ",".join(map(str, saved[name])) if isinstance(saved[name], list) else saved[name]
             mine = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-            raise CheckpointError(f"--resume {path}: written with {flag} {shown}, this run has {mine} (given on "
-                                  f"the command line; leave it out to continue with the checkpoint's)")
-    settings = {k: (tuple(v) if isinstance(known[k].default, tuple) else v)
-                for k, v in saved.items() if k in known}
+            raise CheckpointError(
+                f"--resume {path}: written with {flag} {shown}, this run has {mine} (given on "
+                f"the command line; leave it out to continue with the checkpoint's)"
+            )
+    settings = {k: (tuple(v) if isinstance(known[k].default, tuple) else v) for k, v in saved.items() if k in known}
     return dataclasses.replace(cfg, **settings)
 
 
@@ -270,13 +317,17 @@ def restore(state: dict, *, ctx, model, opt, schedule, hooks, loader, source: st
     """Put a checked state into the run's objects, in place (captured graphs hold them).
     Returns (epochs done, the epoch records so far, as dicts)."""
     if state["steps_per_epoch"] != len(loader):
-        raise CheckpointError(f"--resume {source}: {state['steps_per_epoch']} steps per epoch, this run's data "
-                              f"gives {len(loader)} (a different data set?)")
+        raise CheckpointError(
+            f"--resume {source}: {state['steps_per_epoch']} steps per epoch, this run's data "
+            f"gives {len(loader)} (a different data set?)"
+        )
     _check_shapes(model.state_dict(), state["model"], f"--resume {source}")
     for name, t in model.state_dict().items():  # fp32 from a CPU run vs fp16 on a GPU (--precision auto)
         if state["model"][name].dtype != t.dtype:
-            raise CheckpointError(f"--resume {source}: written with {state['model'][name].dtype} weights ({name}), "
-                                  f"this run trains in {t.dtype}; pass the writer's --precision and --device")
+            raise CheckpointError(
+                f"--resume {source}: written with {state['model'][name].dtype} weights ({name}), "
+                f"this run trains in {t.dtype}; pass the writer's --precision and --device"
+            )
     mine = state["ranks"][ctx.rank]
     try:
         with torch.no_grad():
@@ -291,8 +342,9 @@ def restore(state: dict, *, ctx, model, opt, schedule, hooks, loader, source: st
     try:
         _set_rng_state(mine["rng"])
     except (ValueError, RuntimeError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise CheckpointError(f"--resume {source}: field ranks: entry {ctx.rank}'s rng state is unusable "
-                              f"({_gist(exc)})") from None
+        raise CheckpointError(
+            f"--resume {source}: field ranks: entry {ctx.rank}'s rng state is unusable ({_gist(exc)})"
+        ) from None
     return state["epochs_done"], state["records"]
 
 
@@ -311,8 +363,10 @@ class Checkpoints(Component):
         """Weights, momentum, schedule, lookahead, RNGs, loader: as after the checkpoint's epoch."""
         self.result = result
         if self.every and self.every >= self.epochs:
-            self.log.line(f"note: --checkpoint-every {self.every} with {self.epochs} epochs writes no checkpoint "
-                          f"(none is written after the last epoch: the model file holds that)")
+            self.log.line(
+                f"note: --checkpoint-every {self.every} with {self.epochs} epochs writes no checkpoint "
+                f"(none is written after the last epoch: the model file holds that)"
+            )
         if self.resume is None:
             return None
         start_epoch, records = restore(self.resume, source=self.cfg.resume, **self.parts)
@@ -322,5 +376,10 @@ class Checkpoints(Component):
 
     def epoch_done(self, epoch: int, record) -> None:
         if self.every and (epoch + 1) % self.every == 0 and epoch + 1 < self.epochs:
-            save_state(self.log.dir and self.log.dir / STATE_NAME, cfg=self.cfg, epochs_done=epoch + 1,
-                       records=self.result.epochs, **self.parts)
+            save_state(
+                self.log.dir and self.log.dir / STATE_NAME,
+                cfg=self.cfg,
+                epochs_done=epoch + 1,
+                records=self.result.epochs,
+                **self.parts,
+            )

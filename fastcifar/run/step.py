@@ -15,8 +15,14 @@ from fastcifar.run.optim import NesterovSGD
 from fastcifar.run.schedule import DeviceSchedule
 
 
-def make_step(net, opt: NesterovSGD, schedule: DeviceSchedule, label_smoothing: float,
-              markers=profiling.markers(False), buckets=None):
+def make_step(
+    net,
+    opt: NesterovSGD,
+    schedule: DeviceSchedule,
+    label_smoothing: float,
+    markers=profiling.markers(False),
+    buckets=None,
+):
     """One training step on a batch: the function that runs eagerly or is captured. ``buckets``
     (several ranks, --comm bucketed: ``parallel.comm.GradBuckets``) average the gradients during
     backward; ``markers`` (push, pop) put NVTX ranges around its phases for nsys (no-ops unless
@@ -41,6 +47,7 @@ def make_step(net, opt: NesterovSGD, schedule: DeviceSchedule, label_smoothing: 
         opt.zero_grad()  # in place, so bucketed gradients stay views into their buckets
         pop()
         return loss.detach(), (logits.argmax(1) == labels).sum()
+
     return step
 
 
@@ -51,7 +58,8 @@ def evaluate(model, eval_step: EvalStep, test_set: EvalSet, ctx) -> tuple[float,
     for images, labels in test_set:
         eval_step(images, labels)
     total_loss, total_correct, count = distributed.all_sum(
-        [eval_step.loss_sum.item(), float(eval_step.correct.item()), float(len(test_set.labels))], ctx, ctx.device)
+        [eval_step.loss_sum.item(), float(eval_step.correct.item()), float(len(test_set.labels))], ctx, ctx.device
+    )
     return total_loss / count, 100.0 * total_correct / count
 
 

@@ -20,8 +20,9 @@ from fastcifar.train import main as train_main
 
 
 def python(code: str, cwd, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_readme_example_runs_and_train_is_callable_before_and_after_import(tmp_path):
@@ -29,7 +30,7 @@ def test_readme_example_runs_and_train_is_callable_before_and_after_import(tmp_p
     imported the trainer module; after ``import fastcifar.train`` the attribute is that module and
     the same call gives the same network."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Python API"):]
+    section = readme[readme.index("### Python API") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     write_official(tmp_path / "data", per_batch=100, n_test=200)  # ./data, as the example reads it
     Image.fromarray(make_images(1, seed=5)[0][0]).save(tmp_path / "cat.png")
@@ -53,8 +54,9 @@ print("EXAMPLE OK")
 
 @pytest.mark.parametrize("module", ["fastcifar.train", "fastcifar.evaluate", "fastcifar.predict", "fastcifar.export"])
 def test_python_m_help_prints_no_warning(module):
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("usage:")
     assert proc.stderr == "", f"python -m {module} wrote to stderr:\n{proc.stderr}"
 
@@ -89,6 +91,7 @@ def test_predict_and_evaluate_take_a_run_in_memory(tmp_path):
     from fastcifar.models.network import make_network
     from fastcifar.ops.norm_act_pool import NormActPool
     from fastcifar.run.report import RunResult
+
     cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
     net = make_network(cfg, NormActPool, 10).eval()
     run = TrainedRun(net, ModelInfo(cfg, tuple("abcdefghij"), (125.0,) * 3, (63.0,) * 3, 0.0), RunResult(1, 0, 0, 0, 0))
@@ -110,6 +113,7 @@ def test_resolve_model_leaves_the_callers_network_as_it_is(wrap):
     from fastcifar.models.network import make_network
     from fastcifar.ops.norm_act_pool import NormActPool
     from fastcifar.run.report import RunResult
+
     cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
     net = make_network(cfg, NormActPool, 10).half()  # in train mode, as a run leaves it mid-training
     before = {k: v.clone() for k, v in net.state_dict().items()}
@@ -132,13 +136,15 @@ def test_a_cuda_network_of_triton_blocks_evaluates_on_the_cpu():
     from fastcifar.models.blocks import norm_factory
     from fastcifar.ops.norm_act_pool import NormActPool
     from fastcifar.models.network import make_network
+
     cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
     # channels-last, as build_model and load_model leave it: the Triton kernels take no other layout
     net = make_network(cfg, norm_factory("triton"), 10).to("cuda", memory_format=torch.channels_last).eval()
     info = ModelInfo(cfg, tuple("abcdefghij"), (125.0,) * 3, (63.0,) * 3, 0.0)
     got, _ = resolve_model((net, info), "cpu")
-    assert next(net.parameters()).is_cuda and any(type(m) is not NormActPool for m in net.modules()
-                                                  if isinstance(m, NormActPool))
+    assert next(net.parameters()).is_cuda and any(
+        type(m) is not NormActPool for m in net.modules() if isinstance(m, NormActPool)
+    )
     assert all(type(m) is NormActPool for m in got.modules() if isinstance(m, NormActPool))
     x = torch.randn(2, 3, 32, 32)
     want = net(x.cuda().contiguous(memory_format=torch.channels_last)).cpu()
@@ -154,9 +160,21 @@ def test_an_api_run_that_diverges_closes_its_log_as_the_cli_does(learnable_data,
 
     from fastcifar.run import report
     from fastcifar.core import signals
+
     out = tmp_path / "runs"
-    cfg = from_preset("resnet9", data=str(learnable_data), out_dir=str(out), device="cpu", widths=(8, 16, 32, 64),
-                      batch_size=100, epochs=1, warmup_steps=1, lr=1e6, save_model=False, quiet=True)
+    cfg = from_preset(
+        "resnet9",
+        data=str(learnable_data),
+        out_dir=str(out),
+        device="cpu",
+        widths=(8, 16, 32, 64),
+        batch_size=100,
+        epochs=1,
+        warmup_steps=1,
+        lr=1e6,
+        save_model=False,
+        quiet=True,
+    )
     with pytest.raises(signals.StopRun):
         fastcifar.train(cfg)
     assert not report._OPEN

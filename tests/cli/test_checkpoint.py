@@ -28,9 +28,28 @@ from fastcifar.ops.norm_act_pool import NormActPool
 # The `fast` preset (whitening, lookahead, frozen BN scales, bias freeze after epoch 2) made tiny.
 # Noisy images (noise 150) keep the accuracy well below 100%, so "the same accuracy" means something;
 # 300 test images in batches of 128 leave a partial last batch.
-FAST_TINY = ["--preset", "fast", "--device", "cpu", "--widths", "16,32,32", "--batch-size", "100", "--epochs", "3",
-             "--warmup-steps", "1", "--eval-batch-size", "128", "--whiten-images", "200", "--whiten-bias-epochs", "2",
-             "--loader", "torch"]
+FAST_TINY = [
+    "--preset",
+    "fast",
+    "--device",
+    "cpu",
+    "--widths",
+    "16,32,32",
+    "--batch-size",
+    "100",
+    "--epochs",
+    "3",
+    "--warmup-steps",
+    "1",
+    "--eval-batch-size",
+    "128",
+    "--whiten-images",
+    "200",
+    "--whiten-bias-epochs",
+    "2",
+    "--loader",
+    "torch",
+]
 
 
 def write_noisy_official(root, n_train=1000, n_test=300):
@@ -40,7 +59,9 @@ def write_noisy_official(root, n_train=1000, n_test=300):
     tx, ty = make_images(n_test, seed=2, noise=150)
     per = n_train // 5
     for i in range(5):
-        (folder / f"data_batch_{i + 1}").write_bytes(batch_bytes(x[i * per:(i + 1) * per], y[i * per:(i + 1) * per]))
+        (folder / f"data_batch_{i + 1}").write_bytes(
+            batch_bytes(x[i * per : (i + 1) * per], y[i * per : (i + 1) * per])
+        )
     (folder / "test_batch").write_bytes(batch_bytes(tx, ty))
     return folder, (tx, ty)
 
@@ -60,13 +81,18 @@ def _train_with_checkpoint(root, tiny):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert train_main([str(a) for a in ["--data", data, "--out-dir", out, *tiny,
-                                            "--checkpoint-every", "2"]]) == 0
+        assert train_main([str(a) for a in ["--data", data, "--out-dir", out, *tiny, "--checkpoint-every", "2"]]) == 0
     finally:
         torch.set_num_threads(threads)
     (run_dir,) = run_dirs(out)
-    return {"data": data, "test": test, "dir": run_dir, "root": root, "tiny": tiny,
-            "summary": json.loads((run_dir / "summary.json").read_text())}
+    return {
+        "data": data,
+        "test": test,
+        "dir": run_dir,
+        "root": root,
+        "tiny": tiny,
+        "summary": json.loads((run_dir / "summary.json").read_text()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +117,7 @@ def tiny_fastnet(num_classes=11):
 
 
 # --- the model file ---------------------------------------------------------------------------
+
 
 def test_model_file_round_trip(tmp_path):
     cfg, model = tiny_fastnet(num_classes=11)
@@ -125,6 +152,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
         with open(tmp, "wb") as f:
             f.write(blob[:100])
         raise OSError(27, "File too large")
+
     monkeypatch.setattr(atomic, "_write_file", half_then_full)
     with pytest.raises(CheckpointError, match="cannot write .*m.safetensors: File too large"):
         save_model(path, model, cfg, CLASSES + ("x",), 60.0, (0,) * 3, (1,) * 3)
@@ -138,7 +166,7 @@ def _bad_model_file(kind, tmp_path):
     if kind == "corrupt":
         bad.write_bytes(b"\x00garbage, not a safetensors header" * 10)
     elif kind == "truncated":
-        bad.write_bytes(good.read_bytes()[:len(good.read_bytes()) // 2])
+        bad.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
     elif kind == "foreign":  # a valid safetensors file, not ours
         save_file({"w": torch.zeros(3)}, str(bad), metadata={"format": "pt"})
     elif kind == "mismatched":  # our metadata, weights of another width
@@ -150,10 +178,15 @@ def _bad_model_file(kind, tmp_path):
     return bad
 
 
-@pytest.mark.parametrize("kind,message", [("corrupt", "not a readable model file"),
-                                          ("truncated", "not a readable model file"),
-                                          ("foreign", "not a fastcifar model file"),
-                                          ("mismatched", r"fc.weight has shape \(11, 99\)")])
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("corrupt", "not a readable model file"),
+        ("truncated", "not a readable model file"),
+        ("foreign", "not a fastcifar model file"),
+        ("mismatched", r"fc.weight has shape \(11, 99\)"),
+    ],
+)
 def test_bad_model_files_are_refused(kind, message, tmp_path):
     with pytest.raises(CheckpointError, match=message):
         load_model(_bad_model_file(kind, tmp_path))
@@ -170,6 +203,7 @@ def test_cli_refuses_a_truncated_model_in_one_line(main, tmp_path, capsys):
 
 # --- resume -------------------------------------------------------------------------------------
 
+
 def _tensors(path):
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
@@ -180,8 +214,9 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(which, request, tmp_pa
     """`fast` (lookahead, SGD) and the default preset (Muon's momentum on the filters)."""
     trained = request.getfixturevalue(which)
     out = tmp_path / "runs"
-    proc = run_train(["--data", trained["data"], "--out-dir", out, *trained["tiny"],
-                      "--resume", trained["dir"] / "checkpoint.pt"])
+    proc = run_train(
+        ["--data", trained["data"], "--out-dir", out, *trained["tiny"], "--resume", trained["dir"] / "checkpoint.pt"]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "after epoch 2" in proc.stdout
     (run_dir,) = run_dirs(out)
@@ -194,7 +229,11 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(which, request, tmp_pa
     b = json.loads((run_dir / "summary.json").read_text())["results"][0]["epochs"]
     assert [r["epoch"] for r in b] == [1, 2, 3]
     for ra, rb in zip(a, b):
-        assert (ra["train_loss"], ra["test_loss"], ra["test_acc"]) == (rb["train_loss"], rb["test_loss"], rb["test_acc"])
+        assert (ra["train_loss"], ra["test_loss"], ra["test_acc"]) == (
+            rb["train_loss"],
+            rb["test_loss"],
+            rb["test_acc"],
+        )
 
 
 def _corrupt(path, tmp_path):
@@ -205,7 +244,7 @@ def _corrupt(path, tmp_path):
 
 def _truncated(path, tmp_path):
     bad = tmp_path / "truncated.pt"
-    bad.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 3])
+    bad.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 3])
     return bad
 
 
@@ -220,13 +259,16 @@ def _hostile(path, tmp_path):  # a pickle that would call a function: weights_on
     return bad
 
 
-@pytest.mark.parametrize("make,extra,message", [
-    (_corrupt, [], "not a readable checkpoint"),
-    (_truncated, [], "not a readable checkpoint"),
-    (_hostile, [], "not a readable checkpoint"),
-    (None, ["--seed", "1"], "written with --seed 0, this run has 1"),
-    (None, ["--widths", "16,32,64"], "written with --widths"),
-])
+@pytest.mark.parametrize(
+    "make,extra,message",
+    [
+        (_corrupt, [], "not a readable checkpoint"),
+        (_truncated, [], "not a readable checkpoint"),
+        (_hostile, [], "not a readable checkpoint"),
+        (None, ["--seed", "1"], "written with --seed 0, this run has 1"),
+        (None, ["--widths", "16,32,64"], "written with --widths"),
+    ],
+)
 def test_bad_or_mismatched_checkpoints_give_one_line(trained, tmp_path, capsys, make, extra, message):
     path = trained["dir"] / "checkpoint.pt"
     if make is not None:
@@ -263,16 +305,25 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, capsys):
     """gloo, 2 ranks: each rank resumes its own shard, RNGs and lookahead copy; the result is the
     uninterrupted 2-rank run's, bit for bit."""
     data, _ = write_noisy_official(tmp_path / "data", n_train=800, n_test=200)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "fastcifar.train"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "fastcifar.train",
+    ]
     args = ["--data", data, *FAST_TINY, "--epochs", "2", "--whiten-bias-epochs", "1"]
     full = run_train([*args, "--out-dir", tmp_path / "a", "--checkpoint-every", "1"], launcher=torchrun, timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
     (dir_a,) = run_dirs(tmp_path / "a")
     state = torch.load(dir_a / "checkpoint.pt", weights_only=True)
     assert state["world_size"] == 2 and len(state["ranks"]) == 2
-    resumed = run_train([*args, "--out-dir", tmp_path / "b", "--resume", dir_a / "checkpoint.pt"],
-                        launcher=torchrun, timeout=600)
+    resumed = run_train(
+        [*args, "--out-dir", tmp_path / "b", "--resume", dir_a / "checkpoint.pt"], launcher=torchrun, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (dir_b,) = run_dirs(tmp_path / "b")
     a, b = _tensors(dir_a / "model.safetensors"), _tensors(dir_b / "model.safetensors")
@@ -285,25 +336,31 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, capsys):
     # refusal reaches every rank the same way, so none is left waiting
     script = tmp_path / "load_state_ranks.py"
     script.write_text(LOAD_STATE_RANKS)
-    good = run_train([dir_a / "checkpoint.pt", *args], launcher=[sys.executable, "-m", "torch.distributed.run",
-                                                                 "--standalone", "--nproc_per_node", "2", str(script)])
+    good = run_train(
+        [dir_a / "checkpoint.pt", *args],
+        launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+    )
     assert good.returncode == 0 and good.stdout.count("epochs_done 1") == 2, good.stdout + good.stderr[-3000:]
-    bad = run_train([dir_a / "checkpoint.pt", *args, "--label-smoothing", "0.1"],
-                    launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                              str(script)])
+    bad = run_train(
+        [dir_a / "checkpoint.pt", *args, "--label-smoothing", "0.1"],
+        launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+    )
     assert bad.returncode == 0 and bad.stdout.count("refused: --resume") == 2, bad.stdout + bad.stderr[-3000:]
     assert "written with --label-smoothing 0.2" in bad.stdout
     # --resume alone: rank 0 reads the checkpoint's settings and sends them on; rank 1, which cannot
     # see the file, trains with them too (not with the command line's defaults)
     script.write_text(RESUME_SETTINGS_RANKS)
-    alone = run_train([dir_a / "checkpoint.pt", "--data", data], launcher=[
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)])
+    alone = run_train(
+        [dir_a / "checkpoint.pt", "--data", data],
+        launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+    )
     want = f"settings epochs=2 widths={state_widths(dir_a)} whiten_bias_epochs=1"
     assert alone.returncode == 0 and alone.stdout.count(want) == 2, alone.stdout + alone.stderr[-3000:]
 
 
 def state_widths(run_dir) -> tuple:
     import json as _json
+
     saved = _json.loads(torch.load(run_dir / "checkpoint.pt", weights_only=True)["config"])
     return tuple(saved["widths"])
 
@@ -341,6 +398,7 @@ distributed.teardown(ctx)
 
 # --- evaluate and predict -----------------------------------------------------------------------
 
+
 def test_evaluate_reproduces_the_recorded_accuracy(trained, capsys):
     model_file = trained["dir"] / "model.safetensors"
     recorded = trained["summary"]["results"][0]["test_acc"]
@@ -365,8 +423,26 @@ def test_evaluate_reproduces_an_accuracy_recorded_with_a_tta_share(tmp_path):
     rows (128 + 128 + 44 of 300 test images), evaluate to 30% of each unpadded batch: the same rows."""
     data, _ = write_noisy_official(tmp_path / "data")
     out = tmp_path / "runs"
-    assert train_main([str(a) for a in ["--data", data, "--out-dir", out, *FAST_TINY, "--epochs", "1",
-                                        "--tta-share", "0.3", "--quiet"]]) == 0
+    assert (
+        train_main(
+            [
+                str(a)
+                for a in [
+                    "--data",
+                    data,
+                    "--out-dir",
+                    out,
+                    *FAST_TINY,
+                    "--epochs",
+                    "1",
+                    "--tta-share",
+                    "0.3",
+                    "--quiet",
+                ]
+            ]
+        )
+        == 0
+    )
     (run_dir,) = run_dirs(out)
     (result,) = json.loads((run_dir / "summary.json").read_text())["results"]
     recorded = result["test_acc"]
@@ -421,10 +497,30 @@ def test_full_disk_at_the_model_file_is_one_line(learnable_data, tmp_path):
 
     def limit_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+
     out = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "fastcifar.train", "--data", str(learnable_data), "--out-dir", str(out),
-                           *SHORT, "--epochs", "1", "--loader", "torch"], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=300, preexec_fn=limit_files)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastcifar.train",
+            "--data",
+            str(learnable_data),
+            "--out-dir",
+            str(out),
+            *SHORT,
+            "--epochs",
+            "1",
+            "--loader",
+            "torch",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_files,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = one_line_error(proc.stderr)
     assert line.startswith("fastcifar: error: cannot write ") and line.endswith("model.safetensors: File too large")
@@ -436,6 +532,7 @@ def test_resume_accepts_other_display_and_path_settings_only():
     """--quiet, paths and logging may differ on resume; a training setting may not."""
     from fastcifar.core.config import training_settings as _training_config
     from fastcifar.core.config import from_preset
+
     base = from_preset("resnet9")
     assert _training_config(base) == _training_config(from_preset("resnet9", quiet=True, out_dir="x", data="y"))
     assert _training_config(base) != _training_config(from_preset("resnet9", lr=0.5))

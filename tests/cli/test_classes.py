@@ -27,8 +27,26 @@ from fastcifar.train import main as train_main
 
 quiet = lambda msg: None  # noqa: E731
 # A tiny ResNet-9 run: what matters here is the class count, not accuracy.
-TINY = ["--preset", "resnet9", "--device", "cpu", "--widths", "8,8,16,16", "--batch-size", "50", "--epochs", "1",
-        "--warmup-epochs", "0", "--warmup-steps", "1", "--eval-batch-size", "100", "--loader", "torch"]
+TINY = [
+    "--preset",
+    "resnet9",
+    "--device",
+    "cpu",
+    "--widths",
+    "8,8,16,16",
+    "--batch-size",
+    "50",
+    "--epochs",
+    "1",
+    "--warmup-epochs",
+    "0",
+    "--warmup-steps",
+    "1",
+    "--eval-batch-size",
+    "100",
+    "--loader",
+    "torch",
+]
 
 
 def images_of(labels: np.ndarray, n_classes: int, seed: int) -> np.ndarray:
@@ -46,13 +64,22 @@ def write_cifar100(root, per_class_train=3, per_class_test=1):
     for split, per, seed in (("train", per_class_train, 1), ("test", per_class_test, 2)):
         labels = np.random.default_rng(seed).permutation(np.repeat(np.arange(100), per))
         images = images_of(labels, 100, seed)
-        (folder / split).write_bytes(pickle.dumps({
-            b"filenames": [b"x.png"] * len(labels), b"batch_label": split.encode(),
-            b"fine_labels": labels.tolist(), b"coarse_labels": (labels // 5).tolist(),
-            b"data": images.transpose(0, 3, 1, 2).reshape(len(labels), -1)}, protocol=2))
+        (folder / split).write_bytes(
+            pickle.dumps(
+                {
+                    b"filenames": [b"x.png"] * len(labels),
+                    b"batch_label": split.encode(),
+                    b"fine_labels": labels.tolist(),
+                    b"coarse_labels": (labels // 5).tolist(),
+                    b"data": images.transpose(0, 3, 1, 2).reshape(len(labels), -1),
+                },
+                protocol=2,
+            )
+        )
         arrays[split] = (images, labels)
-    (folder / "meta").write_bytes(pickle.dumps({b"fine_label_names": [n.encode() for n in names],
-                                                b"coarse_label_names": [b"c"] * 20}, protocol=2))
+    (folder / "meta").write_bytes(
+        pickle.dumps({b"fine_label_names": [n.encode() for n in names], b"coarse_label_names": [b"c"] * 20}, protocol=2)
+    )
     return folder, names, arrays
 
 
@@ -75,6 +102,7 @@ def test_cifar100_hostile_meta_is_refused(tmp_path):
     class Evil:
         def __reduce__(self):
             return (print, ("ran",))
+
     (folder / "meta").write_bytes(pickle.dumps({b"fine_label_names": Evil()}))
     with pytest.raises(official.DataError, match="refusing to load builtins.print"):
         load_dataset(folder, log=quiet)
@@ -86,8 +114,9 @@ def test_download_set_cifar100(tmp_path, http_folder, monkeypatch):
     with tarfile.open(served / "c100.tar.gz", "w:gz") as tar:
         tar.add(folder, arcname="cifar-100-python")
     md5 = hashlib.md5((served / "c100.tar.gz").read_bytes()).hexdigest()
-    monkeypatch.setitem(official.OFFICIAL_SETS, "cifar100",
-                        dataclasses.replace(official.CIFAR100, url=f"{url}/c100.tar.gz", md5=md5))
+    monkeypatch.setitem(
+        official.OFFICIAL_SETS, "cifar100", dataclasses.replace(official.CIFAR100, url=f"{url}/c100.tar.gz", md5=md5)
+    )
     ds = load_dataset(tmp_path / "dl", download_missing=True, download_set="cifar100", log=quiet)
     assert (tmp_path / "dl" / "cifar-100-python.tar.gz").is_file() and ds.classes == tuple(names)
 
@@ -114,8 +143,14 @@ def test_the_terminal_gets_a_few_class_names_and_log_txt_all(tmp_path):
     names = [f"fine{k:02d}" for k in range(100)]
     terminal = io.StringIO()
     log = RunLog(Config(), str(tmp_path), enabled=True, stream=terminal)
-    log.start({"versions": versions(), "device": device_info(torch.device("cpu"), 1),
-               "data": "d: 300 train, 100 test images, 100 classes", "classes": names})
+    log.start(
+        {
+            "versions": versions(),
+            "device": device_info(torch.device("cpu"), 1),
+            "data": "d: 300 train, 100 test images, 100 classes",
+            "classes": names,
+        }
+    )
     log.stop("failed", "the header is all this test needs")
     shown = terminal.getvalue()
     assert "data: d: 300 train, 100 test images, 100 classes (fine00, fine01, fine02, ...)\n" in shown
@@ -136,8 +171,9 @@ def test_eleven_class_folders_train_an_eleven_class_net(tmp_path, capfd):
     classes = [f"kind{k:02d}" for k in range(11)]  # label 10 exists: a 10-output net would fail on it
     data = write_folder(tmp_path / "imgs", classes, classes)
     out = tmp_path / "runs"
-    assert train_main([*TINY, "--data", str(data), "--out-dir", str(out), "--batch-size", "22"]) == 0, \
+    assert train_main([*TINY, "--data", str(data), "--out-dir", str(out), "--batch-size", "22"]) == 0, (
         capfd.readouterr().err
+    )
     (run_dir,) = run_dirs(out)
     assert "11 classes (kind00, kind01" in (run_dir / "log.txt").read_text()
     model, info = load_model(run_dir / "model.safetensors")
@@ -152,5 +188,8 @@ def test_train_and_test_class_sets_that_differ_are_refused(tmp_path, capfd):
     out = tmp_path / "runs"
     assert train_main([*TINY, "--data", str(data), "--out-dir", str(out)]) == 2
     line = one_line_error(capfd.readouterr().err)
-    assert "class folders of train/ and test/ differ" in line and "only in train: ['cat']" in line \
+    assert (
+        "class folders of train/ and test/ differ" in line
+        and "only in train: ['cat']" in line
         and "only in test: ['dog']" in line
+    )

@@ -36,6 +36,7 @@ def trained(tmp_path_factory):
 
 # --- one command ------------------------------------------------------------------------------
 
+
 def test_help_lists_every_command_in_one_line_each(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
@@ -80,18 +81,23 @@ def test_a_commands_error_through_the_dispatcher_is_one_line(tmp_path, capsys):
 
 def test_console_scripts_and_extras_in_pyproject():
     import tomllib
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["fastcifar"] == "fastcifar.cli:main"
     assert project["scripts"]["fastcifar-train"] == "fastcifar.train:main"  # kept
     extras = project["optional-dependencies"]
-    assert any(d.startswith("onnxruntime") for d in extras["onnx"]) and any(d.startswith("onnx>") for d in extras["onnx"])
+    assert any(d.startswith("onnxruntime") for d in extras["onnx"]) and any(
+        d.startswith("onnx>") for d in extras["onnx"]
+    )
     assert not any(d.startswith("onnx") for d in project["dependencies"]), "training must not need onnx"
 
 
 def test_python_m_fastcifar_is_the_same_command():
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "fastcifar", *args], cwd=ROOT, env=env(), capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "fastcifar", *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
+        )
+
     proc = run("--help")
     assert proc.returncode == 0 and proc.stderr == "" and "export" in proc.stdout
     proc = run("predict", "--help")
@@ -102,13 +108,22 @@ def test_python_m_fastcifar_is_the_same_command():
 
 # --- the trainer's --help and the lr units --------------------------------------------------------
 
+
 def test_train_help_is_grouped_basic_options_first():
     parser = build_parser(from_preset(DEFAULT_PRESET))
     groups = {g.title: [a for a in g._group_actions] for g in parser._action_groups}
     titles = [t for t, actions in groups.items() if actions]
     assert titles[:3] == ["options", "basic options", "data"]  # options: -h only
-    assert {"model", "recipe", "engines", "distributed (torchrun)", "compressed gradient communication",
-            "sparse training and local SGD", "checkpoints and model files", "output and logging"} <= set(titles)
+    assert {
+        "model",
+        "recipe",
+        "engines",
+        "distributed (torchrun)",
+        "compressed gradient communication",
+        "sparse training and local SGD",
+        "checkpoints and model files",
+        "output and logging",
+    } <= set(titles)
     basic = {a.dest for a in groups["basic options"]}
     assert {"preset", "data", "download", "device", "epochs", "batch_size", "lr"} <= basic
     assert {a.dest for a in groups["distributed (torchrun)"]} >= {"comm", "bucket_mb", "dist_timeout_s"}
@@ -128,12 +143,15 @@ def test_the_logs_lr_column_is_explained_with_its_peak(trained):
     lines = stdout.splitlines()
     (note,) = [line for line in lines if line.startswith("lr: ")]
     assert f"x 100/512 = {peak:.4f}" in note and "mean loss over the global batch of 100" in note
-    assert lines.index(note) + 1 == next(i for i, line in enumerate(lines) if line.split()[:3] == ["run", "epoch", "lr"])
+    assert lines.index(note) + 1 == next(
+        i for i, line in enumerate(lines) if line.split()[:3] == ["run", "epoch", "lr"]
+    )
     rows = [line.split() for line in lines if line.split()[:2] in (["1", "1"], ["1", "2"])]
     assert rows and all(0 < float(r[2]) <= peak + 1e-4 for r in rows)
 
 
 # --- after a failed download ----------------------------------------------------------------
+
 
 @pytest.fixture
 def offline(monkeypatch):
@@ -142,6 +160,7 @@ def offline(monkeypatch):
 
     def fail(url, root, filename=None, md5=None, **kwargs):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
     monkeypatch.setattr(tv_utils, "download_url", fail)
 
 
@@ -154,8 +173,10 @@ def test_a_failed_download_says_how_to_fetch_by_hand_and_leaves_no_folder(where,
     argv = ["--data", str(data), "--out-dir", str(tmp_path / "runs"), *TINY]
     assert train.main([*argv, "--download"]) == 2
     line = one_line_error(capsys.readouterr().err)
-    assert line.startswith("fastcifar: error: download of https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz "
-                           "failed") and "Temporary failure" in line
+    assert (
+        line.startswith("fastcifar: error: download of https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz failed")
+        and "Temporary failure" in line
+    )
     assert "by hand" in line and f"put cifar-10-python.tar.gz in {data}/" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "no empty data folder (nor its parents) left"
     assert train.main(argv) == 2  # the next run, without --download
@@ -182,14 +203,17 @@ def test_evaluate_suggests_no_download_flag(trained, tmp_path, capsys):
     for data, what in [(tmp_path / "missing", "no such file or folder"), (tmp_path / "empty", "empty folder")]:
         assert evaluate.main([str(model), "--data", str(data)]) == 2
         line = one_line_error(capsys.readouterr().err)
-        assert line.startswith(f"fastcifar: error: {data}: {what}; for official CIFAR-10, fetch "
-                               "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz by hand"), line
+        assert line.startswith(
+            f"fastcifar: error: {data}: {what}; for official CIFAR-10, fetch "
+            "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz by hand"
+        ), line
         assert "--download" not in line
     with pytest.raises(SystemExit):  # evaluate indeed has no such flag
         evaluate.main([str(model), "--data", str(tmp_path), "--download"])
 
 
 # --- fastcifar export -----------------------------------------------------------------------
+
 
 def _onnxruntime():
     return pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install 'fastcifar[onnx]')")
@@ -219,6 +243,7 @@ def test_export_matches_pytorch_and_predict_under_onnxruntime(trained, tmp_path,
     want = evaluate.logits_of(net, images, mean=info.mean, std=info.std, tta=0, batch_size=100).numpy()
     np.testing.assert_allclose(logits, want, rtol=0, atol=1e-4)
     import fastcifar.predict as predict_module
+
     preds = predict_module.predict(model, images, top=1, tta=0)
     assert [p.top[0][0] for p in preds] == [info.classes[k] for k in logits.argmax(1)]
 
@@ -277,7 +302,10 @@ def test_export_makes_no_folders_and_the_checkpoint_is_not_a_model(trained, tmp_
     pytest.importorskip("onnx", reason="onnx is not installed (pip install -e '.[onnx]')")
     model, _, _ = trained
     assert export.main([str(model), "--onnx", str(tmp_path / "typo" / "m.onnx")]) == 2
-    assert one_line_error(capsys.readouterr().err) == f"fastcifar: error: {tmp_path / 'typo'}: no such folder (make it first)"
+    assert (
+        one_line_error(capsys.readouterr().err)
+        == f"fastcifar: error: {tmp_path / 'typo'}: no such folder (make it first)"
+    )
     assert not (tmp_path / "typo").exists()
     ckpt = tmp_path / "checkpoint.pt"
     torch.save({"format": "fastcifar.state/1"}, ckpt)
@@ -286,8 +314,9 @@ def test_export_makes_no_folders_and_the_checkpoint_is_not_a_model(trained, tmp_
     assert "a training checkpoint (for --resume)" in line and str(tmp_path / "model.safetensors") in line
 
 
-@pytest.mark.parametrize("command,argv", [("evaluate", ["--tta", "5", "m"]), ("predict", ["m"]),
-                                          ("checkpoint", []), ("export", ["m"])])
+@pytest.mark.parametrize(
+    "command,argv", [("evaluate", ["--tta", "5", "m"]), ("predict", ["m"]), ("checkpoint", []), ("export", ["m"])]
+)
 def test_every_commands_usage_errors_are_one_line(command, argv, capsys):
     """argparse's own errors print the usage first; every command's are one line like all bad input."""
     with pytest.raises(SystemExit) as stop:  # argparse exits; the console script's status is 2
@@ -300,8 +329,23 @@ def test_every_commands_usage_errors_are_one_line(command, argv, capsys):
 def test_checkpoint_every_past_the_last_epoch_says_none_is_written(trained, tmp_path):
     _, _, data = trained
     out = tmp_path / "runs"
-    assert train.main(["--data", str(data), "--out-dir", str(out), *FAST_SHORT, "--epochs", "1", "--quiet",
-                       "--checkpoint-every", "1"]) == 0
+    assert (
+        train.main(
+            [
+                "--data",
+                str(data),
+                "--out-dir",
+                str(out),
+                *FAST_SHORT,
+                "--epochs",
+                "1",
+                "--quiet",
+                "--checkpoint-every",
+                "1",
+            ]
+        )
+        == 0
+    )
     (run_dir,) = out.glob("*")
     assert "note: --checkpoint-every 1 with 1 epochs writes no checkpoint" in (run_dir / "log.txt").read_text()
     assert not (run_dir / "checkpoint.pt").exists()

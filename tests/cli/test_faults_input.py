@@ -51,32 +51,38 @@ def test_every_numeric_field_has_a_range_in_one_table():
         validate(from_preset(name))  # every preset lies within the ranges
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--momentum", "2"], "--momentum must lie in [0, 1), not 2.0"),
-    (["--momentum", "1"], "--momentum must lie in [0, 1), not 1.0"),
-    (["--target-acc", "150"], "--target-acc must lie in [0, 100], not 150.0"),
-    (["--target-acc", "-1"], "--target-acc must lie in [0, 100], not -1.0"),
-    (["--epochs", "1e9"], "--epochs must lie in (0, 1000], not 1000000000"),
-    (["--runs", "100000"], "--runs must lie in 1..1000, not 100000"),
-    (["--batch-size", "1000000"], "--batch-size must lie in 1..65536, not 1000000"),
-    (["--eval-batch-size", "1000000"], "--eval-batch-size must lie in 1..65536, not 1000000"),
-    (["--widths", "8,16,30000,64"], "--widths: each must lie in 1..4096 channels, not 30000"),
-    (["--warmup-steps", "100000000"], "--warmup-steps must lie in 0..1000, not 100000000"),
-    (["--lr", "-0.1"], "--lr must not be negative, not -0.1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--momentum", "2"], "--momentum must lie in [0, 1), not 2.0"),
+        (["--momentum", "1"], "--momentum must lie in [0, 1), not 1.0"),
+        (["--target-acc", "150"], "--target-acc must lie in [0, 100], not 150.0"),
+        (["--target-acc", "-1"], "--target-acc must lie in [0, 100], not -1.0"),
+        (["--epochs", "1e9"], "--epochs must lie in (0, 1000], not 1000000000"),
+        (["--runs", "100000"], "--runs must lie in 1..1000, not 100000"),
+        (["--batch-size", "1000000"], "--batch-size must lie in 1..65536, not 1000000"),
+        (["--eval-batch-size", "1000000"], "--eval-batch-size must lie in 1..65536, not 1000000"),
+        (["--widths", "8,16,30000,64"], "--widths: each must lie in 1..4096 channels, not 30000"),
+        (["--warmup-steps", "100000000"], "--warmup-steps must lie in 0..1000, not 100000000"),
+        (["--lr", "-0.1"], "--lr must not be negative, not -0.1"),
+    ],
+)
 def test_out_of_range_options_are_one_line_before_any_work(args, message, tmp_path, capfd):
     # --data names nothing: the refusal comes before any data is read
     code, line = _train_cli(["--data", tmp_path / "absent", *SHORT, *args], tmp_path, capfd)
     assert code == 2 and line.startswith("fastcifar: error: ") and message in line, line
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"epochs": "3"}, "--epochs must be a number, not '3'"),
-    ({"batch_size": 2.5}, "--batch-size must be a whole number, not 2.5"),
-    ({"momentum": True}, "--momentum must be a number, not True"),
-    ({"widths": (8, "16", 32, 64)}, "--widths must be a list of whole numbers"),
-    ({"nesterov": 1}, "--nesterov must be true or false, not 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"epochs": "3"}, "--epochs must be a number, not '3'"),
+        ({"batch_size": 2.5}, "--batch-size must be a whole number, not 2.5"),
+        ({"momentum": True}, "--momentum must be a number, not True"),
+        ({"widths": (8, "16", 32, 64)}, "--widths must be a list of whole numbers"),
+        ({"nesterov": 1}, "--nesterov must be true or false, not 1"),
+    ],
+)
 def test_api_config_of_wrong_types_is_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         validate(dataclasses.replace(from_preset("resnet9"), **overrides))
@@ -84,15 +90,18 @@ def test_api_config_of_wrong_types_is_refused_by_name(overrides, message):
 
 # --- item 2: --kernels triton without a GPU is Triton's interpreter: refused unless asked for ------
 
+
 def test_triton_kernels_without_a_gpu_are_refused_unless_asked_for(tmp_path, capfd, monkeypatch):
     from fastcifar.models.blocks import resolve_kernels
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU, also on one with
     monkeypatch.delenv("FASTCIFAR_ALLOW_INTERPRETER", raising=False)
     folder, _ = write_official(tmp_path / "d")
     for device in (["--device", "cpu"], ["--device", "auto"]):
         code, line = _train_cli(["--data", folder, *SHORT, *device, "--kernels", "triton"], tmp_path, capfd)
-        assert code == 2 and line.startswith("fastcifar: error: --kernels triton without a GPU runs Triton's "
-                                             "interpreter"), line
+        assert code == 2 and line.startswith(
+            "fastcifar: error: --kernels triton without a GPU runs Triton's interpreter"
+        ), line
         assert "--kernels torch" in line and "FASTCIFAR_ALLOW_INTERPRETER=1" in line
     assert resolve_kernels("auto", torch.device("cpu")) == "torch"  # the default is not affected
     monkeypatch.setenv("FASTCIFAR_ALLOW_INTERPRETER", "1")  # the tests' opt-in: the interpreter runs
@@ -109,14 +118,45 @@ def _state(cfg, epochs_done=2, steps=4):
     steps (weights of a stand-in: the checks here come before any model is built)."""
     from fastcifar.core.config import training_settings as _training_config
     from fastcifar.run.state import STATE_FORMAT
-    records = [{"run": 1, "epoch": e + 1, "lr": 0.1, "train_time": 1.0, "train_loss": 2.0, "train_acc": 20.0,
-                "test_time": 0.5, "test_loss": 2.1, "test_acc": 19.0, "total_train_time": e + 1.0}
-               for e in range(epochs_done)]
-    rank = {"rng": {"torch": torch.get_rng_state(), "cuda": [], "numpy": (torch.zeros(624, dtype=torch.int64), 0, 0, 0.0),
-                    "python": None}, "hooks": {"lookahead": None}, "loader": {"seed": cfg.seed, "epoch": epochs_done - 1}}
-    return {"format": STATE_FORMAT, "config": json.dumps(_training_config(cfg), sort_keys=True), "world_size": 1,
-            "epochs_done": epochs_done, "steps_per_epoch": steps, "model": {"w": torch.zeros(3)}, "optimizer": {},
-            "schedule_step": epochs_done * steps, "records": records, "ranks": [rank], "torch": str(torch.__version__)}
+
+    records = [
+        {
+            "run": 1,
+            "epoch": e + 1,
+            "lr": 0.1,
+            "train_time": 1.0,
+            "train_loss": 2.0,
+            "train_acc": 20.0,
+            "test_time": 0.5,
+            "test_loss": 2.1,
+            "test_acc": 19.0,
+            "total_train_time": e + 1.0,
+        }
+        for e in range(epochs_done)
+    ]
+    rank = {
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": [],
+            "numpy": (torch.zeros(624, dtype=torch.int64), 0, 0, 0.0),
+            "python": None,
+        },
+        "hooks": {"lookahead": None},
+        "loader": {"seed": cfg.seed, "epoch": epochs_done - 1},
+    }
+    return {
+        "format": STATE_FORMAT,
+        "config": json.dumps(_training_config(cfg), sort_keys=True),
+        "world_size": 1,
+        "epochs_done": epochs_done,
+        "steps_per_epoch": steps,
+        "model": {"w": torch.zeros(3)},
+        "optimizer": {},
+        "schedule_step": epochs_done * steps,
+        "records": records,
+        "ranks": [rank],
+        "torch": str(torch.__version__),
+    }
 
 
 def _set(state, field, value):
@@ -133,29 +173,37 @@ _DROP = object()
 _NAN_MODEL = {"w": torch.tensor([0.0, float("nan")])}
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("epochs_done", 99, "field epochs_done is 99, this run has 3 epochs: it must lie in 0..2 (nothing left to train)"),
-    ("epochs_done", 3, "field epochs_done is 3, this run has 3 epochs"),
-    ("epochs_done", -1, "field epochs_done is -1"),
-    ("epochs_done", 1.5, "field epochs_done is 1.5"),
-    ("epochs_done", "2", "field epochs_done is '2'"),
-    ("steps_per_epoch", 0, "field steps_per_epoch is 0"),
-    ("schedule_step", 10**12, "field schedule_step is 1000000000000, 2 epochs of 4 steps end at step 8"),
-    ("records", [], "field records holds 0 entries, expected one per epoch done (2)"),
-    ("records", "x", "field records holds str entries"),
-    ("world_size", "1", "field world_size is '1'"),
-    ("ranks", [], "field ranks holds 0 entries, expected one per rank (1)"),
-    ("loader.seed", 7, "field ranks entry 0: loader seed 7, this run's is 0"),
-    ("loader.epoch", -5, "field ranks entry 0: loader epoch -5, expected 0..2"),
-    ("config", 5, "field config is not the JSON of a config"),
-    ("config", "{not json", "field config is not the JSON of a config"),
-    ("model", _NAN_MODEL, "field model w holds NaN or infinite values"),
-    ("optimizer", _DROP, "field optimizer is missing"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "epochs_done",
+            99,
+            "field epochs_done is 99, this run has 3 epochs: it must lie in 0..2 (nothing left to train)",
+        ),
+        ("epochs_done", 3, "field epochs_done is 3, this run has 3 epochs"),
+        ("epochs_done", -1, "field epochs_done is -1"),
+        ("epochs_done", 1.5, "field epochs_done is 1.5"),
+        ("epochs_done", "2", "field epochs_done is '2'"),
+        ("steps_per_epoch", 0, "field steps_per_epoch is 0"),
+        ("schedule_step", 10**12, "field schedule_step is 1000000000000, 2 epochs of 4 steps end at step 8"),
+        ("records", [], "field records holds 0 entries, expected one per epoch done (2)"),
+        ("records", "x", "field records holds str entries"),
+        ("world_size", "1", "field world_size is '1'"),
+        ("ranks", [], "field ranks holds 0 entries, expected one per rank (1)"),
+        ("loader.seed", 7, "field ranks entry 0: loader seed 7, this run's is 0"),
+        ("loader.epoch", -5, "field ranks entry 0: loader epoch -5, expected 0..2"),
+        ("config", 5, "field config is not the JSON of a config"),
+        ("config", "{not json", "field config is not the JSON of a config"),
+        ("model", _NAN_MODEL, "field model w holds NaN or infinite values"),
+        ("optimizer", _DROP, "field optimizer is missing"),
+    ],
+)
 def test_tampered_checkpoint_fields_are_refused_by_name(field, value, message, tmp_path):
     from fastcifar.core.config import parse_args
     from fastcifar.run.state import _read_state
     from fastcifar.models.files import CheckpointError
+
     cfg = parse_args(RESUMED)
     good = tmp_path / "good.pt"
     torch.save(_state(cfg), good)
@@ -170,6 +218,7 @@ def test_tampered_checkpoint_fields_are_refused_by_name(field, value, message, t
 @pytest.mark.parametrize("epochs_done", [99, -1])
 def test_tampered_checkpoint_is_one_line_and_writes_nothing(epochs_done, tmp_path, capfd):
     from fastcifar.core.config import parse_args
+
     path = tmp_path / "checkpoint.pt"
     torch.save(_set(_state(parse_args(RESUMED)), "epochs_done", epochs_done), path)
     folder, _ = write_official(tmp_path / "d")
@@ -179,6 +228,7 @@ def test_tampered_checkpoint_is_one_line_and_writes_nothing(epochs_done, tmp_pat
 
 # --- item 7: hostile model metadata and weights: checked before anything is built ---------------
 
+
 def _model_file(tmp_path, meta_changes=None, tensor_changes=None, name="m.safetensors"):
     """A legitimate model file of a tiny FastNet, then its metadata or tensors changed."""
     from safetensors import safe_open
@@ -186,10 +236,18 @@ def _model_file(tmp_path, meta_changes=None, tensor_changes=None, name="m.safete
     from fastcifar.models.files import save_model
     from fastcifar.models.network import make_network
     from fastcifar.ops.norm_act_pool import NormActPool
+
     torch.manual_seed(0)
     cfg = from_preset("fast", widths=(8, 16, 16))
-    path = save_model(tmp_path / "good.safetensors", make_network(cfg, NormActPool, 10), cfg,
-                      [f"c{i}" for i in range(10)], 50.0, (125.0, 123.0, 114.0), (63.0, 62.0, 66.0))
+    path = save_model(
+        tmp_path / "good.safetensors",
+        make_network(cfg, NormActPool, 10),
+        cfg,
+        [f"c{i}" for i in range(10)],
+        50.0,
+        (125.0, 123.0, 114.0),
+        (63.0, 62.0, 66.0),
+    )
     with safe_open(str(path), framework="pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     for key, change in (meta_changes or {}).items():
@@ -203,6 +261,7 @@ def _model_file(tmp_path, meta_changes=None, tensor_changes=None, name="m.safete
 def _config_with(**changes):
     def change(text):
         return json.dumps({**json.loads(text), **changes})
+
     return change
 
 
@@ -212,28 +271,47 @@ def _nan_at_0(t):
     return t
 
 
-@pytest.mark.parametrize("meta, tensors, message", [
-    ({"std": "[0, 0, 0]"}, None, "unusable metadata: std must be 3 finite numbers (one per channel), each positive"),
-    ({"std": '["a", "b", "c"]'}, None, "unusable metadata: std must be 3 finite numbers"),
-    ({"std": "[1, 2]"}, None, "unusable metadata: std must be 3 finite numbers"),
-    ({"std": "[1, NaN, 2]"}, None, "unusable metadata: std must be 3 finite numbers"),
-    ({"mean": "[Infinity, 0, 0]"}, None, "unusable metadata: mean must be 3 finite numbers"),
-    ({"mean": '"abc"'}, None, "unusable metadata: mean must be 3 finite numbers"),
-    ({"config": _config_with(widths=[8, 30000, 16])}, None,
-     "unusable metadata: config --widths: each must lie in 1..4096 channels, not 30000"),
-    ({"config": _config_with(widths="wide")}, None, "unusable metadata: config --widths must be a list of whole numbers"),
-    ({"config": _config_with(arch=5)}, None, "unusable metadata: config --arch must be a string, not 5"),
-    ({"config": _config_with(whiten_kernel=9)}, None, "unusable metadata: config --whiten-kernel must be one of 2, 3"),
-    ({"config": "[1, 2]"}, None, "unusable metadata (ValueError: config is a list, not a JSON object)"),
-    ({"classes": "[]"}, None, "unusable metadata: classes must be 1..10000 names"),
-    ({"classes": "[1, 2, 3]"}, None, "unusable metadata: classes must be 1..10000 names"),
-    ({"test_acc": "nan"}, None, "unusable metadata: test_acc must lie in 0..100, not nan"),
-    (None, {"fc.weight": _nan_at_0}, "fc.weight holds NaN or infinite values"),
-    (None, {"whiten.weight": lambda t: torch.full_like(t, float("inf"))}, "whiten.weight holds NaN or infinite"),
-])
+@pytest.mark.parametrize(
+    "meta, tensors, message",
+    [
+        (
+            {"std": "[0, 0, 0]"},
+            None,
+            "unusable metadata: std must be 3 finite numbers (one per channel), each positive",
+        ),
+        ({"std": '["a", "b", "c"]'}, None, "unusable metadata: std must be 3 finite numbers"),
+        ({"std": "[1, 2]"}, None, "unusable metadata: std must be 3 finite numbers"),
+        ({"std": "[1, NaN, 2]"}, None, "unusable metadata: std must be 3 finite numbers"),
+        ({"mean": "[Infinity, 0, 0]"}, None, "unusable metadata: mean must be 3 finite numbers"),
+        ({"mean": '"abc"'}, None, "unusable metadata: mean must be 3 finite numbers"),
+        (
+            {"config": _config_with(widths=[8, 30000, 16])},
+            None,
+            "unusable metadata: config --widths: each must lie in 1..4096 channels, not 30000",
+        ),
+        (
+            {"config": _config_with(widths="wide")},
+            None,
+            "unusable metadata: config --widths must be a list of whole numbers",
+        ),
+        ({"config": _config_with(arch=5)}, None, "unusable metadata: config --arch must be a string, not 5"),
+        (
+            {"config": _config_with(whiten_kernel=9)},
+            None,
+            "unusable metadata: config --whiten-kernel must be one of 2, 3",
+        ),
+        ({"config": "[1, 2]"}, None, "unusable metadata (ValueError: config is a list, not a JSON object)"),
+        ({"classes": "[]"}, None, "unusable metadata: classes must be 1..10000 names"),
+        ({"classes": "[1, 2, 3]"}, None, "unusable metadata: classes must be 1..10000 names"),
+        ({"test_acc": "nan"}, None, "unusable metadata: test_acc must lie in 0..100, not nan"),
+        (None, {"fc.weight": _nan_at_0}, "fc.weight holds NaN or infinite values"),
+        (None, {"whiten.weight": lambda t: torch.full_like(t, float("inf"))}, "whiten.weight holds NaN or infinite"),
+    ],
+)
 def test_hostile_model_files_are_refused_before_building(meta, tensors, message, tmp_path, monkeypatch):
     from fastcifar.models import network
     from fastcifar.models.files import CheckpointError, load_model
+
     assert load_model(_model_file(tmp_path, name="plain.safetensors"))[1].classes[0] == "c0"  # untampered: loads
     path = _model_file(tmp_path, meta, tensors)
     if meta:  # metadata is refused before any network (and its weights) is allocated
@@ -244,13 +322,20 @@ def test_hostile_model_files_are_refused_before_building(meta, tensors, message,
 
 
 @pytest.mark.parametrize("command", ["evaluate", "predict"])
-@pytest.mark.parametrize("meta, tensors", [({"std": "[0, 0, 0]"}, None), ({"std": '"x"'}, None),
-                                           ({"config": _config_with(widths=[8, 30000, 16])}, None),
-                                           (None, {"fc.weight": _nan_at_0})])
+@pytest.mark.parametrize(
+    "meta, tensors",
+    [
+        ({"std": "[0, 0, 0]"}, None),
+        ({"std": '"x"'}, None),
+        ({"config": _config_with(widths=[8, 30000, 16])}, None),
+        (None, {"fc.weight": _nan_at_0}),
+    ],
+)
 def test_hostile_model_is_one_line_in_evaluate_and_predict(command, meta, tensors, tmp_path, capfd):
     from PIL import Image
     from fastcifar.evaluate import main as evaluate_main
     from fastcifar.predict import main as predict_main
+
     path = _model_file(tmp_path, meta, tensors)
     folder, _ = write_official(tmp_path / "d")
     image = tmp_path / "x.png"
@@ -267,23 +352,30 @@ def test_hostile_model_is_one_line_in_evaluate_and_predict(command, meta, tensor
 
 # --- item 10: official labels must be integers in range -----------------------------------------
 
+
 def _batch_with_labels(images, labels) -> bytes:
     """batch_bytes with the labels as given (conftest's converts them to int)."""
     data = images.transpose(0, 3, 1, 2).reshape(len(images), -1)
-    return pickle.dumps({b"batch_label": b"tampered", b"labels": labels, b"data": data,
-                         b"filenames": [b"x.png"] * len(images)}, protocol=2)
+    return pickle.dumps(
+        {b"batch_label": b"tampered", b"labels": labels, b"data": data, b"filenames": [b"x.png"] * len(images)},
+        protocol=2,
+    )
 
 
-@pytest.mark.parametrize("make_labels, message", [
-    (lambda y: [int(v) + 0.7 for v in y], "labels must be a list of integers, got float"),
-    (lambda y: [str(int(v)) for v in y], "labels must be a list of integers, got str"),
-    (lambda y: [bool(v % 2) for v in y], "labels must be a list of integers, got bool"),
-    (lambda y: np.asarray(y, np.float64), "labels must be a list of integers, got ndarray of float64"),
-    (lambda y: [10] + [int(v) for v in y[1:]], "labels outside 0..9 (one is 10; CIFAR-10 has 10 classes)"),
-    (lambda y: [-1] + [int(v) for v in y[1:]], "labels outside 0..9 (one is -1;"),
-])
+@pytest.mark.parametrize(
+    "make_labels, message",
+    [
+        (lambda y: [int(v) + 0.7 for v in y], "labels must be a list of integers, got float"),
+        (lambda y: [str(int(v)) for v in y], "labels must be a list of integers, got str"),
+        (lambda y: [bool(v % 2) for v in y], "labels must be a list of integers, got bool"),
+        (lambda y: np.asarray(y, np.float64), "labels must be a list of integers, got ndarray of float64"),
+        (lambda y: [10] + [int(v) for v in y[1:]], "labels outside 0..9 (one is 10; CIFAR-10 has 10 classes)"),
+        (lambda y: [-1] + [int(v) for v in y[1:]], "labels outside 0..9 (one is -1;"),
+    ],
+)
 def test_official_labels_that_are_not_integers_in_range_are_refused(make_labels, message, tmp_path, capfd):
     from fastcifar.data.official import read_batch_dir
+
     folder, arrays = write_official(tmp_path / "d")
     x, y = arrays["train"]
     (folder / "data_batch_1").write_bytes(_batch_with_labels(x[:40], make_labels(y[:40])))
@@ -296,6 +388,7 @@ def test_official_labels_that_are_not_integers_in_range_are_refused(make_labels,
 
 def test_official_integer_labels_of_numpy_types_still_read(tmp_path):
     from fastcifar.data.official import read_batch_dir
+
     folder, arrays = write_official(tmp_path / "d")
     x, y = arrays["train"]
     (folder / "data_batch_1").write_bytes(_batch_with_labels(x[:40], [np.int64(v) for v in y[:40]]))
@@ -308,15 +401,19 @@ def test_epochs_times_steps_beyond_the_schedules_bound_is_one_line(tmp_path, cap
     """The schedule holds one rate per step: a run of more than MAX_STEPS steps is refused once the
     data fixes the steps per epoch, before the run folder (a small bound here: tiny data)."""
     from fastcifar.core import config
+
     monkeypatch.setattr(config, "MAX_STEPS", 100)
     folder, _ = write_official(tmp_path / "d")  # 200 images: 200 steps per epoch at batch 1
     code, line = _train_cli(["--data", folder, *SHORT, "--batch-size", "1", "--epochs", "1000"], tmp_path, capfd)
-    assert code == 2 and line == ("fastcifar: error: --epochs 1000 x 200 steps per epoch (--batch-size 1) is "
-                                  "200000 steps, more than 100: fewer epochs or a larger batch")
+    assert code == 2 and line == (
+        "fastcifar: error: --epochs 1000 x 200 steps per epoch (--batch-size 1) is "
+        "200000 steps, more than 100: fewer epochs or a larger batch"
+    )
 
 
 def test_model_metadata_of_the_boolean_tta_era_still_loads():
     from fastcifar.core.config import check_fields
     from fastcifar.models.files import config_from_dict
+
     cfg = config_from_dict({"tta": True, "widths": [64, 128, 256, 512]})
     assert cfg.tta == 1 and type(cfg.tta) is int and check_fields(cfg) is cfg

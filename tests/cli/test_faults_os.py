@@ -56,6 +56,7 @@ def test_a_signal_at_any_step_of_write_atomic_leaves_no_temporary(tmp_path, monk
     """The step runs, then a SIGTERM arrives (``signals.Interrupted``, as the handler raises it):
     the folder holds the previous file, whole, and nothing else."""
     import tempfile
+
     target = tmp_path / "summary.json"
     target.write_text("old")
     owner = tempfile if step == "mkstemp" else os
@@ -64,6 +65,7 @@ def test_a_signal_at_any_step_of_write_atomic_leaves_no_temporary(tmp_path, monk
     def then_signal(*args, **kwargs):
         real(*args, **kwargs)  # the step happens; the signal lands just after it
         raise signals.Interrupted(signal.SIGTERM)
+
     monkeypatch.setattr(owner, step, then_signal)
     try:
         atomic.write_atomic(target, "new")
@@ -85,6 +87,7 @@ def test_write_atomic_fsyncs_the_file_before_the_rename_and_the_folder_after(tmp
     def replace(a, b):
         calls.append(("replace", None))
         return real_replace(a, b)
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     atomic.write_atomic(tmp_path / "x.json", "{}")
@@ -127,10 +130,14 @@ def test_resume_clears_the_stale_temporaries_beside_its_checkpoint(tmp_path):
     from fastcifar.core.config import Config
     from fastcifar.models.files import CheckpointError
     from fastcifar.run import state
+
     ckpt = tmp_path / "checkpoint.pt"
     ckpt.write_bytes(b"not a checkpoint")
     pid = dead_pid()
-    stale = [tmp_path / f".{n}.{atomic._host()}.{pid}-0123abcd.tmp" for n in ("checkpoint.pt", "summary.json", "model.safetensors")]
+    stale = [
+        tmp_path / f".{n}.{atomic._host()}.{pid}-0123abcd.tmp"
+        for n in ("checkpoint.pt", "summary.json", "model.safetensors")
+    ]
     for p in stale:
         p.write_bytes(b"")
     with pytest.raises(CheckpointError):
@@ -141,25 +148,36 @@ def test_resume_clears_the_stale_temporaries_beside_its_checkpoint(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Item 4: an image that is not 32x32, or a decompression bomb, is refused by its header
 
+
 def png_header(width: int, height: int) -> bytes:
     """A PNG whose header says ``width`` x ``height`` but whose pixel data is a few bytes: decoding
     it would fail, so a refusal naming its size shows the header was checked before any decode."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+    )
 
 
 def one_image(root: Path, split: str = "train") -> Path:
     return sorted((root / split).rglob("*.png"))[0]
 
 
-@pytest.mark.parametrize("size, message", [
-    ((20000, 20000), "image too large to decode \\(Image size \\(400000000 pixels\\) exceeds limit"),  # PIL's error
-    ((10000, 10000), "image too large to decode \\(Image size \\(100000000 pixels\\) exceeds limit"),  # PIL's warning
-    ((9000, 9000), "image is 9000x9000, too large to decode \\(at most 67108864 pixels\\)"),
-    ((40, 30), "image is 40x30, expected 32x32")])
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        ((20000, 20000), "image too large to decode \\(Image size \\(400000000 pixels\\) exceeds limit"),  # PIL's error
+        (
+            (10000, 10000),
+            "image too large to decode \\(Image size \\(100000000 pixels\\) exceeds limit",
+        ),  # PIL's warning
+        ((9000, 9000), "image is 9000x9000, too large to decode \\(at most 67108864 pixels\\)"),
+        ((40, 30), "image is 40x30, expected 32x32"),
+    ],
+)
 def test_an_image_of_another_size_is_refused_by_its_header(tmp_path, recwarn, size, message):
     root, _ = write_image_folder(tmp_path / "imgs", n_train=20, n_test=10)
     bad = one_image(root)
@@ -188,16 +206,19 @@ def model_file(tmp_path_factory):
     from fastcifar.models.files import save_model
     from fastcifar.models.network import make_network
     from fastcifar.ops.norm_act_pool import NormActPool
+
     torch.manual_seed(0)
     cfg = from_preset("fast", widths=(8, 16, 16))
     model = make_network(cfg, NormActPool, 10)
     classes = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-    return save_model(tmp_path_factory.mktemp("model") / "model.safetensors", model, cfg, classes, 50.0,
-                      (125.0,) * 3, (60.0,) * 3)
+    return save_model(
+        tmp_path_factory.mktemp("model") / "model.safetensors", model, cfg, classes, 50.0, (125.0,) * 3, (60.0,) * 3
+    )
 
 
 def predict(args, capsys):
     from fastcifar.predict import main
+
     code = main([str(a) for a in args])
     out = capsys.readouterr()
     assert "Traceback" not in out.err
@@ -211,23 +232,28 @@ def test_predict_refuses_a_decompression_bomb_by_its_header_and_classifies_the_r
     (folder / "bomb.png").write_bytes(png_header(20000, 20000))
     code, err, out = predict([model_file, folder], capsys)
     assert code == 1
-    assert len(err) == 1 and err[0].startswith(f"{folder / 'bomb.png'}: image too large to decode (Image size (400000000")
+    assert len(err) == 1 and err[0].startswith(
+        f"{folder / 'bomb.png'}: image too large to decode (Image size (400000000"
+    )
     assert "ok.png: " in out
 
 
 # ---------------------------------------------------------------------------------------------
 # Item 5: every OS error is one line naming the path and the OS's reason
 
+
 def test_an_unreadable_image_is_named_with_the_os_reason(tmp_path, monkeypatch):
     root, _ = write_image_folder(tmp_path / "imgs", n_train=20, n_test=10)
     bad = one_image(root)
     from fastcifar.core import readfile
+
     real = os.open
 
     def deny(path, *args, **kwargs):
         if str(path) == str(bad):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real(path, *args, **kwargs)
+
     monkeypatch.setattr(readfile.os, "open", deny)
     with pytest.raises(DataError, match=f"{bad.name}: cannot read image: Permission denied$"):
         load_dataset(root, cache_dir=tmp_path / "cache", log=quiet)
@@ -255,6 +281,7 @@ def test_an_unreadable_class_folder_is_named_not_called_a_class_mismatch(tmp_pat
         if str(path) == str(locked):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real(path)
+
     monkeypatch.setattr(os, "scandir", deny)
     with pytest.raises(DataError, match=f"{locked}: cannot read folder: Permission denied$"):
         load_dataset(root, cache_dir=tmp_path / "cache", log=quiet)
@@ -265,9 +292,12 @@ def test_an_official_batch_that_is_not_a_readable_file_says_why(tmp_path, monkey
     folder, _ = write_official(tmp_path / "data")
     batch = folder / "data_batch_2"
     batch.unlink()
-    expected = {"fifo": "a FIFO \\(named pipe\\), not a regular file",
-                "dev-zero": "a character device, not a regular file", "folder": "a folder, not a regular file",
-                "unreadable": "Permission denied"}[what]
+    expected = {
+        "fifo": "a FIFO \\(named pipe\\), not a regular file",
+        "dev-zero": "a character device, not a regular file",
+        "folder": "a folder, not a regular file",
+        "unreadable": "Permission denied",
+    }[what]
     if what == "fifo":
         os.mkfifo(batch)
     elif what == "dev-zero":
@@ -277,9 +307,17 @@ def test_an_official_batch_that_is_not_a_readable_file_says_why(tmp_path, monkey
     else:
         batch.write_bytes(b"x")
         from fastcifar.core import readfile
+
         real = os.open
-        monkeypatch.setattr(readfile.os, "open", lambda p, *a, **k: (_ for _ in ()).throw(
-            PermissionError(errno.EACCES, "Permission denied", str(p))) if str(p) == str(batch) else real(p, *a, **k))
+        monkeypatch.setattr(
+            readfile.os,
+            "open",
+            lambda p, *a, **k: (
+                (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied", str(p)))
+                if str(p) == str(batch)
+                else real(p, *a, **k)
+            ),
+        )
     with pytest.raises(DataError, match=f"{batch}: cannot read CIFAR-10 batch file: {expected}$"):
         load_dataset(folder, log=quiet)
 
@@ -307,9 +345,24 @@ def test_train_with_an_unreadable_batch_enforced_is_one_line(tmp_path):
     prefix = without_permission_override()
     folder, _ = write_official(tmp_path / "data")
     (folder / "data_batch_3").chmod(0)
-    proc = subprocess.run([*prefix, sys.executable, "-m", "fastcifar.train", "--data", str(folder), "--out-dir",
-                           str(tmp_path / "runs"), *SHORT], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "fastcifar.train",
+            "--data",
+            str(folder),
+            "--out-dir",
+            str(tmp_path / "runs"),
+            *SHORT,
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = one_line_error(proc.stderr)
     assert line == f"fastcifar: error: {folder / 'data_batch_3'}: cannot read CIFAR-10 batch file: Permission denied"
@@ -317,6 +370,7 @@ def test_train_with_an_unreadable_batch_enforced_is_one_line(tmp_path):
 
 def test_out_dir_inside_a_folder_it_may_not_enter_is_one_line(tmp_path, monkeypatch):
     from fastcifar.run import report
+
     locked = tmp_path / "locked"
     real = os.stat
 
@@ -324,6 +378,7 @@ def test_out_dir_inside_a_folder_it_may_not_enter_is_one_line(tmp_path, monkeypa
         if str(path).startswith(str(locked) + "/"):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real(path, *args, **kwargs)
+
     locked.mkdir()
     monkeypatch.setattr(report.os, "stat", stat_)
     with pytest.raises(report.OutputError, match=f"--out-dir {locked}/runs: {locked}/runs: Permission denied$"):
@@ -335,10 +390,18 @@ def test_out_dir_inside_a_folder_it_may_not_enter_enforced(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0)
-    code = ("import sys\nfrom fastcifar.run import report\n"
-            "try:\n    report.check_out_dir(sys.argv[1])\nexcept report.OutputError as e:\n    print(e)\n")
-    proc = subprocess.run([*prefix, sys.executable, "-c", code, str(locked / "runs")], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys\nfrom fastcifar.run import report\n"
+        "try:\n    report.check_out_dir(sys.argv[1])\nexcept report.OutputError as e:\n    print(e)\n"
+    )
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-c", code, str(locked / "runs")],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and not proc.stderr, proc.stderr
     assert proc.stdout.strip() == f"--out-dir {locked}/runs: {locked}/runs: Permission denied"
 
@@ -346,26 +409,37 @@ def test_out_dir_inside_a_folder_it_may_not_enter_enforced(tmp_path):
 @pytest.mark.parametrize("what", ["unreadable", "fifo", "loop"])
 def test_a_model_file_that_cannot_be_read_says_why(model_file, tmp_path, monkeypatch, what):
     from fastcifar.models.files import CheckpointError, load_model
+
     bad = tmp_path / "model.safetensors"
     if what == "unreadable":
         bad.write_bytes(model_file.read_bytes())
         from fastcifar.core import readfile
+
         real = os.open
-        monkeypatch.setattr(readfile.os, "open", lambda p, *a, **k: (_ for _ in ()).throw(
-            PermissionError(errno.EACCES, "Permission denied", str(p))) if str(p) == str(bad) else real(p, *a, **k))
+        monkeypatch.setattr(
+            readfile.os,
+            "open",
+            lambda p, *a, **k: (
+                (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied", str(p)))
+                if str(p) == str(bad)
+                else real(p, *a, **k)
+            ),
+        )
     elif what == "fifo":
         os.mkfifo(bad)
     else:
         bad.symlink_to(bad.name)
-    expected = {"unreadable": "Permission denied", "fifo": "a FIFO \\(named pipe\\), not a regular file",
-                "loop": "Too many levels of symbolic links"}[what]
+    expected = {
+        "unreadable": "Permission denied",
+        "fifo": "a FIFO \\(named pipe\\), not a regular file",
+        "loop": "Too many levels of symbolic links",
+    }[what]
     with pytest.raises(CheckpointError, match=f"{bad}: cannot read model file: {expected}$"):
         load_model(bad)
 
 
 @pytest.mark.parametrize("what", ["loop", "fifo"])
-def test_predict_reports_a_symlink_loop_or_fifo_in_a_folder_instead_of_skipping_it(model_file, tmp_path, capsys,
-                                                                                     what):
+def test_predict_reports_a_symlink_loop_or_fifo_in_a_folder_instead_of_skipping_it(model_file, tmp_path, capsys, what):
     """One line naming the file, the others classified, exit 1 (predict's "some could not be read")."""
     folder = tmp_path / "mine"
     folder.mkdir()
@@ -384,17 +458,26 @@ def test_predict_reports_a_symlink_loop_or_fifo_in_a_folder_instead_of_skipping_
 # ---------------------------------------------------------------------------------------------
 # Minor: a full disk at start, a resumed run's clocks, DALI's own log line
 
+
 def start_log(out: Path):
     from fastcifar.core.config import Config
     from fastcifar.run.report import RunLog
+
     log = RunLog(Config(), str(out), enabled=True, stream=open(os.devnull, "w"))
-    log.start({"versions": {"fastcifar": None, "torch": "x"}, "classes": [],
-               "device": {"type": "cpu", "name": "cpu", "world_size": 1}, "data": "test data"})
+    log.start(
+        {
+            "versions": {"fastcifar": None, "torch": "x"},
+            "classes": [],
+            "device": {"type": "cpu", "name": "cpu", "world_size": 1},
+            "data": "test data",
+        }
+    )
     return log
 
 
 def test_a_full_disk_at_start_leaves_no_run_folder(tmp_path, monkeypatch):
     from fastcifar.run import report
+
     real_open = open
 
     class Full:
@@ -420,44 +503,82 @@ def test_a_full_disk_at_start_leaves_no_run_folder(tmp_path, monkeypatch):
 
 def test_a_resumed_runs_line_says_what_each_clock_counts(tmp_path):
     from fastcifar.run.report import TIMING_PROTOCOL, EpochRecord, RunResult
+
     log = start_log(tmp_path / "runs")
-    records = [EpochRecord(run=1, epoch=e, lr=0.1, train_time=5.0, train_loss=1.0, train_acc=50.0, test_time=0.1,
-                           test_loss=1.0, test_acc=60.0, total_train_time=5.0 * e) for e in range(1, 6)]
+    records = [
+        EpochRecord(
+            run=1,
+            epoch=e,
+            lr=0.1,
+            train_time=5.0,
+            train_loss=1.0,
+            train_acc=50.0,
+            test_time=0.1,
+            test_loss=1.0,
+            test_acc=60.0,
+            total_train_time=5.0 * e,
+        )
+        for e in range(1, 6)
+    ]
     for r in records[3:]:  # epochs 4 and 5 trained in this process, 1-3 came from the checkpoint
         log.epoch(r)
     log.run_done(RunResult(run=1, seed=0, test_acc=60.0, train_time=25.0, wall_time=12.0, epochs=records), 94.0)
     log.finish([RunResult(run=1, seed=0, test_acc=60.0, train_time=25.0, wall_time=12.0, epochs=records)])
     line = next(ln for ln in (log.dir / "log.txt").read_text().splitlines() if ln.startswith("run 1:"))
-    assert line == ("run 1: test_acc 60.00% train 25.00 s over 5 epochs (15.00 s in the 3 before the resume, "
-                    "10.00 s in this process) wall 12.00 s in this process setup 0.00 s (target 94.00%: missed)")
+    assert line == (
+        "run 1: test_acc 60.00% train 25.00 s over 5 epochs (15.00 s in the 3 before the resume, "
+        "10.00 s in this process) wall 12.00 s in this process setup 0.00 s (target 94.00%: missed)"
+    )
     assert "resumed run" in TIMING_PROTOCOL
 
 
 def test_a_fresh_runs_line_is_unchanged(tmp_path):
     from fastcifar.run.report import EpochRecord, RunResult
+
     log = start_log(tmp_path / "runs")
-    rec = EpochRecord(run=1, epoch=1, lr=0.1, train_time=2.0, train_loss=1.0, train_acc=50.0, test_time=0.1,
-                      test_loss=1.0, test_acc=60.0, total_train_time=2.0)
+    rec = EpochRecord(
+        run=1,
+        epoch=1,
+        lr=0.1,
+        train_time=2.0,
+        train_loss=1.0,
+        train_acc=50.0,
+        test_time=0.1,
+        test_loss=1.0,
+        test_acc=60.0,
+        total_train_time=2.0,
+    )
     log.epoch(rec)
     log.run_done(RunResult(run=1, seed=0, test_acc=60.0, train_time=2.0, wall_time=9.0, epochs=[rec]), 50.0)
     log.stop("interrupted", "test")
-    assert "run 1: test_acc 60.00% train 2.00 s wall 9.00 s setup 0.00 s (target 50.00%: reached)" in (
-        log.dir / "log.txt").read_text()
+    assert (
+        "run 1: test_acc 60.00% train 2.00 s wall 9.00 s setup 0.00 s (target 50.00%: reached)"
+        in (log.dir / "log.txt").read_text()
+    )
 
 
 def test_a_truncated_jpeg_gives_no_raw_dali_line(tmp_path):
     from fastcifar.data import dali as dl
+
     have, why = dl.dali_available()
     if not have:
         pytest.skip(f"DALI unavailable: {why}")
     root, _ = write_image_folder(tmp_path / "jpg", n_train=20, n_test=10, fmt="JPEG")
     bad = next((root / "train").rglob("*.jpeg"))
-    bad.write_bytes(bad.read_bytes()[:len(bad.read_bytes()) // 2])
-    code = ("import sys\nfrom fastcifar.data import DataError, load_dataset\nfrom fastcifar.data.dali import dali_decoder\n"
-            "try:\n    load_dataset(sys.argv[1], cache_dir=sys.argv[2], log=lambda m: None, decode=dali_decoder('cpu'))\n"
-            "except DataError as e:\n    print(e)\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(root), str(tmp_path / "cache")], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    bad.write_bytes(bad.read_bytes()[: len(bad.read_bytes()) // 2])
+    code = (
+        "import sys\nfrom fastcifar.data import DataError, load_dataset\nfrom fastcifar.data.dali import dali_decoder\n"
+        "try:\n    load_dataset(sys.argv[1], cache_dir=sys.argv[2], log=lambda m: None, decode=dali_decoder('cpu'))\n"
+        "except DataError as e:\n    print(e)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(root), str(tmp_path / "cache")],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert proc.stdout.startswith(f"{bad}: not a readable image"), proc.stdout
 
@@ -465,21 +586,25 @@ def test_a_truncated_jpeg_gives_no_raw_dali_line(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Item 9: a rank that ends itself for a stalled peer records why
 
+
 def test_the_watchdog_records_the_cause_in_log_and_summary_before_it_ends_the_rank(tmp_path):
     """The main thread is blocked (here: asleep), so only the watchdog can end the rank; log.txt and
     summary.json must say why (status "failed"), not be left without a summary."""
     out = tmp_path / "runs"
-    code = ("import sys, time, torch, os\n"
-            "sys.path[:0] = ['tests', 'tests/helpers', 'tests/cli']\n"
-            "from test_faults_os import start_log\n"
-            "from fastcifar.parallel.distributed import DistContext, ProgressWatchdog\n"
-            "from fastcifar.run import report\n"
-            "log = start_log(sys.argv[1])\n"
-            "ctx = DistContext(0, 2, 0, torch.device('cpu'), 'gloo')\n"
-            "dog = ProgressWatchdog(1.0, ctx, enabled=True, on_stall=lambda why: report.stop_open_logs('failed', why))\n"
-            "time.sleep(60)\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=60)
+    code = (
+        "import sys, time, torch, os\n"
+        "sys.path[:0] = ['tests', 'tests/helpers', 'tests/cli']\n"
+        "from test_faults_os import start_log\n"
+        "from fastcifar.parallel.distributed import DistContext, ProgressWatchdog\n"
+        "from fastcifar.run import report\n"
+        "log = start_log(sys.argv[1])\n"
+        "ctx = DistContext(0, 2, 0, torch.device('cpu'), 'gloo')\n"
+        "dog = ProgressWatchdog(1.0, ctx, enabled=True, on_stall=lambda why: report.stop_open_logs('failed', why))\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 3, proc.stderr
     line = one_line_error(proc.stderr)
     assert line.startswith("fastcifar: error: [rank 0] lost contact with the other ranks"), line
@@ -490,19 +615,21 @@ def test_the_watchdog_records_the_cause_in_log_and_summary_before_it_ends_the_ra
 
 
 def test_the_watchdog_ends_the_rank_even_when_recording_hangs():
-    code = ("import time, torch\n"
-            "from fastcifar.parallel import distributed\n"
-            "distributed.RECORD_TIMEOUT_S = 1.0\n"
-            "ctx = distributed.DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
-            "dog = distributed.ProgressWatchdog(1.0, ctx, enabled=True, on_stall=lambda why: time.sleep(120))\n"
-            "time.sleep(60)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=50)
+    code = (
+        "import time, torch\n"
+        "from fastcifar.parallel import distributed\n"
+        "distributed.RECORD_TIMEOUT_S = 1.0\n"
+        "ctx = distributed.DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
+        "dog = distributed.ProgressWatchdog(1.0, ctx, enabled=True, on_stall=lambda why: time.sleep(120))\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=50)
     assert proc.returncode == 3, proc.stderr
 
 
 def test_a_sigterm_under_torchrun_is_not_recorded_as_a_bare_interruption(monkeypatch):
     from fastcifar.parallel.distributed import stop_reason
+
     exc = signals.Interrupted(signal.SIGTERM)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert stop_reason(exc) == "interrupted by SIGTERM"
@@ -515,6 +642,7 @@ def test_a_sigterm_under_torchrun_is_not_recorded_as_a_bare_interruption(monkeyp
 def test_jpeg_size_reads_the_frame_header_and_the_dali_decoder_declines_other_sizes(tmp_path):
     import io
     from fastcifar.data import dali as dl
+
     for size in ((32, 32), (40, 30), (1, 2)):
         buf = io.BytesIO()
         Image.fromarray(np.zeros((size[1], size[0], 3), np.uint8)).save(buf, format="JPEG", quality=75)
@@ -534,11 +662,15 @@ def test_a_resume_from_a_fifo_or_a_folder_says_what_it_is(tmp_path):
     from fastcifar.core.config import Config
     from fastcifar.models.files import CheckpointError
     from fastcifar.run import state
+
     fifo = tmp_path / "checkpoint.pt"
     os.mkfifo(fifo)
     with pytest.raises(CheckpointError, match="cannot read checkpoint: a FIFO \\(named pipe\\), not a regular file$"):
         state._read_state(fifo, Config(), 1)
-    with pytest.raises(CheckpointError, match="cannot read checkpoint: a folder, not a regular file \\(did you mean .*checkpoint.pt\\?\\)$"):
+    with pytest.raises(
+        CheckpointError,
+        match="cannot read checkpoint: a folder, not a regular file \\(did you mean .*checkpoint.pt\\?\\)$",
+    ):
         state._read_state(tmp_path, Config(), 1)
 
 
@@ -554,6 +686,7 @@ def test_dali_log_capture_forwards_other_lines_and_holds_dalis_own(capfd):
     message is never left in a buffer), DALI's own record is dropped when the decode fails and
     written when it succeeds."""
     from fastcifar.data import dali as dl
+
     record = b"\x1b[31m[ERROR] [jpeg_parser] Invalid marker\x1b[0m\n"
     with pytest.raises(RuntimeError):
         with dl._dali_log_captured():

@@ -69,8 +69,13 @@ BAD_INPUTS = [
     ("out-dir under a file", ["--out-dir", "{file}/runs"], None, "is not a folder"),
     ("out-dir cannot be created (/proc)", ["--out-dir", "/proc/fastcifar-test/runs"], None, "cannot create"),
     ("out-dir cannot be created (/sys)", ["--out-dir", "/sys/fastcifar-test"], None, "--out-dir /sys/fastcifar-test"),
-    pytest.param("out-dir read-only", ["--out-dir", "{ro}"], None, "is not writable",
-                 marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0555 folder")),
+    pytest.param(
+        "out-dir read-only",
+        ["--out-dir", "{ro}"],
+        None,
+        "is not writable",
+        marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0555 folder"),
+    ),
     ("crop-pad 40 (torch loader)", ["--crop-pad", "40"], None, "--crop-pad must be at most 31"),
     ("crop-pad 40 (dali loader)", ["--crop-pad", "40", "--loader", "dali"], None, "--crop-pad must be at most 31"),
     ("crop-pad 33 zero padding", ["--crop-pad", "33", "--pad-mode", "zero"], None, "--crop-pad must be at most 32"),
@@ -88,10 +93,10 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("case, args, setup, message", BAD_INPUTS, ids=[
-    getattr(c, "values", c)[0] for c in BAD_INPUTS])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, args, setup, message, small_data, tmp_path,
-                                                         capsys, monkeypatch):
+@pytest.mark.parametrize("case, args, setup, message", BAD_INPUTS, ids=[getattr(c, "values", c)[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    case, args, setup, message, small_data, tmp_path, capsys, monkeypatch
+):
     if case.startswith("crop-pad 40 (dali") and not dali_available()[0]:
         pytest.skip("DALI does not import here")
     out = tmp_path / "runs"
@@ -123,6 +128,7 @@ def test_main_gives_the_caller_its_signal_handlers_back(small_data, tmp_path, ca
     """``main`` routes SIGINT/SIGTERM to ``Interrupted`` while it runs and puts the caller's
     handlers back when it returns, so Ctrl-C still reaches pytest (or a notebook) afterwards; also
     when the distributed teardown raises (a Ctrl-C during a slow NCCL teardown)."""
+
     def mine(signum, frame):
         pass
 
@@ -149,14 +155,16 @@ def test_main_gives_the_caller_its_signal_handlers_back(small_data, tmp_path, ca
 def _strict(text: str):
     def refuse(name):
         raise ValueError(f"non-standard JSON constant {name}")
+
     return json.loads(text, parse_constant=refuse)
 
 
 @pytest.mark.slow
 def test_exploding_lr_stops_with_one_line_exit_4_and_strict_json(small_data, tmp_path):
     out = tmp_path / "runs"
-    proc = run_train(["--data", small_data, "--out-dir", out, *SHORT, "--epochs", "3", "--loader", "torch",
-                      "--lr", "1e6"])
+    proc = run_train(
+        ["--data", small_data, "--out-dir", out, *SHORT, "--epochs", "3", "--loader", "torch", "--lr", "1e6"]
+    )
     assert proc.returncode == 4, proc.stderr
     line = one_line_error(proc.stderr)
     assert line.startswith("fastcifar: training diverged: the training loss is") and "run 1, epoch 1" in line
@@ -174,13 +182,23 @@ def test_guard_and_json_units():
     for bad in (float("nan"), float("inf"), 24.0):
         with pytest.raises(Diverged, match="training diverged"):
             guard.check(bad, 1, 2)
-    assert _strict(to_json({"a": float("nan"), "b": [1.0, float("-inf")], "c": {"d": 2.5}})) == \
-        {"a": None, "b": [1.0, None], "c": {"d": 2.5}}
+    assert _strict(to_json({"a": float("nan"), "b": [1.0, float("-inf")], "c": {"d": 2.5}})) == {
+        "a": None,
+        "b": [1.0, None],
+        "c": {"d": 2.5},
+    }
 
 
 def _popen(args, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fastcifar.train", *map(str, args)], cwd=ROOT, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fastcifar.train", *map(str, args)],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def _wait_for(proc: subprocess.Popen, needle: str, timeout: float = 120) -> list[str]:
@@ -238,6 +256,7 @@ def test_sigterm_while_the_cache_is_written_leaves_no_tmp(tmp_path, monkeypatch)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(1)  # the handler runs at the next bytecode boundary, well within this
         real_savez(f, **arrays)
+
     monkeypatch.setattr(np, "savez", savez_then_signal)
     previous = signals.install()
     try:
@@ -267,12 +286,34 @@ def test_full_disk_is_one_line(limit, what, epochs, small_data, tmp_path):
     """RLIMIT_FSIZE makes writes past ``limit`` bytes fail (EFBIG; Python ignores SIGXFSZ), as a
     full disk does: at 1 KiB the config line of log.txt fails, at 4 KiB summary.json (~5 KiB; log.txt,
     ~3.3 KiB with the line that explains the lr column, stays under it)."""
+
     def limit_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     out = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "fastcifar.train", "--data", str(small_data), "--out-dir", str(out),
-                           *SHORT, "--epochs", str(epochs), "--loader", "torch", "--no-save-model"], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=300, preexec_fn=limit_files)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastcifar.train",
+            "--data",
+            str(small_data),
+            "--out-dir",
+            str(out),
+            *SHORT,
+            "--epochs",
+            str(epochs),
+            "--loader",
+            "torch",
+            "--no-save-model",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_files,
+    )
     assert proc.returncode == 2
     line = one_line_error(proc.stderr)
     assert line.startswith("fastcifar: error: cannot write ") and line.endswith(f"{what}: File too large"), line
@@ -321,8 +362,16 @@ def test_torch_and_dali_loaders_give_the_same_batches(flip_mode, pad_mode, cutou
     images = rng.integers(0, 256, (90, 32, 32, 3), dtype=np.uint8)
     labels = rng.integers(0, 10, 90)
     shard = np.sort(rng.permutation(90)[:45])
-    kw = dict(pad=4, pad_mode=pad_mode, cutout=cutout, flip=True, flip_mode=flip_mode, dtype=torch.float32,
-              device=torch.device("cpu"), rank=1)
+    kw = dict(
+        pad=4,
+        pad_mode=pad_mode,
+        cutout=cutout,
+        flip=True,
+        flip_mode=flip_mode,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        rank=1,
+    )
     loaders = [TorchLoader(images, labels, shard, 10, 4, **kw), DaliLoader(images, labels, shard, 10, 4, **kw)]
     for seed, epoch in [(0, 0), (0, 1), (7, 3)]:
         batches = []
@@ -341,8 +390,21 @@ def test_a_short_run_gives_the_same_metrics_with_either_loader(small_data, tmp_p
     full config goes to log.txt and summary.json, not the terminal."""
     runs = {}
     for loader in ("torch", "dali"):
-        proc = run_train(["--data", small_data, "--out-dir", tmp_path / loader, *SHORT, "--epochs", "2",
-                          "--loader", loader, "--subset", "200"])
+        proc = run_train(
+            [
+                "--data",
+                small_data,
+                "--out-dir",
+                tmp_path / loader,
+                *SHORT,
+                "--epochs",
+                "2",
+                "--loader",
+                loader,
+                "--subset",
+                "200",
+            ]
+        )
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.splitlines()
         assert lines[0].startswith("fastcifar ") and "cpu cpu" not in lines[0] and "| cpu" in lines[0]
@@ -353,8 +415,9 @@ def test_a_short_run_gives_the_same_metrics_with_either_loader(small_data, tmp_p
         assert any(ln.startswith("config: {") for ln in (run_dir / "log.txt").read_text().splitlines())
         doc = _strict((run_dir / "summary.json").read_text())
         assert doc["engine"]["loader"] == loader and doc["status"] == "finished"
-        runs[loader] = [(e["train_loss"], e["train_acc"], e["test_loss"], e["test_acc"])
-                        for e in doc["results"][0]["epochs"]]
+        runs[loader] = [
+            (e["train_loss"], e["train_acc"], e["test_loss"], e["test_acc"]) for e in doc["results"][0]["epochs"]
+        ]
     assert runs["torch"] == runs["dali"]
 
 
@@ -388,6 +451,7 @@ def test_chunked_decoder_under_a_bar_gives_the_same_arrays(tmp_path, monkeypatch
     def every_other(chunk, names):  # takes chunks 0 and 2, declines chunk 1 (PIL decodes it)
         calls.append(names[0])
         return None if names[0] == "img3.png" else decode_with_pil(chunk, names)
+
     monkeypatch.setattr(progress_mod, "DECODE_CHUNK", 3)
     stream = _Tty(True)
     out = progress_mod.chunked_decoder(every_other, Progress(True, stream))(raws, wheres)
@@ -395,6 +459,7 @@ def test_chunked_decoder_under_a_bar_gives_the_same_arrays(tmp_path, monkeypatch
     assert "decoding" in "".join(stream.text)
     # the cache key names the wrapped decoder: under a bar (rank 0) as without one (the other ranks)
     from fastcifar.data.folder import decoder_name
+
     every_other.name = "dali-cuda"
     assert decoder_name(progress_mod.chunked_decoder(every_other, Progress(True, stream))) == "dali-cuda"
     assert decoder_name(progress_mod.chunked_decoder(None, Progress(True, stream))) == "pil"

@@ -20,8 +20,26 @@ from fastcifar.run import report
 from fastcifar.train import main as train_main
 
 # a tiny ResNet-9 on 200 training images: a few seconds on one thread
-TINY = ["--preset", "resnet9", "--device", "cpu", "--widths", "8,16,32,64", "--batch-size", "50", "--epochs", "3",
-        "--warmup-epochs", "1", "--warmup-steps", "1", "--eval-batch-size", "200", "--loader", "torch"]
+TINY = [
+    "--preset",
+    "resnet9",
+    "--device",
+    "cpu",
+    "--widths",
+    "8,16,32,64",
+    "--batch-size",
+    "50",
+    "--epochs",
+    "3",
+    "--warmup-epochs",
+    "1",
+    "--warmup-steps",
+    "1",
+    "--eval-batch-size",
+    "200",
+    "--loader",
+    "torch",
+]
 
 
 def _tensors(path):
@@ -47,6 +65,7 @@ def uninterrupted(data, tmp_path_factory):
 
 # --- item 6: --resume alone -----------------------------------------------------------------------
 
+
 def test_parse_command_line_names_only_the_options_given():
     cfg, given = parse_command_line(["--lr", "0.5", "--no-tta", "--data", "x"])
     assert given == {"lr": 0.5, "tta": 0, "data": "x"}
@@ -71,13 +90,17 @@ def test_resume_alone_finishes_as_the_uninterrupted_run(data, uninterrupted, tmp
     assert a["results"][0]["test_acc"] == b["results"][0]["test_acc"]
 
 
-@pytest.mark.parametrize("extra,flag,values", [
-    (["--lr", "0.5"], "--lr", ("0.4", "0.5")),
-    (["--widths", "8,16,32,32"], "--widths", ("8,16,32,64", "8,16,32,32")),
-    (["--preset", "fast"], "--preset", ("resnet9", "fast")),
-])
-def test_a_conflicting_option_on_resume_is_refused_in_one_line(data, uninterrupted, tmp_path, capsys,
-                                                              extra, flag, values):
+@pytest.mark.parametrize(
+    "extra,flag,values",
+    [
+        (["--lr", "0.5"], "--lr", ("0.4", "0.5")),
+        (["--widths", "8,16,32,32"], "--widths", ("8,16,32,64", "8,16,32,32")),
+        (["--preset", "fast"], "--preset", ("resnet9", "fast")),
+    ],
+)
+def test_a_conflicting_option_on_resume_is_refused_in_one_line(
+    data, uninterrupted, tmp_path, capsys, extra, flag, values
+):
     out = tmp_path / "runs"
     argv = ["--data", data, "--out-dir", out, "--resume", uninterrupted["dir"] / "checkpoint.pt", *extra]
     assert train_main([str(a) for a in argv]) == 2
@@ -89,6 +112,7 @@ def test_a_conflicting_option_on_resume_is_refused_in_one_line(data, uninterrupt
 def test_agreeing_and_path_options_on_resume_are_accepted(uninterrupted, data):
     """What the command line names and agrees with, and where-to-log fields, pass the check."""
     from fastcifar.run.state import resume_settings
+
     path = str(uninterrupted["dir"] / "checkpoint.pt")
     cfg, given = parse_command_line(["--resume", path, "--lr", "0.4", "--out-dir", "elsewhere", "--quiet"])
     resumed = resume_settings(cfg, given)
@@ -97,6 +121,7 @@ def test_agreeing_and_path_options_on_resume_are_accepted(uninterrupted, data):
 
 
 # --- item 7: --val-split, --subset's test set, the target verdict ---------------------------------
+
 
 def test_val_split_logs_and_summary_name_the_set(uninterrupted):
     out, summary = uninterrupted["stdout"], uninterrupted["summary"]
@@ -147,8 +172,10 @@ def test_subset_says_when_it_cuts_the_test_set():
     ds = _dataset()
     cut, _, _, notes = for_run(ds, 100, 0)
     assert len(cut.test_labels) == 150
-    assert notes == ["--subset 100: the test set is cut to the same fraction, 150 of 300 images "
-                     "(its accuracy is noisier than the full set's)"]
+    assert notes == [
+        "--subset 100: the test set is cut to the same fraction, 150 of 300 images "
+        "(its accuracy is noisier than the full set's)"
+    ]
     assert for_run(ds, 0, 0)[3] == []
 
 
@@ -157,8 +184,12 @@ def test_the_target_verdict_only_for_a_full_recipe():
     assert full_recipe(full) and full_recipe(from_preset("resnet9", epochs=30, lr=0.5))
     assert report.target_note(full, 93.0, 94.0) == "target 94.00%: missed"
     assert report.target_note(full, 94.5, 94.0) == "target 94.00%: reached"
-    for toy in (from_preset(DEFAULT_PRESET, subset=5000), from_preset(DEFAULT_PRESET, epochs=2),
-                from_preset(DEFAULT_PRESET, widths=(32, 64, 64)), from_preset(DEFAULT_PRESET, val_split=5000)):
+    for toy in (
+        from_preset(DEFAULT_PRESET, subset=5000),
+        from_preset(DEFAULT_PRESET, epochs=2),
+        from_preset(DEFAULT_PRESET, widths=(32, 64, 64)),
+        from_preset(DEFAULT_PRESET, val_split=5000),
+    ):
         assert not full_recipe(toy)
         assert report.target_note(toy, 10.0, 94.0) == "target 94.00% applies to the full preset on the full data"
 
@@ -169,6 +200,7 @@ def test_val_split_must_not_be_negative(capsys):
 
 
 # --- item 4: the full preset on a CPU --------------------------------------------------------------
+
 
 def test_cpu_warning_before_a_full_preset_on_the_cpu(tmp_path):
     assert "takes hours" in report.cpu_note(from_preset(DEFAULT_PRESET), torch.device("cpu"))
@@ -183,6 +215,7 @@ def test_cpu_warning_before_a_full_preset_on_the_cpu(tmp_path):
 
 
 # --- item 9 and item 1: skip messages, the README -------------------------------------------------
+
 
 def test_skip_reasons_name_no_path_outside_the_repository():
     """A skip reason built from a path (f"{SOME_PATH} ...") would print the machine's folders."""
@@ -226,10 +259,26 @@ def test_cpu_threads_bench_smoke_writes_nothing(data):
     import subprocess
     import sys
     from cli import bench_results, env
+
     before = bench_results()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cpu_threads.py"), "--smoke", "--data", str(data),
-                           "--epochs", "1", "--threads", "1"], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_cpu_threads.py"),
+            "--smoke",
+            "--data",
+            str(data),
+            "--epochs",
+            "1",
+            "--threads",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| omp_num_threads | torch_threads | epoch_s_mean |" in proc.stdout and "nothing written" in proc.stdout
     assert bench_results() == before
@@ -241,11 +290,23 @@ def test_val_split_on_two_ranks_reports_the_test_set_figure(data, tmp_path, caps
     its slice; the run's final test_acc is the whole test set's, as `evaluate` finds it again."""
     import sys
     from fastcifar.evaluate import main as evaluate_main
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "fastcifar.train"]
+
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "fastcifar.train",
+    ]
     out = tmp_path / "runs"
-    proc = run_train(["--data", data, "--out-dir", out, *TINY, "--batch-size", "40", "--epochs", "1",
-                      "--val-split", "40"], launcher=torchrun, timeout=600)
+    proc = run_train(
+        ["--data", data, "--out-dir", out, *TINY, "--batch-size", "40", "--epochs", "1", "--val-split", "40"],
+        launcher=torchrun,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "160 train, 40 validation, 50 test images" in proc.stdout
     (run_dir,) = run_dirs(out)
@@ -258,6 +319,7 @@ def test_val_split_below_the_rank_count_is_refused():
     """Each rank evaluates every world_size-th held-out image: fewer than the ranks would leave a
     rank with none (its first evaluation batch would not exist)."""
     from fastcifar.core.config import ConfigError, from_preset, validate
+
     validate(from_preset("fast", val_split=2), world_size=2)
     with pytest.raises(ConfigError, match="--val-split must be 0 or at least the number of ranks \\(8\\), not 3"):
         validate(from_preset("fast", val_split=3), world_size=8)

@@ -68,12 +68,19 @@ def test_a_jittered_run_learns_and_records_its_jitter(learnable_data, tmp_path):
 
 def test_default_fast_preset_learns_on_the_cpu(learnable_data, tmp_path):
     out = tmp_path / "runs"
-    proc = run_train(["--data", learnable_data, "--out-dir", out, *FAST_SHORT, "--epochs", "2", "--warmup-epochs", "0.5"])
+    proc = run_train(
+        ["--data", learnable_data, "--out-dir", out, *FAST_SHORT, "--epochs", "2", "--warmup-epochs", "0.5"]
+    )
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(out)
     cfg = summary["config"]
-    assert (cfg["preset"], cfg["arch"], cfg["flip_mode"], cfg["tta"], cfg["lookahead_steps"]) == \
-        ("fast", "fastnet", "alternate", 2, 5)
+    assert (cfg["preset"], cfg["arch"], cfg["flip_mode"], cfg["tta"], cfg["lookahead_steps"]) == (
+        "fast",
+        "fastnet",
+        "alternate",
+        2,
+        5,
+    )
     acc = summary["summary"]["acc_mean"]
     assert acc > 60.0, f"a 2-epoch fast run on learnable data reached only {acc:.1f}% (guessing: 10%)"
     (result,) = summary["results"]
@@ -82,14 +89,17 @@ def test_default_fast_preset_learns_on_the_cpu(learnable_data, tmp_path):
 
 def test_several_runs_give_a_summary_table(learnable_data, tmp_path):
     out = tmp_path / "runs"
-    proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "1", "--runs", "2",
-                      "--target-acc", "0"])
+    proc = run_train(
+        ["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "1", "--runs", "2", "--target-acc", "0"]
+    )
     assert proc.returncode == 0, proc.stderr
     s = summary_of(out)
     assert s["summary"]["runs"] == 2 and s["summary"]["reached"] == 2
     assert [r["seed"] for r in s["results"]] == [0, 1]
-    assert s["results"][0]["test_acc"] != s["results"][1]["test_acc"] or \
-        s["results"][0]["epochs"][0]["train_loss"] != s["results"][1]["epochs"][0]["train_loss"]
+    assert (
+        s["results"][0]["test_acc"] != s["results"][1]["test_acc"]
+        or s["results"][0]["epochs"][0]["train_loss"] != s["results"][1]["epochs"][0]["train_loss"]
+    )
     assert "acc_mean" in proc.stdout and "2/2" in proc.stdout
     accs = [r["test_acc"] for r in s["results"]]  # the t-test of "mean > --target-acc 0": far below 0.05
     assert s["summary"]["p_above_target"] == pytest.approx(p_above(accs, 0.0)) and s["summary"]["p_above_target"] < 0.05
@@ -126,26 +136,48 @@ def test_overrides_and_presets():
     assert (cfg.epochs, cfg.tta, cfg.widths, cfg.lr, cfg.preset) == (3, False, (8, 16, 32, 64), 0.2, "resnet9")
     assert parse_args(["--epochs", "3"]).preset == DEFAULT_PRESET == "fast-jitter"  # the default preset
     seed = from_preset("resnet9")
-    assert (seed.epochs, seed.batch_size, seed.lr, seed.momentum, seed.nesterov, seed.weight_decay,
-            seed.label_smoothing, seed.crop_pad, seed.cutout, seed.warmup_epochs, seed.tta) == \
-        (24, 512, 0.4, 0.9, True, 5e-4, 0.2, 4, 8, 5.0, True)
+    assert (
+        seed.epochs,
+        seed.batch_size,
+        seed.lr,
+        seed.momentum,
+        seed.nesterov,
+        seed.weight_decay,
+        seed.label_smoothing,
+        seed.crop_pad,
+        seed.cutout,
+        seed.warmup_epochs,
+        seed.tta,
+    ) == (24, 512, 0.4, 0.9, True, 5e-4, 0.2, 4, 8, 5.0, True)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--epochs", "x"], "invalid epoch count"),
-    (["--epochs", "0"], "--epochs must lie in (0, 1000], not 0"),
-    (["--preset", "nope"], "unknown preset"),
-    (["--pad-mode", "wrap"], "invalid choice"),
-    (["--warmup-epochs", "30"], "--warmup-epochs must lie in"),
-    (["--warmup-epo", "1"], "unrecognized arguments: --warmup-epo"),  # no abbreviations
-    (["--widths", "8,16"], "--widths takes three positive channel counts for --arch fastnet"),
-    (["--preset", "resnet9", "--widths", "8,16"], "--widths takes four"),
-    (["--fused-conv", "--compile"], "--fused-conv runs the Triton conv + normalize kernels in eager mode"),
-    (["--fused-conv", "--emulate-ranks", "2"], "does not combine with --compile, --emulate-ranks or --kernels torch"),
-    (["--fused-conv", "--device", "cpu"], "--fused-conv needs the Triton kernels; --kernels auto runs the torch ones on cpu"),
-    pytest.param(["--device", "cuda"], "no CUDA GPU", marks=pytest.mark.skipif(
-        __import__("torch").cuda.is_available(), reason="this machine has a GPU")),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--epochs", "x"], "invalid epoch count"),
+        (["--epochs", "0"], "--epochs must lie in (0, 1000], not 0"),
+        (["--preset", "nope"], "unknown preset"),
+        (["--pad-mode", "wrap"], "invalid choice"),
+        (["--warmup-epochs", "30"], "--warmup-epochs must lie in"),
+        (["--warmup-epo", "1"], "unrecognized arguments: --warmup-epo"),  # no abbreviations
+        (["--widths", "8,16"], "--widths takes three positive channel counts for --arch fastnet"),
+        (["--preset", "resnet9", "--widths", "8,16"], "--widths takes four"),
+        (["--fused-conv", "--compile"], "--fused-conv runs the Triton conv + normalize kernels in eager mode"),
+        (
+            ["--fused-conv", "--emulate-ranks", "2"],
+            "does not combine with --compile, --emulate-ranks or --kernels torch",
+        ),
+        (
+            ["--fused-conv", "--device", "cpu"],
+            "--fused-conv needs the Triton kernels; --kernels auto runs the torch ones on cpu",
+        ),
+        pytest.param(
+            ["--device", "cuda"],
+            "no CUDA GPU",
+            marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU"),
+        ),
+    ],
+)
 def test_bad_arguments_are_one_line(args, message, tmp_path):
     proc = run_train(["--data", tmp_path, "--out-dir", tmp_path / "runs", *args])
     assert proc.returncode == 2
@@ -157,6 +189,7 @@ def test_triton_on_the_cpu_of_a_gpu_machine_is_one_line(tmp_path, monkeypatch, c
     """Triton interprets CPU tensors only in a process without a GPU: where there is one (emulated),
     ``--device cpu --kernels triton`` is refused before anything is written, not at the first launch."""
     from fastcifar.train import main as train_main
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     argv = ["--data", tmp_path, "--out-dir", tmp_path / "runs", *SHORT, "--device", "cpu", "--kernels", "triton"]
     assert train_main([str(a) for a in argv]) == 2
@@ -188,6 +221,7 @@ def test_each_epoch_after_the_first_was_drawn_while_the_one_before_ran(learnable
     import fastcifar
     import fastcifar.train as fastcifar_train  # the module, not the API function of that name
     from fastcifar.data.loader import EpochAhead, TorchLoader
+
     taken = []
     take = EpochAhead.take
 
@@ -200,9 +234,21 @@ def test_each_epoch_after_the_first_was_drawn_while_the_one_before_ran(learnable
     sync, prepare = fastcifar_train.synchronize, TorchLoader.prepare
     monkeypatch.setattr(fastcifar_train, "synchronize", lambda device: (events.append("sync"), sync(device)))
     monkeypatch.setattr(TorchLoader, "prepare", lambda self, s, e: (events.append(e), prepare(self, s, e)))
-    cfg = from_preset("resnet9", data=str(learnable_data), out_dir=str(tmp_path / "runs"), device="cpu",
-                      widths=(8, 16, 32, 64), batch_size=100, epochs=3, warmup_epochs=1, warmup_steps=1,
-                      eval_batch_size=200, seed=4, loader="torch", quiet=True)
+    cfg = from_preset(
+        "resnet9",
+        data=str(learnable_data),
+        out_dir=str(tmp_path / "runs"),
+        device="cpu",
+        widths=(8, 16, 32, 64),
+        batch_size=100,
+        epochs=3,
+        warmup_epochs=1,
+        warmup_steps=1,
+        eval_batch_size=200,
+        seed=4,
+        loader="torch",
+        quiet=True,
+    )
     fastcifar.train(cfg)
     timed = [t for t in taken if t[1] < 10**6]  # not the warm-up's batch (an epoch index training never uses)
     assert timed == [(4, 0, False), (4, 1, True), (4, 2, True)]

@@ -25,8 +25,16 @@ from fastcifar.core.config import Config
 from fastcifar.models.network import build_model
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "comm_worker.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "-m", "fastcifar.train"]
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node",
+    "2",
+    "-m",
+    "fastcifar.train",
+]
 DIST_TIMEOUT_S = 10  # the trainer's --dist-timeout-s in the failure tests
 SLACK_S = 60  # start-up (two torch imports on 2 shared cores) plus exit, on top of the timeout
 MB = 2**20
@@ -34,6 +42,7 @@ MB = 2**20
 
 # ---------------------------------------------------------------------------------------------
 # The bucket plan and the views, in one process (communication skipped).
+
 
 def test_plan_takes_reverse_order_and_caps_size():
     params = list(make_model().parameters())
@@ -76,8 +85,9 @@ def test_grads_are_strided_views_that_backward_fills_in_place():
     reference.load_state_dict(model.state_dict())
     buckets = GradBuckets(model.parameters(), bucket_mb=0.05, communicate=False)
     convs = [p for p in model.parameters() if p.dim() == 4]
-    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
-                         for p in convs), "the test needs channels-last conv weights"
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous() for p in convs), (
+        "the test needs channels-last conv weights"
+    )
     before = {id(p): (p.grad.data_ptr(), p.grad.stride()) for p in model.parameters()}
     x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     for _ in range(2):
@@ -123,10 +133,19 @@ def test_buckets_launch_in_bucket_order_even_when_completed_out_of_order():
 # ---------------------------------------------------------------------------------------------
 # Two gloo ranks against one process.
 
+
 def rank_env(rank: int, port: int, world_size: int = 2) -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world_size))
+    return dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
 
 
 def start_ranks(argv_of, out: Path, world_size: int = 2) -> list[subprocess.Popen]:
@@ -137,8 +156,11 @@ def start_ranks(argv_of, out: Path, world_size: int = 2) -> list[subprocess.Pope
     for rank in range(world_size):
         stdout = open(out / f"stdout{rank}", "w")
         stderr = open(out / f"stderr{rank}", "w")
-        procs.append(subprocess.Popen(argv_of(rank), cwd=ROOT, env=rank_env(rank, port, world_size),
-                                      stdout=stdout, stderr=stderr))
+        procs.append(
+            subprocess.Popen(
+                argv_of(rank), cwd=ROOT, env=rank_env(rank, port, world_size), stdout=stdout, stderr=stderr
+            )
+        )
     return procs
 
 
@@ -167,8 +189,9 @@ BUCKET_CASES = {"one bucket": 100.0, "a bucket per tensor": 1e-6, "cap below the
 def two_rank_dir(tmp_path_factory) -> Path:
     """One launch of 2 worker ranks: the training steps (rank{r}.pt), then the fp16 checks (low{r}.pt)."""
     out = tmp_path_factory.mktemp("comm")
-    procs = start_ranks(lambda r: [sys.executable, str(WORKER), "train", str(out),
-                                   *map(str, BUCKET_CASES.values())], out)
+    procs = start_ranks(
+        lambda r: [sys.executable, str(WORKER), "train", str(out), *map(str, BUCKET_CASES.values())], out
+    )
     codes = wait_all(procs, timeout=240)
     assert codes == [0, 0], read(out, "stderr0")[-2000:] + read(out, "stderr1")[-2000:]
     return out
@@ -185,15 +208,19 @@ def test_two_ranks_match_one_process_over_the_global_batch(two_rank_results, cas
     ref = reference_params()
     ranks = [r[mb] for r in two_rank_results]
     n_params = len(ref)
-    expected = {"one bucket": lambda n: n == 1, "a bucket per tensor": lambda n: n == n_params,
-                "cap below the largest tensor": lambda n: 1 < n < n_params}[case]
+    expected = {
+        "one bucket": lambda n: n == 1,
+        "a bucket per tensor": lambda n: n == n_params,
+        "cap below the largest tensor": lambda n: 1 < n < n_params,
+    }[case]
     assert expected(ranks[0]["n_buckets"]), f"{case}: {ranks[0]['n_buckets']} buckets"
     if case == "cap below the largest tensor":
         assert ["conv3.weight"] in ranks[0]["bucket_params"], ranks[0]["bucket_params"]
     for name, want in ref.items():
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), f"{name}: ranks differ"
-        torch.testing.assert_close(ranks[0]["params"][name], want, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{case}, {name}: {m}")
+        torch.testing.assert_close(
+            ranks[0]["params"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}, {name}: {m}"
+        )
     assert all(r["views_kept"] for r in ranks), "a .grad left its bucket or changed strides"
 
 
@@ -213,14 +240,15 @@ def test_different_model_shapes_fail_on_every_rank(tmp_path):
     assert wait_all(procs, timeout=120) == [2, 2]
     for r in range(2):
         line = one_line_error(read(tmp_path, f"stderr{r}"))
-        assert line.startswith(f"fastcifar: error: [rank {r}] ranks disagree on the model's parameter shapes: "
-                               "rank(s) 1 differ"), line
+        assert line.startswith(
+            f"fastcifar: error: [rank {r}] ranks disagree on the model's parameter shapes: rank(s) 1 differ"
+        ), line
 
 
 # ---------------------------------------------------------------------------------------------
 # fp16 near its underflow: the bucket sums, then divides once (issue 46).
 
-U16, U32, TINY32 = 2.0 ** -11, 2.0 ** -24, 2.0 ** -149  # unit roundoffs, fp32's smallest subnormal
+U16, U32, TINY32 = 2.0**-11, 2.0**-24, 2.0**-149  # unit roundoffs, fp32's smallest subnormal
 
 
 @pytest.fixture(scope="module")
@@ -247,9 +275,11 @@ def test_fp16_average_keeps_what_dividing_first_flushed(low_precision_results):
         err = (mean.double() - exact).abs()
         bound = U16 * exact.abs() + TINY16 / 2
         worst = int((err - bound).argmax())
-        assert bool((err <= bound).all()), (f"{name}: element {worst}: mean {float(mean[worst]):.6g}, exact "
-                                            f"{float(exact[worst]):.6g}, error {float(err[worst]):.3g} > bound "
-                                            f"{float(bound[worst]):.3g}")
+        assert bool((err <= bound).all()), (
+            f"{name}: element {worst}: mean {float(mean[worst]):.6g}, exact "
+            f"{float(exact[worst]):.6g}, error {float(err[worst]):.3g} > bound "
+            f"{float(bound[worst]):.3g}"
+        )
     flushed, odd = ranks[0]["mean"]["flush"], ranks[0]["mean"]["odd"]
     assert bool((flushed.double() == TINY16).all()), f"2^-24 on both ranks averaged to {flushed.tolist()}"
     assert torch.equal(odd.double(), (ranks[0]["inputs"]["odd"].double() + ranks[1]["inputs"]["odd"].double()) / 2)
@@ -267,7 +297,7 @@ def test_two_ranks_average_equals_one_process_as_closely_as_fp32_does(low_precis
     assert torch.equal(r0["mean"], r1["mean"]) and torch.equal(r0["one_process"], r1["one_process"])
     g0, g1, whole = r0["rank_grad"].double(), r1["rank_grad"].double(), r0["one_process"].double()
     if dtype == torch.float16:  # the case this is about: most of the gradient below fp16's normal range
-        assert float((whole.abs() < 2.0 ** -14).double().mean()) > 0.5, whole
+        assert float((whole.abs() < 2.0**-14).double().mean()) > 0.5, whole
     u, tiny = (U16, TINY16) if dtype == torch.float16 else (U32, TINY32)
     err = (r0["mean"].double() - whole / 2).abs()
     bound = u * (g0.abs() + g1.abs() + whole.abs()) + 16 * U32 * r0["abs_terms"] + 2 * tiny
@@ -276,6 +306,7 @@ def test_two_ranks_average_equals_one_process_as_closely_as_fp32_does(low_precis
 
 # ---------------------------------------------------------------------------------------------
 # Capture safety: a collective issued during a CUDA graph capture must be in the capture.
+
 
 class FakeStream:
     """A CUDA stream's capture state: ``wait_stream`` on a capturing stream joins the capture,
@@ -306,6 +337,7 @@ def fake_cuda_streams(monkeypatch):
             yield
         finally:
             state["current"] = before
+
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["current"])
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["current"].capturing)
@@ -335,8 +367,9 @@ def test_a_collective_outside_the_capture_is_refused(fake_cuda_streams):
     """A comm stream that did not join the capture would run its all-reduce once, at capture
     time, and leave it out of every replay: refused with one line, before it is issued."""
     fake_cuda_streams["current"] = FakeStream(capturing=True)
-    with pytest.raises(RuntimeError, match="gradient bucket 0's all-reduce would be issued outside the CUDA graph "
-                                           "being captured") as err:
+    with pytest.raises(
+        RuntimeError, match="gradient bucket 0's all-reduce would be issued outside the CUDA graph being captured"
+    ) as err:
         _issued_collectives(fake_cuda_streams, FakeStream(joins=False))
     assert "\n" not in str(err.value)
 
@@ -344,9 +377,21 @@ def test_a_collective_outside_the_capture_is_refused(fake_cuda_streams):
 # ---------------------------------------------------------------------------------------------
 # The trainer: bad launches end with one line and a non-zero exit on every rank, within a bound.
 
+
 def trainer(data, out, extra):
-    return lambda rank: [sys.executable, "-m", "fastcifar.train", "--data", str(data), "--out-dir", str(out),
-                         *SHORT, "--dist-timeout-s", str(DIST_TIMEOUT_S), *extra(rank)]
+    return lambda rank: [
+        sys.executable,
+        "-m",
+        "fastcifar.train",
+        "--data",
+        str(data),
+        "--out-dir",
+        str(out),
+        *SHORT,
+        "--dist-timeout-s",
+        str(DIST_TIMEOUT_S),
+        *extra(rank),
+    ]
 
 
 @pytest.mark.slow
@@ -394,8 +439,9 @@ def test_a_rank_that_dies_or_stalls_ends_the_others_within_the_timeout(learnable
 def test_a_rank_that_never_joins_ends_the_others_within_the_timeout(learnable_data, tmp_path):
     port = free_port()
     argv = trainer(learnable_data, tmp_path / "runs", lambda r: ["--dist-timeout-s", "5"])(0)
-    proc = subprocess.run(argv, cwd=ROOT, env=rank_env(0, port), capture_output=True, text=True,
-                          timeout=5 + SLACK_S)  # a guard against a hang, not a timing assertion
+    proc = subprocess.run(
+        argv, cwd=ROOT, env=rank_env(0, port), capture_output=True, text=True, timeout=5 + SLACK_S
+    )  # a guard against a hang, not a timing assertion
     assert proc.returncode == 3, proc.stderr[-2000:]
     line = one_line_error(proc.stderr)
     assert line.startswith("fastcifar: error: [rank 0] lost contact with the other ranks") and "1/2" in line, line
@@ -406,8 +452,23 @@ def test_two_ranks_bucketed_learns_and_reproduces_ddp_under_torchrun(learnable_d
     epochs, stdout = {}, {}
     for comm in ("bucketed", "ddp"):
         out = tmp_path / comm
-        proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "2", "--comm", comm,
-                          "--bucket-mb", "0.05"], launcher=TORCHRUN, timeout=600)
+        proc = run_train(
+            [
+                "--data",
+                learnable_data,
+                "--out-dir",
+                out,
+                *SHORT,
+                "--epochs",
+                "2",
+                "--comm",
+                comm,
+                "--bucket-mb",
+                "0.05",
+            ],
+            launcher=TORCHRUN,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert len(run_dirs(out)) == 1, "only rank 0 writes files"
         stdout[comm] = proc.stdout
@@ -423,11 +484,23 @@ def test_two_ranks_bucketed_learns_and_reproduces_ddp_under_torchrun(learnable_d
 
 def test_apple8_launcher_spells_out_the_seed_recipe():
     script = ROOT / "scripts" / "launch_apple8.sh"
-    one = subprocess.run(["bash", str(script), "--data", "d"], env=dict(os.environ, DRY_RUN="1"),
-                         capture_output=True, text=True, timeout=30)
+    one = subprocess.run(
+        ["bash", str(script), "--data", "d"],
+        env=dict(os.environ, DRY_RUN="1"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert one.returncode == 0, one.stderr
-    assert "--nproc_per_node 8 --standalone -m fastcifar.train --preset resnet9 --batch-size 2048 " \
-           "--comm bucketed --data d" in one.stdout, one.stdout
-    multi = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30,
-                           env=dict(os.environ, DRY_RUN="1", NNODES="2", RDZV_ENDPOINT="host0:29500"))
+    assert (
+        "--nproc_per_node 8 --standalone -m fastcifar.train --preset resnet9 --batch-size 2048 "
+        "--comm bucketed --data d" in one.stdout
+    ), one.stdout
+    multi = subprocess.run(
+        ["bash", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=dict(os.environ, DRY_RUN="1", NNODES="2", RDZV_ENDPOINT="host0:29500"),
+    )
     assert "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint host0:29500" in multi.stdout, multi.stdout

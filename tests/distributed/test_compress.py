@@ -53,8 +53,11 @@ def test_threshold_keeps_exactly_the_coordinates_at_or_above_v():
 
 # the compressors of the gather transport (per-rank indices or scales)
 GATHER_METHODS = [
-    ("topk", {"ratio": 0.1}), ("threshold", {"threshold": 0.7}), ("randomk", {"ratio": 0.2, "randomk_shared": False}),
-    ("terngrad", {}), ("qsgd", {"levels": 4}),
+    ("topk", {"ratio": 0.1}),
+    ("threshold", {"threshold": 0.7}),
+    ("randomk", {"ratio": 0.2, "randomk_shared": False}),
+    ("terngrad", {}),
+    ("qsgd", {"levels": 4}),
 ]
 
 
@@ -153,7 +156,9 @@ def test_error_feedback_conserves_the_gradient(method):
         memory.update(0, compensated, sent)
         total_sent += sent.double()
         rng.advance()
-    torch.testing.assert_close(total_sent + memory.residual[0].double(), total_g, atol=1e-4, rtol=0)  # fp32 rounding of 6 steps
+    torch.testing.assert_close(
+        total_sent + memory.residual[0].double(), total_g, atol=1e-4, rtol=0
+    )  # fp32 rounding of 6 steps
     assert memory.residual[0].abs().sum() > 0 or method == "fp16"
 
 
@@ -196,8 +201,13 @@ def test_counter_rng_draws_the_numbers_it_always_drew():
 
 
 def test_pack_unpack_roundtrip_mixed_dtypes():
-    parts = [torch.randn(5), torch.arange(3, dtype=torch.int32), torch.tensor([1, -1, 0], dtype=torch.int8),
-             torch.zeros(0), torch.randn(2, 3).half()]
+    parts = [
+        torch.randn(5),
+        torch.arange(3, dtype=torch.int32),
+        torch.tensor([1, -1, 0], dtype=torch.int8),
+        torch.zeros(0),
+        torch.randn(2, 3).half(),
+    ]
     buf, layout = pack(parts)
     assert buf.dtype == torch.uint8 and all(o % 8 == 0 for o, *_ in layout)
     for a, b in zip(parts, unpack(buf.clone(), layout)):
@@ -207,12 +217,16 @@ def test_pack_unpack_roundtrip_mixed_dtypes():
 def test_config_refuses_settings_that_cannot_work():
     ok = Config(compress="topk")
     validate(ok)
-    cases = [({"compress_ratio": 0.0}, "--compress-ratio"), ({"compress_ratio": 1.5}, "--compress-ratio"),
-             ({"qsgd_levels": 0}, "--qsgd-levels"), ({"powersgd_rank": 0}, "--powersgd-rank"),
-             ({"compress_threshold": -1.0}, "--compress-threshold"),
-             ({"comm": "ddp"}, "--comm bucketed"),
-             ({"compress": "powersgd", "compress_transport": "dense"}, "dense"),
-             ({"compress_scope": "net"}, "--compress-scope")]
+    cases = [
+        ({"compress_ratio": 0.0}, "--compress-ratio"),
+        ({"compress_ratio": 1.5}, "--compress-ratio"),
+        ({"qsgd_levels": 0}, "--qsgd-levels"),
+        ({"powersgd_rank": 0}, "--powersgd-rank"),
+        ({"compress_threshold": -1.0}, "--compress-threshold"),
+        ({"comm": "ddp"}, "--comm bucketed"),
+        ({"compress": "powersgd", "compress_transport": "dense"}, "dense"),
+        ({"compress_scope": "net"}, "--compress-scope"),
+    ]
     for overrides, words in cases:
         with pytest.raises(ConfigError, match=words.replace("-", r"\-")):
             validate(Config(**{"compress": "topk", **overrides}))
@@ -234,8 +248,9 @@ def _compressed_step(method, warmup_steps=0, **options):
     """A small net whose gradients go through GradBuckets with ``method``: (compression, step)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    compression = Compression(make(method, **options), scope="layer", error_feedback=True,
-                              warmup_steps=warmup_steps, seed=1)
+    compression = Compression(
+        make(method, **options), scope="layer", error_feedback=True, warmup_steps=warmup_steps, seed=1
+    )
     buckets = GradBuckets(model.parameters(), bucket_mb=1.0, compression=compression)
     x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
 
@@ -243,11 +258,13 @@ def _compressed_step(method, warmup_steps=0, **options):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         buckets.finish()
         buckets.zero_grad()
+
     return compression, step
 
 
-@pytest.mark.parametrize("method, options", [("powersgd", {"rank": 1}), ("threshold", {"threshold": 0.01}),
-                                             ("topk", {"ratio": 0.25})])
+@pytest.mark.parametrize(
+    "method, options", [("powersgd", {"rank": 1}), ("threshold", {"threshold": 0.01}), ("topk", {"ratio": 0.25})]
+)
 def test_compress_time_leaves_out_the_blocking_collectives(one_rank_group, monkeypatch, method, options):
     """A peer 1 s late on every collective, on a fake clock that moves only then: compress_s stays 0.
     Counted, PowerSGD's second all-reduce and Threshold's count all-gather added 1 s a step."""
@@ -271,6 +288,7 @@ def test_compress_time_leaves_out_the_blocking_collectives(one_rank_group, monke
             clock.t += 1.0  # blocking: this rank waits for the late peer here
             waited.append("blocking")
             return real(*args, **kwargs)
+
         return collective
 
     monkeypatch.setattr(dist, "all_reduce", late(dist.all_reduce))

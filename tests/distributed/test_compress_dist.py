@@ -65,8 +65,9 @@ def test_three_ranks_exact_settings_match_and_all_ranks_agree(three):
                     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for key in [k for k in three[0] if isinstance(k, tuple)] + ["empty", "empty_some"]:
         for rank in three[1:]:
-            assert all(torch.equal(a, b) for a, b in zip(grads(rank, key), grads(three[0], key))), \
+            assert all(torch.equal(a, b) for a, b in zip(grads(rank, key), grads(three[0], key))), (
                 f"{key}: ranks hold different averages"
+            )
 
 
 @pytest.mark.parametrize("fixture", ["two", "three"])
@@ -85,8 +86,9 @@ def test_sparse_and_dense_transports_agree(fixture, request):
                     assert all(torch.equal(a, b) for a, b in zip(sparse, dense)), f"{name} {scope}"
                     # error feedback's residual too: what this rank sent, however it travelled
                     res_s, res_d = rank[(name, scope, "sparse")]["residual"], rank[(name, scope, "dense")]["residual"]
-                    assert res_s.keys() == res_d.keys() and all(torch.equal(res_s[c], res_d[c]) for c in res_s), \
+                    assert res_s.keys() == res_d.keys() and all(torch.equal(res_s[c], res_d[c]) for c in res_s), (
                         f"{name} {scope}: residuals differ"
+                    )
                 else:
                     for a, b in zip(sparse, dense):
                         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -146,10 +148,15 @@ def test_powersgd_and_randomness_per_rank(two):
     # kept the same ones (shared), up to about twice that when each drew its own (fewer where a
     # kept gradient is exactly 0: dead ReLUs here, so the counts sit below k and 2k).
     for scope in SCOPES:
-        k = sum(math.ceil(0.1 * length) for chunks in r0[("randomk", scope, "sparse")]["chunks"].values()
-                for _, length in chunks)
-        nonzero = {name: sum(int((g != 0).sum()) for g in grads(r0, (name, scope, "sparse")))
-                   for name in ("randomk", "randomk_rank")}
+        k = sum(
+            math.ceil(0.1 * length)
+            for chunks in r0[("randomk", scope, "sparse")]["chunks"].values()
+            for _, length in chunks
+        )
+        nonzero = {
+            name: sum(int((g != 0).sum()) for g in grads(r0, (name, scope, "sparse")))
+            for name in ("randomk", "randomk_rank")
+        }
         assert 0.5 * k < nonzero["randomk"] <= k < nonzero["randomk_rank"], (scope, k, nonzero)
 
 
@@ -163,8 +170,9 @@ def test_powersgd_one_step_is_a_projection_of_the_mean(fixture, request):
     for rank in request.getfixturevalue(fixture):
         approx, mean = grads(rank, "powersgd_1step"), grads(rank, "mean_1step")
         for i, (a, m) in enumerate(zip(approx, mean)):
-            assert dot(a, m) == pytest.approx(dot(a, a), rel=1e-4, abs=1e-12), \
+            assert dot(a, m) == pytest.approx(dot(a, a), rel=1e-4, abs=1e-12), (
                 f"parameter {i}: <A, M> = {dot(a, m):.6g}, <A, A> = {dot(a, a):.6g}"
+            )
         # rank 2 of the 6x27, 12x54, 12x108 and 5x12 weights drops something: a true projection
         dropped = [dot(a, a) < 0.99 * dot(m, m) for a, m in zip(approx, mean) if m.dim() > 1]
         assert sum(dropped) == 4, dropped
@@ -179,11 +187,37 @@ def test_a_short_training_run_learns_with_each_method(two):
 
 def test_trainer_two_ranks_alexnet_with_topk_logs_bytes(learnable_data, tmp_path):
     out = tmp_path / "runs"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "fastcifar.train"]
-    args = ["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "3", "--arch", "alexnet",
-            "--widths", "16,32,32,32,32", "--compress", "topk", "--compress-ratio", "0.1",
-            "--compress-scope", "layer", "--loader", "torch"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "fastcifar.train",
+    ]
+    args = [
+        "--data",
+        learnable_data,
+        "--out-dir",
+        out,
+        *SHORT,
+        "--epochs",
+        "3",
+        "--arch",
+        "alexnet",
+        "--widths",
+        "16,32,32,32,32",
+        "--compress",
+        "topk",
+        "--compress-ratio",
+        "0.1",
+        "--compress-scope",
+        "layer",
+        "--loader",
+        "torch",
+    ]
     proc = run_train(args, launcher=launcher, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = summary_of(out)

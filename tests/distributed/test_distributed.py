@@ -10,14 +10,23 @@ from cli import SHORT, run_dirs, run_train, summary_of
 
 pytestmark = pytest.mark.slow
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "-m", "fastcifar.train"]
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node",
+    "2",
+    "-m",
+    "fastcifar.train",
+]
 
 
 def test_two_ranks_ddp_learns_and_only_rank0_reports(learnable_data, tmp_path):
     out = tmp_path / "runs"
-    proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--comm", "ddp"],
-                     launcher=TORCHRUN, timeout=600)
+    proc = run_train(
+        ["--data", learnable_data, "--out-dir", out, *SHORT, "--comm", "ddp"], launcher=TORCHRUN, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(run_dirs(out)) == 1, "only rank 0 writes files"
     s = summary_of(out)
@@ -28,8 +37,11 @@ def test_two_ranks_ddp_learns_and_only_rank0_reports(learnable_data, tmp_path):
 
 
 def test_batch_that_does_not_divide_fails_on_every_rank(learnable_data, tmp_path):
-    proc = run_train(["--data", learnable_data, "--out-dir", tmp_path / "runs", *SHORT, "--batch-size", "101"],
-                     launcher=TORCHRUN, timeout=300)
+    proc = run_train(
+        ["--data", learnable_data, "--out-dir", tmp_path / "runs", *SHORT, "--batch-size", "101"],
+        launcher=TORCHRUN,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert proc.stderr.count("does not divide over 2 ranks") == 2, proc.stderr[-2000:]
 
@@ -39,14 +51,16 @@ def test_progress_watchdog_ends_a_stuck_rank_in_one_line():
     peer, say) is ended by the watchdog with exit 3; one that keeps beating is left alone."""
     import subprocess
     from cli import ROOT, env
-    code = ("import time, torch; from fastcifar.parallel.distributed import DistContext, ProgressWatchdog\n"
-            "ctx = DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
-            "dog = ProgressWatchdog(1.0, ctx, enabled=True)\n"
-            "for _ in range(6): time.sleep(0.5); dog.beat()\n"  # alive for 3 s: no exit
-            "print('beating ok', flush=True)\n"
-            "time.sleep(60)\n")  # stuck: the watchdog must end it long before this
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=30)
+
+    code = (
+        "import time, torch; from fastcifar.parallel.distributed import DistContext, ProgressWatchdog\n"
+        "ctx = DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
+        "dog = ProgressWatchdog(1.0, ctx, enabled=True)\n"
+        "for _ in range(6): time.sleep(0.5); dog.beat()\n"  # alive for 3 s: no exit
+        "print('beating ok', flush=True)\n"
+        "time.sleep(60)\n"
+    )  # stuck: the watchdog must end it long before this
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 3
     assert proc.stdout.strip() == "beating ok"
     line = proc.stderr.strip()
@@ -59,14 +73,15 @@ def test_a_stall_seen_by_both_threads_is_reported_once():
     lines)."""
     import subprocess
     from cli import ROOT, env
-    code = ("import time, torch; from fastcifar.parallel.distributed import DistContext, ProgressWatchdog, report_failure\n"
-            "ctx = DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
-            "dog = ProgressWatchdog(1.0, ctx, enabled=True)\n"
-            "assert report_failure('fastcifar: error: [rank 1] lost contact (main thread)')\n"
-            "time.sleep(3.5)\n"  # the watchdog fires meanwhile: it must neither print nor exit
-            "assert not report_failure('a second line')\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=30)
+
+    code = (
+        "import time, torch; from fastcifar.parallel.distributed import DistContext, ProgressWatchdog, report_failure\n"
+        "ctx = DistContext(1, 2, 1, torch.device('cpu'), 'gloo')\n"
+        "dog = ProgressWatchdog(1.0, ctx, enabled=True)\n"
+        "assert report_failure('fastcifar: error: [rank 1] lost contact (main thread)')\n"
+        "time.sleep(3.5)\n"  # the watchdog fires meanwhile: it must neither print nor exit
+        "assert not report_failure('a second line')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "fastcifar: error: [rank 1] lost contact (main thread)"
-

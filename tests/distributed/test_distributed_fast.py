@@ -62,8 +62,11 @@ def test_whitening_weights_are_the_same_on_every_rank(tmp_path):
 
 def test_two_ranks_fast_preset_learns(learnable_data, tmp_path):
     out = tmp_path / "runs"
-    proc = run_train(["--data", learnable_data, "--out-dir", out, *FAST_SHORT, "--epochs", "2",
-                      "--warmup-epochs", "0.5"], launcher=[*TORCHRUN, "-m", "fastcifar.train"], timeout=600)
+    proc = run_train(
+        ["--data", learnable_data, "--out-dir", out, *FAST_SHORT, "--epochs", "2", "--warmup-epochs", "0.5"],
+        launcher=[*TORCHRUN, "-m", "fastcifar.train"],
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(run_dirs(out)) == 1
     s = summary_of(out)

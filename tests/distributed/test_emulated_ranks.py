@@ -28,12 +28,47 @@ from conftest import write_official
 
 pytestmark = pytest.mark.slow
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "-m", "fastcifar.train"]
-RECIPE = ["--preset", DEFAULT_PRESET, "--device", "cpu", "--precision", "fp32", "--kernels", "torch",
-          "--loader", "torch", "--widths", "8,16,16", "--batch-size", "200", "--epochs", "2",
-          "--lr", "5.4", "--muon-lr", "0.05", "--whiten-images", "200", "--whiten-bias-epochs", "1",
-          "--warmup-steps", "1", "--eval-batch-size", "200", "--quiet"]
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node",
+    "2",
+    "-m",
+    "fastcifar.train",
+]
+RECIPE = [
+    "--preset",
+    DEFAULT_PRESET,
+    "--device",
+    "cpu",
+    "--precision",
+    "fp32",
+    "--kernels",
+    "torch",
+    "--loader",
+    "torch",
+    "--widths",
+    "8,16,16",
+    "--batch-size",
+    "200",
+    "--epochs",
+    "2",
+    "--lr",
+    "5.4",
+    "--muon-lr",
+    "0.05",
+    "--whiten-images",
+    "200",
+    "--whiten-bias-epochs",
+    "1",
+    "--warmup-steps",
+    "1",
+    "--eval-batch-size",
+    "200",
+    "--quiet",
+]
 RTOL, ATOL = 2e-5, 2e-5  # 20x what the two sides differ by (module docstring)
 
 
@@ -51,6 +86,7 @@ def plain(data, tmp_path_factory) -> tuple[dict, dict]:
 
 def _train_here(data: Path, out: Path, *extra: str) -> tuple[dict, dict]:
     from fastcifar.train import main
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the subprocesses (OMP_NUM_THREADS=1): the same summation order
     try:
@@ -63,6 +99,7 @@ def _train_here(data: Path, out: Path, *extra: str) -> tuple[dict, dict]:
 def _outcome(out: Path) -> tuple[dict, dict]:
     """(summary.json, the model file's tensors) of the one run folder under ``out``."""
     from safetensors.torch import load_file
+
     (run,) = run_dirs(out)
     return json.loads((run / "summary.json").read_text()), load_file(run / "model.safetensors")
 

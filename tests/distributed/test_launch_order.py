@@ -29,15 +29,16 @@ CPU = torch.device("cpu")
 # ---------------------------------------------------------------------------------------------
 # --dist-group always: one rank, a real (gloo) group, gradient buckets and their collectives.
 
+
 @pytest.mark.slow
-def test_one_rank_group_builds_buckets_and_equals_the_run_without_a_group(learnable_data, tmp_path,
-                                                                          monkeypatch):
+def test_one_rank_group_builds_buckets_and_equals_the_run_without_a_group(learnable_data, tmp_path, monkeypatch):
     sizes: list[int] = []
     all_reduce = dist.all_reduce
 
     def counting(tensor, *args, **kwargs):
         sizes.append(tensor.numel())
         return all_reduce(tensor, *args, **kwargs)
+
     monkeypatch.setattr(dist, "all_reduce", counting)
     monkeypatch.delenv("MASTER_ADDR", raising=False)  # alone: the group gets an in-process store
     args = ["--data", learnable_data, *SHORT, "--epochs", "1", "--subset", "400", "--loader", "torch", "--quiet"]
@@ -61,12 +62,14 @@ def test_one_rank_group_builds_buckets_and_equals_the_run_without_a_group(learna
     assert weights.keys() == runs["auto"][0].keys()
     for name, w in weights.items():
         assert torch.equal(w, runs["auto"][0][name]), f"{name} differs with a group of one"
-    assert ([e["train_loss"] for e in summary["results"][0]["epochs"]]
-            == [e["train_loss"] for e in runs["auto"][1]["results"][0]["epochs"]])
+    assert [e["train_loss"] for e in summary["results"][0]["epochs"]] == [
+        e["train_loss"] for e in runs["auto"][1]["results"][0]["epochs"]
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
 # load_once_per_node, on one store, each "rank" a thread.
+
 
 @pytest.fixture
 def shared_store(monkeypatch):
@@ -77,6 +80,7 @@ def shared_store(monkeypatch):
     def key(name: str) -> str:
         counters.n = getattr(counters, "n", -1) + 1
         return f"test/{counters.n}/{name}"
+
     monkeypatch.setattr(distributed, "_store", lambda: store)
     monkeypatch.setattr(distributed, "_store_key", key)
     # a fresh process's state: an earlier in-process run may have left this thread's data step done
@@ -99,6 +103,7 @@ def in_threads(fn, contexts, timeout=20.0) -> list:
             results[i] = fn(ctx)
         except Exception as exc:
             results[i] = exc
+
     threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(contexts)]
     for t in threads:
         t.start()
@@ -122,6 +127,7 @@ def test_local_rank_0_of_each_node_loads_first_and_alone_writes(shared_store):
         with lock:
             events.append((ctx.rank, first))
         return f"data of rank {ctx.rank}"
+
     assert in_threads(loading(read), ranks(nodes=2, per_node=3)) == [f"data of rank {r}" for r in range(6)]
     assert sorted(r for r, first in events if first) == [0, 3], "one first load per node: its local rank 0"
     for node in (0, 3):
@@ -134,6 +140,7 @@ def test_a_failure_to_load_reaches_every_rank_in_one_line(shared_store):
         if ctx.rank == 2:
             raise DataError("data/cifar-10-python.tar.gz: checksum mismatch\nsecond line")
         return "read"
+
     results = in_threads(loading(read), ranks(nodes=2, per_node=2))  # each waits at most the guard, not 60 s
     assert isinstance(results[2], DataError) and "checksum mismatch" in str(results[2])
     assert all(isinstance(e, DataError) for e in results), results
@@ -167,6 +174,7 @@ def test_a_stop_after_the_data_step_ends_no_wait_and_is_not_announced(shared_sto
         data = distributed.load_once_per_node(lambda first: f"read {ctx.rank}", ctx, "reading the data", 60.0)
         distributed.announce_stop(ctx, "after the data")  # this rank's data step is done: nothing set
         return data
+
     assert in_threads(load_then_stop, contexts) == ["read 0", "read 1"]
     assert not shared_store.check([distributed._stopped_key()])
     shared_store.set(distributed._stopped_key(), '[0, "late"]')
@@ -191,14 +199,19 @@ def test_main_announces_a_ranks_own_error_only(monkeypatch, tmp_path):
     monkeypatch.setattr(distributed, "teardown", lambda c: True)
     monkeypatch.setattr(distributed, "announce_stop", lambda c, detail: announced.append((c.rank, detail)))
     argv = ["--data", str(tmp_path), "--out-dir", str(tmp_path / "runs"), *SHORT]
-    for raised, code, told in ((ConfigError("--out-dir is a file"), 2, True), (DataError("no such file"), 2, True),
-                               (distributed.PeerDataError("rank 1 could not load the data"), 2, False),
-                               (Interrupted(15), 143, False), (distributed.PeerStopped("rank 1 stopped"), 3, False),
-                               (KeyError("bug"), None, True)):
+    for raised, code, told in (
+        (ConfigError("--out-dir is a file"), 2, True),
+        (DataError("no such file"), 2, True),
+        (distributed.PeerDataError("rank 1 could not load the data"), 2, False),
+        (Interrupted(15), 143, False),
+        (distributed.PeerStopped("rank 1 stopped"), 3, False),
+        (KeyError("bug"), None, True),
+    ):
         announced.clear()
 
         def run(cfg, c, raised=raised):
             raise raised
+
         monkeypatch.setattr(train_mod, "run", run)
         if code is None:
             with pytest.raises(KeyError):
@@ -217,21 +230,27 @@ def test_a_wait_for_local_rank_0_runs_out_with_its_cause(shared_store):
             if first:
                 release.wait(30)
             return "read"
+
         try:
             return distributed.load_once_per_node(read, ctx, "downloading or reading the data", timeout_s=0.5)
         finally:
             release.set()  # the waiting rank gave up: let local rank 0 finish
+
     leader, other = in_threads(load, ranks(nodes=1, per_node=2))
     assert isinstance(other, DataError)
-    assert str(other).startswith("local rank 0 of this node (rank 0) is still downloading or reading the data "
-                                 "after 0.5 s; a slower link or disk needs a larger --dist-timeout-s"), other
+    assert str(other).startswith(
+        "local rank 0 of this node (rank 0) is still downloading or reading the data "
+        "after 0.5 s; a slower link or disk needs a larger --dist-timeout-s"
+    ), other
     assert isinstance(leader, DataError) and str(leader).startswith("rank 1 could not load the data"), leader
 
 
 def test_the_wait_for_every_rank_names_those_still_loading(shared_store):
     late = in_threads(loading(lambda ctx, first: "read", timeout_s=0.5), ranks(nodes=2, per_node=2)[:2])
-    assert all(isinstance(e, DataError) and str(e).startswith("rank(s) 2, 3 still without their data after 0.5 s")
-               for e in late), late  # ranks 2 and 3, the other node, never came
+    assert all(
+        isinstance(e, DataError) and str(e).startswith("rank(s) 2, 3 still without their data after 0.5 s")
+        for e in late
+    ), late  # ranks 2 and 3, the other node, never came
 
 
 def test_a_rank_that_does_not_write_reads_the_cache_and_never_makes_one(tmp_path, monkeypatch):
@@ -242,6 +261,7 @@ def test_a_rank_that_does_not_write_reads_the_cache_and_never_makes_one(tmp_path
     first = load_dataset(archive, cache_dir=cache, log=lambda m: None, write=True)
     (made,) = cache.iterdir()
     import fastcifar.data.folder as folder
+
     monkeypatch.setattr(folder, "_decode_tree", lambda *a: pytest.fail("decoded again instead of reading the cache"))
     again = load_dataset(archive, cache_dir=cache, log=lambda m: None, write=False)
     assert list(cache.iterdir()) == [made]
@@ -258,9 +278,26 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "fetch_worker.py"
 
 
 def launch(torchrun: list[str], data: Path, out: Path, fetch_log: Path, archive: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, str(WORKER), "--data", str(data),
-           "--download", "--out-dir", str(out), *SHORT, "--epochs", "1", "--subset", "800", "--loader", "torch",
-           "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun,
+        str(WORKER),
+        "--data",
+        str(data),
+        "--download",
+        "--out-dir",
+        str(out),
+        *SHORT,
+        "--epochs",
+        "1",
+        "--subset",
+        "800",
+        "--loader",
+        "torch",
+        "--quiet",
+    ]
     e = dict(env(), FAKE_ARCHIVE=str(archive), FETCH_LOG=str(fetch_log))
     return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -291,18 +328,34 @@ def test_two_nodes_equal_one_node_of_two_and_fetch_once_per_node(tmp_path):
     archive = tar_folder(folder, tmp_path / "official.tar.gz", "cifar-10-batches-py")
 
     one_log = tmp_path / "one-node-fetches.txt"
-    one = launch(["--standalone", "--nproc_per_node", "2"], tmp_path / "one" / "data", tmp_path / "one" / "runs",
-                 one_log, archive)
+    one = launch(
+        ["--standalone", "--nproc_per_node", "2"],
+        tmp_path / "one" / "data",
+        tmp_path / "one" / "runs",
+        one_log,
+        archive,
+    )
     ((code, err),) = finish([one])
     assert code == 0, err[-3000:]
 
     # Each launcher its own --data (as separate machines would have), one shared --out-dir: only
     # rank 0, on whichever node the rendezvous made first, writes.
     two_log, port = tmp_path / "two-node-fetches.txt", free_port()
-    rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fastcifar-test"]
-    nodes = [launch(rdzv, tmp_path / f"node{n}" / "data", tmp_path / "two" / "runs", two_log, archive)
-             for n in range(2)]
+    rdzv = [
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "fastcifar-test",
+    ]
+    nodes = [
+        launch(rdzv, tmp_path / f"node{n}" / "data", tmp_path / "two" / "runs", two_log, archive) for n in range(2)
+    ]
     for code, err in finish(nodes):
         assert code == 0, err[-3000:]
 

@@ -17,8 +17,17 @@ from fastcifar import checkpoint as checkpoint_cmd
 from fastcifar.run.sparse import diffs
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-SPARSE = ["--sparse-mask", "fisher", "--sparse-fraction", "0.05", "--mask-samples", "100", "--sparse-checkpoints",
-          "--loader", "torch"]
+SPARSE = [
+    "--sparse-mask",
+    "fisher",
+    "--sparse-fraction",
+    "0.05",
+    "--mask-samples",
+    "100",
+    "--sparse-checkpoints",
+    "--loader",
+    "torch",
+]
 
 
 def chain(run_dir: Path, run: int = 1) -> tuple[Path, list[Path]]:
@@ -29,8 +38,9 @@ def chain(run_dir: Path, run: int = 1) -> tuple[Path, list[Path]]:
 @pytest.mark.slow
 def test_diff_chain_restores_each_epoch_exactly(learnable_data, tmp_path, capsys):
     out = tmp_path / "runs"
-    proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "3", *SPARSE,
-                      "--mask-every", "2"])
+    proc = run_train(
+        ["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "3", *SPARSE, "--mask-every", "2"]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = run_dirs(out)
     base, epochs = chain(run_dir)
@@ -64,16 +74,22 @@ def test_diff_chain_restores_each_epoch_exactly(learnable_data, tmp_path, capsys
     assert "chain broken" in one_line_error(capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("overrides,world,needle", [
-    ({"sparse_fraction": 0.0}, 1, "--sparse-fraction"),
-    ({"sparse_checkpoints": True}, 1, "--sparse-checkpoints needs"),
-    ({"local_steps": 2, "lookahead_steps": 5}, 2, "--lookahead-steps 0"),
-    ({"mask_layout": "disjoint", "sparse_mask": "fisher"}, 2, "needs --local-steps"),
-    ({"mask_layout": "disjoint", "sparse_mask": "fisher", "local_steps": 2, "sparse_fraction": 0.6}, 2,
-     "more than all"),
-    ({"mask_samples": 0}, 1, "--mask-samples"),
-    ({"local_steps": 2, "compress": "topk"}, 2, "--local-steps 0"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,needle",
+    [
+        ({"sparse_fraction": 0.0}, 1, "--sparse-fraction"),
+        ({"sparse_checkpoints": True}, 1, "--sparse-checkpoints needs"),
+        ({"local_steps": 2, "lookahead_steps": 5}, 2, "--lookahead-steps 0"),
+        ({"mask_layout": "disjoint", "sparse_mask": "fisher"}, 2, "needs --local-steps"),
+        (
+            {"mask_layout": "disjoint", "sparse_mask": "fisher", "local_steps": 2, "sparse_fraction": 0.6},
+            2,
+            "more than all",
+        ),
+        ({"mask_samples": 0}, 1, "--mask-samples"),
+        ({"local_steps": 2, "compress": "topk"}, 2, "--local-steps 0"),
+    ],
+)
 def test_sparse_settings_that_cannot_work_are_refused(overrides, world, needle):
     with pytest.raises(ConfigError, match=needle):
         validate(from_preset("resnet9", **overrides), world)
@@ -88,7 +104,9 @@ def test_bad_sparse_flag_is_one_line_and_writes_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_local_sgd_with_one_step_and_a_full_mask_is_data_parallel():
-    proc = run_train([], launcher=[*TORCHRUN, str(ROOT / "tests" / "helpers" / "sparse_worker.py"), "equivalence", "disjoint"])
+    proc = run_train(
+        [], launcher=[*TORCHRUN, str(ROOT / "tests" / "helpers" / "sparse_worker.py"), "equivalence", "disjoint"]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} equivalence ok" in proc.stdout and f"rank {rank} disjoint ok" in proc.stdout
@@ -96,8 +114,15 @@ def test_two_ranks_local_sgd_with_one_step_and_a_full_mask_is_data_parallel():
 
 @pytest.mark.slow
 def test_two_ranks_keep_equal_weights_when_a_grad_only_mask_changes():
-    proc = run_train([], launcher=[*TORCHRUN, str(ROOT / "tests" / "helpers" / "sparse_worker.py"), "grad_mask_change",
-                                   "grad_mask_change_disjoint"])
+    proc = run_train(
+        [],
+        launcher=[
+            *TORCHRUN,
+            str(ROOT / "tests" / "helpers" / "sparse_worker.py"),
+            "grad_mask_change",
+            "grad_mask_change_disjoint",
+        ],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         for layout in ("shared", "disjoint"):
@@ -107,9 +132,28 @@ def test_two_ranks_keep_equal_weights_when_a_grad_only_mask_changes():
 @pytest.mark.slow
 def test_two_ranks_sparse_local_sgd_through_the_trainer(learnable_data, tmp_path):
     out = tmp_path / "runs"
-    proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--epochs", "2", "--warmup-epochs", "0.5",
-                      *SPARSE, "--sparse-mask", "random", "--local-steps", "3", "--mask-layout", "disjoint"],
-                     launcher=[*TORCHRUN, "-m", "fastcifar.train"], timeout=600)
+    proc = run_train(
+        [
+            "--data",
+            learnable_data,
+            "--out-dir",
+            out,
+            *SHORT,
+            "--epochs",
+            "2",
+            "--warmup-epochs",
+            "0.5",
+            *SPARSE,
+            "--sparse-mask",
+            "random",
+            "--local-steps",
+            "3",
+            "--mask-layout",
+            "disjoint",
+        ],
+        launcher=[*TORCHRUN, "-m", "fastcifar.train"],
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = run_dirs(out)
     record = json.loads((run_dir / "sparse-run1.json").read_text())

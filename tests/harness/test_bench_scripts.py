@@ -16,35 +16,49 @@ from cli import ROOT, bench_results, env
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("script, args, expect", [
-    ("bench_step.py", ["--smoke"], "| batch | kernels | graphs | step_ms"),
-    ("bench_augment.py", ["--smoke"], "smoke run"),
-    ("bench_conv_stats.py", ["--smoke"], "| batch | conv | impl | dir | timing | median_ms"),
-    ("sweep_bn_act_pool.py", ["--smoke"], "| block | base | w2 | best |"),
-    ("sweep_conv_stats.py", ["--smoke"], "| batch | conv | cudnn+triton | base | w4 | best | best vs base |"),
-    ("sweep_bn_act_pool.py", ["--smoke", "--per-kernel"], "| block | setting | kernel | us |"),
-    ("bench_loader.py", ["--images", "256", "--epochs", "1", "--batches", "64", "--no-record"], "images/s"),
-    # the two that launch the trainer (bench.common.run_trainer) and append their own rows
-    ("bench_compress.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
-    ("bench_sparse.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
-])
+@pytest.mark.parametrize(
+    "script, args, expect",
+    [
+        ("bench_step.py", ["--smoke"], "| batch | kernels | graphs | step_ms"),
+        ("bench_augment.py", ["--smoke"], "smoke run"),
+        ("bench_conv_stats.py", ["--smoke"], "| batch | conv | impl | dir | timing | median_ms"),
+        ("sweep_bn_act_pool.py", ["--smoke"], "| block | base | w2 | best |"),
+        ("sweep_conv_stats.py", ["--smoke"], "| batch | conv | cudnn+triton | base | w4 | best | best vs base |"),
+        ("sweep_bn_act_pool.py", ["--smoke", "--per-kernel"], "| block | setting | kernel | us |"),
+        ("bench_loader.py", ["--images", "256", "--epochs", "1", "--batches", "64", "--no-record"], "images/s"),
+        # the two that launch the trainer (bench.common.run_trainer) and append their own rows
+        ("bench_compress.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
+        ("bench_sparse.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
+    ],
+)
 def test_bench_script_runs(script, args, expect):
     before = bench_results()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert expect in proc.stdout
     assert bench_results() == before, "a CPU form must not write results"
-    cells = [c.strip().lower() for line in proc.stdout.splitlines() if line.startswith("|")
-             for c in line.split("|")]
+    cells = [c.strip().lower() for line in proc.stdout.splitlines() if line.startswith("|") for c in line.split("|")]
     assert "nan" not in cells and "inf" not in cells
 
 
 def test_gpu_bench_without_gpu_refuses_in_one_line():
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py")], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_step.py")],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "no CUDA device here" in proc.stderr and proc.stderr.count("\n") == 1
 
@@ -81,8 +95,14 @@ def test_bn_act_pool_bench_on_cpu_labels_its_timing():
     compiles = shutil.which("g++") is not None or shutil.which("clang++") is not None
     args = ["--smoke", "--compile"] if compiles else ["--smoke"]
     before = bench_results()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_bn_act_pool.py"), *args], cwd=ROOT,
-                          env=env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_bn_act_pool.py"), *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert bench_results() == before, "a CPU form must not write results"
     assert "measured device-to-device copy bandwidth" in proc.stdout
@@ -193,8 +213,14 @@ def test_bn_act_pool_records_each_block_as_it_finishes(monkeypatch):
     monkeypatch.setattr(bench, "block_impls", lambda *a: {"eager": all_impls(*a)["eager"]})  # no interpreter
     recorded = []
     blocks = [(2, 8, 6, "relu", "after"), (2, 8, 4, "relu", None)]
-    rows = bench.bench_blocks("cpu", blocks, False, 100.0, graphs=False,
-                              record=lambda block_rows: recorded.append([r["block"] for r in block_rows]))
+    rows = bench.bench_blocks(
+        "cpu",
+        blocks,
+        False,
+        100.0,
+        graphs=False,
+        record=lambda block_rows: recorded.append([r["block"] for r in block_rows]),
+    )
     assert recorded == [["c8 6x6 relu pool=after"] * 3, ["c8 4x4 relu pool=None"] * 3]  # one call per block
     assert sum(map(len, recorded)) == len(rows)
 
@@ -203,6 +229,7 @@ def test_sweep_settings_reach_every_pool_place_and_base_restores_the_table():
     """sweep_bn_act_pool times a setting by swapping kernels/bn_act_pool.LAUNCH: one Launch goes to
     every pool place, "base" is the module's own per-place table, and it must come back after."""
     from fastcifar.kernels import bn_act_pool as bn
+
     sweep = _load_bench("sweep_bn_act_pool")
     table = dict(bn.LAUNCH)
     try:
@@ -220,6 +247,7 @@ def test_kernel_bytes_names_every_streaming_kernel_the_launchers_run(pool, monke
     must be the kernels a training forward + backward launches, less the two O(C) stage-2 ones, and
     their sums what traffic_bytes reports (the % copy of the sweep and of the benchmark)."""
     from fastcifar.kernels import bn_act_pool as bap
+
     launched = []
 
     class Recorder:  # stands in for a @triton.jit kernel: ``kernel[grid](...)`` records its name
@@ -253,8 +281,12 @@ def test_per_kernel_rows_rate_the_streaming_kernels_against_copy():
     assert apply_row["kernel"] == "_apply_kernel" and apply_row["us"] == 2.0
     assert apply_row["GB/s (own bytes)"] == round(2 * full / 2e-6 / 1e9, 1)  # reads x, writes y
     assert apply_row["% copy (own)"] == round(100 * apply_row["GB/s (own bytes)"] / 100.0, 1)
-    assert finalize_row == {"block": "2 c8 6x6 relu pool=None", "setting": "base",
-                            "kernel": "_stats_finalize_kernel", "us": 1.5}
+    assert finalize_row == {
+        "block": "2 c8 6x6 relu pool=None",
+        "setting": "base",
+        "kernel": "_stats_finalize_kernel",
+        "us": 1.5,
+    }
 
 
 def test_conv_sweep_never_names_a_wrong_setting_best(monkeypatch):

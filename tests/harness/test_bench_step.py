@@ -25,20 +25,28 @@ def bench_step():
     return load_bench_step()
 
 
-@pytest.mark.parametrize("name, phase", [
-    ("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroupsize1x1x1", "convs"),
-    ("sm90_xmma_dgrad_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_relu", "convs"),  # fused epilogue: a conv
-    ("cudnn::bn_fw_tr_1C11_kernel_NCHW<__half, float, int, 512, true, 1, true>", "bn_act_pool"),
-    ("_bwd_dx_kernel", "bn_act_pool"),
-    ("_apply_kernel", "bn_act_pool"),
-    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),  # not _apply_kernel
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "bn_act_pool"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::launch_clamp_scalar(...)>", "bn_act_pool"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::threshold_kernel_impl<c10::Half>(...)>",
-     "bn_act_pool"),  # eager ReLU's forward and backward
-    ("void at::native::reduce_kernel<512, 1>", "other"),
-    ("_conv_stats_kernel", "convs"),  # --fused-conv: the conv, its statistics epilogue included
-])
+@pytest.mark.parametrize(
+    "name, phase",
+    [
+        (
+            "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroupsize1x1x1",
+            "convs",
+        ),
+        ("sm90_xmma_dgrad_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_relu", "convs"),  # fused epilogue: a conv
+        ("cudnn::bn_fw_tr_1C11_kernel_NCHW<__half, float, int, 512, true, 1, true>", "bn_act_pool"),
+        ("_bwd_dx_kernel", "bn_act_pool"),
+        ("_apply_kernel", "bn_act_pool"),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),  # not _apply_kernel
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "bn_act_pool"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::launch_clamp_scalar(...)>", "bn_act_pool"),
+        (
+            "void at::native::vectorized_elementwise_kernel<4, at::native::threshold_kernel_impl<c10::Half>(...)>",
+            "bn_act_pool",
+        ),  # eager ReLU's forward and backward
+        ("void at::native::reduce_kernel<512, 1>", "other"),
+        ("_conv_stats_kernel", "convs"),  # --fused-conv: the conv, its statistics epilogue included
+    ],
+)
 def test_kernels_fall_into_their_phase(bench_step, name, phase):
     assert bench_step.phase_of(name) == phase
 
@@ -63,10 +71,12 @@ def test_breakdown_attributes_busy_time_and_counts_gaps_as_idle(bench_step):
     assert parts["busy_ms"] == pytest.approx(17 * ms)  # the union: 0-14 and 20-23
     assert parts["kernels_per_step"] == 2  # 4 kernels over 2 steps, the empty one dropped
     # every kernel named, with its phase, launches and ms per step, the most time first
-    assert parts["per_kernel"] == [("sm90_xmma_fprop_implicit_gemm", "convs", 0.5, pytest.approx(10 * ms)),
-                                ("_apply_kernel", "bn_act_pool", 0.5, pytest.approx(4 * ms)),
-                                ("multi_tensor_apply_kernel", "optimizer", 0.5, pytest.approx(2 * ms)),
-                                ("reduce_kernel", "other", 0.5, pytest.approx(2 * ms))]
+    assert parts["per_kernel"] == [
+        ("sm90_xmma_fprop_implicit_gemm", "convs", 0.5, pytest.approx(10 * ms)),
+        ("_apply_kernel", "bn_act_pool", 0.5, pytest.approx(4 * ms)),
+        ("multi_tensor_apply_kernel", "optimizer", 0.5, pytest.approx(2 * ms)),
+        ("reduce_kernel", "other", 0.5, pytest.approx(2 * ms)),
+    ]
     assert bench_step.phase_kernels(parts, "other") == ["| reduce_kernel |  | 0.5 | 0.0010 |"]
     parts["launched_by"] = {"reduce_kernel": "aten::sum"}
     assert bench_step.phase_kernels(parts, "other") == ["| reduce_kernel | aten::sum | 0.5 | 0.0010 |"]
@@ -78,10 +88,14 @@ def test_idle_against_the_plain_step(bench_step, monkeypatch):
     """The row's second idle figure: the traced busy time against the step timed without the tracer
     (H100, `fast`: 11.1% from the trace's span, 2.4% this way); profile_steps hands over busy_ms."""
     import torch
+
     assert bench_step.idle_against_step(busy_ms=3.0, step_ms=3.2) == pytest.approx(100 * 0.2 / 3.2)
     assert bench_step.idle_against_step(busy_ms=3.3, step_ms=3.2) == 0.0
-    monkeypatch.setattr(bench_step, "traced_kernels", lambda run, steps: [
-        ("sm90_xmma_fprop", 0.0, 900.0 * steps), ("tail", 1000.0 * steps, 1000.0 * steps + 50)])
+    monkeypatch.setattr(
+        bench_step,
+        "traced_kernels",
+        lambda run, steps: [("sm90_xmma_fprop", 0.0, 900.0 * steps), ("tail", 1000.0 * steps, 1000.0 * steps + 50)],
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     parts = bench_step.profile_steps(lambda *a: None, None, None, steps=10)
     assert parts["busy_ms"] == pytest.approx((9000 + 50) / 1e3 / 10)
@@ -91,8 +105,14 @@ def test_idle_against_the_plain_step(bench_step, monkeypatch):
 @pytest.mark.slow
 def test_smoke_run_of_the_default_presets_network():
     before = bench_results()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py"), "--smoke", "--preset", DEFAULT_PRESET],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_step.py"), "--smoke", "--preset", DEFAULT_PRESET],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"| fastnet ({DEFAULT_PRESET}) | 4 | torch | off |" in proc.stdout
     assert bench_results() == before
@@ -125,7 +145,9 @@ def test_fake_world_times_a_ranks_step_whose_buckets_all_reduce_to_the_fake_grou
     from fastcifar.core.config import from_preset
 
     sizes, real = [], dist.all_reduce
-    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: sizes.append(tensor.numel()) or real(tensor, *a, **k))
+    monkeypatch.setattr(
+        dist, "all_reduce", lambda tensor, *a, **k: sizes.append(tensor.numel()) or real(tensor, *a, **k)
+    )
     cpu = torch.device("cpu")
     ctx = bench_step.fake_group(4, cpu)
     sync = None
@@ -168,14 +190,19 @@ def test_a_fused_conv_block_counts_its_conv(bench_step):
 
 def test_fused_conv_with_the_torch_kernels_is_refused(bench_step, capsys):
     assert bench_step.main(["--fused-conv", "--kernels", "torch", "triton"]) == 2
-    assert capsys.readouterr().err == "bench_step: --fused-conv needs the Triton kernels: --kernels triton or auto, not torch\n"
+    assert (
+        capsys.readouterr().err
+        == "bench_step: --fused-conv needs the Triton kernels: --kernels triton or auto, not torch\n"
+    )
 
 
 def test_fake_world_refuses_a_batch_that_does_not_divide_over_the_ranks(bench_step, capsys):
     assert bench_step.main(["--fake-world", "3", "--batches", "10"]) == 2
     err = capsys.readouterr().err
-    assert err == ("bench_step: --batches 10 does not divide over --fake-world 3 ranks "
-                   "(the per-rank batch must be a whole number of images)\n")
+    assert err == (
+        "bench_step: --batches 10 does not divide over --fake-world 3 ranks "
+        "(the per-rank batch must be a whole number of images)\n"
+    )
     assert bench_step.main(["--fake-world", "0"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -185,8 +212,22 @@ def test_smoke_run_of_a_ranks_step_at_a_fake_world(tmp_path):
     """The whole --fake-world path on the CPU: the table says the world is a fake group's, with the
     per-rank and global batch; nothing is written."""
     before = bench_results()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py"), "--smoke", "--preset", DEFAULT_PRESET,
-                           "--fake-world", "8"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_step.py"),
+            "--smoke",
+            "--preset",
+            DEFAULT_PRESET,
+            "--fake-world",
+            "8",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| batch | world_size | global_batch | buckets |" in proc.stdout
     assert f"| fastnet ({DEFAULT_PRESET}) | 2 | 8 | 16 | 1 | torch | off |" in proc.stdout, proc.stdout
@@ -197,10 +238,16 @@ def test_smoke_run_of_a_ranks_step_at_a_fake_world(tmp_path):
 def test_the_printed_breakdown_names_every_kernel_of_other(bench_step, monkeypatch, capsys):
     """Issue 50 item 1: the table under the breakdown lists each "other" kernel by name, with its
     launches and ms per step; kernels of the other phases stay out of it."""
-    traced = [("sm90_xmma_fprop_implicit_gemm", 0.0, 500.0), ("void at::native::reduce_kernel<512, 1>", 500.0, 530.0),
-              ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNT", 530.0, 560.0), ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNT", 560.0, 590.0)]
+    traced = [
+        ("sm90_xmma_fprop_implicit_gemm", 0.0, 500.0),
+        ("void at::native::reduce_kernel<512, 1>", 500.0, 530.0),
+        ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNT", 530.0, 560.0),
+        ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNT", 560.0, 590.0),
+    ]
     monkeypatch.setattr(bench_step, "SMOKE", True)
-    monkeypatch.setattr(bench_step, "profile_steps", lambda step, images, labels, steps=10: bench_step.breakdown(traced, 1))
+    monkeypatch.setattr(
+        bench_step, "profile_steps", lambda step, images, labels, steps=10: bench_step.breakdown(traced, 1)
+    )
     assert bench_step.main(["--smoke", "--preset", DEFAULT_PRESET]) == 0
     out = capsys.readouterr().out
     assert 'the 2 kernels of "other" (0.090 ms a step)' in out
@@ -214,19 +261,29 @@ def test_short_names_keep_the_functor(bench_step):
     """Visit 12's "other" table cut every name at 90 characters, so PyTorch's elementwise kernels all
     read "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::nati":
     without the namespaces and the lambdas' scaffolding the functor shows."""
-    add = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
-           "CUDAFunctor_add<c10::Half> >(at::TensorIteratorBase&, at::native::CUDAFunctor_add<c10::Half> const&)"
-           "::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast<at::native::CUDAFunctor_add<c10::Half> >)")
+    add = (
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+        "CUDAFunctor_add<c10::Half> >(at::TensorIteratorBase&, at::native::CUDAFunctor_add<c10::Half> const&)"
+        "::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast<at::native::CUDAFunctor_add<c10::Half> >)"
+    )
     short = bench_step.short_name(add)
-    assert short.startswith("elementwise_kernel<128, 4, gpu_kernel_impl_nocast<CUDAFunctor_add<Half> >") and len(short) == 90
-    copy = ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
-            "::{lambda()#3}::operator()() const::{lambda()#10}::operator()() const::{lambda(c10::Half)#1}, "
-            "std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int> >")
+    assert (
+        short.startswith("elementwise_kernel<128, 4, gpu_kernel_impl_nocast<CUDAFunctor_add<Half> >")
+        and len(short) == 90
+    )
+    copy = (
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+        "::{lambda()#3}::operator()() const::{lambda()#10}::operator()() const::{lambda(c10::Half)#1}, "
+        "std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int> >"
+    )
     assert bench_step.short_name(copy).startswith(
-        "unrolled_elementwise_kernel<direct_copy_kernel_cuda(TensorIteratorBase&)::{lambda(Half)#1}")
+        "unrolled_elementwise_kernel<direct_copy_kernel_cuda(TensorIteratorBase&)::{lambda(Half)#1}"
+    )
     assert bench_step.short_name("_bwd_dx_kernel") == "_bwd_dx_kernel"
-    assert bench_step.short_name("void at::native::(anonymous namespace)::softmax_warp_forward<float>(float*)") \
+    assert (
+        bench_step.short_name("void at::native::(anonymous namespace)::softmax_warp_forward<float>(float*)")
         == "softmax_warp_forward<float>(float*)"
+    )
     assert bench_step.short_name("nvjet_sm90_tst_64x24_64x16_2x4_h_bz_TNT") == "nvjet_sm90_tst_64x24_64x16_2x4_h_bz_TNT"
 
 
@@ -247,6 +304,8 @@ def test_launched_by_names_the_op_and_its_autograd_node(bench_step):
     assert bench_step.launch_label(accumulate) == "aten::add_ in AccumulateGrad"
     assert bench_step.launch_label(forward) == "aten::mul"
     got = bench_step.launched_by(events, steps=2)
-    assert got == {"add_kernel": "aten::add_ in AccumulateGrad",
-                   "mul_kernel": "aten::mul x1; aten::mul in MulBackward0 x0.5",
-                   "nvjet": "aten::mm in aten::matmul"}
+    assert got == {
+        "add_kernel": "aten::add_ in AccumulateGrad",
+        "mul_kernel": "aten::mul x1; aten::mul in MulBackward0 x0.5",
+        "nvjet": "aten::mm in aten::matmul",
+    }

@@ -13,8 +13,22 @@ from cli import ROOT, env
 
 pytestmark = pytest.mark.slow
 
-TINY = ["--device", "cpu", "--batch-size", "100", "--epochs", "2", "--warmup-epochs", "0.5",
-        "--warmup-steps", "1", "--eval-batch-size", "200", "--target-acc", "50"]
+TINY = [
+    "--device",
+    "cpu",
+    "--batch-size",
+    "100",
+    "--epochs",
+    "2",
+    "--warmup-epochs",
+    "0.5",
+    "--warmup-steps",
+    "1",
+    "--eval-batch-size",
+    "200",
+    "--target-acc",
+    "50",
+]
 
 
 def load_bench():
@@ -26,10 +40,30 @@ def load_bench():
 
 def test_two_presets_side_by_side(learnable_data, tmp_path):
     results = tmp_path / "results" / "train.jsonl"
-    cmd = [sys.executable, "bench/bench_train.py", "--preset", "fast", "--compare", "resnet9", "--runs", "2",
-           "--results", results, "--out-dir", tmp_path / "runs", "--plot", tmp_path / "plot.png",
-           "--args-for", "fast=--widths 16,32,32 --whiten-images 200",
-           "--args-for", "resnet9=--widths 8,16,32,64", "--", "--data", learnable_data, *TINY]
+    cmd = [
+        sys.executable,
+        "bench/bench_train.py",
+        "--preset",
+        "fast",
+        "--compare",
+        "resnet9",
+        "--runs",
+        "2",
+        "--results",
+        results,
+        "--out-dir",
+        tmp_path / "runs",
+        "--plot",
+        tmp_path / "plot.png",
+        "--args-for",
+        "fast=--widths 16,32,32 --whiten-images 200",
+        "--args-for",
+        "resnet9=--widths 8,16,32,64",
+        "--",
+        "--data",
+        learnable_data,
+        *TINY,
+    ]
     proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
 
@@ -63,6 +97,11 @@ def test_without_matplotlib_the_plot_is_a_notice(monkeypatch, tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    proc = subprocess.run([sys.executable, "bench/bench_train.py", "--args-for", "apple8=--no-tta", "--",
-                           "--data", str(tmp_path)], cwd=ROOT, env=env(), capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_train.py", "--args-for", "apple8=--no-tta", "--", "--data", str(tmp_path)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "not among the presets" in proc.stderr

@@ -20,8 +20,19 @@ from fastcifar.run.report import EpochRecord, RunResult
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_visit.sh"
-STAGES = [["check"], ["engines"], ["bench"], ["kernels"], ["accuracy", "resnet9", "3"], ["dali"], ["race"],
-          ["emulated", DEFAULT_PRESET, "8"], ["nccl2"], ["conv"], ["screen"]]
+STAGES = [
+    ["check"],
+    ["engines"],
+    ["bench"],
+    ["kernels"],
+    ["accuracy", "resnet9", "3"],
+    ["dali"],
+    ["race"],
+    ["emulated", DEFAULT_PRESET, "8"],
+    ["nccl2"],
+    ["conv"],
+    ["screen"],
+]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 
 
@@ -30,8 +41,9 @@ def visit(tmp_path, *args, **env):
     data = tmp_path / "cifar.tar.gz"
     data.write_bytes(b"")  # the dry run only checks that it exists
     e = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "DATA": str(data), "PYTHON": sys.executable, **env}
-    proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=e, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *args], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120
+    )
     return proc, out
 
 
@@ -61,13 +73,22 @@ def test_stage_dry_run_fits_the_machines_limits(tmp_path, args):
 def test_engines_stage_covers_every_combination(tmp_path):
     proc, out = visit(tmp_path, "engines")
     table = (out / "engines-table.md").read_text()
-    for name in ("k-auto-g-on", "k-auto-g-off", "k-triton-g-on", "k-triton-g-off", "k-torch-g-on", "k-torch-g-off",
-                 "nccl-1rank", "engine-checks"):
+    for name in (
+        "k-auto-g-on",
+        "k-auto-g-off",
+        "k-triton-g-on",
+        "k-triton-g-off",
+        "k-torch-g-on",
+        "k-torch-g-off",
+        "nccl-1rank",
+        "engine-checks",
+    ):
         assert f"| {name} |" in table, table
     one_rank = [line for line in proc.stdout.splitlines() if "--nproc_per_node 1" in line]
     # a real NCCL group of one: its buckets, comm stream and captured collectives run
-    assert one_rank and all("--comm bucketed --dist-group always --cuda-graphs on" in line for line in one_rank), \
+    assert one_rank and all("--comm bucketed --dist-group always --cuda-graphs on" in line for line in one_rank), (
         one_rank
+    )
     # torchrun of $PYTHON's own torch, as every other step runs $PYTHON
     assert f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 1" in proc.stdout
 
@@ -81,8 +102,10 @@ def test_check_stage_runs_the_cuda_kernel_cases_once(tmp_path):
     assert "pytest -q -m not cuda tests/kernels/test_kernel_bn_act_pool.py" in proc.stdout
     # the loader tests that run the Triton augmentation on CUDA tensors only on a GPU machine
     kernel_step = next(line for line in proc.stdout.splitlines() if line.startswith("=== kernel-tests"))
-    for test in ("tests/unit/test_layout.py::test_triton_loader_batch_under_cuda_layouts",
-                 "tests/unit/test_augment.py::test_loader_with_triton_kernels_equals_the_reference"):
+    for test in (
+        "tests/unit/test_layout.py::test_triton_loader_batch_under_cuda_layouts",
+        "tests/unit/test_augment.py::test_loader_with_triton_kernels_equals_the_reference",
+    ):
         assert test in kernel_step, kernel_step
         path, name = test.split("::")
         assert f"def {name}(" in (ROOT / path).read_text(), f"{test} no longer exists"
@@ -109,8 +132,15 @@ def test_race_stage_runs_fastcifar_first_then_each_public_script_in_the_folder_i
     proc, out = visit(tmp_path, "race", RACE_RUNS="25", RACE_CALL="visit 8", RACE_COMMIT="abc1234")
     assert proc.returncode == 0, proc.stdout[-2000:]
     table = (out / "race-table.md").read_text()
-    names = [f"{DEFAULT_PRESET}-runs", "export-tensors", "prepare-peers", "hiverge", "airbench94_muon",
-             "airbench94", "race-table"]
+    names = [
+        f"{DEFAULT_PRESET}-runs",
+        "export-tensors",
+        "prepare-peers",
+        "hiverge",
+        "airbench94_muon",
+        "airbench94",
+        "race-table",
+    ]
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[1:] == names, table  # in this order: the contender before the public scripts' minutes
     lines = [line for line in proc.stdout.splitlines() if line.startswith("dry run:")]
@@ -120,13 +150,20 @@ def test_race_stage_runs_fastcifar_first_then_each_public_script_in_the_folder_i
     assert folder.endswith("/race/cifar10")
     prepare = next(line for line in lines if "race.py prepare" in line)
     assert f"--images {folder} --runs 25" in prepare and ".stage/race" in prepare
-    for name, file in (("hiverge", "cifar10_speedrun.py"), ("airbench94_muon", "airbench94_muon.py"),
-                       ("airbench94", "airbench94.py")):  # each in its own folder, where race.py links cifar10
+    for name, file in (
+        ("hiverge", "cifar10_speedrun.py"),
+        ("airbench94_muon", "airbench94_muon.py"),
+        ("airbench94", "airbench94.py"),
+    ):  # each in its own folder, where race.py links cifar10
         run = next(line for line in lines if line.endswith(f"'{file}'"))
-        assert f"cd '{folder[:-len('cifar10')]}{name}'" in run
+        assert f"cd '{folder[: -len('cifar10')]}{name}'" in run
     report = next(line for line in lines if "race.py report" in line)
-    for part in (f"--data {tmp_path / 'cifar.tar.gz'}", "--jsonl bench/results/official.jsonl", "--call visit 8",
-                 "--commit abc1234"):
+    for part in (
+        f"--data {tmp_path / 'cifar.tar.gz'}",
+        "--jsonl bench/results/official.jsonl",
+        "--call visit 8",
+        "--commit abc1234",
+    ):
         assert part in report, report
 
 
@@ -176,8 +213,11 @@ def test_race_stage_keeps_time_for_its_table(tmp_path):
     """The public scripts' limits leave the report 40 s: a script that would run past the budget is
     cut, and one with under 30 s left is skipped, so the table and the jsonl rows always come."""
     proc, out = visit(tmp_path, "race", STAGE_BUDGET_S="100")  # a dry run's steps take no time: 60 s of room
-    limits = {line.split()[1]: int(line.split("(limit ")[1].split("s)")[0])
-              for line in proc.stdout.splitlines() if line.startswith("=== ")}
+    limits = {
+        line.split()[1]: int(line.split("(limit ")[1].split("s)")[0])
+        for line in proc.stdout.splitlines()
+        if line.startswith("=== ")
+    }
     # budget - 40 s less the seconds bash counts as spent: 60 on an idle machine, a few less under load
     assert all(50 <= limits[name] <= 60 for name in ("hiverge", "airbench94_muon", "airbench94")), limits
     proc, out = visit(tmp_path, "race", STAGE_BUDGET_S="60")  # 20 s of room: no public script starts
@@ -226,17 +266,30 @@ def test_conv_stage_sets_the_fused_conv_beside_cudnn_in_one_call(tmp_path):
     official data, each both ways, and the race's report over the two sets of runs."""
     proc, out = visit(tmp_path, "conv", CONV_CALL="visit 9", CONV_COMMIT="abc1234")
     assert proc.returncode == 0, proc.stdout[-2000:]
-    steps = [line.split("|")[1].strip() for line in (out / "conv-table.md").read_text().splitlines()
-             if line.startswith("| ") and "---" not in line][1:]
-    assert steps == ["bench-conv", "sweep-conv", "step-cudnn", "step-fused", f"{DEFAULT_PRESET}-cudnn",
-                     f"{DEFAULT_PRESET}-fused", "conv-table"], steps
-    assert any(line.endswith("bench/sweep_conv_stats.py") for line in proc.stdout.splitlines()
-               if line.startswith("dry run:"))
+    steps = [
+        line.split("|")[1].strip()
+        for line in (out / "conv-table.md").read_text().splitlines()
+        if line.startswith("| ") and "---" not in line
+    ][1:]
+    assert steps == [
+        "bench-conv",
+        "sweep-conv",
+        "step-cudnn",
+        "step-fused",
+        f"{DEFAULT_PRESET}-cudnn",
+        f"{DEFAULT_PRESET}-fused",
+        "conv-table",
+    ], steps
+    assert any(
+        line.endswith("bench/sweep_conv_stats.py") for line in proc.stdout.splitlines() if line.startswith("dry run:")
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("dry run:")]
     step_lines = [line for line in lines if "bench_step.py" in line]
     batch = from_preset().batch_size
     assert step_lines[0].endswith(f"--preset {DEFAULT_PRESET} --batches {batch} --graphs on --kernels auto")
-    assert step_lines[1].endswith(f"--preset {DEFAULT_PRESET} --batches {batch} --graphs on --kernels auto --fused-conv")
+    assert step_lines[1].endswith(
+        f"--preset {DEFAULT_PRESET} --batches {batch} --graphs on --kernels auto --fused-conv"
+    )
     runs = [line for line in lines if "fastcifar.train" in line]
     assert runs[0].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 10 --quiet")
     assert runs[1].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 10 --quiet --fused-conv")
@@ -245,8 +298,11 @@ def test_conv_stage_sets_the_fused_conv_beside_cudnn_in_one_call(tmp_path):
     for part in ("--jsonl bench/results/official.jsonl", "--call visit 9", "--commit abc1234"):
         assert part in report, report
     # the cuDNN runs get at most half of what is left but 40 s for the table, the fused ones the rest
-    limits = {line.split(" (limit ")[0][4:]: int(line.split(" (limit ")[1].split("s)")[0])
-              for line in proc.stdout.splitlines() if line.startswith("=== ")}
+    limits = {
+        line.split(" (limit ")[0][4:]: int(line.split(" (limit ")[1].split("s)")[0])
+        for line in proc.stdout.splitlines()
+        if line.startswith("=== ")
+    }
     assert limits[f"{DEFAULT_PRESET}-cudnn"] <= (530 - 40) // 2 < limits[f"{DEFAULT_PRESET}-fused"] <= 530 - 40
     assert limits["conv-table"] == 40
     proc, _ = visit(tmp_path, "conv", DATA=str(tmp_path / "missing"))
@@ -254,17 +310,30 @@ def test_conv_stage_sets_the_fused_conv_beside_cudnn_in_one_call(tmp_path):
 
 
 def table_steps(out: Path, stage: str) -> list[str]:
-    return [line.split("|")[1].strip() for line in (out / f"{stage}-table.md").read_text().splitlines()
-            if line.startswith("| ") and "---" not in line][1:]
+    return [
+        line.split("|")[1].strip()
+        for line in (out / f"{stage}-table.md").read_text().splitlines()
+        if line.startswith("| ") and "---" not in line
+    ][1:]
 
 
 def test_screen_stage_runs_the_default_then_each_variant_and_reports_them_together(tmp_path):
     """Issues 45 and 50: the default preset, then each variant in SCREEN (its flags added), 10 runs
     each from seed 0, and the race's report over all of them into official.jsonl."""
-    proc, out = visit(tmp_path, "screen", SCREEN="--epochs 7;--widths 64,288,288 --epochs 7.5",
-                      SCREEN_CALL="visit 10", SCREEN_COMMIT="abc1234")
+    proc, out = visit(
+        tmp_path,
+        "screen",
+        SCREEN="--epochs 7;--widths 64,288,288 --epochs 7.5",
+        SCREEN_CALL="visit 10",
+        SCREEN_COMMIT="abc1234",
+    )
     assert proc.returncode == 0, proc.stdout[-2000:]
-    assert table_steps(out, "screen") == [DEFAULT_PRESET, "v1-epochs-7", "v2-widths-64-288-288-epochs-7.5", "screen-table"]
+    assert table_steps(out, "screen") == [
+        DEFAULT_PRESET,
+        "v1-epochs-7",
+        "v2-widths-64-288-288-epochs-7.5",
+        "screen-table",
+    ]
     runs = [line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "fastcifar.train" in line]
     assert runs[0].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 10 --quiet")
     assert runs[1].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 10 --quiet --epochs 7")
@@ -273,8 +342,11 @@ def test_screen_stage_runs_the_default_then_each_variant_and_reports_them_togeth
     for part in ("--jsonl bench/results/official.jsonl", "--call visit 10", "--commit abc1234", "--fastcifar "):
         assert part in report, report
     # each variant is capped (10 runs: 8 s a run + 90 s), so a stuck one leaves the others their time
-    limits = {line.split(" (limit ")[0][4:]: int(line.split(" (limit ")[1].split("s)")[0])
-              for line in proc.stdout.splitlines() if line.startswith("=== ")}
+    limits = {
+        line.split(" (limit ")[0][4:]: int(line.split(" (limit ")[1].split("s)")[0])
+        for line in proc.stdout.splitlines()
+        if line.startswith("=== ")
+    }
     assert limits["v1-epochs-7"] == 170 and limits["screen-table"] == 40
     proc, out = visit(tmp_path, "screen", SCREEN="--epochs 7", SCREEN_RUNS="25")
     assert "--epochs 7" in proc.stdout and "--runs 25" in proc.stdout
@@ -282,26 +354,42 @@ def test_screen_stage_runs_the_default_then_each_variant_and_reports_them_togeth
     proc, out = visit(tmp_path, "screen", SCREEN="")
     assert proc.returncode == 0 and table_steps(out, "screen") == [DEFAULT_PRESET, "screen-table"]
     env = {k: v for k, v in os.environ.items() if k != "SCREEN"}
-    proc = subprocess.run(["bash", str(SCRIPT), "screen"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**env, "DRY_RUN": "1", "OUT": str(tmp_path / "out2"), "DATA": str(tmp_path / "cifar.tar.gz"),
-                               "PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "screen"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **env,
+            "DRY_RUN": "1",
+            "OUT": str(tmp_path / "out2"),
+            "DATA": str(tmp_path / "cifar.tar.gz"),
+            "PYTHON": sys.executable,
+        },
+    )
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert len(table_steps(tmp_path / "out2", "screen")) >= 4
 
 
-@pytest.mark.parametrize("variants, message", [
-    ("--epochs 7;--widht 64", "variant '--widht 64' refused: unrecognized arguments: --widht 64"),
-    ("--epochs 0", "variant '--epochs 0' refused: --epochs must lie in (0, 1000], not 0"),
-    # split as bash splits it for the run: quotes stay, and fail here rather than on the GPU
-    ('--widths "64,256,256"', """variant '--widths "64,256,256"' refused: argument --widths"""),
-    # a variant's runs are pooled by its recipe's name: one that is the default's, or another's, would mix
-    ("--epochs 7;;--tta 1", f"variant '' refused: it trains the {DEFAULT_PRESET} recipe itself"),
-    (f"--epochs {from_preset().epochs}",
-     f"variant '--epochs {from_preset().epochs}' refused: it trains the {DEFAULT_PRESET} recipe itself"),
-    ("--epochs 7;--epochs 7.0", "variant '--epochs 7.0' refused: it trains the same recipe as '--epochs 7'"),
-    ("--seed 5", "variant '--seed 5' refused: the stage sets --seed itself"),
-    ("--preset=fast", "variant '--preset=fast' refused: the stage sets --preset itself"),
-])
+@pytest.mark.parametrize(
+    "variants, message",
+    [
+        ("--epochs 7;--widht 64", "variant '--widht 64' refused: unrecognized arguments: --widht 64"),
+        ("--epochs 0", "variant '--epochs 0' refused: --epochs must lie in (0, 1000], not 0"),
+        # split as bash splits it for the run: quotes stay, and fail here rather than on the GPU
+        ('--widths "64,256,256"', """variant '--widths "64,256,256"' refused: argument --widths"""),
+        # a variant's runs are pooled by its recipe's name: one that is the default's, or another's, would mix
+        ("--epochs 7;;--tta 1", f"variant '' refused: it trains the {DEFAULT_PRESET} recipe itself"),
+        (
+            f"--epochs {from_preset().epochs}",
+            f"variant '--epochs {from_preset().epochs}' refused: it trains the {DEFAULT_PRESET} recipe itself",
+        ),
+        ("--epochs 7;--epochs 7.0", "variant '--epochs 7.0' refused: it trains the same recipe as '--epochs 7'"),
+        ("--seed 5", "variant '--seed 5' refused: the stage sets --seed itself"),
+        ("--preset=fast", "variant '--preset=fast' refused: the stage sets --preset itself"),
+    ],
+)
 def test_screen_stage_refuses_a_bad_variant_before_any_run(tmp_path, variants, message):
     proc, out = visit(tmp_path, "screen", SCREEN=variants)
     assert proc.returncode == 1
@@ -317,8 +405,11 @@ def test_bench_stage_times_the_default_presets_step_first(tmp_path):
     before the budget can run out; the kernel benchmark, graph-replay timed and slow to compile, is a
     stage of its own."""
     proc, out = visit(tmp_path, "bench")
-    steps = [line.split("|")[1].strip() for line in (out / "bench-table.md").read_text().splitlines()
-             if line.startswith("| bench-")]
+    steps = [
+        line.split("|")[1].strip()
+        for line in (out / "bench-table.md").read_text().splitlines()
+        if line.startswith("| bench-")
+    ]
     assert steps[0] == "bench-step-default" and "bench-bn" not in steps, steps
     assert f"bench_step.py --preset {DEFAULT_PRESET} --batches {from_preset().batch_size}" in proc.stdout
     # then one of its 8 ranks' step (issue 46), graphs on, as rank 0 of a fake 8-rank group
@@ -329,7 +420,10 @@ def test_bench_stage_times_the_default_presets_step_first(tmp_path):
     # the default preset's blocks, in both the benchmark and the launch sweep: the indices the stage
     # names are the default's blocks in bench/kernel_registers.py (a new default moves them)
     from bench.kernel_registers import DEFAULT_BLOCKS, PRESET_BLOCKS
-    bench = next(line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "bench_bn_act_pool.py" in line)
+
+    bench = next(
+        line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "bench_bn_act_pool.py" in line
+    )
     indices = [int(i) for i in bench.split("--blocks ")[1].split()]
     assert [PRESET_BLOCKS[i] for i in indices] == [(b, c, s, "gelu", pool) for b, c, s, pool in DEFAULT_BLOCKS]
     assert len(indices) == 6
@@ -360,20 +454,40 @@ def test_unknown_stage_is_refused(tmp_path):
 
 
 def write_run(root: Path, name: str, losses, preset="fast", seed=0, acc=91.0, engine=None, config=None, **doc):
-    epochs = [EpochRecord(run=1, epoch=i + 1, lr=0.1, train_time=1.0, train_loss=v, train_acc=50.0,
-                          test_time=0.1, test_loss=v, test_acc=acc, total_train_time=i + 1.0)
-              for i, v in enumerate(losses)]
+    epochs = [
+        EpochRecord(
+            run=1,
+            epoch=i + 1,
+            lr=0.1,
+            train_time=1.0,
+            train_loss=v,
+            train_acc=50.0,
+            test_time=0.1,
+            test_loss=v,
+            test_acc=acc,
+            total_train_time=i + 1.0,
+        )
+        for i, v in enumerate(losses)
+    ]
     result = RunResult(run=1, seed=seed, test_acc=acc, train_time=float(len(losses)), wall_time=9.0, epochs=epochs)
     folder = root / name / f"2026-11-22-x{seed}"
     folder.mkdir(parents=True)
-    doc = {"config": {"preset": preset, **(config or {})}, "results": [dataclasses.asdict(result)],
-           "engine": engine or {}, **doc}
+    doc = {
+        "config": {"preset": preset, **(config or {})},
+        "results": [dataclasses.asdict(result)],
+        "engine": engine or {},
+        **doc,
+    }
     (folder / "summary.json").write_text(json.dumps(doc))
 
 
 def report(*args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_visit_report.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_visit_report.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_engine_report_passes_agreeing_runs_and_fails_the_rest(tmp_path):
@@ -414,18 +528,37 @@ def test_emulated_report_files_one_row_per_preset_and_rank_count(tmp_path):
     """Fake runs of the default at 8 emulated ranks (two chunks) and one plain run: one row per set,
     device and versions from the runs' own summary.json, the data named as the race names it."""
     runs = tmp_path / "runs"
-    machine = {"device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "world_size": 1},
-               "versions": {"torch": "2.11.0", "triton": "3.6.0"}}
+    machine = {
+        "device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "world_size": 1},
+        "versions": {"torch": "2.11.0", "triton": "3.6.0"},
+    }
     accs = [94.1, 93.9, 94.3, 94.2]
     for seed, acc in enumerate(accs):
-        write_run(runs / f"chunk{seed // 2}", "fast-muon320-x8", [1.0], preset="fast-muon320", seed=seed, acc=acc,
-                  config={"emulate_ranks": 8, "batch_size": 2000}, **machine)
-    write_run(runs / "plain", "fast-muon320", [1.0], preset="fast-muon320", seed=0, acc=94.5,
-              config={"batch_size": 2000}, **machine)  # a summary from before the option: 1 rank
+        write_run(
+            runs / f"chunk{seed // 2}",
+            "fast-muon320-x8",
+            [1.0],
+            preset="fast-muon320",
+            seed=seed,
+            acc=acc,
+            config={"emulate_ranks": 8, "batch_size": 2000},
+            **machine,
+        )
+    write_run(
+        runs / "plain",
+        "fast-muon320",
+        [1.0],
+        preset="fast-muon320",
+        seed=0,
+        acc=94.5,
+        config={"batch_size": 2000},
+        **machine,
+    )  # a summary from before the option: 1 rank
     jsonl = tmp_path / "multi_gpu.jsonl"
     jsonl.write_text('{"check": "earlier row"}\n')
-    proc = report("emulated", runs, "--jsonl", jsonl, "--data", tmp_path / "cifar10", "--call", "visit 9",
-                  "--commit", "abc1234")
+    proc = report(
+        "emulated", runs, "--jsonl", jsonl, "--data", tmp_path / "cifar10", "--call", "visit 9", "--commit", "abc1234"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| fast-muon320 | 8 | 250 | 4 | 94.12 ± 0.17 (93.90) | 1 |" in proc.stdout, proc.stdout
     assert "has 4 runs; issue 46 asks for at least 10" in proc.stdout
@@ -451,8 +584,19 @@ def test_export_tensors_writes_what_the_public_loader_reads(tmp_path):
     from conftest import write_official
 
     folder, arrays = write_official(tmp_path / "data", per_batch=4, n_test=6)
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_tensors.py"), "--data", str(folder),
-                           "--out", str(tmp_path / "cifar10")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "export_tensors.py"),
+            "--data",
+            str(folder),
+            "--out",
+            str(tmp_path / "cifar10"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     for split, n in (("train", 20), ("test", 6)):
         doc = torch.load(tmp_path / "cifar10" / f"{split}.pt", weights_only=True)  # as torch.load defaults now
@@ -466,9 +610,19 @@ def test_export_tensors_writes_what_the_public_loader_reads(tmp_path):
 
 
 def test_export_tensors_refuses_bad_input_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_tensors.py"), "--data",
-                           str(tmp_path / "nothing"), "--out", str(tmp_path / "cifar10")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "export_tensors.py"),
+            "--data",
+            str(tmp_path / "nothing"),
+            "--out",
+            str(tmp_path / "cifar10"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("export_tensors: ")
     assert not (tmp_path / "cifar10").exists()

@@ -74,8 +74,10 @@ def test_the_stage_runs_two_ranks_through_the_wrapper_then_compares_and_kills(tm
     py, data = sys.executable, tmp_path / "cifar.tar.gz"
     ranks = next(line for line in lines if "torch.distributed.run" in line)
     # torchrun of $PYTHON's torch; --no-python: the entry is bash running the wrapper, which execs the trainer
-    assert (f"dry run: {py} -m torch.distributed.run --standalone --nproc_per_node 2 --no-python "
-            f"bash scripts/rank_env.sh {py} -m fastcifar.train --data {data} --out-dir ") in ranks, ranks
+    assert (
+        f"dry run: {py} -m torch.distributed.run --standalone --nproc_per_node 2 --no-python "
+        f"bash scripts/rank_env.sh {py} -m fastcifar.train --data {data} --out-dir "
+    ) in ranks, ranks
     assert ranks.endswith(f"/runs/nccl2-ranks {short}"), ranks
     # one process over the same global batch: as the ranks train it (emulated), and plain
     assert any(line.endswith(f"/runs/nccl2-emulated --emulate-ranks 2 {short}") for line in lines), lines
@@ -83,46 +85,92 @@ def test_the_stage_runs_two_ranks_through_the_wrapper_then_compares_and_kills(tm
     kill = next(line for line in lines if "kill_rank.py" in line)
     assert "--ranks 2 --kill 1 --after-s 3 --dist-timeout-s 10 --ready-s 90 --out " in kill
     assert "torch.distributed.run" not in kill  # torchrun would stop rank 0 itself when rank 1 dies
-    assert kill.endswith(f"-- bash scripts/rank_env.sh {py} -m fastcifar.train --data {data} --subset 10000 "
-                         "--epochs 200 --cuda-graphs on --comm bucketed --loader torch"), kill
+    assert kill.endswith(
+        f"-- bash scripts/rank_env.sh {py} -m fastcifar.train --data {data} --subset 10000 "
+        "--epochs 200 --cuda-graphs on --comm bucketed --loader torch"
+    ), kill
     checks = next(line for line in lines if "gpu_visit_report.py nccl2" in line)
     folder = kill.split("--out ")[1].split(" ")[0]
-    for part in ("/nccl2-ranks.log", f"--kill {folder}/kill.json", "--jsonl bench/results/multi_gpu.jsonl",
-                 "--call visit 10", "--commit abc1234"):
+    for part in (
+        "/nccl2-ranks.log",
+        f"--kill {folder}/kill.json",
+        "--jsonl bench/results/multi_gpu.jsonl",
+        "--call visit 10",
+        "--commit abc1234",
+    ):
         assert part in checks, checks
 
 
 def test_the_wrapper_gives_each_rank_under_torchrun_its_own_nccl_host_and_the_shared_gpu(tmp_path):
     """torchrun --no-python runs `bash scripts/rank_env.sh COMMAND` per rank; COMMAND sees the rank's
     environment (here it prints it)."""
-    show = "import os; print(*(os.environ.get(k) for k in ('RANK', 'NCCL_HOSTID', 'FASTCIFAR_SHARE_GPU', " \
-           "'NCCL_IB_DISABLE', 'NCCL_SOCKET_IFNAME', 'NCCL_DEBUG')))"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "--no-python", "bash", "scripts/rank_env.sh", sys.executable, "-c", show],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "NCCL_HOSTID": "same-for-all", "NCCL_DEBUG": "WARN"})
+    show = (
+        "import os; print(*(os.environ.get(k) for k in ('RANK', 'NCCL_HOSTID', 'FASTCIFAR_SHARE_GPU', "
+        "'NCCL_IB_DISABLE', 'NCCL_SOCKET_IFNAME', 'NCCL_DEBUG')))"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "--no-python",
+            "bash",
+            "scripts/rank_env.sh",
+            sys.executable,
+            "-c",
+            show,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "NCCL_HOSTID": "same-for-all", "NCCL_DEBUG": "WARN"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = sorted(line for line in proc.stdout.splitlines() if line[:1] in "01")
     # a host id per rank even where one was set for all (it is what lets NCCL take two ranks on one
     # GPU); the user's NCCL_DEBUG kept
     assert seen == ["0 fastcifar-rank0 1 1 lo WARN", "1 fastcifar-rank1 1 1 lo WARN"], proc.stdout
-    alone = subprocess.run(["bash", "scripts/rank_env.sh", "true"], cwd=ROOT, capture_output=True, text=True,
-                           env={"PATH": "/usr/bin:/bin"})
+    alone = subprocess.run(
+        ["bash", "scripts/rank_env.sh", "true"], cwd=ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
+    )
     assert alone.returncode == 2 and alone.stderr.count("\n") == 1 and "RANK is not set" in alone.stderr
 
 
-@pytest.mark.parametrize("mode, ok, message", [
-    ("keep", True, "rank 1 killed; every other rank ended with exit 3 and one line within"),
-    ("exit0", False, "rank 0: exit 0, not 3, 0 'fastcifar: error:' lines, not one naming lost contact"),
-    ("early", False, "no kill: before training, rank 0 exited 1"),
-])
+@pytest.mark.parametrize(
+    "mode, ok, message",
+    [
+        ("keep", True, "rank 1 killed; every other rank ended with exit 3 and one line within"),
+        ("exit0", False, "rank 0: exit 0, not 3, 0 'fastcifar: error:' lines, not one naming lost contact"),
+        ("early", False, "no kill: before training, rank 0 exited 1"),
+    ],
+)
 def test_kill_rank_kills_rank_1_once_rank_0_trains_and_judges_how_rank_0_ends(tmp_path, mode, ok, message):
     fake = tmp_path / "fake_rank.py"
     fake.write_text(FAKE_RANK)
     out = tmp_path / "kill"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "kill_rank.py"), "--after-s", "0.2", "--out",
-                           str(out), "--dist-timeout-s", "7", "--", sys.executable, str(fake)],
-                          capture_output=True, text=True, timeout=60, env={"FAKE_MODE": mode, "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "kill_rank.py"),
+            "--after-s",
+            "0.2",
+            "--out",
+            str(out),
+            "--dist-timeout-s",
+            "7",
+            "--",
+            sys.executable,
+            str(fake),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"FAKE_MODE": mode, "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == (0 if ok else 1), proc.stdout + proc.stderr
     verdict = json.loads((out / "kill.json").read_text())
     assert verdict["ok"] is ok and verdict["message"].startswith(message), verdict
@@ -145,8 +193,10 @@ def test_kill_rank_stopped_by_a_step_limit_takes_its_ranks_with_it(tmp_path):
     fake = tmp_path / "fake_rank.py"
     fake.write_text(FAKE_RANK)
     out = tmp_path / "kill"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "kill_rank.py"), "--out", str(out), "--",
-                             sys.executable, str(fake)], env={"FAKE_MODE": "hang", "PATH": "/usr/bin:/bin"})
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "kill_rank.py"), "--out", str(out), "--", sys.executable, str(fake)],
+        env={"FAKE_MODE": "hang", "PATH": "/usr/bin:/bin"},
+    )
     deadline = time.monotonic() + 30
     while not all((out / f"rank{r}.out").is_file() and (out / f"rank{r}.out").read_text() for r in (0, 1)):
         assert time.monotonic() < deadline
@@ -166,25 +216,39 @@ def test_kill_rank_fails_a_survivor_past_the_bound_or_still_running(tmp_path):
     ok, survivors = kill_rank.verdict({0: (3, 26.5), 2: (None, 56.0)}, tmp_path, bound_s=21.0, slack_s=5.0)
     assert not ok
     assert survivors[0]["problems"] == ["ended 26.5 s after the kill, past the bound 21 s + 5 s"]
-    assert survivors[1]["problems"] == ["still running 56.0 s after the kill",
-                                        "0 'fastcifar: error:' lines, not one naming lost contact"]
+    assert survivors[1]["problems"] == [
+        "still running 56.0 s after the kill",
+        "0 'fastcifar: error:' lines, not one naming lost contact",
+    ]
     assert kill_rank.main(["--out", str(tmp_path), "--kill", "0", "--", "true"]) == 2  # rank 0 keeps the record
 
 
 # --- the report -----------------------------------------------------------------------------------
 
-GPU = {"device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "world_size": 1},
-       "versions": {"torch": "2.11.0", "triton": "3.6.0"}}
+GPU = {
+    "device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "world_size": 1},
+    "versions": {"torch": "2.11.0", "triton": "3.6.0"},
+}
 TWO = {**GPU, "device": {**GPU["device"], "world_size": 2}}
 SOCKET_LOG = "host:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Socket/0\n"
 
 
 def kill_json(folder, ok=True):
     folder.mkdir(parents=True, exist_ok=True)
-    verdict = {"check": "kill-rank", "ranks": 2, "killed": 1, "dist_timeout_s": 10.0, "bound_s": 21.0, "slack_s": 5.0,
-               "ok": ok, "seconds": 12.3 if ok else 40.0, "survivors": [{"rank": 0, "exit": 3 if ok else None}],
-               "message": "rank 1 killed; every other rank ended with exit 3 and one line within 12.3 s (bound 21 s)"
-               if ok else "rank 0: still running 40.0 s after the kill"}
+    verdict = {
+        "check": "kill-rank",
+        "ranks": 2,
+        "killed": 1,
+        "dist_timeout_s": 10.0,
+        "bound_s": 21.0,
+        "slack_s": 5.0,
+        "ok": ok,
+        "seconds": 12.3 if ok else 40.0,
+        "survivors": [{"rank": 0, "exit": 3 if ok else None}],
+        "message": "rank 1 killed; every other rank ended with exit 3 and one line within 12.3 s (bound 21 s)"
+        if ok
+        else "rank 0: still running 40.0 s after the kill",
+    }
     (folder / "kill.json").write_text(json.dumps(verdict))
     return folder / "kill.json"
 
@@ -193,8 +257,9 @@ def nccl2_report(tmp_path, runs, log_text, kill):
     log = tmp_path / "nccl2-ranks.log"
     log.write_text(log_text)
     jsonl = tmp_path / "multi_gpu.jsonl"
-    proc = report("nccl2", runs, "--log", log, "--kill", kill, "--jsonl", jsonl, "--call", "visit 10",
-                  "--commit", "abc1234")
+    proc = report(
+        "nccl2", runs, "--log", log, "--kill", kill, "--jsonl", jsonl, "--call", "visit 10", "--commit", "abc1234"
+    )
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
     return proc, rows
 
@@ -207,8 +272,10 @@ def test_report_passes_two_ranks_that_match_one_process_and_files_both_checks(tm
     proc, rows = nccl2_report(tmp_path, runs, SOCKET_LOG, kill_json(tmp_path / "kill"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| nccl2-ranks | 2 (NCCL) | 2.0000 > 1.5000 |" in proc.stdout
-    assert "2 ranks vs --emulate-ranks 2 over the same global batch: per-epoch train loss at most 0.33% apart " \
-           "(bound 1%)" in proc.stdout
+    assert (
+        "2 ranks vs --emulate-ranks 2 over the same global batch: per-epoch train loss at most 0.33% apart "
+        "(bound 1%)" in proc.stdout
+    )
     assert "NCCL transport: NET/Socket/0" in proc.stdout and "kill -9 of rank 1: ok" in proc.stdout
     match, kill = rows
     assert match["check"] == "nccl-2-ranks-one-gpu" and match["ok"] is True and match["transport"] == "NET/Socket/0"
@@ -216,8 +283,12 @@ def test_report_passes_two_ranks_that_match_one_process_and_files_both_checks(tm
     assert match["gap_1rank_pct"] == pytest.approx(2.597, abs=1e-3)
     assert match["train_loss"] == [2.0, 1.5] and match["reference_train_loss"]["nccl2-emulated"] == [2.0, 1.505]
     for row in rows:
-        assert (row["device"], row["torch"], row["world_size"], row["backend"]) == \
-            ("NVIDIA H100 80GB HBM3", "2.11.0", 2, "nccl")
+        assert (row["device"], row["torch"], row["world_size"], row["backend"]) == (
+            "NVIDIA H100 80GB HBM3",
+            "2.11.0",
+            2,
+            "nccl",
+        )
         assert row["call"] == "visit 10" and row["commit"] == "abc1234"
     assert kill["check"] == "nccl-2-ranks-kill" and kill["ok"] is True and kill["seconds"] == 12.3
 
@@ -244,12 +315,16 @@ def test_report_fails_ranks_that_train_apart_or_a_kill_that_broke_the_promise(tm
 def test_report_records_nccls_refusal_when_two_ranks_on_one_gpu_are_refused(tmp_path):
     runs = tmp_path / "runs"
     write_run(runs, "nccl2-emulated", [2.0, 1.5], config={"emulate_ranks": 2}, **GPU)
-    refused = ("[rank1]: torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, invalid "
-               "usage (run with NCCL_DEBUG=WARN for details), NCCL version 2.27.3\n"
-               "host:2:2 [0] init.cc:934 NCCL WARN Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000\n")
+    refused = (
+        "[rank1]: torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, invalid "
+        "usage (run with NCCL_DEBUG=WARN for details), NCCL version 2.27.3\n"
+        "host:2:2 [0] init.cc:934 NCCL WARN Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000\n"
+    )
     proc, rows = nccl2_report(tmp_path, runs, "torchrun noise\n" + refused, kill_json(tmp_path / "kill"))
     assert proc.returncode == 1
-    line = "NCCL: host:2:2 [0] init.cc:934 NCCL WARN Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000"
+    line = (
+        "NCCL: host:2:2 [0] init.cc:934 NCCL WARN Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000"
+    )
     assert f"PROBLEM: 2 ranks on one GPU did not train: {line}" in proc.stdout
     assert rows[0]["ok"] is False and rows[0]["message"] == line and rows[0]["device"] == "NVIDIA H100 80GB HBM3"
     # another NCCL failure: its first warning or error line; none: the report says NCCL was silent

@@ -34,8 +34,9 @@ def test_ranged_brackets_each_next():
 
 def test_step_window_starts_and_stops_at_boundaries():
     calls = []
-    w = profiling.StepWindow("2:4", start=lambda: calls.append(("start", w.done)),
-                             stop=lambda: calls.append(("stop", w.done)))
+    w = profiling.StepWindow(
+        "2:4", start=lambda: calls.append(("start", w.done)), stop=lambda: calls.append(("stop", w.done))
+    )
     ticks = []
     cb = profiling.on_step(lambda: ticks.append(w.done))
     try:
@@ -64,34 +65,101 @@ def test_bad_windows(spec):
 @pytest.mark.slow
 def test_the_step_marks_its_phases(learnable_data, tmp_path, monkeypatch):
     from fastcifar import train as trainer
+
     events = []
-    monkeypatch.setattr(profiling, "markers", lambda enabled: (
-        (lambda name: events.append(name)), (lambda: events.append("pop"))) if enabled else (
-        profiling._nothing, profiling._nothing))
-    cfg = parse_args(["--data", str(learnable_data), "--out-dir", str(tmp_path), *FAST_SHORT, "--epochs", "1",
-                      "--warmup-epochs", "0.5", "--warmup-steps", "0", "--nvtx", "--profile-steps", "1:3"])
+    monkeypatch.setattr(
+        profiling,
+        "markers",
+        lambda enabled: (
+            ((lambda name: events.append(name)), (lambda: events.append("pop")))
+            if enabled
+            else (profiling._nothing, profiling._nothing)
+        ),
+    )
+    cfg = parse_args(
+        [
+            "--data",
+            str(learnable_data),
+            "--out-dir",
+            str(tmp_path),
+            *FAST_SHORT,
+            "--epochs",
+            "1",
+            "--warmup-epochs",
+            "0.5",
+            "--warmup-steps",
+            "0",
+            "--nvtx",
+            "--profile-steps",
+            "1:3",
+        ]
+    )
     trainer.train(cfg, DistContext(0, 1, 0, torch.device("cpu"), None))
     names = [e for e in events if e != "pop"]
     assert names[:5] == ["data", "step", "forward", "backward", "optimizer"]
-    assert names.count("step") == names.count("forward") == names.count("backward") \
-        == names.count("optimizer") == 10  # 1000 / 100
+    assert (
+        names.count("step") == names.count("forward") == names.count("backward") == names.count("optimizer") == 10
+    )  # 1000 / 100
     assert events.count("pop") == len(names), "every range is closed"
 
 
 @pytest.mark.slow
 def test_profile_torch_end_to_end(learnable_data, tmp_path):
     out = tmp_path / "prof"
-    proc = subprocess.run([sys.executable, "scripts/profile_torch.py", "--skip", "2", "--steps", "2", "--top", "5",
-                           "--out", str(out), "--", "--data", str(learnable_data), *FAST_SHORT, "--epochs", "2",
-                           "--warmup-epochs", "0.5"], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/profile_torch.py",
+            "--skip",
+            "2",
+            "--steps",
+            "2",
+            "--top",
+            "5",
+            "--out",
+            str(out),
+            "--",
+            "--data",
+            str(learnable_data),
+            *FAST_SHORT,
+            "--epochs",
+            "2",
+            "--warmup-epochs",
+            "0.5",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "top 5 ops by self CPU time" in proc.stdout and "aten::" in proc.stdout
     trace = (out / "trace.json").read_text()
     assert trace.lstrip().startswith("{") and "ProfilerStep#" in trace
-    too_short = subprocess.run([sys.executable, "scripts/profile_torch.py", "--skip", "50", "--out", str(out), "--",
-                                "--data", str(learnable_data), *FAST_SHORT, "--epochs", "1", "--warmup-epochs", "0.5"],
-                               cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    too_short = subprocess.run(
+        [
+            sys.executable,
+            "scripts/profile_torch.py",
+            "--skip",
+            "50",
+            "--out",
+            str(out),
+            "--",
+            "--data",
+            str(learnable_data),
+            *FAST_SHORT,
+            "--epochs",
+            "1",
+            "--warmup-epochs",
+            "0.5",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert too_short.returncode == 2 and "the window needs 56" in too_short.stderr
 
 
@@ -100,15 +168,40 @@ def test_profile_nsys_script_runs_the_trainer_with_a_capture_window(learnable_da
     # A stand-in nsys: records its arguments, runs the profiled command without the profiler.
     fake = tmp_path / "bin" / "nsys"
     fake.parent.mkdir()
-    fake.write_text("#!/usr/bin/env bash\necho \"nsys $*\" >> \"$NSYS_LOG\"\n"
-                    "if [[ $1 == profile ]]; then shift; while [[ $1 == --* ]]; do shift; done; exec \"$@\"; fi\n")
+    fake.write_text(
+        '#!/usr/bin/env bash\necho "nsys $*" >> "$NSYS_LOG"\n'
+        'if [[ $1 == profile ]]; then shift; while [[ $1 == --* ]]; do shift; done; exec "$@"; fi\n'
+    )
     fake.chmod(0o755)
     e = env()
-    e.update(PATH=f"{fake.parent}{os.pathsep}{e['PATH']}", NSYS_LOG=str(tmp_path / "nsys.log"),
-             PYTHON=sys.executable, OUT=str(tmp_path / "report"))
-    proc = subprocess.run(["bash", "scripts/profile_nsys.sh", "2:4", "--", "--data", str(learnable_data),
-                           "--out-dir", str(tmp_path / "runs"), *FAST_SHORT, "--epochs", "1", "--warmup-epochs", "0.5"],
-                          cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    e.update(
+        PATH=f"{fake.parent}{os.pathsep}{e['PATH']}",
+        NSYS_LOG=str(tmp_path / "nsys.log"),
+        PYTHON=sys.executable,
+        OUT=str(tmp_path / "report"),
+    )
+    proc = subprocess.run(
+        [
+            "bash",
+            "scripts/profile_nsys.sh",
+            "2:4",
+            "--",
+            "--data",
+            str(learnable_data),
+            "--out-dir",
+            str(tmp_path / "runs"),
+            *FAST_SHORT,
+            "--epochs",
+            "1",
+            "--warmup-epochs",
+            "0.5",
+        ],
+        cwd=ROOT,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     log = (tmp_path / "nsys.log").read_text().splitlines()
     assert "--capture-range=cudaProfilerApi" in log[0] and "--nvtx --profile-steps 2:4" in log[0]

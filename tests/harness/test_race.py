@@ -31,14 +31,18 @@ ENV = {"device": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "torch": "2.11
 
 # --- statistics -------------------------------------------------------------------------------
 
+
 def test_summary_counts_the_runs_below_the_bar():
     s = race.summarize([94.5, 93.9, 94.1, 93.99], [1.0, 1.2, 1.1, 1.3], bar=94.0)
     assert s["runs"] == 4 and s["below_bar"] == 2 and s["acc_min"] == 93.9
-    assert s["acc_mean"] == pytest.approx(94.1225) and s["time_mean_s"] == pytest.approx(1.15) and s["time_max_s"] == 1.3
+    assert (
+        s["acc_mean"] == pytest.approx(94.1225) and s["time_mean_s"] == pytest.approx(1.15) and s["time_max_s"] == 1.3
+    )
     assert 0.0 < s["p_value"] < 1.0
 
 
 # --- the public scripts' printed results ------------------------------------------------------
+
 
 def test_hiverge_log_gives_its_timed_runs_without_the_warm_up_or_a_cut_off_row():
     raw = (LOGS / "hiverge.log").read_bytes().decode()
@@ -64,6 +68,7 @@ def test_a_log_without_the_table_gives_no_runs():
 
 
 # --- the edits the race may make ---------------------------------------------------------------
+
 
 def fake_script(peer) -> str:
     return f"import torch\n{peer.run_count[0]}\n" + "".join(f"    {old}\n" for old, _ in peer.other_edits)
@@ -102,29 +107,70 @@ def test_prepare_refuses_a_script_that_is_not_the_named_commit(tmp_path):
     (tmp_path / "scripts").mkdir(), (tmp_path / "images").mkdir()
     (tmp_path / "images" / "train.pt").write_bytes(b""), (tmp_path / "images" / "test.pt").write_bytes(b"")
     (tmp_path / "scripts" / "cifar10_speedrun.py").write_text("print('a newer record')\n")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "race.py"), "prepare", str(tmp_path / "scripts"),
-                           str(tmp_path / "work"), "--images", str(tmp_path / "images")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "race.py"),
+            "prepare",
+            str(tmp_path / "scripts"),
+            str(tmp_path / "work"),
+            "--images",
+            str(tmp_path / "images"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "is not hiverge/cifar10-speedrun:cifar10_speedrun.py at 06c6072" in proc.stderr
     assert not (tmp_path / "work" / "hiverge" / "cifar10_speedrun.py").exists()
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "race.py"), "prepare", str(tmp_path / "scripts"),
-                           str(tmp_path / "work"), "--images", str(tmp_path / "nothing")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "race.py"),
+            "prepare",
+            str(tmp_path / "scripts"),
+            str(tmp_path / "work"),
+            "--images",
+            str(tmp_path / "nothing"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "no train.pt (scripts/export_tensors.py writes it)" in proc.stderr
 
 
 # --- the report -------------------------------------------------------------------------------
 
-def write_runs(root: Path, preset: str, accs: list[float], train: float = 1.40, test: float = 0.07,
-               folder_name: str = "", **config) -> None:
+
+def write_runs(
+    root: Path, preset: str, accs: list[float], train: float = 1.40, test: float = 0.07, folder_name: str = "", **config
+) -> None:
     results = []
     for i, acc in enumerate(accs):
-        epochs = [EpochRecord(run=i + 1, epoch=e + 1, lr=0.1, train_time=train / 2, train_loss=1.0, train_acc=90.0,
-                              test_time=test, test_loss=0.5, test_acc=acc, total_train_time=train / 2 * (e + 1))
-                  for e in range(2)]
-        results.append(dataclasses.asdict(RunResult(run=i + 1, seed=i, test_acc=acc, train_time=train,
-                                                    wall_time=9.0, setup_time=4.0 + i, epochs=epochs)))
+        epochs = [
+            EpochRecord(
+                run=i + 1,
+                epoch=e + 1,
+                lr=0.1,
+                train_time=train / 2,
+                train_loss=1.0,
+                train_acc=90.0,
+                test_time=test,
+                test_loss=0.5,
+                test_acc=acc,
+                total_train_time=train / 2 * (e + 1),
+            )
+            for e in range(2)
+        ]
+        results.append(
+            dataclasses.asdict(
+                RunResult(
+                    run=i + 1, seed=i, test_acc=acc, train_time=train, wall_time=9.0, setup_time=4.0 + i, epochs=epochs
+                )
+            )
+        )
     folder = root / (folder_name or f"{preset}-runs") / "2026-11-26-x"
     folder.mkdir(parents=True)
     (folder / "summary.json").write_text(json.dumps({"config": {"preset": preset, **config}, "results": results}))
@@ -132,6 +178,7 @@ def write_runs(root: Path, preset: str, accs: list[float], train: float = 1.40, 
 
 def official(tmp_path: Path) -> Path:
     from conftest import write_official
+
     folder, _ = write_official(tmp_path / "data" / "cifar-10-batches-py", per_batch=2, n_test=2)
     return folder
 
@@ -142,14 +189,32 @@ def test_report_rows_count_fastcifar_as_the_public_scripts_count(tmp_path):
     for name in ("hiverge", "airbench94_muon"):  # airbench94 did not run (no copy, or no time)
         shutil.copy(LOGS / f"{name}.log", work / f"{name}.log")
     write_runs(work / "runs", "fast-muon320", [94.1, 94.3, 94.2, 94.4], train=1.40, test=0.07)
-    lines, rows, problems = race.report(work, work / "runs", official(tmp_path), call="visit 8", commit="abc1234",
-                                        env=ENV, today="2026-11-26")
+    lines, rows, problems = race.report(
+        work, work / "runs", official(tmp_path), call="visit 8", commit="abc1234", env=ENV, today="2026-11-26"
+    )
     assert problems == []
     assert [r["trainer"] for r in rows] == ["fastcifar:fast-muon320", "hiverge@06c6072", "airbench94_muon@f1c599c"]
     mine, hiverge, muon = rows
     for row in rows:  # what the issue asks of every row
-        for key in ("call", "date", "device", "driver", "torch", "triton", "data", "trainer", "runs", "acc_mean",
-                    "acc_std", "acc_min", "below_bar", "p_value", "time_mean_s", "time_max_s", "clock"):
+        for key in (
+            "call",
+            "date",
+            "device",
+            "driver",
+            "torch",
+            "triton",
+            "data",
+            "trainer",
+            "runs",
+            "acc_mean",
+            "acc_std",
+            "acc_min",
+            "below_bar",
+            "p_value",
+            "time_mean_s",
+            "time_max_s",
+            "clock",
+        ):
             assert key in row, (row["trainer"], key)
         assert row["data"] == "cifar10-official" and row["call"] == "visit 8" and row["commit"] == "abc1234"
         assert row["device"] == ENV["device"] and row["date"] == "2026-11-26"
@@ -159,7 +224,11 @@ def test_report_rows_count_fastcifar_as_the_public_scripts_count(tmp_path):
     assert mine["setup_first_s"] == pytest.approx(4.0) and mine["setup_mean_s"] == pytest.approx(5.5)
     assert mine["runs"] == 4 and mine["below_bar"] == 0 and mine["acc_mean"] == pytest.approx(94.25)
     assert mine["p_value"] == pytest.approx(t_sf(0.25 / (math.sqrt(0.05 / 3) / 2), 3))
-    assert hiverge["runs"] == 3 and hiverge["below_bar"] == 2 and hiverge["time_mean_s"] == pytest.approx(1.97393, abs=1e-5)
+    assert (
+        hiverge["runs"] == 3
+        and hiverge["below_bar"] == 2
+        and hiverge["time_mean_s"] == pytest.approx(1.97393, abs=1e-5)
+    )
     assert hiverge["ratio_fastcifar_fast-muon320"] == pytest.approx(1.47 / 1.9739333, rel=1e-6)
     assert muon["ratio_fastcifar_fast-muon320"] == pytest.approx(1.47 / 2.58)
     text = "\n".join(lines)
@@ -174,13 +243,19 @@ def test_report_races_fused_conv_runs_as_their_own_contender(tmp_path):
     work.mkdir()
     write_runs(work / "runs", "fast-muon320", [94.2, 94.3], train=1.40, folder_name="cudnn", fused_conv=False)
     write_runs(work / "runs", "fast-muon320", [94.1, 94.3], train=1.30, folder_name="fused", fused_conv=True)
-    lines, rows, problems = race.report(work, work / "runs", official(tmp_path), call="visit 9", commit="abc1234",
-                                        env=ENV, today="2026-11-26")
+    lines, rows, problems = race.report(
+        work, work / "runs", official(tmp_path), call="visit 9", commit="abc1234", env=ENV, today="2026-11-26"
+    )
     assert problems == []
     assert [r["trainer"] for r in rows] == ["fastcifar:fast-muon320", "fastcifar:fast-muon320 --fused-conv"]
     for row in rows:  # every row says where it was measured, a variant's too
         assert (row["call"], row["commit"], row["data"], row["device"], row["date"]) == (
-            "visit 9", "abc1234", "cifar10-official", ENV["device"], "2026-11-26"), row
+            "visit 9",
+            "abc1234",
+            "cifar10-official",
+            ENV["device"],
+            "2026-11-26",
+        ), row
     assert rows[1]["train_clock_mean_s"] == pytest.approx(1.30) and rows[1]["acc_mean"] == pytest.approx(94.2)
 
 
@@ -191,23 +266,44 @@ def test_report_screens_variants_of_a_preset_beside_it(tmp_path):
     work.mkdir()
     write_runs(work / "runs", "fast-muon320", [94.2, 94.4], train=1.40, folder_name="screen-0")
     write_runs(work / "runs", "fast-muon320", [94.0, 94.2], train=1.19, folder_name="screen-1", epochs=7)
-    write_runs(work / "runs", "fast-muon320", [93.9, 94.1], train=1.26, folder_name="screen-2",
-               widths=[64, 288, 288], seed=5, runs=10, data="elsewhere")  # seed, run count, data: not the recipe
+    write_runs(
+        work / "runs",
+        "fast-muon320",
+        [93.9, 94.1],
+        train=1.26,
+        folder_name="screen-2",
+        widths=[64, 288, 288],
+        seed=5,
+        runs=10,
+        data="elsewhere",
+    )  # seed, run count, data: not the recipe
     shutil.copy(LOGS / "airbench94.log", work / "airbench94.log")  # a peer's row after the variants
-    lines, rows, problems = race.report(work, work / "runs", official(tmp_path), call="visit 10", commit="abc1234",
-                                        env=ENV, today="2026-11-26")
+    lines, rows, problems = race.report(
+        work, work / "runs", official(tmp_path), call="visit 10", commit="abc1234", env=ENV, today="2026-11-26"
+    )
     assert problems == []
-    assert [r["trainer"] for r in rows] == ["fastcifar:fast-muon320", "fastcifar:fast-muon320 --epochs 7",
-                                            "fastcifar:fast-muon320 --widths 64,288,288", "airbench94@f1c599c"]
+    assert [r["trainer"] for r in rows] == [
+        "fastcifar:fast-muon320",
+        "fastcifar:fast-muon320 --epochs 7",
+        "fastcifar:fast-muon320 --widths 64,288,288",
+        "airbench94@f1c599c",
+    ]
     for row in rows:  # every row says where it was measured, after the variants too
         assert (row["call"], row["commit"], row["data"], row["device"], row["date"]) == (
-            "visit 10", "abc1234", "cifar10-official", ENV["device"], "2026-11-26"), row
+            "visit 10",
+            "abc1234",
+            "cifar10-official",
+            ENV["device"],
+            "2026-11-26",
+        ), row
     assert "variant_of" not in rows[0]
     assert rows[1]["variant_of"] == "fastcifar:fast-muon320"
     assert rows[1]["time_ratio_to_preset"] == pytest.approx(1.26 / 1.47)  # each with its final evaluation (0.07 s)
     assert rows[1]["acc_diff_to_preset"] == pytest.approx(-0.2)
-    assert "fastcifar:fast-muon320 --widths 64,288,288 beside fastcifar:fast-muon320: time x0.905, accuracy -0.30 points" \
+    assert (
+        "fastcifar:fast-muon320 --widths 64,288,288 beside fastcifar:fast-muon320: time x0.905, accuracy -0.30 points"
         in "\n".join(lines)
+    )
 
 
 def test_report_without_fastcifar_runs_fails_but_files_the_public_scripts(tmp_path):
@@ -217,9 +313,23 @@ def test_report_without_fastcifar_runs_fails_but_files_the_public_scripts(tmp_pa
     (work / "hiverge.log").write_text("Traceback (most recent call last):\n")
     jsonl = tmp_path / "official.jsonl"
     jsonl.write_text('{"earlier": "row"}\n')
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "race.py"), "report", str(work), "--fastcifar",
-                           str(work / "runs"), "--data", str(tmp_path / "jpeg"), "--jsonl", str(jsonl)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "race.py"),
+            "report",
+            str(work),
+            "--fastcifar",
+            str(work / "runs"),
+            "--data",
+            str(tmp_path / "jpeg"),
+            "--jsonl",
+            str(jsonl),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "PROBLEM: no fastcifar summary.json under" in proc.stdout
     assert "PROBLEM: hiverge: no finished run in" in proc.stdout

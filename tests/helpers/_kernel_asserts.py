@@ -23,9 +23,11 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1":
     from fastcifar.kernels.checks import interpreted
 
     if not interpreted():
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run the kernel tests with "
-                    "TRITON_INTERPRET=1 in the environment or in their own pytest process",
-                    allow_module_level=True)
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1 was set; run the kernel tests with "
+            "TRITON_INTERPRET=1 in the environment or in their own pytest process",
+            allow_module_level=True,
+        )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -80,7 +82,7 @@ def pool_windows(t: torch.Tensor) -> torch.Tensor:
     as the kernels' int8 argmax counts them."""
     n, c, h, w = t.shape
     ho, wo = h // 2, w // 2
-    return t[:, :, :2 * ho, :2 * wo].reshape(n, c, ho, 2, wo, 2).permute(0, 1, 2, 4, 3, 5).reshape(n, c, ho, wo, 4)
+    return t[:, :, : 2 * ho, : 2 * wo].reshape(n, c, ho, 2, wo, 2).permute(0, 1, 2, 4, 3, 5).reshape(n, c, ho, wo, 4)
 
 
 def near_tie_windows(a: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,11 +111,14 @@ def near_tie_windows(a: torch.Tensor, pre: torch.Tensor | None = None) -> torch.
     top = pool_windows(a).float().topk(2, dim=-1).values
     finfo = torch.finfo(a.dtype)
     _, exponent = torch.frexp(top[..., 0])
-    step = torch.clamp(torch.ldexp(torch.full_like(top[..., 0], finfo.eps), exponent - 1),
-                       min=finfo.tiny * finfo.eps)  # one unit in the last place of the largest
+    step = torch.clamp(
+        torch.ldexp(torch.full_like(top[..., 0], finfo.eps), exponent - 1), min=finfo.tiny * finfo.eps
+    )  # one unit in the last place of the largest
     near = ((top[..., 0] - top[..., 1]) <= step) & (top[..., 0] != 0)
     if pre is not None:
         near |= pool_windows(pre).float().amax(dim=-1).abs() <= finfo.tiny
     mask = torch.zeros(a.shape, dtype=torch.bool, device=a.device)
-    mask[:, :, :2 * ho, :2 * wo] = near[:, :, :, None, :, None].expand(n, c, ho, 2, wo, 2).reshape(n, c, 2 * ho, 2 * wo)
+    mask[:, :, : 2 * ho, : 2 * wo] = (
+        near[:, :, :, None, :, None].expand(n, c, ho, 2, wo, 2).reshape(n, c, 2 * ho, 2 * wo)
+    )
     return mask

@@ -12,12 +12,47 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # A recipe small enough for 2 CPU cores: narrow ResNet-9 (the seed preset), a few epochs, one
 # untimed warm-up step.
-SHORT = ["--preset", "resnet9", "--device", "cpu", "--widths", "8,16,32,64", "--batch-size", "100", "--epochs", "4",
-         "--warmup-epochs", "1", "--warmup-steps", "1", "--eval-batch-size", "200"]
+SHORT = [
+    "--preset",
+    "resnet9",
+    "--device",
+    "cpu",
+    "--widths",
+    "8,16,32,64",
+    "--batch-size",
+    "100",
+    "--epochs",
+    "4",
+    "--warmup-epochs",
+    "1",
+    "--warmup-steps",
+    "1",
+    "--eval-batch-size",
+    "200",
+]
 # The `fast` preset (airbench94's recipe) made as small: narrow FastNet, whitening from 200 images.
-FAST_SHORT = ["--preset", "fast", "--device", "cpu", "--widths", "16,32,32", "--batch-size", "100", "--epochs", "4",
-              "--warmup-epochs", "1", "--warmup-steps", "1", "--eval-batch-size", "200", "--whiten-images", "200",
-              "--whiten-bias-epochs", "2"]
+FAST_SHORT = [
+    "--preset",
+    "fast",
+    "--device",
+    "cpu",
+    "--widths",
+    "16,32,32",
+    "--batch-size",
+    "100",
+    "--epochs",
+    "4",
+    "--warmup-epochs",
+    "1",
+    "--warmup-steps",
+    "1",
+    "--eval-batch-size",
+    "200",
+    "--whiten-images",
+    "200",
+    "--whiten-bias-epochs",
+    "2",
+]
 
 
 def free_port() -> int:

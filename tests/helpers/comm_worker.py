@@ -86,16 +86,18 @@ def train(out: Path, bucket_sizes: list[float], ctx) -> None:
             opt.zero_grad(set_to_none=False)
         results[mb] = {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "trace": trace, "n_buckets": len(buckets),
+            "trace": trace,
+            "n_buckets": len(buckets),
             "bucket_params": [[names[p] for p in b.params] for b in buckets.buckets],
-            "views_kept": all(p.grad.data_ptr() == ptrs[n] and p.grad.stride() == p.stride()
-                              for n, p in model.named_parameters()),
+            "views_kept": all(
+                p.grad.data_ptr() == ptrs[n] and p.grad.stride() == p.stride() for n, p in model.named_parameters()
+            ),
         }
         buckets.remove()
     torch.save(results, out / f"rank{ctx.rank}.pt")
 
 
-TINY16 = 2.0 ** -24  # fp16's smallest subnormal, and the spacing of every value below 2^-14
+TINY16 = 2.0**-24  # fp16's smallest subnormal, and the spacing of every value below 2^-14
 
 
 def low_precision_inputs(rank: int) -> dict:
@@ -144,8 +146,11 @@ def low_precision(out: Path, ctx) -> None:
         params[name].grad.copy_(values[name])
         buckets._on_grad(params[name])
     buckets.finish()
-    results["set"] = {"inputs": values, "mean": {n: p.grad.clone() for n, p in params.items()},
-                      "n_buckets": len(buckets)}
+    results["set"] = {
+        "inputs": values,
+        "mean": {n: p.grad.clone() for n, p in params.items()},
+        "n_buckets": len(buckets),
+    }
     buckets.remove()
 
     g = torch.Generator().manual_seed(3)
@@ -161,7 +166,8 @@ def low_precision(out: Path, ctx) -> None:
             "mean": summed_loss_grad(w0, x_all[part], y_all[part], dtype, average=True),
             "one_process": summed_loss_grad(w0, x_all, y_all, dtype),  # the loss summed over all 8
             # sum over the 8 images of |each image's term|: what a sum's rounding errors scale with
-            "abs_terms": d_logits.abs().T @ x.abs()}
+            "abs_terms": d_logits.abs().T @ x.abs(),
+        }
     torch.save(results, out / f"low{ctx.rank}.pt")
 
 

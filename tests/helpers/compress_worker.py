@@ -22,20 +22,36 @@ from fastcifar.parallel.compress import SCOPES, Compression, make
 
 BUCKET_MB = 0.004  # SmallNet's 9.4 KB of gradients in 3 buckets: more than one collective per step
 # (name, method, options): K=1, V=0 and fp32 must give the uncompressed average bit for bit
-EXACT = [("fp32", "fp32", {}), ("topk1", "topk", {"ratio": 1.0}), ("threshold0", "threshold", {"threshold": 0.0}),
-         ("randomk1", "randomk", {"ratio": 1.0})]
+EXACT = [
+    ("fp32", "fp32", {}),
+    ("topk1", "topk", {"ratio": 1.0}),
+    ("threshold0", "threshold", {"threshold": 0.0}),
+    ("randomk1", "randomk", {"ratio": 1.0}),
+]
 # sparse and dense transports must agree (the same RNG draws on both)
-BOTH = [("topk", "topk", {"ratio": 0.1}), ("randomk", "randomk", {"ratio": 0.1}),
-        ("randomk_rank", "randomk", {"ratio": 0.1, "randomk_shared": False}),
-        ("threshold", "threshold", {"threshold": 0.05}), ("terngrad", "terngrad", {}),
-        ("qsgd", "qsgd", {"levels": 4}), ("fp16", "fp16", {}), ("bf16", "bf16", {})]
+BOTH = [
+    ("topk", "topk", {"ratio": 0.1}),
+    ("randomk", "randomk", {"ratio": 0.1}),
+    ("randomk_rank", "randomk", {"ratio": 0.1, "randomk_shared": False}),
+    ("threshold", "threshold", {"threshold": 0.05}),
+    ("terngrad", "terngrad", {}),
+    ("qsgd", "qsgd", {"levels": 4}),
+    ("fp16", "fp16", {}),
+    ("bf16", "bf16", {}),
+]
 # (name, method, options, error feedback): EF with the biased methods; the unbiased ones without it
 # (unbiased RandomK x 4 and QSGD with 8 levels diverged with EF here: their variance is > 1x |g|^2)
-LEARN = [("fp16", "fp16", {}, True), ("bf16", "bf16", {}, True), ("topk", "topk", {"ratio": 0.25}, True),
-         ("randomk", "randomk", {"ratio": 0.25, "randomk_unbiased": False}, True),
-         ("randomk_unbiased", "randomk", {"ratio": 0.25}, False),
-         ("threshold", "threshold", {"threshold": 0.02}, True), ("terngrad", "terngrad", {}, False),
-         ("qsgd", "qsgd", {"levels": 8}, False), ("powersgd", "powersgd", {"rank": 2}, True)]
+LEARN = [
+    ("fp16", "fp16", {}, True),
+    ("bf16", "bf16", {}, True),
+    ("topk", "topk", {"ratio": 0.25}, True),
+    ("randomk", "randomk", {"ratio": 0.25, "randomk_unbiased": False}, True),
+    ("randomk_unbiased", "randomk", {"ratio": 0.25}, False),
+    ("threshold", "threshold", {"threshold": 0.02}, True),
+    ("terngrad", "terngrad", {}, False),
+    ("qsgd", "qsgd", {"levels": 8}, False),
+    ("powersgd", "powersgd", {"rank": 2}, True),
+]
 
 
 def rank_batch(rank: int, step: int):
@@ -49,8 +65,7 @@ def averaged(method, options, scope, transport, rank, steps=2, ef=True):
     model = make_model()
     compression = None
     if method != "none":
-        compression = Compression(make(method, **options), scope=scope, error_feedback=ef, transport=transport,
-                                  seed=7)
+        compression = Compression(make(method, **options), scope=scope, error_feedback=ef, transport=transport, seed=7)
     buckets = GradBuckets(model.parameters(), bucket_mb=BUCKET_MB, compression=compression)
     for step in range(steps):
         buckets.zero_grad()
@@ -60,8 +75,9 @@ def averaged(method, options, scope, transport, rank, steps=2, ef=True):
     out = {"grads": [p.grad.clone() for p in model.parameters()], "n_buckets": len(buckets)}
     if compression is not None:
         out["stats"] = compression.summary()
-        out["residual"] = {k: v.clone() for k, v in (compression.memory.residual.items()
-                                                     if compression.memory is not None else [])}
+        out["residual"] = {
+            k: v.clone() for k, v in (compression.memory.residual.items() if compression.memory is not None else [])
+        }
         out["chunks"] = {i: [(c.start, c.length) for c in cs] for i, cs in compression._chunks.items()}
         out["bucket_numel"] = [b.numel for b in buckets.buckets]
     buckets.remove()

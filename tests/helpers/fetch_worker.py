@@ -25,12 +25,14 @@ def fake_download(root: Path, progress=print, spec=CIFAR10) -> Path:
     shutil.copyfile(os.environ["FAKE_ARCHIVE"], tmp)
     os.replace(tmp, root / spec.archive)
     with open(os.environ["FETCH_LOG"], "a") as log:
-        log.write(f"rank {os.environ.get('RANK')} local {os.environ.get('LOCAL_RANK')} "
-                  f"node {os.environ.get('GROUP_RANK')}\n")
+        log.write(
+            f"rank {os.environ.get('RANK')} local {os.environ.get('LOCAL_RANK')} node {os.environ.get('GROUP_RANK')}\n"
+        )
     return root / spec.archive
 
 
 if __name__ == "__main__":
     fastcifar.data.download = fake_download  # load_dataset's download, looked up when it is called
     from fastcifar.train import main
+
     sys.exit(main(sys.argv[1:]))

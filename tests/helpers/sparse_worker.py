@@ -39,8 +39,9 @@ def setup():
     torch.manual_seed(0)
     cfg = from_preset("resnet9", widths=(4, 8, 8, 8))
     model = make_network(cfg, NormActPool).to(memory_format=torch.channels_last)
-    opt = NesterovSGD(param_groups(model, cfg, PER_RANK), lr=0.02, momentum=0.9,
-                      weight_decay=cfg.weight_decay * PER_RANK)
+    opt = NesterovSGD(
+        param_groups(model, cfg, PER_RANK), lr=0.02, momentum=0.9, weight_decay=cfg.weight_decay * PER_RANK
+    )
     return model, opt
 
 
@@ -70,8 +71,16 @@ def equivalence(ctx):
     full = masks.top_k({n: torch.rand(p.shape) for n, p in params.items()}, 1.0, masks.forced_names(model, True))
     assert masks.count(full) == sum(p.numel() for p in params.values())
     opt.set_masks(full)
-    local = LocalSGD(params, list(model.buffers()), opt, every=1, merge="mean", momentum="keep",
-                     world_size=ctx.world_size, rank=ctx.rank)
+    local = LocalSGD(
+        params,
+        list(model.buffers()),
+        opt,
+        every=1,
+        merge="mean",
+        momentum="keep",
+        world_size=ctx.world_size,
+        rank=ctx.rank,
+    )
     local.set_masks([full])
     for x, y in batches(ctx.rank):
         step(model, opt, x, y)
@@ -95,8 +104,16 @@ def disjoint(ctx):
     scores = {n: torch.rand(p.shape, generator=torch.Generator().manual_seed(7)) for n, p in params.items()}
     dealt = masks.deal(scores, 0.05, forced, ctx.world_size)
     opt.set_masks(dealt[ctx.rank])
-    local = LocalSGD(params, list(model.buffers()), opt, every=2, merge="sum", momentum="reset",
-                     world_size=ctx.world_size, rank=ctx.rank)
+    local = LocalSGD(
+        params,
+        list(model.buffers()),
+        opt,
+        every=2,
+        merge="sum",
+        momentum="reset",
+        world_size=ctx.world_size,
+        rank=ctx.rank,
+    )
     local.set_masks(dealt, shared=forced)
     for i, (x, y) in enumerate(batches(ctx.rank)):
         step(model, opt, x, y)
@@ -128,9 +145,18 @@ def grad_mask_change(ctx, layout="shared"):
     and the merges no longer cover it: it stays equal on every rank only if its momentum does.
     Entries some rank's new mask covers (any rank's, in the disjoint layout) keep their momentum."""
     model, opt = setup()
-    cfg = from_preset("resnet9", widths=(4, 8, 8, 8), sparse_mask="random", sparse_fraction=0.05,
-                      sparse_update="grad", mask_every=1, local_steps=2, merge="mean", local_momentum="keep",
-                      mask_layout=layout)
+    cfg = from_preset(
+        "resnet9",
+        widths=(4, 8, 8, 8),
+        sparse_mask="random",
+        sparse_fraction=0.05,
+        sparse_update="grad",
+        mask_every=1,
+        local_steps=2,
+        merge="mean",
+        local_momentum="keep",
+        mask_layout=layout,
+    )
     log = SimpleNamespace(dir=None, meta={}, line=lambda text: None)
     run = SparseRun(cfg, model, opt, None, ctx, log, run=1, seed=0)  # random masks: no loader read
     start = {n: p.detach().clone() for n, p in run.params.items()}
@@ -150,8 +176,9 @@ def grad_mask_change(ctx, layout="shared"):
                 dist.all_gather(masks_everywhere, m.contiguous())
                 covered = torch.stack(masks_everywhere).any(0)
                 others += int((covered & ~m).sum())
-                assert torch.equal(b[covered], b0[covered]), \
+                assert torch.equal(b[covered], b0[covered]), (
                     f"epoch {epoch}: momentum of {name} inside a rank's new mask changed at the mask change"
+                )
                 inside = max(inside, float(torch.where(m, gap, 0).max()))
                 outside = max(outside, float(torch.where(covered, 0, gap).max()))
             if layout == "disjoint":
@@ -179,8 +206,12 @@ def main(argv):
     ctx = distributed.setup("cpu", timeout_s=60.0)
     try:
         for mode in argv:
-            {"equivalence": equivalence, "disjoint": disjoint, "grad_mask_change": grad_mask_change,
-             "grad_mask_change_disjoint": lambda ctx: grad_mask_change(ctx, "disjoint")}[mode](ctx)
+            {
+                "equivalence": equivalence,
+                "disjoint": disjoint,
+                "grad_mask_change": grad_mask_change,
+                "grad_mask_change_disjoint": lambda ctx: grad_mask_change(ctx, "disjoint"),
+            }[mode](ctx)
         return 0
     finally:
         distributed.teardown(ctx)

@@ -3,7 +3,6 @@ cutout in one pass, from the whole padded data set through an index tensor or fr
 fp32 must be exact (the kernel multiplies by the IEEE-rounded reciprocal of std, as the reference
 does); fp16 within 1 ulp."""
 
-
 import dataclasses
 
 import torch
@@ -39,28 +38,38 @@ def _params(batch, pad, cut, seed, size=32, brightness=0.0, contrast=0.0):
 def _ulp_fp16(ref):
     """One fp16 ulp at each reference value (the spacing above |ref|)."""
     r = ref.abs().half()
-    return (torch.nextafter(r, torch.full_like(r, float("inf"))).float() - r.float())
+    return torch.nextafter(r, torch.full_like(r, float("inf"))).float() - r.float()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("pad, mode, cut, use_index, jitter", [
-    (4, "reflect", 8, True, None), (4, "zero", 12, False, None), (2, "reflect", 0, True, None),
-    (0, "zero", 16, False, None),
-    # --brightness/--contrast: shift then scale per image, fp32 exact (the GPU kernel runs without fp fusion)
-    (2, "reflect", 0, True, (0.14, 0.13)), (4, "zero", 8, False, (0.5, 0.0)), (0, "zero", 0, True, (0.0, 0.4)),
-])
+@pytest.mark.parametrize(
+    "pad, mode, cut, use_index, jitter",
+    [
+        (4, "reflect", 8, True, None),
+        (4, "zero", 12, False, None),
+        (2, "reflect", 0, True, None),
+        (0, "zero", 16, False, None),
+        # --brightness/--contrast: shift then scale per image, fp32 exact (the GPU kernel runs without fp fusion)
+        (2, "reflect", 0, True, (0.14, 0.13)),
+        (4, "zero", 8, False, (0.5, 0.0)),
+        (0, "zero", 0, True, (0.0, 0.4)),
+    ],
+)
 def test_matches_reference(pad, mode, cut, use_index, jitter, dtype):
     data = _data(10, pad, mode, seed=pad + cut)
     batch = 7
     index = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(1)).to(DEVICE) if use_index else None
-    params = _params(batch if use_index else 10, pad, cut, seed=cut, **dict(zip(("brightness", "contrast"), jitter or ())))
+    params = _params(
+        batch if use_index else 10, pad, cut, seed=cut, **dict(zip(("brightness", "contrast"), jitter or ()))
+    )
     assert params.jitter == (jitter is not None)
     got = augment(data, params, cut, dtype=dtype, index=index)
     ref = augment_indexed_reference(data, params, cut, dtype=dtype, index=index)
     assert got.dtype == dtype and got.is_contiguous(memory_format=CL) and got.shape == ref.shape
     if jitter is not None:  # the jitter changed the images: the comparison below sees it
-        plain = augment_indexed_reference(data, dataclasses.replace(params, shift=None, scale=None), cut, dtype=dtype,
-                                          index=index)
+        plain = augment_indexed_reference(
+            data, dataclasses.replace(params, shift=None, scale=None), cut, dtype=dtype, index=index
+        )
         assert not torch.equal(plain, ref)
     where = f"pad={pad} {mode} cutout={cut} index={use_index} jitter={jitter} {dtype}"
     if dtype == torch.float32:
@@ -69,15 +78,18 @@ def test_matches_reference(pad, mode, cut, use_index, jitter, dtype):
         err = (got.float() - ref.float()).abs()
         ulp = _ulp_fp16(ref.float())
         bad = ~(err <= ulp)
-        assert not bool(bad.any()), (f"augment {where}: {int(bad.sum())} elements more than 1 fp16 ulp off; "
-                                     f"worst |diff| {float(err.max()):.3g}")
+        assert not bool(bad.any()), (
+            f"augment {where}: {int(bad.sum())} elements more than 1 fp16 ulp off; worst |diff| {float(err.max()):.3g}"
+        )
 
 
 def test_explicit_parameters_flip_and_corners():
     """Hand-picked parameters: crop corners, both flips, cutout at both corners."""
     data = _data(4, 4, "zero", seed=5)
     t = lambda *v: torch.tensor(v, dtype=torch.int64, device=DEVICE)  # noqa: E731
-    params = AugmentParams(dy=t(0, 8, 8, 3), dx=t(0, 8, 0, 5), flip=t(0, 1, 1, 0), cy=t(0, 24, 0, 11), cx=t(24, 0, 0, 7))
+    params = AugmentParams(
+        dy=t(0, 8, 8, 3), dx=t(0, 8, 0, 5), flip=t(0, 1, 1, 0), cy=t(0, 24, 0, 11), cx=t(24, 0, 0, 7)
+    )
     got = augment(data, params, 8, dtype=torch.float32)
     assert_close(got, augment_indexed_reference(data, params, 8), 0.0, "augment with explicit parameters")
 
@@ -87,7 +99,9 @@ def test_module_with_device_constants():
     index = torch.tensor([5, 0, 0, 3], device=DEVICE)
     params = _params(4, 4, 8, seed=3)
     mod = TritonAugment(8, dtype=torch.float32).to(DEVICE)
-    assert_close(mod(data, params, index), augment_indexed_reference(data, params, 8, index=index), 0.0, "TritonAugment")
+    assert_close(
+        mod(data, params, index), augment_indexed_reference(data, params, 8, index=index), 0.0, "TritonAugment"
+    )
 
 
 @pytest.mark.parametrize("size, channels, pad", [(12, 1, 2), (20, 2, 3), (8, 4, 0), (40, 3, 2)])
@@ -105,8 +119,8 @@ def test_other_sides_and_channel_counts(size, channels, pad, monkeypatch):
     def guarded_empty(shape, dtype, device):
         b, c, h, w = shape
         buf = torch.full((b * c * h * w + 4096,), float("nan"), dtype=dtype, device=device)
-        tail.append(buf[b * c * h * w:])
-        return buf[:b * c * h * w].view(b, h, w, c).permute(0, 3, 1, 2)  # channels-last, as _empty's
+        tail.append(buf[b * c * h * w :])
+        return buf[: b * c * h * w].view(b, h, w, c).permute(0, 3, 1, 2)  # channels-last, as _empty's
 
     monkeypatch.setattr(am, "_empty", guarded_empty)
     data = _data(9, pad, "reflect", seed=size, size=size, channels=channels)
@@ -120,15 +134,18 @@ def test_other_sides_and_channel_counts(size, channels, pad, monkeypatch):
     assert torch.isnan(tail[0]).all(), "written past the batch"
 
 
-@pytest.mark.parametrize("case, error, message", [
-    ("float_data", ValueError, "uint8"),
-    ("nchw_view", ValueError, "contiguous NHWC"),
-    ("uneven_pad", ValueError, "padded evenly"),
-    ("dtype", TypeError, "output dtype"),
-    ("cutout", ValueError, "cutout must be"),
-    ("params_len", ValueError, "params.cy must be a 1-D tensor of length 4"),
-    ("index_float", TypeError, "index must be one of"),
-])
+@pytest.mark.parametrize(
+    "case, error, message",
+    [
+        ("float_data", ValueError, "uint8"),
+        ("nchw_view", ValueError, "contiguous NHWC"),
+        ("uneven_pad", ValueError, "padded evenly"),
+        ("dtype", TypeError, "output dtype"),
+        ("cutout", ValueError, "cutout must be"),
+        ("params_len", ValueError, "params.cy must be a 1-D tensor of length 4"),
+        ("index_float", TypeError, "index must be one of"),
+    ],
+)
 def test_launcher_rejects(case, error, message):
     data = _data(6, 4, "zero")
     index = torch.tensor([5, 0, 0, 3], device=DEVICE)

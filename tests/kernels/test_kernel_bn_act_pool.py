@@ -5,14 +5,18 @@ Runs under TRITON_INTERPRET=1 when there is no GPU (set below, before triton is 
 GPU otherwise. Shapes are small so that the whole file takes seconds on 2 CPU cores.
 """
 
-
 import torch
 import torch.nn.functional as F
 
 
 import pytest  # noqa: E402
-from _kernel_asserts import (DEVICE, assert_close, near_tie_windows, needs_triton_backend,  # noqa: E402
-                             poisoned_empty)
+from _kernel_asserts import (
+    DEVICE,
+    assert_close,
+    near_tie_windows,
+    needs_triton_backend,  # noqa: E402
+    poisoned_empty,
+)
 
 from bench import kernel_registers  # noqa: E402
 import fastcifar.kernels.bn_act_pool as bap  # noqa: E402
@@ -107,8 +111,15 @@ def test_eval_mode_uses_running_stats(shape, act, pool, dtype):
 
 # The seed ResNet-9's blocks (channels, map, pool) at batch 2, and the fast recipes' pool-before-BN.
 RESNET9_BLOCKS = [
-    (64, 32, None), (128, 32, "after"), (128, 16, None), (256, 16, "after"), (512, 8, "after"), (512, 4, None),
-    (128, 32, "before"), (256, 16, "before"), (512, 8, "before"),
+    (64, 32, None),
+    (128, 32, "after"),
+    (128, 16, None),
+    (256, 16, "after"),
+    (512, 8, "after"),
+    (512, 4, None),
+    (128, 32, "before"),
+    (256, 16, "before"),
+    (512, 8, "before"),
 ]
 
 
@@ -183,13 +194,14 @@ def test_emulated_ranks_run_the_triton_block_once_per_rank():
     the kernel on each rank's chunk, with that rank's running statistics a row of a (ranks, C)
     table: outputs, every gradient and the running statistics as the per-rank torch block's."""
     from fastcifar.ops.norm_act_pool import per_rank
+
     torch.manual_seed(0)
     ref = per_rank(NormActPool, 3)(5, act="gelu", pool="before", momentum=0.4).to(DEVICE)
     mod = per_rank(TritonNormActPool, 3)(5, act="gelu", pool="before", momentum=0.4).to(DEVICE)
     mod.load_state_dict(ref.state_dict())
     for step in range(2):
         # the ranks' chunks are shifted apart: one batchnorm over all 6 images would differ
-        x = (torch.randn(6, 5, 6, 6, device=DEVICE) + torch.arange(6.0, device=DEVICE).view(6, 1, 1, 1) * 2)
+        x = torch.randn(6, 5, 6, 6, device=DEVICE) + torch.arange(6.0, device=DEVICE).view(6, 1, 1, 1) * 2
         dy = torch.randn(6, 5, 3, 3, device=DEVICE).contiguous(memory_format=CL)
         got = []
         for m in (ref, mod):
@@ -197,11 +209,20 @@ def test_emulated_ranks_run_the_triton_block_once_per_rank():
             m.zero_grad()
             y = m(xx)
             y.backward(dy)
-            got.append(dict(y=y, dx=xx.grad, dweight=m.weight.grad, dbias=m.bias.grad,
-                            running_mean=m.running_mean.clone(), running_var=m.running_var.clone()))
+            got.append(
+                dict(
+                    y=y,
+                    dx=xx.grad,
+                    dweight=m.weight.grad,
+                    dbias=m.bias.grad,
+                    running_mean=m.running_mean.clone(),
+                    running_var=m.running_var.clone(),
+                )
+            )
         for k in got[0]:
-            assert_close(got[1][k], got[0][k], 1e-5 if k.startswith("running") else TOL[torch.float32],
-                         f"{k} step {step}")
+            assert_close(
+                got[1][k], got[0][k], 1e-5 if k.startswith("running") else TOL[torch.float32], f"{k} step {step}"
+            )
     assert int(mod.num_batches_tracked) == 2
 
 
@@ -222,20 +243,23 @@ def _good():
     return dict(x=x, weight=vec(), bias=vec(), running_mean=vec(), running_var=vec())
 
 
-@pytest.mark.parametrize("case, error, message", [
-    ("nchw", ValueError, "channels-last"),
-    ("3d", ValueError, "4-D"),
-    ("fp64", TypeError, "float64"),
-    ("int", TypeError, "int32"),
-    ("sliced", ValueError, "channels-last"),
-    ("weight_fp16", ValueError, "weight must be a contiguous fp32"),
-    ("bias_shape", ValueError, "bias must be a contiguous fp32 tensor of shape (5,)"),
-    ("no_var", ValueError, "running_var is required"),
-    ("pool_1x1", ValueError, "at least 2x2"),
-    ("one_value", ValueError, "more than 1 value per channel"),
-    ("act", ValueError, "unknown activation"),
-    ("pool", ValueError, "pool must be one of"),
-])
+@pytest.mark.parametrize(
+    "case, error, message",
+    [
+        ("nchw", ValueError, "channels-last"),
+        ("3d", ValueError, "4-D"),
+        ("fp64", TypeError, "float64"),
+        ("int", TypeError, "int32"),
+        ("sliced", ValueError, "channels-last"),
+        ("weight_fp16", ValueError, "weight must be a contiguous fp32"),
+        ("bias_shape", ValueError, "bias must be a contiguous fp32 tensor of shape (5,)"),
+        ("no_var", ValueError, "running_var is required"),
+        ("pool_1x1", ValueError, "at least 2x2"),
+        ("one_value", ValueError, "more than 1 value per channel"),
+        ("act", ValueError, "unknown activation"),
+        ("pool", ValueError, "pool must be one of"),
+    ],
+)
 def test_launcher_rejects(case, error, message):
     a = _good()
     kw = dict(training=True, momentum=0.1, eps=1e-5, act="relu", pool=None)
@@ -274,7 +298,9 @@ def test_backward_launcher_rejects_wrong_dy():
     a = _good()
     y, saved = bn_act_pool_forward(**a, training=True, momentum=0.1, eps=1e-5, act="relu", pool="after")
     with pytest.raises(ValueError, match="dy must have shape"):
-        bn_act_pool_backward(torch.ones_like(a["x"]), saved, a["weight"], a["bias"], a["x"].shape, True, "relu", "after")
+        bn_act_pool_backward(
+            torch.ones_like(a["x"]), saved, a["weight"], a["bias"], a["x"].shape, True, "relu", "after"
+        )
     with pytest.raises(TypeError, match="dy must be"):
         bn_act_pool_backward(y.half(), saved, a["weight"], a["bias"], a["x"].shape, True, "relu", "after")
     with pytest.raises(ValueError, match="channels-last"):
@@ -315,8 +341,10 @@ def test_resnet9_trains_like_torch_path():
     state = ResNet9(widths=(8, 16, 16, 32)).state_dict()
     g = torch.Generator().manual_seed(1)
     # one batch seen 4 times: the model memorizes it, so the loss must fall
-    batch = (torch.randn(8, 3, 32, 32, generator=g).to(DEVICE).contiguous(memory_format=CL),
-             torch.randint(0, 10, (8,), generator=g).to(DEVICE))
+    batch = (
+        torch.randn(8, 3, 32, 32, generator=g).to(DEVICE).contiguous(memory_format=CL),
+        torch.randint(0, 10, (8,), generator=g).to(DEVICE),
+    )
     batches = [batch] * 4
 
     grads = []
@@ -331,12 +359,15 @@ def test_resnet9_trains_like_torch_path():
     ref_losses, losses = _train(ref_model, batches), _train(model, batches)
     assert ref_losses[-1] < ref_losses[0], f"the reference itself did not learn: {ref_losses}"
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= 1e-3 * abs(b), f"loss at step {i}: triton {a:.7f} vs torch {b:.7f}; curves {losses} vs {ref_losses}"
+        assert abs(a - b) <= 1e-3 * abs(b), (
+            f"loss at step {i}: triton {a:.7f} vs torch {b:.7f}; curves {losses} vs {ref_losses}"
+        )
     ref_state = ref_model.state_dict()
     for k, v in model.state_dict().items():
         if k.endswith("num_batches_tracked"):  # both count in NormActPool.step_momentum
-            assert int(v) == 4 and int(ref_state[k]) == 4, \
+            assert int(v) == 4 and int(ref_state[k]) == 4, (
                 f"{k} = {int(v)} (triton) / {int(ref_state[k])} (torch) after 4 steps"
+            )
             continue
         assert_close(v, ref_state[k], 1e-3, f"{k} after 4 steps")
 
@@ -348,8 +379,7 @@ def _compare_own_stats(shape, dtype, act, pool, seed=0, tol=None):
     batch mean/var cannot pass by being fed to both sides), and so are the running statistics."""
     x, weight, bias, rm, rv, dy = _inputs(shape, dtype, seed, out_pool=pool)
     momentum, eps = 0.1, 1e-5
-    _, (_, _, mean, rstd) = bn_act_pool_forward(x, weight, bias, rm.clone(), rv.clone(), True, momentum, eps,
-                                                act, pool)
+    _, (_, _, mean, rstd) = bn_act_pool_forward(x, weight, bias, rm.clone(), rv.clone(), True, momentum, eps, act, pool)
     where = f"shape={shape} {dtype} act={act} pool={pool}"
     # the max-pool is exact in any dtype, so pooling before the float64 cast is the kernel's input
     normed = (F.max_pool2d(x, 2) if pool == "before" else x).double()
@@ -370,15 +400,20 @@ def _compare_own_stats(shape, dtype, act, pool, seed=0, tol=None):
         with torch.no_grad():
             pre = bn_reference_with_stats(x, weight, bias, mean, rstd, eps)  # for the ReLU's kink
             ties = near_tie_windows(activation(pre, act), pre if act == "relu" else None)
-        assert float(ties.float().mean()) < 1e-2, f"{float(ties.float().mean()):.2%} of dx exempt as near-ties [{where}]"
+        assert float(ties.float().mean()) < 1e-2, (
+            f"{float(ties.float().mean()):.2%} of dx exempt as near-ties [{where}]"
+        )
         got["dx"], ref["dx"] = got["dx"][~ties], ref["dx"][~ties]
     for k in ("y", "dx", "dweight", "dbias"):
         assert_close(got[k], ref[k], tol or TOL[dtype], f"{k} [{where} (kernel's own statistics)]")
     # running statistics: momentum update with the float64 batch mean and unbiased variance
-    assert_close(got["running_mean"], (1 - momentum) * rm.double() + momentum * mean64, 1e-5,
-                 f"running_mean [{where}]")
-    assert_close(got["running_var"], (1 - momentum) * rv.double() + momentum * var64 * count / (count - 1), 1e-5,
-                 f"running_var [{where}]")
+    assert_close(got["running_mean"], (1 - momentum) * rm.double() + momentum * mean64, 1e-5, f"running_mean [{where}]")
+    assert_close(
+        got["running_var"],
+        (1 - momentum) * rv.double() + momentum * var64 * count / (count - 1),
+        1e-5,
+        f"running_var [{where}]",
+    )
 
 
 # 1e-12: `fast`'s bn_eps; 0.5: large enough that a gradient path ignoring ``eps`` fails the check
@@ -404,11 +439,16 @@ def test_near_tie_windows_marks_only_windows_whose_top_two_are_a_step_apart():
     never a window with a clear winner, never the row/column the pool drops."""
     one = 1.0
     ulp = torch.finfo(torch.float16).eps  # at 1.0
-    a = torch.tensor([[one, one, 0.2, 0.9, 0.0],  # window 0: tie; window 1: clear winner
-                      [0.5, 0.1, 0.3, 0.1, 0.0],
-                      [one + ulp, 0.0, 3.0, 3.0 - 4 * ulp, 0.0],  # window 2: one ulp apart; window 3: two ulps (2^-9) apart
-                      [one, 0.3, 0.1, 0.2, 0.0],
-                      [9.0, 9.0, 9.0, 9.0, 9.0]], dtype=torch.float16).view(1, 1, 5, 5)
+    a = torch.tensor(
+        [
+            [one, one, 0.2, 0.9, 0.0],  # window 0: tie; window 1: clear winner
+            [0.5, 0.1, 0.3, 0.1, 0.0],
+            [one + ulp, 0.0, 3.0, 3.0 - 4 * ulp, 0.0],  # window 2: one ulp apart; window 3: two ulps (2^-9) apart
+            [one, 0.3, 0.1, 0.2, 0.0],
+            [9.0, 9.0, 9.0, 9.0, 9.0],
+        ],
+        dtype=torch.float16,
+    ).view(1, 1, 5, 5)
     mask = near_tie_windows(a)[0, 0]
     assert mask[:2, :2].all() and not mask[:2, 2:4].any()
     assert mask[2:4, :2].all() and not mask[2:4, 2:4].any()
@@ -422,8 +462,10 @@ def test_near_tie_windows_marks_a_relu_winner_at_its_kink():
     whose largest input is clearly negative (all zeros, gradient 0 either way) or clearly positive
     is not."""
     tiny = torch.finfo(torch.float16).tiny
-    pre = torch.tensor([[tiny / 2, -0.5, -tiny, -0.3, -0.01, -0.5, 0.7, -0.2],
-                        [-0.1, -0.2, -0.4, -0.9, -0.02, -0.5, 0.1, 0.3]], dtype=torch.float16).view(1, 1, 2, 8)
+    pre = torch.tensor(
+        [[tiny / 2, -0.5, -tiny, -0.3, -0.01, -0.5, 0.7, -0.2], [-0.1, -0.2, -0.4, -0.9, -0.02, -0.5, 0.1, 0.3]],
+        dtype=torch.float16,
+    ).view(1, 1, 2, 8)
     mask = near_tie_windows(torch.relu(pre), pre)[0, 0]
     assert mask[:, 0:2].all() and mask[:, 2:4].all()  # a tiny positive winner; all zeros from -tiny
     assert not mask[:, 4:6].any() and not mask[:, 6:8].any()  # -0.01: clearly off; 0.7: clearly on
@@ -453,7 +495,9 @@ def test_own_stats_reference_odd_shape_fp16(pool):
 # resnet9 (ReLU) at 512, fast (GELU; FastNet 64/256/256 after the 2x2 whitening conv: 31x31 maps)
 # at 1024.
 @pytest.mark.cuda
-@pytest.mark.parametrize("block", list(dict.fromkeys(kernel_registers.PRESET_BLOCKS)), ids=lambda b: f"{b[0]}x{b[1]}x{b[2]}-{b[3]}-{b[4]}")
+@pytest.mark.parametrize(
+    "block", list(dict.fromkeys(kernel_registers.PRESET_BLOCKS)), ids=lambda b: f"{b[0]}x{b[1]}x{b[2]}-{b[3]}-{b[4]}"
+)
 def test_preset_shapes_fp16_cuda(block):
     """Full-size shapes (int32 overflow of element offsets, many stage-1 chunks) on the GPU, against
     the reference that uses the kernel's own statistics: cuDNN's batchnorm sums in another order,

@@ -31,8 +31,14 @@ from fastcifar.core.config import DEFAULT_PRESET  # noqa: E402
 def rows():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "bench/kernel_registers.py", "--set", "ci", "--arch", "80,90", "--json"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "bench/kernel_registers.py", "--set", "ci", "--arch", "80,90", "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = out.stdout.strip().splitlines()
     assert lines, f"no output (exit {out.returncode}):\n{out.stderr[-3000:]}"
     return json.loads(lines[-1]), out
@@ -46,8 +52,17 @@ def test_every_variant_compiles_to_a_cubin_for_both_archs(rows):
     archs = {r["arch"] for r in rows}
     assert archs == {"sm_80", "sm_90"}
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"_stats_kernel", "_stats_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel",
-                       "_bwd_finalize_kernel", "_bwd_dx_kernel", "_augment_kernel", "_cutout_kernel", "_conv_stats_kernel"}
+    assert kernels == {
+        "_stats_kernel",
+        "_stats_finalize_kernel",
+        "_apply_kernel",
+        "_bwd_reduce_kernel",
+        "_bwd_finalize_kernel",
+        "_bwd_dx_kernel",
+        "_augment_kernel",
+        "_cutout_kernel",
+        "_conv_stats_kernel",
+    }
     assert all(r["cubin_bytes"] > 0 and r["ptx_bytes"] > 0 and r["registers"] > 0 for r in rows)
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -55,9 +70,11 @@ def test_every_variant_compiles_to_a_cubin_for_both_archs(rows):
 @pytest.mark.slow
 def test_no_variant_spills(rows):
     rows, _ = rows
-    spilled = [f"{r['arch']} {r['variant']} ({r['from']}): {r['registers']} registers, "
-               f"{r['spill_store_bytes']} B spill stores, {r['spill_load_bytes']} B spill loads"
-               for r in aot.problems(rows)[1]]
+    spilled = [
+        f"{r['arch']} {r['variant']} ({r['from']}): {r['registers']} registers, "
+        f"{r['spill_store_bytes']} B spill stores, {r['spill_load_bytes']} B spill loads"
+        for r in aot.problems(rows)[1]
+    ]
     assert not spilled, "register spills:\n" + "\n".join(spilled)
 
 
@@ -118,8 +135,18 @@ def test_out_files_record_the_commit(tmp_path, monkeypatch, capsys):
     git commit, like every other file in bench/results/. The sweep is replaced: nothing compiles."""
     from bench.common import environment
 
-    row = {"arch": "sm_90", "kernel": "_k", "variant": "_k[fp16]", "from": "call", "registers": 40,
-           "stack_bytes": 0, "spill_store_bytes": 0, "spill_load_bytes": 0, "shared_bytes": 0, "compile_s": 0.1}
+    row = {
+        "arch": "sm_90",
+        "kernel": "_k",
+        "variant": "_k[fp16]",
+        "from": "call",
+        "registers": 40,
+        "stack_bytes": 0,
+        "spill_store_bytes": 0,
+        "spill_load_bytes": 0,
+        "shared_bytes": 0,
+        "compile_s": 0.1,
+    }
 
     def sweep(archs, which, log, on_row):
         on_row(row)
@@ -140,9 +167,11 @@ def test_out_files_record_the_commit(tmp_path, monkeypatch, capsys):
 def test_ptxas_report_parsing():
     from fastcifar.kernels.aot import parse_ptxas
 
-    log = ("ptxas info    : Function properties for k\n"
-           "    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
-           "ptxas info    : Used 72 registers, used 1 barriers, 16 bytes cumulative stack size\n")
+    log = (
+        "ptxas info    : Function properties for k\n"
+        "    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+        "ptxas info    : Used 72 registers, used 1 barriers, 16 bytes cumulative stack size\n"
+    )
     assert parse_ptxas(log) == {"registers": 72, "stack_bytes": 16, "spill_store_bytes": 8, "spill_load_bytes": 12}
     with pytest.raises(ValueError, match="no register"):
         parse_ptxas("ptxas info    : 0 bytes gmem\n")
@@ -175,9 +204,15 @@ def traced(preset: str, kind: type, record) -> list:
     return seen
 
 
-@pytest.mark.parametrize("preset,blocks,act", [("fast", "FAST_BLOCKS", "gelu"), ("resnet9", "RESNET9_BLOCKS", "relu"),
-                                               ("fast-muon320", "MUON320_BLOCKS", "gelu"),
-                                               (DEFAULT_PRESET, "DEFAULT_BLOCKS", "gelu")])
+@pytest.mark.parametrize(
+    "preset,blocks,act",
+    [
+        ("fast", "FAST_BLOCKS", "gelu"),
+        ("resnet9", "RESNET9_BLOCKS", "relu"),
+        ("fast-muon320", "MUON320_BLOCKS", "gelu"),
+        (DEFAULT_PRESET, "DEFAULT_BLOCKS", "gelu"),
+    ],
+)
 def test_the_shape_lists_are_the_presets_blocks(preset, blocks, act):
     """aot's shape lists (what the compile sweep, the CUDA kernel tests and the kernel benchmark
     use) are each preset's real normalize blocks, each distinct one once in order: (batch,
@@ -196,6 +231,7 @@ def test_the_conv_list_is_the_default_presets_convs():
     its normalize block), read from the network itself at the preset's batch on one GPU."""
     from fastcifar.ops.norm_act_pool import ConvBlock
 
-    seen = traced(DEFAULT_PRESET, ConvBlock,
-                  lambda m, x: (m.conv.in_channels, m.conv.out_channels, x.shape[2], m.norm.pool))
+    seen = traced(
+        DEFAULT_PRESET, ConvBlock, lambda m, x: (m.conv.in_channels, m.conv.out_channels, x.shape[2], m.norm.pool)
+    )
     assert seen == aot.DEFAULT_CONVS

@@ -10,15 +10,26 @@ imported), on the GPU otherwise. Shapes are small so that the whole file takes s
 import pytest
 import torch
 import torch.nn.functional as F
-from _kernel_asserts import (DEVICE, assert_close, near_tie_windows, needs_triton_backend,  # noqa: E402
-                             poisoned_empty, pool_windows)
+from _kernel_asserts import (
+    DEVICE,
+    assert_close,
+    near_tie_windows,
+    needs_triton_backend,  # noqa: E402
+    poisoned_empty,
+    pool_windows,
+)
 
 from bench import kernel_registers  # noqa: E402
 import fastcifar.kernels.bn_act_pool as bap  # noqa: E402
 import fastcifar.kernels.conv_stats as cs  # noqa: E402
 from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
-from fastcifar.kernels.conv_stats import (TritonConvBlock, conv_bn_act_pool,  # noqa: E402
-                                          conv_bn_act_pool_reference, conv_stats_forward, fusable)
+from fastcifar.kernels.conv_stats import (
+    TritonConvBlock,
+    conv_bn_act_pool,  # noqa: E402
+    conv_bn_act_pool_reference,
+    conv_stats_forward,
+    fusable,
+)
 from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool, activation, per_rank  # noqa: E402
 
 pytestmark = needs_triton_backend
@@ -64,8 +75,14 @@ def _combine(partials, rows):
 
 
 # (batch, C_in, C_out, H, W); 40 input channels: two K blocks a tap in fp16 too (BLOCK_K 32)
-CONV_SHAPES = [(3, 5, 7, 7, 7), (1, 24, 16, 6, 6), (2, 3, 20, 9, 8), (2, 24, 70, 5, 5), (4, 8, 8, 12, 12),
-               (2, 40, 24, 6, 6)]
+CONV_SHAPES = [
+    (3, 5, 7, 7, 7),
+    (1, 24, 16, 6, 6),
+    (2, 3, 20, 9, 8),
+    (2, 24, 70, 5, 5),
+    (4, 8, 8, 12, 12),
+    (2, 40, 24, 6, 6),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -85,7 +102,7 @@ def test_conv_output_pool_and_statistics(shape, pool, dtype):
         assert int(idx.min()) >= 0 and int(idx.max()) <= 3, f"argmax outside 0..3 [{where}]"
         at_idx = windows.gather(-1, idx.long().cpu()[..., None].to(windows.device)).squeeze(-1)
         assert_close(at_idx, out, CONV_TOL[dtype], f"reference value at the argmax [{where}]")
-        clear = ~near_tie_windows(ref)[:, :, :2 * ho:2, :2 * wo:2]  # one flag per window
+        clear = ~near_tie_windows(ref)[:, :, : 2 * ho : 2, : 2 * wo : 2]  # one flag per window
         assert torch.equal(idx.long()[clear], windows.argmax(-1)[clear]), f"argmax [{where}]"
     else:
         assert idx is None
@@ -110,6 +127,7 @@ def test_several_tiles_per_program_fold_their_statistics(monkeypatch, pool, dtyp
     def tiling(n):
         rows = n * (side // 2 if pool else side) ** 2
         return cs.conv_tiling(4, 6, rows, pool is not None, cs.launch_for(dtype))[3:]
+
     # the smallest batch where both programs walk several tiles and the last walks fewer
     n = next(n for n in range(1, 100) if tiling(n)[0] % tiling(n)[1] and tiling(n)[1] > 1 and tiling(n)[2] == 2)
     x, wt = _conv_inputs((n, 4, 6, side, side), dtype, seed=3)
@@ -130,8 +148,7 @@ def _run(fn, x, wt, weight, bias, rm, rv, dy, training, act, pool):
     rm, rv = rm.clone(), rv.clone()
     y = fn(x, wt, weight, bias, rm, rv, training, 0.1, 1e-5, act, pool)
     y.backward(dy)
-    return dict(y=y, dx=x.grad, dfilter=wt.grad, dweight=weight.grad, dbias=bias.grad, running_mean=rm,
-                running_var=rv)
+    return dict(y=y, dx=x.grad, dfilter=wt.grad, dweight=weight.grad, dbias=bias.grad, running_mean=rm, running_var=rv)
 
 
 def _block_inputs(shape, dtype, seed):
@@ -207,11 +224,17 @@ def test_launcher_rejections():
         (lambda: conv_stats_forward(x, wt[:, :, :2, :2].contiguous(), True), ValueError, "odd square"),
         (lambda: conv_stats_forward(x, wt[:, :3].contiguous(), True), ValueError, "input channels"),
         (lambda: conv_stats_forward(x, wt.half(), True), TypeError, "like x"),
-        (lambda: conv_stats_forward(x[:, :, :1, :1].contiguous(memory_format=CL), wt, True, "before"), ValueError,
-         "at least 2x2"),
+        (
+            lambda: conv_stats_forward(x[:, :, :1, :1].contiguous(memory_format=CL), wt, True, "before"),
+            ValueError,
+            "at least 2x2",
+        ),
         (lambda: conv_stats_forward(x, wt, True, "middle"), ValueError, "pool must be"),
-        (lambda: conv_stats_forward(x[:1, :, :1, :1].contiguous(memory_format=CL), wt, True), ValueError,
-         "more than 1 value"),
+        (
+            lambda: conv_stats_forward(x[:1, :, :1, :1].contiguous(memory_format=CL), wt, True),
+            ValueError,
+            "more than 1 value",
+        ),
     ]
     for call, error, words in cases:
         with pytest.raises(error, match=words):
@@ -263,16 +286,25 @@ def test_fused_default_preset_steps_like_the_unfused_one(monkeypatch):
     device = torch.device(DEVICE)
     cfg = from_preset(widths=(8, 16, 16), kernels="triton")
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 3, 32, 32, generator=g).to(device).contiguous(memory_format=CL),
-                torch.randint(0, 10, (4,), generator=g).to(device)) for _ in range(3)]
+    batches = [
+        (
+            torch.randn(4, 3, 32, 32, generator=g).to(device).contiguous(memory_format=CL),
+            torch.randint(0, 10, (4,), generator=g).to(device),
+        )
+        for _ in range(3)
+    ]
     results = []
     for fused in (False, True):
         torch.manual_seed(0)
         model = build_model(dataclasses.replace(cfg, fused_conv=fused), device, torch.float32)
         start = {k: v.clone() for k, v in model.state_dict().items()}
         assert sum(isinstance(m, TritonConvBlock) for m in model.modules()) == (6 if fused else 0)
-        step = make_step(model, make_optimizer(model, cfg, 4, peak=0.01),
-                         DeviceSchedule([0.01, 0.008, 0.006], device), cfg.label_smoothing)
+        step = make_step(
+            model,
+            make_optimizer(model, cfg, 4, peak=0.01),
+            DeviceSchedule([0.01, 0.008, 0.006], device),
+            cfg.label_smoothing,
+        )
         losses = []
         for i, (images, labels) in enumerate(batches):
             model.whiten.bias.requires_grad_(i == 0)

@@ -1,7 +1,6 @@
 """kernels/cutout.py against cutout_reference: output and gradient, odd shapes, clipping at the
 border, NaN-poisoned outputs, launcher rejections. Interpreter on CPU, the GPU when there is one."""
 
-
 import torch
 
 
@@ -21,8 +20,10 @@ def _poison(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("shape, size", [((1, 5, 7, 7), 3), ((3, 24, 6, 6), 4), ((3, 3, 32, 32), 8),
-                                         ((2, 64, 32, 32), 12), ((3, 5, 7, 7), 0)])
+@pytest.mark.parametrize(
+    "shape, size",
+    [((1, 5, 7, 7), 3), ((3, 24, 6, 6), 4), ((3, 3, 32, 32), 8), ((2, 64, 32, 32), 12), ((3, 5, 7, 7), 0)],
+)
 def test_forward_backward_match_reference(shape, size, dtype):
     g = torch.Generator().manual_seed(sum(shape) + size)
     n, c, h, w = shape
@@ -50,13 +51,16 @@ def test_module_and_int32_positions():
     assert_close(Cutout(3)(x, cy, cx), cutout_reference(x, cy.long(), cx.long(), 3), 0.0, "Cutout module, int32")
 
 
-@pytest.mark.parametrize("case, error, message", [
-    ("nchw", ValueError, "channels-last"),
-    ("uint8", TypeError, "uint8"),
-    ("cy_len", ValueError, "cy must have shape (3,)"),
-    ("cx_float", TypeError, "cx must be int32 or int64"),
-    ("size", ValueError, "non-negative int"),
-])
+@pytest.mark.parametrize(
+    "case, error, message",
+    [
+        ("nchw", ValueError, "channels-last"),
+        ("uint8", TypeError, "uint8"),
+        ("cy_len", ValueError, "cy must have shape (3,)"),
+        ("cx_float", TypeError, "cx must be int32 or int64"),
+        ("size", ValueError, "non-negative int"),
+    ],
+)
 def test_launcher_rejects(case, error, message):
     x = torch.randn(3, 5, 7, 7, device=DEVICE).contiguous(memory_format=CL)
     cy = torch.zeros(3, dtype=torch.int64, device=DEVICE)

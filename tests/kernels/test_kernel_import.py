@@ -41,10 +41,12 @@ def test_kernel_files_do_not_import_the_model_or_a_top_level_kernels():
     assert KERNEL_FILES, "no kernel files found"
     for path in KERNEL_FILES:
         names = _imports(path)
-        assert not any(n == "fastcifar.models.blocks" or n.startswith("fastcifar.models.blocks.") for n in names), \
+        assert not any(n == "fastcifar.models.blocks" or n.startswith("fastcifar.models.blocks.") for n in names), (
             f"{path.name} imports fastcifar.models.blocks (the import circle of issue 11)"
-        assert not any(n == "kernels" or n.startswith("kernels.") for n in names), \
+        )
+        assert not any(n == "kernels" or n.startswith("kernels.") for n in names), (
             f"{path.name} imports the top-level 'kernels' name"
+        )
 
 
 def test_import_graph_helper_sees_relative_and_absolute_imports(tmp_path):
@@ -55,10 +57,18 @@ def test_import_graph_helper_sees_relative_and_absolute_imports(tmp_path):
 
 
 def test_importing_kernels_does_not_load_the_model():
-    code = ("import sys, fastcifar.kernels.bn_act_pool, fastcifar.kernels.augment, fastcifar.kernels.cutout;"
-            "print('fastcifar.models.blocks' in sys.modules, 'kernels' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}, timeout=300)
+    code = (
+        "import sys, fastcifar.kernels.bn_act_pool, fastcifar.kernels.augment, fastcifar.kernels.cutout;"
+        "print('fastcifar.models.blocks' in sys.modules, 'kernels' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"},
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
 
@@ -74,9 +84,23 @@ def test_wheel_installs_kernels_under_fastcifar(tmp_path):
         shutil.copytree(ROOT / name, src / name, ignore=skip)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                          "--wheel-dir", str(tmp_path), str(src)],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (wheel,) = tmp_path.glob("fastcifar-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -109,8 +133,7 @@ print(tuple(y.shape), interpreted(), "TRITON_INTERPRET" in os.environ)
     env["PYTHONPATH"] = str(ROOT)
     env["CUDA_VISIBLE_DEVICES"] = ""  # the machine without a GPU this is about (CI's), also on one with
     env["FASTCIFAR_ALLOW_INTERPRETER"] = "1"  # resolve_kernels refuses the interpreter unless asked for
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["(2,", "8,", "2,", "2)", "True", "False"], out.stdout
 
@@ -130,8 +153,7 @@ else:
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("refused:") and "triton was imported before its interpreter" in out.stdout, out.stdout
     assert out.stdout.count("\n") == 1, out.stdout

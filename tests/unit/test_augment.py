@@ -4,7 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from fastcifar.ops.augment import (CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference, draw_params, normalize, pad_images)
+from fastcifar.ops.augment import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    AugmentParams,
+    augment_reference,
+    draw_params,
+    normalize,
+    pad_images,
+)
 from fastcifar.data.loader import EvalSet, TorchLoader
 
 
@@ -74,7 +82,7 @@ def test_draw_params_ranges_and_rates():
         counts = torch.bincount(v, minlength=high + 1).float()
         expected = 20000 / (high + 1)
         # 6 standard deviations of a binomial count: a wrong range or rate fails, chance does not
-        assert (counts - expected).abs().max() < 6 * expected ** 0.5, (name, counts)
+        assert (counts - expected).abs().max() < 6 * expected**0.5, (name, counts)
     off = draw_params(10, pad=0, cutout=0, generator=g, device="cpu", flip=False)
     assert not any(getattr(off, n).any() for n in ("dy", "dx", "flip", "cy", "cx"))
 
@@ -83,8 +91,9 @@ def test_jitter_draws_come_after_the_others_within_their_ranges():
     """--brightness/--contrast: a shift uniform in [-B, B] and a scale uniform in [1 - C, 1 + C] per
     image, drawn after the crop, flip and cutout draws, which stay those of a run without jitter."""
     plain = draw_params(20000, pad=4, cutout=8, generator=torch.Generator().manual_seed(3), device="cpu")
-    p = draw_params(20000, pad=4, cutout=8, generator=torch.Generator().manual_seed(3), device="cpu",
-                    brightness=0.14, contrast=0.13)
+    p = draw_params(
+        20000, pad=4, cutout=8, generator=torch.Generator().manual_seed(3), device="cpu", brightness=0.14, contrast=0.13
+    )
     assert plain.shift is None and plain.scale is None and not plain.jitter and p.jitter
     assert all(torch.equal(getattr(p, f), getattr(plain, f)) for f in ("dy", "dx", "flip", "cy", "cx"))
     assert p.shift.dtype == p.scale.dtype == torch.float32
@@ -93,7 +102,7 @@ def test_jitter_draws_come_after_the_others_within_their_ranges():
     # uniform: each fifth of the range holds a fifth of the draws, within 6 standard deviations
     for v, lo, hi in ((p.shift, -0.14, 0.14), (p.scale, 0.87, 1.13)):
         counts = torch.histc(v, bins=5, min=lo, max=hi)
-        assert (counts - 4000).abs().max() < 6 * 4000 ** 0.5, counts
+        assert (counts - 4000).abs().max() < 6 * 4000**0.5, counts
     only = draw_params(100, pad=0, cutout=0, generator=torch.Generator().manual_seed(3), device="cpu", contrast=0.5)
     assert not only.shift.any() and only.scale.min() >= 0.5 and not torch.equal(only.scale, torch.ones(100))
     with pytest.raises(ValueError, match="must not be negative"):
@@ -119,20 +128,45 @@ def test_a_jittering_loader_gives_the_reference_of_its_epochs_draws():
     """The torch loader (reference and Triton kernels) applies the epoch plan's jitter: each batch is
     augment_reference of its images with that plan's slice, and differs from the same loader without it."""
     from fastcifar.data.loader import epoch_plan
+
     rng = np.random.default_rng(4)
     images = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    make = lambda kernels, **jitter: TorchLoader(images, np.arange(12), np.arange(12), 4, 3, pad=2,  # noqa
-                                                 pad_mode="reflect", cutout=4, flip=True, dtype=torch.float32,
-                                                 device=device, kernels=kernels, **jitter)
+    make = lambda kernels, **jitter: TorchLoader(
+        images,
+        np.arange(12),
+        np.arange(12),
+        4,
+        3,
+        pad=2,  # noqa
+        pad_mode="reflect",
+        cutout=4,
+        flip=True,
+        dtype=torch.float32,
+        device=device,
+        kernels=kernels,
+        **jitter,
+    )
     loader = make("torch", brightness=0.3, contrast=0.2)
     loader.set_epoch(5, 1)
-    order, plan = epoch_plan(5, 0, 1, 12, 12, pad=2, cutout=4, flip=True, flip_mode="random",
-                             shard_index=torch.arange(12), brightness=0.3, contrast=0.2)
+    order, plan = epoch_plan(
+        5,
+        0,
+        1,
+        12,
+        12,
+        pad=2,
+        cutout=4,
+        flip=True,
+        flip_mode="random",
+        shard_index=torch.arange(12),
+        brightness=0.3,
+        contrast=0.2,
+    )
     padded = pad_images(torch.from_numpy(images), 2, "reflect")
     batches = list(loader)
     for step, (x, y) in enumerate(batches):
-        idx = order[step * 4:(step + 1) * 4]
+        idx = order[step * 4 : (step + 1) * 4]
         assert torch.equal(y.cpu(), torch.from_numpy(np.arange(12))[idx])
         ref = augment_reference(padded[idx], plan.part(step * 4, (step + 1) * 4), 4)
         torch.testing.assert_close(x.cpu(), ref, rtol=0, atol=0)
@@ -150,8 +184,19 @@ def test_loader_epochs_shapes_and_shuffles():
     images = rng.integers(0, 256, (50, 32, 32, 3), dtype=np.uint8)
     labels = np.arange(50) % 10
     shard = np.arange(0, 50, 2)
-    loader = TorchLoader(images, labels, shard, batch_size=8, steps_per_epoch=3, pad=4, pad_mode="reflect",
-                         cutout=8, flip=True, dtype=torch.float32, device=torch.device("cpu"))
+    loader = TorchLoader(
+        images,
+        labels,
+        shard,
+        batch_size=8,
+        steps_per_epoch=3,
+        pad=4,
+        pad_mode="reflect",
+        cutout=8,
+        flip=True,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     loader.set_epoch(0, 0)
     first = list(loader)
     assert len(first) == 3 and all(x.shape == (8, 3, 32, 32) and y.shape == (8,) for x, y in first)
@@ -176,8 +221,19 @@ def test_an_epoch_prepared_ahead_is_the_epoch_drawn_at_its_start(device):
     another epoch's iteration neither uses nor drops it."""
     rng = np.random.default_rng(1)
     images = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
-    make = lambda: TorchLoader(images, np.arange(40) % 10, np.arange(40), 8, 4, pad=4, pad_mode="reflect",  # noqa
-                               cutout=8, flip=True, dtype=torch.float32, device=torch.device(device))
+    make = lambda: TorchLoader(
+        images,
+        np.arange(40) % 10,
+        np.arange(40),
+        8,
+        4,
+        pad=4,
+        pad_mode="reflect",  # noqa
+        cutout=8,
+        flip=True,
+        dtype=torch.float32,
+        device=torch.device(device),
+    )
     drawn_then, ahead = make(), make()
     drawn_then.set_epoch(5, 2)
     want = list(drawn_then)
@@ -203,8 +259,19 @@ def test_preparing_an_epoch_does_not_wait_for_the_gpu_and_survives_pinned_reuse(
     its copy ran would corrupt it). Not a test of pinning itself: at this size (196 KB) a copy from
     pageable memory returned early too (H100, driver 580, 2026-11-22)."""
     images = np.random.default_rng(2).integers(0, 256, (4096, 32, 32, 3), dtype=np.uint8)
-    loader = TorchLoader(images, np.arange(4096) % 10, np.arange(4096), 512, 8, pad=4, pad_mode="reflect",
-                         cutout=8, flip=True, dtype=torch.float16, device=torch.device("cuda"))
+    loader = TorchLoader(
+        images,
+        np.arange(4096) % 10,
+        np.arange(4096),
+        512,
+        8,
+        pad=4,
+        pad_mode="reflect",
+        cutout=8,
+        flip=True,
+        dtype=torch.float16,
+        device=torch.device("cuda"),
+    )
     want_order, want_params = loader._device_plan(5, 2)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)
@@ -223,8 +290,20 @@ def test_loader_with_triton_kernels_equals_the_reference():
     images = rng.integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)
     # Triton runs CPU tensors only in a process without a GPU (its interpreter); the GPU where there is one
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    make = lambda kernels: TorchLoader(images, np.arange(6), np.arange(6), 3, 2, pad=4, pad_mode="reflect",  # noqa
-                                       cutout=8, flip=True, dtype=torch.float32, device=device, kernels=kernels)
+    make = lambda kernels: TorchLoader(
+        images,
+        np.arange(6),
+        np.arange(6),
+        3,
+        2,
+        pad=4,
+        pad_mode="reflect",  # noqa
+        cutout=8,
+        flip=True,
+        dtype=torch.float32,
+        device=device,
+        kernels=kernels,
+    )
     fused, ref = make("triton"), make("torch")
     assert fused.fused is not None and ref.fused is None
     for (a, ya), (b, yb) in zip(fused, ref):  # same seed: same order and parameters
@@ -234,16 +313,28 @@ def test_loader_with_triton_kernels_equals_the_reference():
 
 def test_loader_rejects_too_many_steps():
     with pytest.raises(ValueError, match="need 30 images"):
-        TorchLoader(np.zeros((10, 32, 32, 3), np.uint8), np.zeros(10, np.int64), np.arange(10), 10, 3,
-                    pad=4, pad_mode="reflect", cutout=8, flip=True, dtype=torch.float32,
-                    device=torch.device("cpu"))
+        TorchLoader(
+            np.zeros((10, 32, 32, 3), np.uint8),
+            np.zeros(10, np.int64),
+            np.arange(10),
+            10,
+            3,
+            pad=4,
+            pad_mode="reflect",
+            cutout=8,
+            flip=True,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
 
 
 def test_eval_set_splits_over_ranks():
     images = np.zeros((11, 32, 32, 3), np.uint8)
     labels = np.arange(11)
-    parts = [EvalSet(images, labels, 4, dtype=torch.float32, device=torch.device("cpu"), rank=r, world_size=3)
-             for r in range(3)]
+    parts = [
+        EvalSet(images, labels, 4, dtype=torch.float32, device=torch.device("cpu"), rank=r, world_size=3)
+        for r in range(3)
+    ]
     got = sorted(torch.cat([y for p in parts for _, y in p]).tolist())
     assert got == list(range(11))
     assert [len(p) for p in parts] == [1, 1, 1]

@@ -39,12 +39,16 @@ def test_custom_op_passes_opcheck(pool, training):
     weight.requires_grad_(), bias.requires_grad_()
     stats = torch.zeros(c, device=DEVICE), torch.ones(c, device=DEVICE)
     args = (x, weight, bias, *stats, training, 0.4, 1e-12, "gelu", pool)
-    torch.library.opcheck(torch.ops.fastcifar.bn_act_pool_fwd.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(
+        torch.ops.fastcifar.bn_act_pool_fwd.default,
+        args,
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
 
 
 def test_custom_op_matches_the_kernel_and_its_gradients():
     from fastcifar.kernels.bn_act_pool import bn_act_pool_reference
+
     c = 6
     x = nhwc(4, c, 6, 6, seed=1)
     weight, bias = (torch.rand(c) + 0.5).to(DEVICE), torch.randn(c).to(DEVICE)
@@ -77,8 +81,10 @@ def tiny_step(cfg, norm, compile_backend=None, seed=0):
 
 # Triton runs CPU tensors only in a process without a GPU (its interpreter): on a GPU machine the
 # CUDA-graph test at the end covers the compiled step of both presets instead.
-triton_on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors needs a machine "
-                                   "without a GPU (the CUDA test below runs instead)")
+triton_on_cpu = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="Triton on CPU tensors needs a machine without a GPU (the CUDA test below runs instead)",
+)
 
 
 @triton_on_cpu
@@ -121,6 +127,7 @@ def test_inductor_compiles_the_step_around_the_custom_op():
 @pytest.mark.parametrize("preset", ["fast", "fast-muon"])  # the CPU tests of both skip where there is a GPU
 def test_compiled_step_in_a_cuda_graph_equals_eager(preset):
     from fastcifar.run.graphs import StaticBatch, TrainStep
+
     cfg = from_preset(preset, widths=(16, 32, 32), compile=True)
     dev = torch.device("cuda")
     runs = []
@@ -158,12 +165,14 @@ class _PoolHead(torch.nn.Module):
     def __init__(self):
         super().__init__()
         from fastcifar.ops.norm_act_pool import NormActPool
+
         self.conv = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.norm = NormActPool(8, act="gelu", eps=1e-12)
         self.fc = torch.nn.Linear(8, 10, bias=False)
 
     def forward(self, x):
         from fastcifar.ops.norm_act_pool import global_max_pool
+
         return self.fc(global_max_pool(self.norm(self.conv(x))))
 
 

@@ -59,8 +59,22 @@ def recorded(tmp_path, monkeypatch):
     monkeypatch.setattr(components, "for_run", for_run)
     monkeypatch.setattr(TrainStep, "warm_up_and_capture", capture)
     monkeypatch.setattr(train, "synchronize", lambda device: events.append("clock"))
-    argv = [*FAST_SHORT, "--epochs", "2", "--batch-size", "50", "--data", str(data), "--out-dir", str(tmp_path / "runs"),
-            "--quiet", "--loader", "torch", "--checkpoint-every", "1"]
+    argv = [
+        *FAST_SHORT,
+        "--epochs",
+        "2",
+        "--batch-size",
+        "50",
+        "--data",
+        str(data),
+        "--out-dir",
+        str(tmp_path / "runs"),
+        "--quiet",
+        "--loader",
+        "torch",
+        "--checkpoint-every",
+        "1",
+    ]
     cfg = parse_args([str(a) for a in argv])
     ctx = distributed.setup("cpu", 60)
     try:
@@ -82,8 +96,9 @@ def test_hooks_sit_where_the_clock_and_the_capture_put_them(recorded):
 
 def test_the_run_components_and_their_order(recorded):
     _, members, _ = recorded
-    assert members == [["RunHooks", "SparseRun", "StepWindow", "LossGuard", "Checkpoints", "SyncCleanup",
-                        "Watchdog", "ModelFile"]]
+    assert members == [
+        ["RunHooks", "SparseRun", "StepWindow", "LossGuard", "Checkpoints", "SyncCleanup", "Watchdog", "ModelFile"]
+    ]
 
 
 def test_components_call_only_overridden_after_step():
@@ -108,4 +123,5 @@ def test_start_takes_a_resumes_epoch():
     class Resume(Component):
         def start(self, result):
             return 3
+
     assert Components([Component(), Resume(), Component()]).start(None) == 3

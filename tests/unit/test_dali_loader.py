@@ -17,9 +17,16 @@ import pytest
 import torch
 
 from fastcifar.data import dali as dl
-from fastcifar.ops.augment import (CIFAR10_MEAN, CIFAR10_STD, draw_params, normalize, pad_images, augment_reference)
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params, normalize, pad_images, augment_reference
 from fastcifar.data import shard_indices
-from fastcifar.data.dali import (DaliLoader, DaliUnavailableError, JpegDecodeError, dali_available, decode_jpegs, resolve_loader)
+from fastcifar.data.dali import (
+    DaliLoader,
+    DaliUnavailableError,
+    JpegDecodeError,
+    dali_available,
+    decode_jpegs,
+    resolve_loader,
+)
 
 HAVE_DALI, WHY = dali_available()
 # the exception's kind only: its message may name a library's path outside the repository
@@ -50,6 +57,7 @@ def pinned(pad: int, cutout: int, flip: bool, seed: int = 0, size: int = 32, **j
 
 
 # ---- loader resolution (no DALI needed) ----
+
 
 def test_resolve_loader_explicit_and_auto(monkeypatch):
     assert resolve_loader("torch", "cuda") == ("torch", None)
@@ -90,6 +98,7 @@ def test_constructing_without_dali_raises_one_line(monkeypatch):
 
 # ---- the training pipeline ----
 
+
 @needs_dali
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_shapes_dtypes_layout(dtype):
@@ -103,7 +112,7 @@ def test_shapes_dtypes_layout(dtype):
 
 
 @needs_dali
-@pytest.mark.parametrize("dtype,ulp", [(torch.float32, 2.0 ** -22), (torch.float16, 2.0 ** -9)])
+@pytest.mark.parametrize("dtype,ulp", [(torch.float32, 2.0**-22), (torch.float16, 2.0**-9)])
 def test_normalization_matches_reference(dtype, ulp):
     """No augmentation: the output is (x - mean) / std of the image its label names, within 1 ulp
     (DALI multiplies by 1/std; the reference divides). |output| < 4, so ``ulp`` is one ulp at 2..4."""
@@ -117,27 +126,48 @@ def test_normalization_matches_reference(dtype, ulp):
 
 
 @needs_dali
-@pytest.mark.parametrize("pad,pad_mode,cutout,flip", [
-    (4, "reflect", 8, True), (4, "zero", 8, True), (2, "reflect", 5, True), (3, "zero", 0, False),
-    (4, "reflect", 0, True), (0, "zero", 8, False)])
+@pytest.mark.parametrize(
+    "pad,pad_mode,cutout,flip",
+    [
+        (4, "reflect", 8, True),
+        (4, "zero", 8, True),
+        (2, "reflect", 5, True),
+        (3, "zero", 0, False),
+        (4, "reflect", 0, True),
+        (0, "zero", 8, False),
+    ],
+)
 def test_augmentation_exact_against_reference(pad, pad_mode, cutout, flip):
     """Pinned parameters: DALI's crop/flip/cutout equal augment_reference bit for bit (batch of 5)."""
     images = random_images(23, seed=2)
     params_fn, drawn = pinned(pad, cutout, flip)
-    loader = DaliLoader(images, np.arange(23), None, 5, pad=pad, pad_mode=pad_mode, cutout=cutout, flip=flip,
-                        params_fn=params_fn, **IDENTITY)
+    loader = DaliLoader(
+        images,
+        np.arange(23),
+        None,
+        5,
+        pad=pad,
+        pad_mode=pad_mode,
+        cutout=cutout,
+        flip=flip,
+        params_fn=params_fn,
+        **IDENTITY,
+    )
     padded = pad_images(torch.from_numpy(images), pad, pad_mode)
     for epoch in range(2):
         loader.set_epoch(0, epoch)
         for step, (x, y) in enumerate(loader):
             ref = augment_reference(padded[y], drawn[epoch, step], cutout, **IDENTITY)
             bad = (x != ref).any(dim=1).nonzero()
-            assert len(bad) == 0, f"epoch {epoch} step {step}: {len(bad)} pixels differ, first (b, y, x) {bad[0].tolist()}"
+            assert len(bad) == 0, (
+                f"epoch {epoch} step {step}: {len(bad)} pixels differ, first (b, y, x) {bad[0].tolist()}"
+            )
 
 
 @needs_dali
-@pytest.mark.parametrize("cutout,jitter", [(8, dict(brightness=0.3, contrast=0.2)), (0, dict(brightness=0.5)),
-                                           (0, dict(contrast=0.4))])
+@pytest.mark.parametrize(
+    "cutout,jitter", [(8, dict(brightness=0.3, contrast=0.2)), (0, dict(brightness=0.5)), (0, dict(contrast=0.4))]
+)
 def test_jitter_exact_against_reference(cutout, jitter):
     """--brightness/--contrast: DALI adds each image's shift and multiplies by its scale in float32,
     bit for bit the reference's, before the cutout; the loader's own draws are the torch loader's."""
@@ -150,32 +180,61 @@ def test_jitter_exact_against_reference(cutout, jitter):
         ref = augment_reference(padded[y], drawn[0, step], cutout, **IDENTITY)
         assert torch.equal(x, ref), f"step {step}: max |dali - reference| {(x - ref).abs().max().item():.3g}"
     from fastcifar.data.loader import TorchLoader
+
     own = DaliLoader(images, np.arange(23), None, 5, pad=2, cutout=cutout, **jitter, **IDENTITY)
-    torch_loader = TorchLoader(images, np.arange(23), np.arange(23), 5, 4, pad=2, pad_mode="reflect", cutout=cutout,
-                               flip=True, dtype=torch.float32, device=torch.device("cpu"), **jitter, **IDENTITY)
+    torch_loader = TorchLoader(
+        images,
+        np.arange(23),
+        np.arange(23),
+        5,
+        4,
+        pad=2,
+        pad_mode="reflect",
+        cutout=cutout,
+        flip=True,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        **jitter,
+        **IDENTITY,
+    )
     for (a, ya), (b, yb) in zip(own, torch_loader):
         assert torch.equal(ya, yb) and torch.equal(a, b)
 
 
 @needs_dali
 def test_pinned_jitter_must_match_the_loaders():
-    jittering = DaliLoader(random_images(10), np.arange(10), None, 5, brightness=0.1,
-                           params_fn=lambda e, s, b: draw_params(b, 4, 8, torch.Generator(), "cpu"))
+    jittering = DaliLoader(
+        random_images(10),
+        np.arange(10),
+        None,
+        5,
+        brightness=0.1,
+        params_fn=lambda e, s, b: draw_params(b, 4, 8, torch.Generator(), "cpu"),
+    )
     with pytest.raises(ValueError, match="shift and scale must be given"):
         next(iter(jittering))
-    plain = DaliLoader(random_images(10), np.arange(10), None, 5,
-                       params_fn=lambda e, s, b: draw_params(b, 4, 8, torch.Generator(), "cpu", contrast=0.1))
+    plain = DaliLoader(
+        random_images(10),
+        np.arange(10),
+        None,
+        5,
+        params_fn=lambda e, s, b: draw_params(b, 4, 8, torch.Generator(), "cpu", contrast=0.1),
+    )
     with pytest.raises(ValueError, match="shift and scale must be None"):
         next(iter(plain))
 
     def bad(shift):
         p = draw_params(5, 4, 8, torch.Generator(), "cpu", brightness=0.1)
         return p.__class__(p.dy, p.dx, p.flip, p.cy, p.cx, shift=shift, scale=torch.ones(len(shift)))
+
     for shift, what in ((torch.zeros(4), "shape \\(4,\\)"), (torch.tensor([0.0, 0, float("nan"), 0, 0]), "finite")):
-        loader = DaliLoader(random_images(10), np.arange(10), None, 5, brightness=0.1,
-                            params_fn=lambda e, s, b, shift=shift: bad(shift))
-        with pytest.raises(ValueError, match=f"shift must be 5 finite values.*{what}" if what != "finite" else
-                           "shift must be 5 finite values"):
+        loader = DaliLoader(
+            random_images(10), np.arange(10), None, 5, brightness=0.1, params_fn=lambda e, s, b, shift=shift: bad(shift)
+        )
+        with pytest.raises(
+            ValueError,
+            match=f"shift must be 5 finite values.*{what}" if what != "finite" else "shift must be 5 finite values",
+        ):
             next(iter(loader))
 
 
@@ -187,11 +246,14 @@ def test_fp16_cutout_is_erased_in_float32_and_rounded_once(cutout, monkeypatch):
     pipeline is built from. With a cutout, normalize emits float32, erase works there and one cast
     rounds to float16; without one, normalize emits float16 itself (no extra pass)."""
     from nvidia.dali import fn, types
+
     built = []
     for name in ("crop_mirror_normalize", "erase", "cast"):
+
         def recorded(*args, _name=name, _op=getattr(fn, name), **kwargs):
             built.append((_name, kwargs.get("dtype")))
             return _op(*args, **kwargs)
+
         monkeypatch.setattr(fn, name, recorded)
     loader = DaliLoader(random_images(20, seed=3), np.arange(20), None, 10, cutout=cutout, dtype=torch.float16)
     if cutout:
@@ -201,10 +263,14 @@ def test_fp16_cutout_is_erased_in_float32_and_rounded_once(cutout, monkeypatch):
     x, _ = next(iter(loader))
     assert x.dtype == torch.float16
     built.clear()  # the jitter, too, works in float32 and rounds once, with or without a cutout
-    jittering = DaliLoader(random_images(20, seed=3), np.arange(20), None, 10, cutout=cutout, dtype=torch.float16,
-                           brightness=0.2)
-    assert built == [("crop_mirror_normalize", types.FLOAT), *([("erase", None)] if cutout else []),
-                     ("cast", types.FLOAT16)]
+    jittering = DaliLoader(
+        random_images(20, seed=3), np.arange(20), None, 10, cutout=cutout, dtype=torch.float16, brightness=0.2
+    )
+    assert built == [
+        ("crop_mirror_normalize", types.FLOAT),
+        *([("erase", None)] if cutout else []),
+        ("cast", types.FLOAT16),
+    ]
     assert next(iter(jittering))[0].dtype == torch.float16
 
 
@@ -216,7 +282,7 @@ def test_augmentation_fp16_with_cifar_statistics():
     padded = pad_images(torch.from_numpy(images), 4, "reflect")
     for step, (x, y) in enumerate(loader):
         ref = augment_reference(padded[y], drawn[0, step], 8, dtype=torch.float16)
-        assert (x.float() - ref.float()).abs().max().item() <= 2.0 ** -9  # one fp16 ulp at 2..4
+        assert (x.float() - ref.float()).abs().max().item() <= 2.0**-9  # one fp16 ulp at 2..4
 
 
 @needs_dali
@@ -258,7 +324,10 @@ def recover_params(out: np.ndarray, pad: int, cutout: int):
         return np.where(lo == hi, lo, -1)
 
     dy = constant((raw[..., 0] - 10) // 7 + pad - i)
-    straight, mirrored = constant((raw[..., 1] - 10) // 7 + pad - j), constant((raw[..., 1] - 10) // 7 + pad - (size - 1 - j))
+    straight, mirrored = (
+        constant((raw[..., 1] - 10) // 7 + pad - j),
+        constant((raw[..., 1] - 10) // 7 + pad - (size - 1 - j)),
+    )
     assert (dy >= 0).all(), "an output is not a crop of its source (rows)"
     assert ((straight >= 0) ^ (mirrored >= 0)).all(), "an output is not a crop or a mirrored crop"
     flip = (mirrored >= 0).astype(np.int64)
@@ -275,7 +344,9 @@ def assert_uniform(values: np.ndarray, high: int, name: str) -> None:
     assert (counts > 0).all(), f"{name} never takes {np.flatnonzero(counts == 0).tolist()}"
     p = 1 / (high + 1)
     mean, sigma = len(values) * p, np.sqrt(len(values) * p * (1 - p))
-    assert (np.abs(counts - mean) < 6 * sigma).all(), f"{name} counts {counts.tolist()} vs {mean:.0f} +- {6 * sigma:.0f}"
+    assert (np.abs(counts - mean) < 6 * sigma).all(), (
+        f"{name} counts {counts.tolist()} vs {mean:.0f} +- {6 * sigma:.0f}"
+    )
 
 
 @needs_dali
@@ -283,8 +354,18 @@ def test_random_parameters_are_distributed_as_the_recipe():
     """Recovered from the pixels, end to end: flip rate 1/2, crop offsets uniform 0..8, cutout corners
     uniform 0..24, the two offsets independent of each other, fresh draws every epoch (seeded)."""
     n, pad, cutout = 4096, 4, 8
-    loader = DaliLoader(coded_images(n), np.arange(n), None, 512, pad=pad, pad_mode="zero", cutout=cutout,
-                        mean=(-1.0, -1.0, -1.0), std=(1.0, 1.0, 1.0), seed=123)
+    loader = DaliLoader(
+        coded_images(n),
+        np.arange(n),
+        None,
+        512,
+        pad=pad,
+        pad_mode="zero",
+        cutout=cutout,
+        mean=(-1.0, -1.0, -1.0),
+        std=(1.0, 1.0, 1.0),
+        seed=123,
+    )
     per_epoch = []
     for epoch in range(2):
         loader.set_epoch(123, epoch)
@@ -294,8 +375,12 @@ def test_random_parameters_are_distributed_as_the_recipe():
         per_epoch.append([p[order] for p in params])  # by image id
     for dy, dx, flip, cy, cx in per_epoch:
         assert abs(flip.mean() - 0.5) < 0.05, f"flip rate {flip.mean():.3f}"  # sigma 0.0078: 6.4 sigma
-        for values, high, name in ((dy, 2 * pad, "dy"), (dx, 2 * pad, "dx"), (cy, 32 - cutout, "cy"),
-                                   (cx, 32 - cutout, "cx")):
+        for values, high, name in (
+            (dy, 2 * pad, "dy"),
+            (dx, 2 * pad, "dx"),
+            (cy, 32 - cutout, "cy"),
+            (cx, 32 - cutout, "cx"),
+        ):
             assert_uniform(values, high, name)
         # a shared draw would make these 1.0; independent ones give 1/9 and 1/25 (sigma <= 0.005)
         assert abs((dy == dx).mean() - 1 / 9) < 0.05 and abs((cy == cx).mean() - 1 / 25) < 0.03
@@ -338,8 +423,10 @@ def test_an_epoch_prepared_ahead_feeds_the_same_batches():
 @pytest.mark.parametrize("n,world", [(120, 3), (125, 3), (64, 1)])
 def test_sharding_every_image_once_per_epoch_and_fixed_shards(n, world):
     images, batch = random_images(n, seed=5), 8
-    loaders = [DaliLoader(images, np.arange(n), shard_indices(n, r, world), batch, n // world // batch,
-                          rank=r, seed=11) for r in range(world)]
+    loaders = [
+        DaliLoader(images, np.arange(n), shard_indices(n, r, world), batch, n // world // batch, rank=r, seed=11)
+        for r in range(world)
+    ]
     assert len({len(loader) for loader in loaders}) == 1, "ranks must take the same number of steps"
     seen_by_epoch = []
     for epoch in range(3):
@@ -402,18 +489,21 @@ def test_prefetch_keeps_batches_in_flight_and_abandoned_passes_drain():
 
 
 @needs_dali
-@pytest.mark.parametrize("images,labels,kwargs,error,match", [
-    (np.zeros((8, 32, 32, 3), np.float32), np.arange(8), {}, TypeError, "uint8"),
-    (np.zeros((8, 3, 32, 32), np.uint8), np.arange(8), {}, ValueError, r"\(N, S, S, 3\) NHWC"),
-    (np.zeros((8, 32, 32, 3), np.uint8), np.arange(7), {}, ValueError, r"labels must be \(8,\)"),
-    (np.zeros((8, 32, 32, 3), np.uint8), np.zeros(8, np.float32), {}, TypeError, "integers"),
-    (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"batch_size": 9}, ValueError, "the shard has 8"),
-    (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"shard": np.array([0, 8])}, ValueError, "indices into 8"),
-    (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"pad_mode": "edge"}, ValueError, "padding mode"),
-    (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"cutout": 33}, ValueError, r"cutout 33 outside"),
-    (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"dtype": torch.bfloat16}, TypeError, "float16 or float32"),
-    (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"device": "meta"}, ValueError, "cpu or cuda"),
-])
+@pytest.mark.parametrize(
+    "images,labels,kwargs,error,match",
+    [
+        (np.zeros((8, 32, 32, 3), np.float32), np.arange(8), {}, TypeError, "uint8"),
+        (np.zeros((8, 3, 32, 32), np.uint8), np.arange(8), {}, ValueError, r"\(N, S, S, 3\) NHWC"),
+        (np.zeros((8, 32, 32, 3), np.uint8), np.arange(7), {}, ValueError, r"labels must be \(8,\)"),
+        (np.zeros((8, 32, 32, 3), np.uint8), np.zeros(8, np.float32), {}, TypeError, "integers"),
+        (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"batch_size": 9}, ValueError, "the shard has 8"),
+        (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"shard": np.array([0, 8])}, ValueError, "indices into 8"),
+        (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"pad_mode": "edge"}, ValueError, "padding mode"),
+        (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"cutout": 33}, ValueError, r"cutout 33 outside"),
+        (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"dtype": torch.bfloat16}, TypeError, "float16 or float32"),
+        (np.zeros((8, 32, 32, 3), np.uint8), np.arange(8), {"device": "meta"}, ValueError, "cpu or cuda"),
+    ],
+)
 def test_bad_inputs_are_rejected(images, labels, kwargs, error, match):
     kwargs = {"shard": None, "batch_size": 4, **kwargs}
     with pytest.raises(error, match=match):
@@ -421,6 +511,7 @@ def test_bad_inputs_are_rejected(images, labels, kwargs, error, match):
 
 
 # ---- JPEG decode-once ----
+
 
 def encode(images: np.ndarray, quality: int = 90) -> list[bytes]:
     out = []
@@ -449,8 +540,9 @@ def smooth_images(n: int, seed: int = 0) -> np.ndarray:
 
 def assert_close_to_pil(decoded: torch.Tensor, encoded: list[bytes], mean_bound: float, max_bound: int) -> None:
     diff = np.abs(decoded.cpu().numpy().astype(np.int16) - pil_decode(encoded).astype(np.int16))
-    assert diff.mean() <= mean_bound and diff.max() <= max_bound, \
+    assert diff.mean() <= mean_bound and diff.max() <= max_bound, (
         f"decoded vs PIL: mean |diff| {diff.mean():.3f} (bound {mean_bound}), max {diff.max()} (bound {max_bound})"
+    )
 
 
 # Both are libjpeg-turbo with the same IDCT and upsampling: measured identical (mean 0, max 0) on
@@ -516,15 +608,25 @@ def test_non_jpeg_and_wrong_size_are_rejected():
 
 # ---- CUDA paths (the GPU machine) ----
 
+
 @pytest.mark.cuda
 @needs_dali
-@pytest.mark.parametrize("pad_mode,jitter", [("reflect", {}), ("zero", {}),
-                                             ("reflect", dict(brightness=0.14, contrast=0.13))])
+@pytest.mark.parametrize(
+    "pad_mode,jitter", [("reflect", {}), ("zero", {}), ("reflect", dict(brightness=0.14, contrast=0.13))]
+)
 def test_cuda_augmentation_matches_reference(pad_mode, jitter):
     images = torch.from_numpy(random_images(70, seed=9)).cuda()  # resident: no host round trip
     params_fn, drawn = pinned(4, 8, True, **jitter)
-    loader = DaliLoader(images, torch.arange(70, device="cuda"), None, 32, pad_mode=pad_mode, device="cuda",
-                        params_fn=params_fn, **jitter)
+    loader = DaliLoader(
+        images,
+        torch.arange(70, device="cuda"),
+        None,
+        32,
+        pad_mode=pad_mode,
+        device="cuda",
+        params_fn=params_fn,
+        **jitter,
+    )
     padded = pad_images(images, 4, pad_mode)
     sx = torch.empty(32, 3, 32, 32, dtype=torch.float16, device="cuda").contiguous(memory_format=torch.channels_last)
     sy = torch.empty(32, dtype=torch.int64, device="cuda")
@@ -539,7 +641,7 @@ def test_cuda_augmentation_matches_reference(pad_mode, jitter):
                 p = p.__class__(**{k: None if v is None else v.cuda() for k, v in vars(p).items()})
                 ref = augment_reference(padded[y], p, 8, dtype=torch.float16)
                 # one fp16 ulp at 2..4 (the jitter's 0.14/0.13 keep CIFAR's values within about +-2.6)
-                assert (x.float() - ref.float()).abs().max().item() <= 2.0 ** -9
+                assert (x.float() - ref.float()).abs().max().item() <= 2.0**-9
                 assert not static or x.data_ptr() == sx.data_ptr()
 
 
@@ -555,10 +657,12 @@ def test_cuda_decode_matches_pil():
 
 # ---- decoding an image folder through the data layer ----
 
+
 @needs_dali
 def test_data_layer_decodes_jpeg_folders_with_dali(tmp_path):
     from conftest import write_image_folder
     from fastcifar.data import load_dataset
+
     root, _ = write_image_folder(tmp_path / "jpg", n_train=30, n_test=10, fmt="JPEG")
     calls = []
     decoder = dl.dali_decoder("cpu")
@@ -566,6 +670,7 @@ def test_data_layer_decodes_jpeg_folders_with_dali(tmp_path):
     def spy(raws, wheres):
         calls.append(len(raws))
         return decoder(raws, wheres)
+
     by_dali = load_dataset(root, cache_dir=tmp_path / "c1", log=lambda m: None, decode=spy)
     by_pil = load_dataset(root, cache_dir=tmp_path / "c2", log=lambda m: None)
     assert calls == [30, 10]
@@ -578,6 +683,7 @@ def test_data_layer_decodes_jpeg_folders_with_dali(tmp_path):
 def test_dali_decoder_leaves_bad_files_and_pngs_to_pil(tmp_path):
     from conftest import write_image_folder
     from fastcifar.data import DataError, load_dataset
+
     png_root, arrays = write_image_folder(tmp_path / "png", n_train=20, n_test=10)
     ds = load_dataset(png_root, cache_dir=tmp_path / "c1", log=lambda m: None, decode=dl.dali_decoder("cpu"))
     assert ds.train_images.shape == (20, 32, 32, 3)  # lossless: PIL decoded them exactly

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import (CLASSES, SHARED_JPEG, sort_by_label, tar_folder,
-                      write_image_folder, write_official)
+from conftest import CLASSES, SHARED_JPEG, sort_by_label, tar_folder, write_image_folder, write_official
 from fastcifar.data import DataError, load_dataset
 from fastcifar.data.official import CIFAR10, download
 
@@ -36,6 +35,7 @@ def assert_same(ds, arrays, by_label=False):
 
 
 # --- official format ------------------------------------------------------------------------
+
 
 def test_official_batch_folder(official_dir):
     folder, arrays = official_dir
@@ -69,6 +69,7 @@ def test_python3_pickles_with_str_keys(tmp_path):
 
 # --- image folders --------------------------------------------------------------------------
 
+
 def test_image_folder(image_folder, tmp_path):
     root, arrays = image_folder
     assert_same(load_dataset(root, cache_dir=tmp_path / "cache", log=quiet), arrays, by_label=True)
@@ -91,6 +92,7 @@ def test_cache_is_written_once_and_reused(image_folder, tmp_path, monkeypatch):
 
     def no_decoding(*args):
         raise AssertionError("decoded again although the cache was there")
+
     monkeypatch.setattr("fastcifar.data.folder._decode", no_decoding)
     assert_same(load_dataset(root, cache_dir=cache, log=quiet), arrays, by_label=True)
     assert not [p for p in cache.iterdir() if p.suffix != ".npz"], "temporary files left behind"
@@ -105,6 +107,7 @@ def test_each_decoder_has_its_own_cache(image_folder, tmp_path):
 
     def other(raws, wheres):
         return np.full((len(raws), 32, 32, 3), 9, np.uint8)
+
     other.name = "other"
     ds = load_dataset(root, cache_dir=cache, log=quiet, decode=other)
     assert (ds.train_images == 9).all(), "PIL's cache served the other decoder"
@@ -160,6 +163,7 @@ def test_shared_jpeg_archive_loads_as_is(tmp_path):
 
 # --- download -------------------------------------------------------------------------------
 
+
 def test_download_verifies_md5(official_dir, http_folder, tmp_path):
     folder, arrays = official_dir
     served, url = http_folder
@@ -198,6 +202,7 @@ def test_existing_archive_with_wrong_md5_is_reported(tmp_path):
 
 
 # --- bad input ------------------------------------------------------------------------------
+
 
 def test_missing_path(tmp_path):
     with pytest.raises(DataError, match="no such file or folder.*--download"):
@@ -242,15 +247,18 @@ def test_not_gzip_archive(tmp_path):
         load_dataset(f, cache_dir=tmp_path / "cache", log=quiet)
 
 
-@pytest.mark.parametrize("payload, message", [
-    (b"garbage that is not a pickle", "not a readable CIFAR-10 batch"),
-    (None, "not a readable CIFAR-10 batch"),  # truncated: filled in below
-    (pickle.dumps([1, 2, 3]), "expected a dict"),
-    (pickle.dumps({b"data": np.zeros((2, 3072), np.uint8)}), "without 'data' and 'labels'"),
-    (pickle.dumps({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}), "rows of 3072"),
-    (pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0]}), "2 images but 1 labels"),
-    (pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 11]}), "labels outside"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"garbage that is not a pickle", "not a readable CIFAR-10 batch"),
+        (None, "not a readable CIFAR-10 batch"),  # truncated: filled in below
+        (pickle.dumps([1, 2, 3]), "expected a dict"),
+        (pickle.dumps({b"data": np.zeros((2, 3072), np.uint8)}), "without 'data' and 'labels'"),
+        (pickle.dumps({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}), "rows of 3072"),
+        (pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0]}), "2 images but 1 labels"),
+        (pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 11]}), "labels outside"),
+    ],
+)
 def test_corrupt_pickle(official_dir, payload, message):
     folder, _ = official_dir
     if payload is None:
@@ -266,6 +274,7 @@ def test_hostile_pickle_is_refused(official_dir):
     class Boom:
         def __reduce__(self):
             return (os.system, ("echo pwned",))
+
     (folder / "data_batch_3").write_bytes(pickle.dumps({b"data": Boom(), b"labels": []}))
     with pytest.raises(DataError, match="refusing to load"):
         load_dataset(folder, log=quiet)

@@ -27,8 +27,7 @@ from fastcifar.run.step import make_step
 
 CPU = torch.device("cpu")
 CL = torch.channels_last
-AUGMENT = dict(pad=2, pad_mode="reflect", cutout=4, flip=True, flip_mode="alternate", dtype=torch.float32,
-               device=CPU)
+AUGMENT = dict(pad=2, pad_mode="reflect", cutout=4, flip=True, flip_mode="alternate", dtype=torch.float32, device=CPU)
 
 
 def _data(n=101, seed=0):
@@ -36,17 +35,44 @@ def _data(n=101, seed=0):
     return rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, n).astype(np.int64)
 
 
-@pytest.mark.parametrize("name", ["torch", pytest.param("dali", marks=pytest.mark.skipif(
-    not dali_available()[0], reason="DALI does not import here"))])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "torch",
+        pytest.param("dali", marks=pytest.mark.skipif(not dali_available()[0], reason="DALI does not import here")),
+    ],
+)
 def test_emulated_ranks_loader_is_each_ranks_loader_side_by_side(name):
     """101 images over 3 ranks: shards of 34, 34 and 33; each step's batch is rank 0's, 1's and 2's
     as their own loaders (own shard, own seed per rank and epoch) give them, bit for bit."""
     images, labels = _data()
     ranks, per_rank_batch, steps = 3, 10, 3
-    emulated = make_train_loader(name, images, labels, shard_indices(101, 0, 1), ranks * per_rank_batch, steps,
-                                 kernels="torch", emulate_ranks=ranks, rank=0, **AUGMENT)
-    alone = [make_train_loader(name, images, labels, shard_indices(101, r, ranks), per_rank_batch, steps,
-                               kernels="torch", rank=r, **AUGMENT) for r in range(ranks)]
+    emulated = make_train_loader(
+        name,
+        images,
+        labels,
+        shard_indices(101, 0, 1),
+        ranks * per_rank_batch,
+        steps,
+        kernels="torch",
+        emulate_ranks=ranks,
+        rank=0,
+        **AUGMENT,
+    )
+    alone = [
+        make_train_loader(
+            name,
+            images,
+            labels,
+            shard_indices(101, r, ranks),
+            per_rank_batch,
+            steps,
+            kernels="torch",
+            rank=r,
+            **AUGMENT,
+        )
+        for r in range(ranks)
+    ]
     assert all(type(loader) is type(alone[0]) for loader in emulated.loaders)
     assert isinstance(emulated, EmulatedRanks) and emulated.batch_size == 30 and len(emulated) == steps
     for epoch in (0, 1):  # the alternating flip mirrors every other epoch
@@ -97,15 +123,18 @@ def test_emulated_ranks_batchnorm_keeps_each_ranks_statistics(momentum):
             norm.weight.copy_(torch.linspace(0.5, 1.5, 6))
             norm.bias.copy_(torch.linspace(-0.2, 0.3, 6))
     for step in range(3):
-        x = (torch.randn(3 * 4, 6, 8, 8) * (1 + step) + torch.arange(12.0).view(12, 1, 1, 1)).contiguous(memory_format=CL)
+        x = (torch.randn(3 * 4, 6, 8, 8) * (1 + step) + torch.arange(12.0).view(12, 1, 1, 1)).contiguous(
+            memory_format=CL
+        )
         dy = torch.randn(12, 6, 4, 4).contiguous(memory_format=CL)
         want_y, want_dx = _per_rank_reference(alone, x, dy)
         xx = x.clone().requires_grad_()
         y = block(xx)
         y.backward(dy)
         assert torch.equal(y, want_y) and torch.equal(xx.grad, want_dx), f"step {step}"
-        assert not torch.allclose(y, NormActPool(6, act="gelu", pool="before")(x), atol=1e-3), \
+        assert not torch.allclose(y, NormActPool(6, act="gelu", pool="before")(x), atol=1e-3), (
             "the ranks' chunks must differ from the whole batch (the test would prove nothing)"
+        )
         for name in ("running_mean", "running_var"):
             mean = torch.stack([getattr(n, name) for n in alone]).mean(0)
             torch.testing.assert_close(getattr(block, name), mean, rtol=1e-6, atol=1e-7, msg=name)
@@ -145,8 +174,9 @@ def test_emulated_ranks_steps_equal_ranks_averaging_their_gradients():
         images = torch.randn(cfg.batch_size, 3, 32, 32, generator=g).contiguous(memory_format=CL)
         labels = torch.randint(0, 10, (cfg.batch_size,), generator=g)
         step(images, labels)
-        for replica, opt_r, sched, x, y in zip(replicas, rank_opts, rank_schedules, images.chunk(ranks),
-                                              labels.chunk(ranks)):
+        for replica, opt_r, sched, x, y in zip(
+            replicas, rank_opts, rank_schedules, images.chunk(ranks), labels.chunk(ranks)
+        ):
             sched.apply(opt_r.lr)
             F.cross_entropy(replica(x), y, reduction="sum", label_smoothing=cfg.label_smoothing).backward()
         for params in zip(*(r.parameters() for r in replicas)):
@@ -170,13 +200,20 @@ def test_emulated_ranks_steps_equal_ranks_averaging_their_gradients():
             torch.testing.assert_close(buf, mean, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("overrides, world_size, message", [
-    ({"emulate_ranks": 2}, 2, "--emulate-ranks 2 emulates ranks in one process, but this run has 2 real ranks"),
-    ({"emulate_ranks": 2, "compress": "topk"}, 1, "does not combine with --compress, --sparse-mask or --local-steps"),
-    ({"emulate_ranks": 2, "preset": "resnet9", "local_steps": 4}, 1, "does not combine with --compress"),
-    ({"emulate_ranks": 3, "batch_size": 100}, 1, "--batch-size 100 does not divide over 3 ranks"),
-    ({"emulate_ranks": 0}, 1, "--emulate-ranks must lie in 1..1024, not 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        ({"emulate_ranks": 2}, 2, "--emulate-ranks 2 emulates ranks in one process, but this run has 2 real ranks"),
+        (
+            {"emulate_ranks": 2, "compress": "topk"},
+            1,
+            "does not combine with --compress, --sparse-mask or --local-steps",
+        ),
+        ({"emulate_ranks": 2, "preset": "resnet9", "local_steps": 4}, 1, "does not combine with --compress"),
+        ({"emulate_ranks": 3, "batch_size": 100}, 1, "--batch-size 100 does not divide over 3 ranks"),
+        ({"emulate_ranks": 0}, 1, "--emulate-ranks must lie in 1..1024, not 0"),
+    ],
+)
 def test_emulated_ranks_refusals(overrides, world_size, message):
     preset = overrides.pop("preset", "fast-muon320")
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
@@ -186,8 +223,21 @@ def test_emulated_ranks_refusals(overrides, world_size, message):
 
 def test_emulated_ranks_refusal_on_the_command_line_is_one_line(tmp_path, capfd):
     from fastcifar.train import main
-    code = main(["--data", str(tmp_path / "absent"), "--out-dir", str(tmp_path / "runs"), "--device", "cpu",
-                 "--emulate-ranks", "3", "--batch-size", "100"])
+
+    code = main(
+        [
+            "--data",
+            str(tmp_path / "absent"),
+            "--out-dir",
+            str(tmp_path / "runs"),
+            "--device",
+            "cpu",
+            "--emulate-ranks",
+            "3",
+            "--batch-size",
+            "100",
+        ]
+    )
     assert code == 2
     assert "does not divide over 3 ranks" in one_line_error(capfd.readouterr().err)
     assert not (tmp_path / "runs").exists()

@@ -23,8 +23,13 @@ from cli import ROOT, env
 from conftest import one_line_error
 from fastcifar.parallel import distributed
 
-NCCL_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-             "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+NCCL_VARS = (
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+)
 
 
 def fake_group(monkeypatch, device: str) -> list[dict]:
@@ -34,8 +39,12 @@ def fake_group(monkeypatch, device: str) -> list[dict]:
 
     def init_process_group(backend, timeout, **kwargs):
         seen.append({"backend": backend, "timeout": timeout, "env": {k: os.environ.get(k) for k in NCCL_VARS}})
-    monkeypatch.setattr(distributed, "pick_device", lambda requested, local_rank: torch.device(device, 0)
-                        if device == "cuda" else torch.device("cpu"))
+
+    monkeypatch.setattr(
+        distributed,
+        "pick_device",
+        lambda requested, local_rank: torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
+    )
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0"}.items():
@@ -53,9 +62,13 @@ def test_nccl_gets_its_failure_handling_before_the_group_exists_and_a_later_time
     seen = fake_group(monkeypatch, "cuda")
     ctx = distributed.setup("cuda", timeout_s=30.0)
     assert ctx.backend == "nccl" and len(seen) == 1
-    assert seen[0]["env"] == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0",
-                              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
-                              "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
+    assert seen[0]["env"] == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_BLOCKING_WAIT": "0",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": None,
+    }
     assert seen[0]["timeout"] == datetime.timedelta(seconds=30.0 + distributed.NCCL_TIMEOUT_MARGIN_S)
     # later than the watchdog by more than its poll and its record bound
     assert distributed.NCCL_TIMEOUT_MARGIN_S > 1.0 + distributed.RECORD_TIMEOUT_S
@@ -85,8 +98,10 @@ def test_gloo_keeps_its_timeout_and_sets_no_nccl_variable(monkeypatch):
 def test_an_nccl_abort_is_a_lost_peer_not_a_crash():
     """With async error handling 2, a timed-out collective's communicators are aborted and the main
     thread's next collective raises this: it must take the one-line, exit-3 path."""
-    exc = dist.DistBackendError("NCCL communicator was aborted on rank 1. Original reason for failure was: "
-                                "Watchdog caught collective operation timeout")
+    exc = dist.DistBackendError(
+        "NCCL communicator was aborted on rank 1. Original reason for failure was: "
+        "Watchdog caught collective operation timeout"
+    )
     assert distributed.is_comm_failure(exc)
     assert distributed.failure_message(exc, 30).startswith("lost contact with the other ranks")
 
@@ -94,9 +109,11 @@ def test_an_nccl_abort_is_a_lost_peer_not_a_crash():
 @pytest.fixture
 def group(monkeypatch):
     """A distributed context whose ``destroy_process_group`` is replaced by ``group.destroy``."""
+
     class Group:
         ctx = distributed.DistContext(0, 2, 0, torch.device("cpu"), "gloo")
         destroy = None
+
     g = Group()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: g.destroy())
@@ -120,6 +137,7 @@ def test_teardown_of_a_healthy_group_destroys_it_and_passes_its_errors_on(group)
 
     def fails():
         raise RuntimeError("destroy failed")
+
     group.destroy = fails
     with pytest.raises(RuntimeError, match="destroy failed"):
         distributed.teardown(group.ctx)
@@ -127,8 +145,14 @@ def test_teardown_of_a_healthy_group_destroys_it_and_passes_its_errors_on(group)
 
 def run_script(code: str, *args, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, time.monotonic() - t0
 
 
@@ -136,22 +160,24 @@ def test_main_ends_with_the_runs_status_when_the_teardown_hangs(tmp_path):
     """A stopped run (SIGTERM, 143) whose process group cannot be destroyed: ``main`` gives the
     destroy its bound, then ends the process with the run's status; it does not wait on an
     interpreter exit that the stuck group would block (emulated: an exit hook that never returns)."""
-    code = ("import atexit, signal, sys, threading, time, torch\n"
-            "import torch.distributed as dist\n"
-            "from fastcifar import train\n"
-            "from fastcifar.core import signals\n"
-            "from fastcifar.parallel import distributed\n"
-            "distributed.TEARDOWN_TIMEOUT_S = 0.5\n"
-            "ctx = distributed.DistContext(0, 2, 0, torch.device('cpu'), 'gloo')\n"
-            "train.distributed.setup = lambda device, timeout, group: ctx\n"
-            "train.distributed.check_same = lambda *args, **kwargs: None\n"
-            "def run(cfg, ctx):\n"
-            "    raise signals.Interrupted(signal.SIGTERM)\n"
-            "train.run = run\n"
-            "dist.is_initialized = lambda: True\n"
-            "dist.destroy_process_group = threading.Event().wait\n"
-            "atexit.register(time.sleep, 600)\n"
-            "sys.exit(train.main(['--data', sys.argv[1], '--device', 'cpu']))\n")
+    code = (
+        "import atexit, signal, sys, threading, time, torch\n"
+        "import torch.distributed as dist\n"
+        "from fastcifar import train\n"
+        "from fastcifar.core import signals\n"
+        "from fastcifar.parallel import distributed\n"
+        "distributed.TEARDOWN_TIMEOUT_S = 0.5\n"
+        "ctx = distributed.DistContext(0, 2, 0, torch.device('cpu'), 'gloo')\n"
+        "train.distributed.setup = lambda device, timeout, group: ctx\n"
+        "train.distributed.check_same = lambda *args, **kwargs: None\n"
+        "def run(cfg, ctx):\n"
+        "    raise signals.Interrupted(signal.SIGTERM)\n"
+        "train.run = run\n"
+        "dist.is_initialized = lambda: True\n"
+        "dist.destroy_process_group = threading.Event().wait\n"
+        "atexit.register(time.sleep, 600)\n"
+        "sys.exit(train.main(['--data', sys.argv[1], '--device', 'cpu']))\n"
+    )
     proc, _ = run_script(code, tmp_path, timeout=60)  # the timeout only guards against the hang itself
     assert proc.returncode == 143, proc.stderr
     assert one_line_error(proc.stderr) == "fastcifar: interrupted by SIGTERM"
@@ -165,15 +191,16 @@ def test_a_sigterm_the_main_thread_cannot_take_is_recorded_and_ends_the_process(
     """The main thread cannot run Python's handler (SIGTERM blocked in it, and asleep for 60 s,
     as a thread in a C++ collective cannot): the watcher records the stop through ``on_blocked``
     and ends the process with 143, as the main thread would have."""
-    code = ("import os, signal, sys, time\n"
-            "from fastcifar.core import signals\n" + SHORT_WAITS +
-            "def record(exc):\n"
-            "    open(sys.argv[1], 'w').write(f'{exc} {exc.exit_code}')\n"
-            "    print(f'fastcifar: {exc}', file=sys.stderr, flush=True)\n"
-            "signals.install(on_blocked=record)\n"
-            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
-            "os.kill(os.getpid(), signal.SIGTERM)\n"
-            "time.sleep(60)\n")
+    code = (
+        "import os, signal, sys, time\n"
+        "from fastcifar.core import signals\n" + SHORT_WAITS + "def record(exc):\n"
+        "    open(sys.argv[1], 'w').write(f'{exc} {exc.exit_code}')\n"
+        "    print(f'fastcifar: {exc}', file=sys.stderr, flush=True)\n"
+        "signals.install(on_blocked=record)\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(60)\n"
+    )
     record = tmp_path / "record"
     proc, took = run_script(code, record, timeout=60)
     assert proc.returncode == 143, proc.stderr
@@ -185,14 +212,17 @@ def test_a_sigterm_the_main_thread_cannot_take_is_recorded_and_ends_the_process(
 def test_a_sigterm_whose_clean_up_hangs_still_ends_the_process(tmp_path):
     """The main thread takes the signal but its clean-up never ends (a finally block stuck on the
     GPU): the watcher ends the process after STOP_TIMEOUT_S, with the record and 143."""
-    code = ("import os, signal, sys, time\n"
-            "from fastcifar.core import signals\n" + SHORT_WAITS +
-            "signals.install(on_blocked=lambda exc: open(sys.argv[1], 'w').write(str(exc)))\n"
-            "try:\n"
-            "    os.kill(os.getpid(), signal.SIGTERM)\n"
-            "    time.sleep(5)\n"
-            "except signals.Interrupted:\n"
-            "    time.sleep(60)\n")
+    code = (
+        "import os, signal, sys, time\n"
+        "from fastcifar.core import signals\n"
+        + SHORT_WAITS
+        + "signals.install(on_blocked=lambda exc: open(sys.argv[1], 'w').write(str(exc)))\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "except signals.Interrupted:\n"
+        "    time.sleep(60)\n"
+    )
     record = tmp_path / "record"
     proc, took = run_script(code, record, timeout=60)
     assert proc.returncode == 143, proc.stderr
@@ -203,17 +233,20 @@ def test_a_sigterm_whose_clean_up_hangs_still_ends_the_process(tmp_path):
 def test_a_sigterm_the_main_thread_handles_in_time_is_left_to_it(tmp_path):
     """The usual case: the handler runs, the main thread records and finishes, ``restore`` stops
     the watcher, which must neither record nor end the process."""
-    code = ("import os, signal, sys, time\n"
-            "from fastcifar.core import signals\n" + SHORT_WAITS +
-            "previous = signals.install(on_blocked=lambda exc: open(sys.argv[1], 'w').write('watcher'))\n"
-            "try:\n"
-            "    os.kill(os.getpid(), signal.SIGTERM)\n"
-            "    time.sleep(5)\n"
-            "except signals.Interrupted:\n"
-            "    assert signals.claim_ending()\n"
-            "signals.restore(previous)\n"
-            "time.sleep(2.5)\n"  # past the watcher's waits: it would have ended the process by now
-            "print('still here')\n")
+    code = (
+        "import os, signal, sys, time\n"
+        "from fastcifar.core import signals\n"
+        + SHORT_WAITS
+        + "previous = signals.install(on_blocked=lambda exc: open(sys.argv[1], 'w').write('watcher'))\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "except signals.Interrupted:\n"
+        "    assert signals.claim_ending()\n"
+        "signals.restore(previous)\n"
+        "time.sleep(2.5)\n"  # past the watcher's waits: it would have ended the process by now
+        "print('still here')\n"
+    )
     record = tmp_path / "record"
     proc, _ = run_script(code, record, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "still here", proc.stderr
@@ -228,6 +261,7 @@ def test_the_end_stays_claimed_after_restore_and_a_new_api_run_unclaims_it(monke
     from fastcifar import api
     from fastcifar.core import signals
     from fastcifar.core.config import Config
+
     previous = signals.install()
     assert signals.claim_ending()
     signals.restore(previous)
@@ -242,20 +276,23 @@ def test_the_end_stays_claimed_after_restore_and_a_new_api_run_unclaims_it(monke
 def test_a_forked_child_does_not_signal_through_the_parents_wakeup_pipe(tmp_path):
     """A child forked without exec (a worker) inherits the wakeup fd; stopping it with SIGTERM must
     not reach the parent's watcher, which would end a healthy parent with 143."""
-    code = ("import os, signal, sys, time\n"
-            "from fastcifar.core import signals\n" + SHORT_WAITS +
-            "previous = signals.install(on_blocked=lambda exc: open(sys.argv[1], 'w').write('watcher'))\n"
-            "pid = os.fork()\n"
-            "if pid == 0:\n"
-            "    signal.signal(signal.SIGTERM, lambda *a: os._exit(0))\n"
-            "    time.sleep(30)\n"
-            "    os._exit(1)\n"
-            "time.sleep(0.5)\n"
-            "os.kill(pid, signal.SIGTERM)\n"
-            "os.waitpid(pid, 0)\n"
-            "time.sleep(2.5)\n"  # past the watcher's waits
-            "signals.restore(previous)\n"
-            "print('still here')\n")
+    code = (
+        "import os, signal, sys, time\n"
+        "from fastcifar.core import signals\n"
+        + SHORT_WAITS
+        + "previous = signals.install(on_blocked=lambda exc: open(sys.argv[1], 'w').write('watcher'))\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    signal.signal(signal.SIGTERM, lambda *a: os._exit(0))\n"
+        "    time.sleep(30)\n"
+        "    os._exit(1)\n"
+        "time.sleep(0.5)\n"
+        "os.kill(pid, signal.SIGTERM)\n"
+        "os.waitpid(pid, 0)\n"
+        "time.sleep(2.5)\n"  # past the watcher's waits
+        "signals.restore(previous)\n"
+        "print('still here')\n"
+    )
     record = tmp_path / "record"
     proc, _ = run_script(code, record, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "still here", proc.stderr

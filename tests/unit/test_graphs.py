@@ -131,11 +131,15 @@ def test_train_step_replays_the_selected_variant(monkeypatch):
     selected one after, and refuses a variant nobody captured (capturing on the clock would be
     the alternative). Eagerly, ``select`` records the name and the body runs."""
     import fastcifar.run.graphs as graphs
+
     made = []
     monkeypatch.setattr(graphs, "capture", lambda body, iters, stream=None: made.append(FakeGraph()) or made[-1])
     calls = []
-    step = TrainStep(lambda x, y: calls.append(1) or (torch.zeros(()), torch.zeros((), dtype=torch.int64)),
-                     StaticBatch(2, torch.float32, CPU), capture=True)
+    step = TrainStep(
+        lambda x, y: calls.append(1) or (torch.zeros(()), torch.zeros((), dtype=torch.int64)),
+        StaticBatch(2, torch.float32, CPU),
+        capture=True,
+    )
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
     step.warm_up_and_capture(2)
     step.warm_up_and_capture(2, "frozen")
@@ -147,8 +151,11 @@ def test_train_step_replays_the_selected_variant(monkeypatch):
     assert [g.replays for g in made] == [1, 2] and not calls
     with pytest.raises(RuntimeError, match="no captured training step 'other'"):
         step.select("other")
-    eager = TrainStep(lambda x, y: calls.append(1) or (torch.zeros(()), torch.zeros((), dtype=torch.int64)),
-                      StaticBatch(2, torch.float32, CPU), capture=False)
+    eager = TrainStep(
+        lambda x, y: calls.append(1) or (torch.zeros(()), torch.zeros((), dtype=torch.int64)),
+        StaticBatch(2, torch.float32, CPU),
+        capture=False,
+    )
     eager.select("anything")
     eager(x, y)
     assert eager.variant == "anything" and eager.graph is None and len(calls) == 1
@@ -160,7 +167,7 @@ def test_eval_step_with_padded_last_batch_equals_direct_evaluation():
     ev = EvalStep(model, StaticBatch(4, torch.float32, CPU), tta=True, capture=False)
     ev.prepare()
     for start in range(0, 11, 4):  # 4 + 4 + 3: the last batch is padded and masked
-        ev(x[start:start + 4], y[start:start + 4])
+        ev(x[start : start + 4], y[start : start + 4])
     with torch.no_grad():
         logits = 0.5 * (model(x) + model(x.flip(3)))
     assert ev.correct.item() == (logits.argmax(1) == y).sum().item()
@@ -177,9 +184,9 @@ def test_eval_step_gives_its_tta_share_to_the_least_confident_valid_rows():
     ev = EvalStep(model, StaticBatch(4, torch.float32, CPU), tta=2, capture=False, tta_share=0.5)
     ev.prepare()
     for start in range(0, 11, 4):  # 4 + 4 + 3: the last batch is padded and masked
-        ev(x[start:start + 4], y[start:start + 4])
+        ev(x[start : start + 4], y[start : start + 4])
     with torch.no_grad():  # the same share of each batch of 4, and of the last one's 3 real rows alone
-        logits = torch.cat([tta_logits(model, x[s:s + 4], 2, share=0.5) for s in (0, 4, 8)])
+        logits = torch.cat([tta_logits(model, x[s : s + 4], 2, share=0.5) for s in (0, 4, 8)])
         every = tta_logits(model, x, 2)
     assert not torch.allclose(logits, every)  # half the rows kept their plain view
     assert ev.correct.item() == (logits.argmax(1) == y).sum().item()
@@ -201,6 +208,7 @@ def test_capture_tolerates_nccls_watchdog_only_beside_nccl(monkeypatch, backend,
     Without one, the global mode's stricter check stays. Everything CUDA is faked: the decision
     and that capture() passes it to torch.cuda.graph are what runs here."""
     import fastcifar.run.graphs as graphs
+
     monkeypatch.setattr(graphs.dist, "is_initialized", lambda: backend is not None)
     monkeypatch.setattr(graphs.dist, "get_backend", lambda group=None: backend)
     assert graphs.capture_error_mode() == mode
@@ -208,14 +216,22 @@ def test_capture_tolerates_nccls_watchdog_only_beside_nccl(monkeypatch, backend,
     class Stream:
         def wait_stream(self, other):
             pass
+
     seen = {}
 
     @contextlib.contextmanager
     def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
         seen["mode"] = capture_error_mode
         yield
-    for name, fake in {"Stream": Stream, "current_stream": lambda device=None: Stream(), "synchronize": lambda: None,
-                       "stream": lambda s: contextlib.nullcontext(), "CUDAGraph": object, "graph": graph}.items():
+
+    for name, fake in {
+        "Stream": Stream,
+        "current_stream": lambda device=None: Stream(),
+        "synchronize": lambda: None,
+        "stream": lambda s: contextlib.nullcontext(),
+        "CUDAGraph": object,
+        "graph": graph,
+    }.items():
         monkeypatch.setattr(torch.cuda, name, fake)
     calls = []
     graphs.capture(lambda: calls.append(1), warmup_iters=2)

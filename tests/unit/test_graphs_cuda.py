@@ -20,9 +20,15 @@ STEPS, BATCH = 6, 64
 
 def batches(n, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return [(torch.randn(BATCH, 3, 32, 32, device="cuda", generator=g).half()
-             .contiguous(memory_format=torch.channels_last),
-             torch.randint(0, 10, (BATCH,), device="cuda", generator=g)) for _ in range(n)]
+    return [
+        (
+            torch.randn(BATCH, 3, 32, 32, device="cuda", generator=g)
+            .half()
+            .contiguous(memory_format=torch.channels_last),
+            torch.randint(0, 10, (BATCH,), device="cuda", generator=g),
+        )
+        for _ in range(n)
+    ]
 
 
 def trained(capture: bool, kernels: str = "torch"):
@@ -31,8 +37,9 @@ def trained(capture: bool, kernels: str = "torch"):
     model = build_model(cfg, torch.device("cuda"), torch.float16)
     opt = NesterovSGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=5e-4 * BATCH)
     schedule = DeviceSchedule([0.4 / BATCH * (i + 1) / STEPS for i in range(STEPS)], torch.device("cuda"))
-    step = TrainStep(make_step(model, opt, schedule, 0.2), StaticBatch(BATCH, torch.float16, torch.device("cuda")),
-                     capture=capture)
+    step = TrainStep(
+        make_step(model, opt, schedule, 0.2), StaticBatch(BATCH, torch.float16, torch.device("cuda")), capture=capture
+    )
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     data = batches(STEPS)
     step.batch.load(*data[0])
@@ -79,12 +86,13 @@ def test_captured_eval_equals_eager_eval(tta, share):
     labels = torch.cat([y, y[:40]])
     counts = []
     for capture in (False, True):
-        ev = EvalStep(model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=tta, capture=capture,
-                      tta_share=share)
+        ev = EvalStep(
+            model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=tta, capture=capture, tta_share=share
+        )
         ev.batch.load(images[:48], labels[:48])
         ev.prepare()
         for start in range(0, len(labels), 48):
-            ev(images[start:start + 48], labels[start:start + 48])
+            ev(images[start : start + 48], labels[start : start + 48])
         torch.cuda.synchronize()
         counts.append((ev.correct.item(), ev.loss_sum.item()))
     assert counts[0][0] == counts[1][0]
@@ -100,8 +108,10 @@ def test_eager_steps_make_no_host_sync(kernels):
     model, step = trained(False, kernels)
     images, labels = batches(1, seed=3)[0]
     step.batch.load(images, labels)
-    evs = [EvalStep(model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=2, capture=False, tta_share=share)
-           for share in (1.0, 0.25)]
+    evs = [
+        EvalStep(model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=2, capture=False, tta_share=share)
+        for share in (1.0, 0.25)
+    ]
     for ev in evs:
         ev.batch.load(images[:40], labels[:40])  # a partial batch: the valid mask is in play
     torch.cuda.synchronize()

@@ -38,7 +38,9 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for a in node.names:
                 found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
     return {m for m in found if m in known and m != name}
@@ -56,8 +58,7 @@ GRAPH = {name: imports_of(name, path, set(module_files())) for name, path in mod
 @pytest.mark.parametrize("module", sorted(GRAPH))
 def test_imports_only_layers_below(module):
     folder, rank = layer(module)
-    wrong = sorted(m for m in GRAPH[module]
-                   if layer(m)[1] > rank or (layer(m)[1] == rank and layer(m)[0] != folder))
+    wrong = sorted(m for m in GRAPH[module] if layer(m)[1] > rank or (layer(m)[1] == rank and layer(m)[0] != folder))
     assert not wrong, f"{module} ({folder or 'commands'}, layer {rank}) imports {wrong}, which are not below it"
 
 
@@ -72,7 +73,7 @@ def test_no_import_cycle():
             if n.startswith(m + "."):  # a package importing its own submodule (its __init__)
                 continue
             if state.get(n) == 1:
-                cycle = stack[stack.index(n):] + [n]
+                cycle = stack[stack.index(n) :] + [n]
                 raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
             if n not in state:
                 visit(n)

@@ -100,8 +100,20 @@ def test_triton_loader_batch_under_cuda_layouts(cuda_layouts):
     # the real layouts where there is a GPU (Triton runs on CPU tensors only where there is none)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for kernels in ("torch", "triton"):
-        loader = TorchLoader(images, labels, shard, 8, 2, pad=2, pad_mode="reflect", cutout=4, flip=True,
-                             dtype=torch.float32, device=device, kernels=kernels)
+        loader = TorchLoader(
+            images,
+            labels,
+            shard,
+            8,
+            2,
+            pad=2,
+            pad_mode="reflect",
+            cutout=4,
+            flip=True,
+            dtype=torch.float32,
+            device=device,
+            kernels=kernels,
+        )
         assert loader.images.is_contiguous()
         batches[kernels] = next(iter(loader))
     torch.testing.assert_close(batches["triton"][0], batches["torch"][0], rtol=0, atol=0)

@@ -19,8 +19,11 @@ def test_resnet9_output_and_size():
     assert out.shape == (3, 10)
     # conv weights 3*64*9 + 64*128*9 + 2*128*128*9 + 128*256*9 + 256*512*9 + 2*512*512*9,
     # batchnorm scale+shift 2*(64+128*3+256+512*3), linear 512*10 without bias
-    expected = 9 * (3 * 64 + 64 * 128 + 2 * 128 * 128 + 128 * 256 + 256 * 512 + 2 * 512 * 512) \
-        + 2 * (64 + 3 * 128 + 256 + 3 * 512) + 512 * 10
+    expected = (
+        9 * (3 * 64 + 64 * 128 + 2 * 128 * 128 + 128 * 256 + 256 * 512 + 2 * 512 * 512)
+        + 2 * (64 + 3 * 128 + 256 + 3 * 512)
+        + 512 * 10
+    )
     assert sum(p.numel() for p in model.parameters()) == expected
     assert model.fc.bias is None
 
@@ -75,6 +78,7 @@ def test_norm_act_pool_rejects_unknown_options():
 def test_kernel_paths_resolve_and_build(monkeypatch):
     from fastcifar.models.blocks import norm_factory, resolve_kernels
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
+
     assert resolve_kernels("auto", torch.device("cpu")) == "torch"
     assert resolve_kernels("auto", torch.device("cuda")) == "triton"
     with monkeypatch.context() as m:
@@ -106,6 +110,7 @@ def test_auto_on_cuda_fuses_every_block(arch):
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
     from fastcifar.models.blocks import norm_blocks
     from fastcifar.models.network import make_network
+
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     fast = arch == "fastnet"
     cfg = from_preset("fast" if fast else "resnet9", widths=(8, 16, 16) if fast else (4, 8, 8, 8))
@@ -125,6 +130,7 @@ def test_as_plain_torch_turns_kernel_blocks_back_into_the_torch_reference():
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
     from fastcifar.models.blocks import norm_factory
     from fastcifar.ops.norm_act_pool import as_plain_torch
+
     torch.manual_seed(0)
     model = ResNet9(widths=(4, 8, 8, 8), norm=norm_factory("triton")).eval()
     x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)

@@ -29,7 +29,7 @@ def quintic_on_singular_values(g: torch.Tensor, steps: int) -> torch.Tensor:
     x = s / g.double().norm()
     a, b, c = NS_COEFFICIENTS
     for _ in range(steps):
-        x = a * x + b * x ** 3 + c * x ** 5
+        x = a * x + b * x**3 + c * x**5
     return (u * x) @ vh
 
 
@@ -82,7 +82,7 @@ def test_newton_schulz_of_a_stack_is_each_matrix_alone():
     fp32, to bf16's in bf16 (where it rounds less often)."""
     torch.manual_seed(2)
     for shape in ((3, 16, 72), (2, 40, 12)):  # wide and tall
-        g = torch.randn(*shape) * torch.tensor([1.0, 30.0, 0.01][:shape[0]]).view(-1, 1, 1)  # norms far apart
+        g = torch.randn(*shape) * torch.tensor([1.0, 30.0, 0.01][: shape[0]]).view(-1, 1, 1)  # norms far apart
         out = newton_schulz(g, 3)
         assert out.shape == g.shape and out.dtype == g.dtype
         for k in range(shape[0]):
@@ -102,6 +102,7 @@ def test_muon_orthogonalizes_filters_of_one_shape_as_one_stack(monkeypatch):
     """Filters of one flattened shape go through one Newton-Schulz call (the default's three
     256 x 2304 filters: one set of kernels), and each filter's result is its own."""
     from fastcifar.run import optim
+
     calls = []
     plain = optim.newton_schulz
     monkeypatch.setattr(optim, "newton_schulz", lambda g, *a, **k: calls.append(tuple(g.shape)) or plain(g, *a, **k))
@@ -132,8 +133,10 @@ def test_groups_give_the_filters_to_muon_and_the_rest_to_sgd():
     assert isinstance(opt, MuonSGD) and opt.muon.lr_ratio == pytest.approx(0.24 / 0.053)
     assert opt.muon.ns_dtype == torch.float32  # the CPU; bfloat16 on CUDA
     assert model.fc.weight.std().item() == pytest.approx(1.0, rel=1e-5) and model.logit_scale == 1 / 256
-    assert make_optimizer(make_network(from_preset("fast"), NormActPool), from_preset("fast"), 10, 0.1).__class__.__name__ \
+    assert (
+        make_optimizer(make_network(from_preset("fast"), NormActPool), from_preset("fast"), 10, 0.1).__class__.__name__
         == "NesterovSGD"
+    )
 
 
 def test_muon_sgd_step_equals_a_plain_reference():
@@ -148,9 +151,16 @@ def test_muon_sgd_step_equals_a_plain_reference():
     opt = make_optimizer(model, cfg, per_rank, peak)
     groups = param_groups(ref, cfg, per_rank)
     by_name = {g["name"]: g for g in groups}
-    ref_sgd = torch.optim.SGD([{"params": g["params"], "weight_decay": g["weight_decay"]}
-                               for g in groups if g["name"] != "filters" and g["params"]],
-                              lr=1.0, momentum=cfg.momentum, nesterov=True)
+    ref_sgd = torch.optim.SGD(
+        [
+            {"params": g["params"], "weight_decay": g["weight_decay"]}
+            for g in groups
+            if g["name"] != "filters" and g["params"]
+        ],
+        lr=1.0,
+        momentum=cfg.momentum,
+        nesterov=True,
+    )
     scales = [g.get("lr_scale", 1.0) for g in groups if g["name"] != "filters" and g["params"]]
     filters = by_name["filters"]["params"]
     bufs = [torch.zeros_like(p) for p in filters]
@@ -191,8 +201,11 @@ def test_muon_refuses_what_it_cannot_do():
         Muon([torch.zeros(3, requires_grad=True)], lr, 1.0)
     with pytest.raises(RuntimeError, match="no gradient"):
         Muon([w], lr, 1.0).step()
-    for bad, msg in (({"muon_momentum": 1.0}, "--muon-momentum"), ({"muon_ns_steps": 0}, "--muon-ns-steps"),
-                     ({"optimizer": "adam"}, "--optimizer must be one of")):
+    for bad, msg in (
+        ({"muon_momentum": 1.0}, "--muon-momentum"),
+        ({"muon_ns_steps": 0}, "--muon-ns-steps"),
+        ({"optimizer": "adam"}, "--optimizer must be one of"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             validate(tiny_muon(**bad))
 
@@ -201,6 +214,7 @@ def test_muon_state_round_trip_continues_the_same_steps():
     """A checkpoint's optimizer state: saved after 2 steps, loaded (in place) into a fresh optimizer
     over a copy of the weights, the next 2 steps give the same weights; an SGD state or one of
     other filter shapes is refused before anything is written."""
+
     def steps(model, opt, n, seed):
         g = torch.Generator().manual_seed(seed)
         for _ in range(n):
@@ -239,8 +253,11 @@ def test_muon_state_round_trip_continues_the_same_steps():
     assert all(torch.equal(a, b) for a, b in zip(before, wider.sgd.buffers[0])), "refused, yet written"
     # the filters fit but SGD's groups do not: Muon's momentum is not written either
     muon_before = [b.clone() for b in fresh.muon.buffers]
-    wrong_groups = {**saved, "muon": {"buffers": [b + 1 for b in saved["muon"]["buffers"]]},
-                    "lr_scales": {**saved["lr_scales"], "extra": 1.0}}
+    wrong_groups = {
+        **saved,
+        "muon": {"buffers": [b + 1 for b in saved["muon"]["buffers"]]},
+        "lr_scales": {**saved["lr_scales"], "extra": 1.0},
+    }
     with pytest.raises(ValueError, match="parameter groups"):
         fresh.load_state_dict(wrong_groups)
     assert all(torch.equal(a, b) for a, b in zip(muon_before, fresh.muon.buffers)), "refused, yet written"
@@ -250,7 +267,9 @@ def test_default_preset_names_itself_where_muon_cannot_go():
     """The default preset trains with Muon, which sparse training and local SGD do not wrap: the
     refusal names the preset and the way out; checkpoints now hold Muon's state."""
     for extra in ({"sparse_mask": "fisher"}, {"local_steps": 4}):
-        with pytest.raises(ConfigError, match=f"preset {DEFAULT_PRESET} trains with --optimizer muon.*--preset resnet9"):
+        with pytest.raises(
+            ConfigError, match=f"preset {DEFAULT_PRESET} trains with --optimizer muon.*--preset resnet9"
+        ):
             validate(from_preset(**extra), world_size=2)
         validate(from_preset("resnet9", **extra), world_size=2)  # the way out it names
     with pytest.raises(ConfigError, match="^--optimizer muon, which does not combine"):
@@ -264,9 +283,19 @@ def test_default_preset_names_itself_where_muon_cannot_go():
 
 
 def test_fast_muon_preset_learns_on_the_cpu(tmp_path, learnable_data):
-    cfg = tiny_muon(data=str(learnable_data), batch_size=100, epochs=3, device="cpu", loader="torch",
-                    kernels="torch", cuda_graphs="off", eval_batch_size=200, warmup_steps=1,
-                    whiten_bias_epochs=1, out_dir=str(tmp_path / "runs"))
+    cfg = tiny_muon(
+        data=str(learnable_data),
+        batch_size=100,
+        epochs=3,
+        device="cpu",
+        loader="torch",
+        kernels="torch",
+        cuda_graphs="off",
+        eval_batch_size=200,
+        warmup_steps=1,
+        whiten_bias_epochs=1,
+        out_dir=str(tmp_path / "runs"),
+    )
     validate(cfg)
     (result,) = trainer.train(cfg, CPU)
     accs = [e.test_acc for e in result.epochs]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fastcifar.ops.augment import alternating_flip, draw_params, normalize
 from fastcifar.run.averaging import Lookahead
-from fastcifar.core.config import (DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, parse_args, validate)
+from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, parse_args, validate
 from fastcifar.parallel.distributed import DistContext
 from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.data.loader import TorchLoader
@@ -32,18 +32,31 @@ def tiny_fast(**overrides) -> Config:
 
 # --- optimizer param groups ------------------------------------------------------------------
 
+
 def test_param_groups_match_torch_sgd_with_groups():
     torch.manual_seed(0)
-    ours = [torch.randn(4, 3, requires_grad=True), torch.randn(5, requires_grad=True),
-            torch.randn(2, requires_grad=True)]
+    ours = [
+        torch.randn(4, 3, requires_grad=True),
+        torch.randn(5, requires_grad=True),
+        torch.randn(2, requires_grad=True),
+    ]
     ref = [p.detach().clone().requires_grad_() for p in ours]
-    groups = [{"name": "w", "params": [ours[0]], "weight_decay": 0.5},
-              {"name": "b", "params": [ours[1]], "lr_scale": 64.0, "weight_decay": 0.5 / 64},
-              {"name": "z", "params": [ours[2]]}]  # default weight decay from the argument
+    groups = [
+        {"name": "w", "params": [ours[0]], "weight_decay": 0.5},
+        {"name": "b", "params": [ours[1]], "lr_scale": 64.0, "weight_decay": 0.5 / 64},
+        {"name": "z", "params": [ours[2]]},
+    ]  # default weight decay from the argument
     opt = NesterovSGD(groups, lr=0.0, momentum=0.85, weight_decay=0.1, nesterov=True)
-    ref_opt = torch.optim.SGD([{"params": [ref[0]], "weight_decay": 0.5},
-                               {"params": [ref[1]], "weight_decay": 0.5 / 64},
-                               {"params": [ref[2]], "weight_decay": 0.1}], lr=0.1, momentum=0.85, nesterov=True)
+    ref_opt = torch.optim.SGD(
+        [
+            {"params": [ref[0]], "weight_decay": 0.5},
+            {"params": [ref[1]], "weight_decay": 0.5 / 64},
+            {"params": [ref[2]], "weight_decay": 0.1},
+        ],
+        lr=0.1,
+        momentum=0.85,
+        nesterov=True,
+    )
     scales = [1.0, 64.0, 1.0]
     for step in range(6):
         lr = 0.002 * (step + 1)
@@ -84,17 +97,22 @@ def test_recipe_groups_cover_every_trainable_parameter_once():
         assert {id(p) for p in by_name["bn_shifts"]["params"]} == shifts
         assert by_name["bn_shifts"]["lr_scale"] == cfg.bias_lr_scale
         # lr x weight decay, the decay per step, is the same in both groups
-        assert by_name["bn_shifts"]["weight_decay"] * cfg.bias_lr_scale == \
-            pytest.approx(by_name["weights"]["weight_decay"]) == cfg.weight_decay * 100
+        assert (
+            by_name["bn_shifts"]["weight_decay"] * cfg.bias_lr_scale
+            == pytest.approx(by_name["weights"]["weight_decay"])
+            == cfg.weight_decay * 100
+        )
         assert by_name["whiten_bias"]["params"] == ([model.whiten.bias] if cfg.arch == "fastnet" else [])
     assert not make_network(tiny_fast(), NormActPool).whiten.weight.requires_grad  # frozen: in no group
 
 
 # --- frozen batchnorm scales, higher bias lr, whitening-bias freeze ----------------------------
 
+
 def run_steps(cfg, model, n, start_epoch=0):
-    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0, momentum=cfg.momentum,
-                      weight_decay=cfg.weight_decay * 8, nesterov=True)
+    opt = NesterovSGD(
+        param_groups(model, cfg, 8), lr=0.0, momentum=cfg.momentum, weight_decay=cfg.weight_decay * 8, nesterov=True
+    )
     hooks = RunHooks(dataclasses.replace(cfg, whiten_images=0, lookahead_steps=0), model, opt, None, CPU)
     torch.manual_seed(1)
     for epoch in range(start_epoch, start_epoch + n):
@@ -199,12 +217,14 @@ def test_warm_up_captures_the_frozen_step_with_the_bias_out_of_backward(monkeypa
     bias requires grad again after the warm-up; with --sparse-mask no variant is captured."""
     import fastcifar.run.graphs as graphs
     from fastcifar.run.graphs import StaticBatch, TrainStep
+
     cfg = tiny_fast(whiten_bias_epochs=2, whiten_images=16, lookahead_steps=0)
     model = make_network(cfg, NormActPool)
     opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)
     seen = []
-    monkeypatch.setattr(graphs, "capture", lambda body, iters, stream=None: seen.append(model.whiten.bias.requires_grad)
-                        or object())
+    monkeypatch.setattr(
+        graphs, "capture", lambda body, iters, stream=None: seen.append(model.whiten.bias.requires_grad) or object()
+    )
     step = TrainStep(lambda x, y: None, StaticBatch(2, torch.float32, torch.device("cpu")), capture=True)
     step.warm_up_and_capture(2)
     default = step.graph
@@ -232,13 +252,27 @@ def test_ending_backward_at_the_whitening_conv_changes_no_weight(learnable_data,
     every weight and statistic as one that still backpropagates into it (the frozen bias took no
     step either way); momentum of the frozen bias aside, nothing else may differ."""
     import fastcifar
-    cfg = from_preset("fast", data=str(learnable_data), device="cpu", widths=(8, 16, 16), batch_size=100,
-                      epochs=3, warmup_epochs=1, warmup_steps=1, eval_batch_size=200, whiten_images=200,
-                      whiten_bias_epochs=1, quiet=True, out_dir=str(tmp_path / "runs"))
+
+    cfg = from_preset(
+        "fast",
+        data=str(learnable_data),
+        device="cpu",
+        widths=(8, 16, 16),
+        batch_size=100,
+        epochs=3,
+        warmup_epochs=1,
+        warmup_steps=1,
+        eval_batch_size=200,
+        whiten_images=200,
+        whiten_bias_epochs=1,
+        quiet=True,
+        out_dir=str(tmp_path / "runs"),
+    )
     frozen = []
     freeze = RunHooks.freeze_whiten_bias
-    monkeypatch.setattr(RunHooks, "freeze_whiten_bias",
-                        lambda self: freeze(self) or frozen.append(self.model.whiten.bias.requires_grad))
+    monkeypatch.setattr(
+        RunHooks, "freeze_whiten_bias", lambda self: freeze(self) or frozen.append(self.model.whiten.bias.requires_grad)
+    )
     (cut,) = fastcifar.train(cfg)
     assert frozen == [False], "the freeze did not take the bias out of backward"
     assert cut.model.whiten.bias.requires_grad, "run.model must come back as the model file loads: bias trainable"
@@ -256,8 +290,19 @@ def test_whitening_init_runs_at_epoch_zero_from_the_loader(eps):
     model = make_network(cfg, NormActPool)
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
-    loader = TorchLoader(images, np.zeros(40, np.int64), np.arange(40), 10, 4, pad=2, pad_mode="reflect",
-                         cutout=0, flip=True, dtype=torch.float32, device=torch.device("cpu"))
+    loader = TorchLoader(
+        images,
+        np.zeros(40, np.int64),
+        np.arange(40),
+        10,
+        4,
+        pad=2,
+        pad_mode="reflect",
+        cutout=0,
+        flip=True,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     plain = loader.plain_images(30)
     assert plain.shape == (30, 3, 32, 32)
     torch.testing.assert_close(plain, normalize(torch.from_numpy(images[:30])))
@@ -273,6 +318,7 @@ def test_whitening_init_runs_at_epoch_zero_from_the_loader(eps):
 
 
 # --- lookahead -------------------------------------------------------------------------------
+
 
 def test_lookahead_against_hand_computation():
     model = torch.nn.Linear(1, 1, bias=False)
@@ -324,6 +370,7 @@ def test_lookahead_rejects_bad_settings():
 
 # --- alternating flips -----------------------------------------------------------------------
 
+
 def test_alternating_flip_alternates_and_mirrors_half_per_epoch():
     index = torch.arange(20000)
     flips = [alternating_flip(index, e, seed=3) for e in range(4)]
@@ -342,13 +389,13 @@ def test_alternating_flip_alternates_and_mirrors_half_per_epoch():
 def test_draw_params_alternate_mode():
     g = torch.Generator().manual_seed(0)
     index = torch.tensor([5, 9, 100, 7])
-    p = draw_params(4, pad=2, cutout=0, generator=g, device="cpu", flip_mode="alternate", index=index,
-                    epoch=1, seed=2)
+    p = draw_params(4, pad=2, cutout=0, generator=g, device="cpu", flip_mode="alternate", index=index, epoch=1, seed=2)
     assert torch.equal(p.flip, alternating_flip(index, 1, 2))
     g2 = torch.Generator().manual_seed(0)
     r = draw_params(4, pad=2, cutout=0, generator=g2, device="cpu")
-    off = draw_params(4, pad=2, cutout=0, generator=torch.Generator().manual_seed(0), device="cpu", flip=False,
-                      flip_mode="alternate")
+    off = draw_params(
+        4, pad=2, cutout=0, generator=torch.Generator().manual_seed(0), device="cpu", flip=False, flip_mode="alternate"
+    )
     assert not off.flip.any()
     assert p.dy.shape == r.dy.shape == (4,)
     with pytest.raises(ValueError, match="indices"):
@@ -363,8 +410,20 @@ def test_loader_alternates_each_images_flip_across_epochs():
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
     shard = np.arange(n)[::-1].copy()  # shard order differs from data-set order
-    loader = TorchLoader(images, np.arange(n), shard, batch_size=6, steps_per_epoch=4, pad=0, pad_mode="reflect",
-                         cutout=0, flip=True, dtype=torch.float32, device=torch.device("cpu"), flip_mode="alternate")
+    loader = TorchLoader(
+        images,
+        np.arange(n),
+        shard,
+        batch_size=6,
+        steps_per_epoch=4,
+        pad=0,
+        pad_mode="reflect",
+        cutout=0,
+        flip=True,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        flip_mode="alternate",
+    )
     plain = normalize(torch.from_numpy(images))
 
     def flips_of_epoch(epoch):
@@ -388,6 +447,7 @@ def test_loader_alternates_each_images_flip_across_epochs():
 
 
 # --- TTA -------------------------------------------------------------------------------------
+
 
 class Symmetric(torch.nn.Module):
     """A model whose output is the same for an image and its mirror image."""
@@ -474,6 +534,7 @@ def test_tta_level2_weights():
 
 # --- schedule and presets --------------------------------------------------------------------
 
+
 def test_schedule_with_start_and_end_fractions():
     lr = lambda t: warmup_decay_lr(t, 10, 2.3, 1.5, start=0.2, end=0.07)  # noqa: E731
     assert lr(0) == pytest.approx(0.3)
@@ -486,13 +547,26 @@ def test_schedule_with_start_and_end_fractions():
 def test_presets():
     assert DEFAULT_PRESET == "fast-jitter" and parse_args([]).preset == "fast-jitter"
     fast = from_preset("fast")
-    assert (fast.arch, fast.widths, fast.epochs, fast.batch_size, fast.tta, fast.flip_mode, fast.cutout) == \
-        ("fastnet", (64, 256, 256), 9.9, 1024, 2, "alternate", 0)
+    assert (fast.arch, fast.widths, fast.epochs, fast.batch_size, fast.tta, fast.flip_mode, fast.cutout) == (
+        "fastnet",
+        (64, 256, 256),
+        9.9,
+        1024,
+        2,
+        "alternate",
+        0,
+    )
     validate(fast)
     default = from_preset()  # fast-muon9 with the jitter, for 8.5 epochs
-    assert default == dataclasses.replace(from_preset("fast-muon9"), preset="fast-jitter", epochs=8.5,
-                                          brightness=0.14, contrast=0.13)
-    assert (default.optimizer, default.batch_size, default.epochs, default.widths) == ("muon", 2000, 8.5, (64, 256, 256))
+    assert default == dataclasses.replace(
+        from_preset("fast-muon9"), preset="fast-jitter", epochs=8.5, brightness=0.14, contrast=0.13
+    )
+    assert (default.optimizer, default.batch_size, default.epochs, default.widths) == (
+        "muon",
+        2000,
+        8.5,
+        (64, 256, 256),
+    )
     # exactly the recipe visit 12 confirmed: the former default with the flags it ran under
     # (official.jsonl's "fastcifar:fast-muon9 --epochs 8.5 --brightness 0.14 --contrast 0.13", call "visit 12c")
     confirmed = parse_args(["--preset", "fast-muon9", "--brightness", "0.14", "--contrast", "0.13", "--epochs", "8.5"])
@@ -501,8 +575,9 @@ def test_presets():
     assert fast_muon9 == dataclasses.replace(from_preset("fast-muon"), preset="fast-muon9", epochs=9)
     confirmed = parse_args(["--preset", "fast-muon320", "--widths", "64,256,256", "--epochs", "9"])
     assert dataclasses.replace(confirmed, preset="fast-muon9") == fast_muon9
-    assert from_preset("fast-muon320") == dataclasses.replace(from_preset("fast-muon"), preset="fast-muon320",
-                                                              widths=(64, 320, 320))
+    assert from_preset("fast-muon320") == dataclasses.replace(
+        from_preset("fast-muon"), preset="fast-muon320", widths=(64, 320, 320)
+    )
     validate(default, world_size=8)  # torchrun's 8 ranks: 250 images each
     seed = from_preset("resnet9")
     assert seed == dataclasses.replace(Config(), preset="resnet9"), "the seed preset is the field defaults"
@@ -521,19 +596,22 @@ def test_tta_flag_forms():
         parse_args(["--tta", "5"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"widths": (8, 16, 32, 64)}, "three positive channel counts"),
-    ({"bias_lr_scale": 0.0}, "--bias-lr-scale"),
-    ({"lookahead_decay": 1.0}, "--lookahead-decay"),
-    ({"bn_momentum": 0.0}, "--bn-momentum"),
-    ({"profile_steps": "9:3"}, "--profile-steps"),
-    ({"flip_mode": "sometimes"}, "--flip-mode must be one of random, alternate"),
-    ({"tta": 4}, "--tta must be one of 0, 1, 2"),
-    ({"tta_share": 0.0}, r"--tta-share must lie in \(0, 1\], not 0"),
-    ({"tta_share": 1.5}, r"--tta-share must lie in \(0, 1\], not 1.5"),
-    ({"brightness": -0.1}, r"--brightness must lie in \[0, 10\], not -0.1"),
-    ({"contrast": 1.0}, r"--contrast must lie in \[0, 1\), not 1.0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"widths": (8, 16, 32, 64)}, "three positive channel counts"),
+        ({"bias_lr_scale": 0.0}, "--bias-lr-scale"),
+        ({"lookahead_decay": 1.0}, "--lookahead-decay"),
+        ({"bn_momentum": 0.0}, "--bn-momentum"),
+        ({"profile_steps": "9:3"}, "--profile-steps"),
+        ({"flip_mode": "sometimes"}, "--flip-mode must be one of random, alternate"),
+        ({"tta": 4}, "--tta must be one of 0, 1, 2"),
+        ({"tta_share": 0.0}, r"--tta-share must lie in \(0, 1\], not 0"),
+        ({"tta_share": 1.5}, r"--tta-share must lie in \(0, 1\], not 1.5"),
+        ({"brightness": -0.1}, r"--brightness must lie in \[0, 10\], not -0.1"),
+        ({"contrast": 1.0}, r"--contrast must lie in \[0, 1\), not 1.0"),
+    ],
+)
 def test_fast_validation(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(from_preset("fast", **overrides))

@@ -17,13 +17,16 @@ def as_summary(argv: list[str]) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(parse_args(argv))))
 
 
-@pytest.mark.parametrize("argv", [
-    ["--epochs", "7"],
-    ["--epochs", "7.5", "--widths", "64,288,288"],
-    ["--preset", "resnet9", "--epochs", "12", "--warmup-epochs", "1", "--no-nesterov", "--tta", "0"],
-    ["--preset", "fast", "--activation", "silu", "--fused-conv", "--label-smoothing", "0.15"],
-    ["--brightness", "0.14", "--contrast", "0.13", "--batch-size", "1536"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--epochs", "7"],
+        ["--epochs", "7.5", "--widths", "64,288,288"],
+        ["--preset", "resnet9", "--epochs", "12", "--warmup-epochs", "1", "--no-nesterov", "--tta", "0"],
+        ["--preset", "fast", "--activation", "silu", "--fused-conv", "--label-smoothing", "0.15"],
+        ["--brightness", "0.14", "--contrast", "0.13", "--batch-size", "1536"],
+    ],
+)
 def test_the_flags_rebuild_the_recipe(argv):
     """Parsing PRESET + the flags gives back every field that shapes training (seeds and run count
     aside), so two contenders with the same name trained the same recipe."""
@@ -39,14 +42,20 @@ def test_the_flags_rebuild_the_recipe(argv):
 def test_only_what_differs_from_the_preset_is_named():
     assert recipe_flags(as_summary([])) == []
     assert recipe_flags(as_summary(["--preset", "fast"])) == []
-    assert recipe_flags(as_summary(["--widths", "64,288,288", "--epochs", "7"])) == ["--widths 64,288,288", "--epochs 7"]
+    assert recipe_flags(as_summary(["--widths", "64,288,288", "--epochs", "7"])) == [
+        "--widths 64,288,288",
+        "--epochs 7",
+    ]
     # resnet9 warms up for 5 of 24 epochs: a changed --epochs scales it, so it is not named ...
     assert recipe_flags(as_summary(["--preset", "resnet9", "--epochs", "12"])) == ["--epochs 12"]
     # ... unless given besides it, other than the scaled value (2.5: the same recipe)
     assert recipe_flags(as_summary(["--preset", "resnet9", "--epochs", "12", "--warmup-epochs", "1"])) == [
-        "--epochs 12", "--warmup-epochs 1.0"]
+        "--epochs 12",
+        "--warmup-epochs 1.0",
+    ]
     assert recipe_flags(as_summary(["--preset", "resnet9", "--epochs", "12", "--warmup-epochs", "2.5"])) == [
-        "--epochs 12"]
+        "--epochs 12"
+    ]
     assert recipe_flags(as_summary(["--no-whiten-frozen", "--tta", "1"])) == ["--no-whiten-frozen", "--tta 1"]
 
 

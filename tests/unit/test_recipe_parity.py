@@ -38,6 +38,7 @@ CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
 
 # --- the transcription -----------------------------------------------------------------------
 
+
 class Group(nn.Module):
     """conv 3x3 -> max-pool 2 -> BN -> GELU -> conv 3x3 -> BN -> GELU (airbench's conv group)."""
 
@@ -85,8 +86,10 @@ def second_moment_whitening(images, eps=5e-4):
 def triangle(total, start=0.2, end=0.07, peak_at=0.23):
     """Rate multipliers of steps 0..total: linear through (0, start), (int(peak_at x total), 1), (total, end)."""
     top = int(peak_at * total)
-    return [start + (1 - start) * i / top if i < top else 1 + (end - 1) * (i - top) / (total - top)
-            for i in range(total + 1)]
+    return [
+        start + (1 - start) * i / top if i < top else 1 + (end - 1) * (i - top) / (total - top)
+        for i in range(total + 1)
+    ]
 
 
 def tta2(net, x):
@@ -104,8 +107,14 @@ def airbench94(net, loader, epochs, seed, whiten_images, test_images, test_label
     lr, wd = 11.5 / kilostep, 0.0153 * batch / kilostep
     norm_biases = [p for n, p in net.named_parameters() if "norm" in n and p.requires_grad]
     others = [p for n, p in net.named_parameters() if "norm" not in n and p.requires_grad]
-    opt = torch.optim.SGD([{"params": norm_biases, "lr": lr * 64, "weight_decay": wd / (lr * 64)},
-                           {"params": others, "lr": lr, "weight_decay": wd / lr}], momentum=momentum, nesterov=True)
+    opt = torch.optim.SGD(
+        [
+            {"params": norm_biases, "lr": lr * 64, "weight_decay": wd / (lr * 64)},
+            {"params": others, "lr": lr, "weight_decay": wd / lr},
+        ],
+        momentum=momentum,
+        nesterov=True,
+    )
     total = math.ceil(len(loader) * epochs)
     multipliers = triangle(total)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: multipliers[i])
@@ -135,7 +144,7 @@ def airbench94(net, loader, epochs, seed, whiten_images, test_images, test_label
                     if slow is None:
                         slow = [t.clone() for t in net.state_dict().values() if t.is_floating_point()]
                     else:
-                        sync(0.95 ** 5 * (step / total) ** 3)
+                        sync(0.95**5 * (step / total) ** 3)
             if step >= total:
                 break
         if slow is not None:
@@ -144,17 +153,30 @@ def airbench94(net, loader, epochs, seed, whiten_images, test_images, test_label
         net.eval()
         with torch.no_grad():
             logits = tta2(net, test_images)
-        history.append((loss_sum / seen, F.cross_entropy(logits, test_labels).item(),
-                        100.0 * (logits.argmax(1) == test_labels).float().mean().item()))
+        history.append(
+            (
+                loss_sum / seen,
+                F.cross_entropy(logits, test_labels).item(),
+                100.0 * (logits.argmax(1) == test_labels).float().mean().item(),
+            )
+        )
     return history
 
 
 # --- the tests -------------------------------------------------------------------------------
 
+
 def test_fast_preset_states_the_published_facts():
     fast = from_preset("fast")
-    assert (fast.bn_eps, fast.whiten_centred, fast.lr_at, fast.epochs, fast.lookahead_start_epoch,
-            fast.lookahead_epoch_end, fast.tta) == (1e-12, False, "start", 9.9, 3, "reset", 2)
+    assert (
+        fast.bn_eps,
+        fast.whiten_centred,
+        fast.lr_at,
+        fast.epochs,
+        fast.lookahead_start_epoch,
+        fast.lookahead_epoch_end,
+        fast.tta,
+    ) == (1e-12, False, "start", 9.9, 3, "reset", 2)
     kilostep = 1024 * (1 + 1 / 0.15)
     assert fast.lr / 512 == pytest.approx(11.5 / kilostep, rel=1e-12)  # per image of summed loss
     assert fast.weight_decay * 1024 * fast.lr / 512 == pytest.approx(0.0153 * 1024 / kilostep, rel=1e-12)
@@ -167,8 +189,14 @@ def test_fast_preset_states_the_published_facts():
     np.testing.assert_allclose(rates, want, rtol=1e-12)
     # each former departure is still one field away
     old = from_preset("fast-departures")
-    assert (old.bn_eps, old.whiten_centred, old.lr_at, old.epochs, old.lookahead_start_epoch,
-            old.lookahead_epoch_end) == (1e-5, True, "end", 10, 0, "fold")
+    assert (
+        old.bn_eps,
+        old.whiten_centred,
+        old.lr_at,
+        old.epochs,
+        old.lookahead_start_epoch,
+        old.lookahead_epoch_end,
+    ) == (1e-5, True, "end", 10, 0, "fold")
     validate(old)
     assert parse_args(["--epochs", "9.9"]).epochs == 9.9 and parse_args(["--epochs", "10"]).epochs == 10
 
@@ -199,18 +227,42 @@ def test_fast_training_equals_the_published_recipe(tmp_path, learnable_data):
     (all measured on this CPU, torch 2.14.1, 2026-11-22).
     """
     widths, batch, seed, epochs = (8, 16, 16), 125, 0, 4.5
-    cfg = from_preset("fast", data=str(learnable_data), widths=widths, batch_size=batch, device="cpu",
-                      loader="torch", kernels="torch", precision="fp32", cuda_graphs="off", epochs=epochs,
-                      warmup_epochs=0.23 * epochs, eval_batch_size=200, warmup_steps=2,
-                      out_dir=str(tmp_path / "runs"), seed=seed)
+    cfg = from_preset(
+        "fast",
+        data=str(learnable_data),
+        widths=widths,
+        batch_size=batch,
+        device="cpu",
+        loader="torch",
+        kernels="torch",
+        precision="fp32",
+        cuda_graphs="off",
+        epochs=epochs,
+        warmup_epochs=0.23 * epochs,
+        eval_batch_size=200,
+        warmup_steps=2,
+        out_dir=str(tmp_path / "runs"),
+        seed=seed,
+    )
     validate(cfg)
     ours = trainer.train(cfg, CPU)[0].epochs
 
     data = load_dataset(str(learnable_data), log=lambda _: None)
     steps = len(data.train_labels) // batch
-    loader = TorchLoader(data.train_images, data.train_labels, shard_indices(len(data.train_labels), 0, 1),
-                         batch, steps, pad=2, pad_mode="reflect", cutout=0, flip=True, flip_mode="alternate",
-                         dtype=torch.float32, device=torch.device("cpu"))
+    loader = TorchLoader(
+        data.train_images,
+        data.train_labels,
+        shard_indices(len(data.train_labels), 0, 1),
+        batch,
+        steps,
+        pad=2,
+        pad_mode="reflect",
+        cutout=0,
+        flip=True,
+        flip_mode="alternate",
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     test = EvalSet(data.test_images, data.test_labels, 10**6, dtype=torch.float32, device=torch.device("cpu"))
     torch.manual_seed(seed)  # the trainer's initial weights, copied into the transcription
     start = make_network(cfg, NormActPool)

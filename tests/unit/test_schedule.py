@@ -14,14 +14,17 @@ from fastcifar.run.schedule import DeviceSchedule, epoch_lengths, lr_schedule, s
 def per_step(cfg, steps, peak):
     total = sum(epoch_lengths(cfg.epochs, steps))
     if cfg.lr_at == "end":
-        return [warmup_decay_lr((i + 1) / steps, cfg.epochs, cfg.warmup_epochs, peak, cfg.lr_start, cfg.lr_end)
-                for i in range(total)]
+        return [
+            warmup_decay_lr((i + 1) / steps, cfg.epochs, cfg.warmup_epochs, peak, cfg.lr_start, cfg.lr_end)
+            for i in range(total)
+        ]
     warm = int(round(total * cfg.warmup_epochs / cfg.epochs, 9))
     return [stepwise_lr(i, total, warm, peak, cfg.lr_start, cfg.lr_end) for i in range(total)]
 
 
-CASES = list(itertools.product(["end", "start"], [1, 2.5, 9.9, 24], [0, 0.5, 2.3, 30], [(0.0, 0.0), (0.2, 0.07)],
-                               [1, 48, 97]))
+CASES = list(
+    itertools.product(["end", "start"], [1, 2.5, 9.9, 24], [0, 0.5, 2.3, 30], [(0.0, 0.0), (0.2, 0.07)], [1, 48, 97])
+)
 
 
 @pytest.mark.parametrize("lr_at,epochs,warmup,ends,steps", CASES)

@@ -22,6 +22,7 @@ def gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
         chosen.clear()
         return chosen
+
     return machine
 
 

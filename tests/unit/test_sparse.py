@@ -35,12 +35,13 @@ def loop_scores(model, x, y, variant):
     params = fisher.trainable(model)
     out = {n: torch.zeros_like(p) for n, p in params.items()}
     for i in range(len(y)):
-        logits = model(x[i:i + 1])
+        logits = model(x[i : i + 1])
         labels = range(10) if variant == "expected" else [int(y[i])]
         probs = logits.softmax(1)[0].detach()
         for c in labels:
-            grads = torch.autograd.grad(F.cross_entropy(logits, torch.tensor([c])), list(params.values()),
-                                        retain_graph=True)
+            grads = torch.autograd.grad(
+                F.cross_entropy(logits, torch.tensor([c])), list(params.values()), retain_graph=True
+            )
             for n, g in zip(params, grads):
                 if variant == "squared":
                     out[n] += g.square()
@@ -147,8 +148,9 @@ def train_steps(model, opt, steps=3):
 def test_full_masking_moves_exactly_the_masked_entries(arch):
     cfg, model = tiny(arch)
     params = fisher.trainable(model)
-    opt = MaskedOptimizer(NesterovSGD(param_groups(model, cfg, 8), lr=0.05, momentum=0.9, weight_decay=5e-3),
-                          params, "full")
+    opt = MaskedOptimizer(
+        NesterovSGD(param_groups(model, cfg, 8), lr=0.05, momentum=0.9, weight_decay=5e-3), params, "full"
+    )
     scores = {n: torch.rand(p.shape) for n, p in params.items()}
     mask = masks.top_k(scores, 0.1, masks.forced_names(model, True))
     opt.set_masks(mask)
@@ -172,8 +174,9 @@ def test_full_masking_moves_exactly_the_masked_entries(arch):
 def test_gradient_only_masking_lets_decay_and_momentum_move_the_rest():
     cfg, model = tiny()
     params = fisher.trainable(model)
-    opt = MaskedOptimizer(NesterovSGD(param_groups(model, cfg, 8), lr=0.05, momentum=0.9, weight_decay=5e-3),
-                          params, "grad")
+    opt = MaskedOptimizer(
+        NesterovSGD(param_groups(model, cfg, 8), lr=0.05, momentum=0.9, weight_decay=5e-3), params, "grad"
+    )
     mask = masks.top_k({n: torch.rand(p.shape) for n, p in params.items()}, 0.1, set())
     opt.set_masks(mask)
     before = {n: p.detach().clone() for n, p in params.items()}
@@ -245,6 +248,7 @@ def test_sparse_record_is_written_atomically_and_a_write_failure_is_a_checkpoint
 
 def test_diff_round_trip_is_bit_exact(tmp_path):
     from fastcifar.run.sparse import diffs
+
     cfg, model = tiny()
     writer = diffs.DiffWriter(tmp_path, model, cfg, ["c"] * 10, (0.0,) * 3, (1.0,) * 3)
     writer.start()

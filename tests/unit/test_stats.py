@@ -10,9 +10,20 @@ import pytest
 from fastcifar.core.stats import p_above, t_sf
 
 
-@pytest.mark.parametrize("t, df, p", [  # Student's t table: the one-sided tail beyond t
-    (1.711, 24, 0.05), (2.064, 24, 0.025), (2.492, 24, 0.01), (3.467, 24, 0.001),
-    (6.314, 1, 0.05), (12.706, 1, 0.025), (2.228, 10, 0.025), (0.0, 24, 0.5), (-1.711, 24, 0.95)])
+@pytest.mark.parametrize(
+    "t, df, p",
+    [  # Student's t table: the one-sided tail beyond t
+        (1.711, 24, 0.05),
+        (2.064, 24, 0.025),
+        (2.492, 24, 0.01),
+        (3.467, 24, 0.001),
+        (6.314, 1, 0.05),
+        (12.706, 1, 0.025),
+        (2.228, 10, 0.025),
+        (0.0, 24, 0.5),
+        (-1.711, 24, 0.95),
+    ],
+)
 def test_t_tail_matches_the_table(t, df, p):
     assert t_sf(t, df) == pytest.approx(p, rel=2e-3)
 

@@ -59,15 +59,18 @@ class SyncFree(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name, body", [
-    ("item", lambda t: t.sum().item()),
-    ("bool", lambda t: bool(t.sum() > 0)),
-    ("int", lambda t: int(t.argmax())),
-    ("python if", lambda t: 1 if (t > 0).any() else 0),
-    ("nonzero", lambda t: t.nonzero()),
-    ("boolean mask", lambda t: t[t > 0]),
-    ("fresh tensor", lambda t: t + torch.tensor([0.5, 1.0, 1.5])),
-])
+@pytest.mark.parametrize(
+    "name, body",
+    [
+        ("item", lambda t: t.sum().item()),
+        ("bool", lambda t: bool(t.sum() > 0)),
+        ("int", lambda t: int(t.argmax())),
+        ("python if", lambda t: 1 if (t > 0).any() else 0),
+        ("nonzero", lambda t: t.nonzero()),
+        ("boolean mask", lambda t: t[t > 0]),
+        ("fresh tensor", lambda t: t + torch.tensor([0.5, 1.0, 1.5])),
+    ],
+)
 def test_the_mode_catches_each_kind_of_host_read(name, body):
     t = torch.randn(3)
     body(t)  # fine outside the mode
@@ -91,16 +94,22 @@ def _setup(preset: str, widths, buckets: bool, batch: int = 16):
     grad_buckets = comm.GradBuckets(model.parameters(), bucket_mb=0.01) if buckets else None
     schedule = DeviceSchedule(lr_schedule(cfg, steps=4, peak=0.01), CPU)  # the trainer's, 8 steps
     opt = recipe.make_optimizer(model, cfg, batch, peak=0.01)  # NesterovSGD, or Muon + SGD with fast-muon
-    step = TrainStep(make_step(model, opt, schedule, cfg.label_smoothing, buckets=grad_buckets),
-                     StaticBatch(batch, torch.float32, CPU), capture=False)
+    step = TrainStep(
+        make_step(model, opt, schedule, cfg.label_smoothing, buckets=grad_buckets),
+        StaticBatch(batch, torch.float32, CPU),
+        capture=False,
+    )
     g = torch.Generator().manual_seed(1)
-    step.batch.load(torch.randn(batch, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last),
-                    torch.randint(0, 10, (batch,), generator=g))
+    step.batch.load(
+        torch.randn(batch, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last),
+        torch.randint(0, 10, (batch,), generator=g),
+    )
     return cfg, model, step, schedule, grad_buckets
 
 
-@pytest.mark.parametrize("preset, widths", [("fast", (8, 16, 16)), ("fast-muon", (8, 16, 16)),
-                                            ("resnet9", (8, 16, 16, 32))])
+@pytest.mark.parametrize(
+    "preset, widths", [("fast", (8, 16, 16)), ("fast-muon", (8, 16, 16)), ("resnet9", (8, 16, 16, 32))]
+)
 def test_training_step_is_sync_free(one_rank_group, preset, widths):
     cfg, model, step, schedule, buckets = _setup(preset, widths, buckets=True)
     model.train()

@@ -13,5 +13,16 @@ from fastcifar.parallel.compress.compressors import METHODS, Compressor, make
 from fastcifar.parallel.compress.engine import SCOPES, TRANSPORTS, Compression, pack, unpack
 from fastcifar.parallel.compress.trainer import from_config, log_stats, why_not_capturable
 
-__all__ = ["METHODS", "SCOPES", "TRANSPORTS", "Compression", "Compressor", "from_config", "log_stats",
-           "make", "pack", "unpack", "why_not_capturable"]
+__all__ = [
+    "METHODS",
+    "SCOPES",
+    "TRANSPORTS",
+    "Compression",
+    "Compressor",
+    "from_config",
+    "log_stats",
+    "make",
+    "pack",
+    "unpack",
+    "why_not_capturable",
+]

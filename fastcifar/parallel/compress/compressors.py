@@ -36,8 +36,9 @@ class Compressor:
     rounds = 1  # PowerSGD needs two collectives in a row
     unbiased = False  # E[decompress(compress(x))] = x with variance above |x|^2 for small payloads
 
-    def compress(self, x: torch.Tensor, world_size: int = 1, rng=None, shared=None, key: int = 0,
-                 rows: int | None = None):
+    def compress(
+        self, x: torch.Tensor, world_size: int = 1, rng=None, shared=None, key: int = 0, rows: int | None = None
+    ):
         raise NotImplementedError
 
     def decompress(self, payload: list, ctx) -> torch.Tensor:
@@ -59,6 +60,7 @@ class Compressor:
 
 class Identity(Compressor):
     """fp32 through the compression machinery: the reference every other method is compared with."""
+
     name, kind = "fp32", "sum"
 
     def compress(self, x, world_size=1, rng=None, shared=None, key=0, rows=None):
@@ -70,6 +72,7 @@ class Identity(Compressor):
 
 class Cast(Compressor):
     """fp16 or bf16 on the wire (2x fewer bytes than fp32): DDP's fp16/bf16 compression hooks."""
+
     kind = "sum"
 
     def __init__(self, dtype: torch.dtype):
@@ -101,6 +104,7 @@ def _keep(ratio: float, d: int) -> int:
 
 class TopK(Compressor):
     """The ceil(K x d) largest |x_i| as fp32 values + int32 indices (8 bytes per kept coordinate)."""
+
     name = "topk"
 
     def __init__(self, ratio: float):
@@ -130,6 +134,7 @@ class RandomK(Compressor):
     values alone sum through an all-reduce; else each rank draws its own and sends values + int32
     indices through all-gather. ``unbiased``: values x d/k (= 1/K when K x d is whole), so
     E[x_hat] = x; the seed's biased form sends them unscaled."""
+
     name = "randomk"
 
     def __init__(self, ratio: float, unbiased: bool = True, shared: bool = True):
@@ -156,13 +161,16 @@ class RandomK(Compressor):
         _add_at(out, ctx[1] if ctx[1] is not None else payload[1].long(), payload[0], n)
 
     def describe(self):
-        return f"randomk(K={self.ratio:g}, {'unbiased' if self.unbiased else 'biased'}, " \
-               f"{'shared' if self.shared else 'per-rank'} coordinates)"
+        return (
+            f"randomk(K={self.ratio:g}, {'unbiased' if self.unbiased else 'biased'}, "
+            f"{'shared' if self.shared else 'per-rank'} coordinates)"
+        )
 
 
 class Threshold(Compressor):
     """Every coordinate with |x_i| >= V, as fp32 values + int32 indices; the count varies per step,
     so the transport gathers the counts first and pads to the largest."""
+
     name, fixed_size = "threshold", False
 
     def __init__(self, threshold: float):
@@ -188,6 +196,7 @@ class TernGrad(Compressor):
     """s = max|x|, x_i -> s x sign(x_i) x Bernoulli(|x_i| / s): int8 levels in {-1, 0, 1} and one
     fp32 scale (1 byte per coordinate). ``clip``: first clip x to +-2.5 standard deviations (then
     the scale is the clipped max; biased, lower variance, as the TernGrad paper does)."""
+
     name, unbiased = "terngrad", True
 
     def __init__(self, clip: bool = False):
@@ -215,6 +224,7 @@ class QSGD(Compressor):
     """s levels: x_i -> ||x||_2 x sign(x_i) x xi_i / s, xi_i the stochastic rounding of
     s |x_i| / ||x||_2 (an integer in 0..s); levels as int8 (s <= 127) or int16, and one fp32 norm
     per chunk."""
+
     name, unbiased = "qsgd", True
 
     def __init__(self, levels: int):
@@ -256,6 +266,7 @@ class PowerSGD(Compressor):
     Error feedback is part of the method (the trainer turns it on): the residual is M minus that
     approximation. Sends r x (rows + cols) numbers instead of rows x cols; a chunk where that does
     not save anything is sent whole (the ``dense`` flag in the context)."""
+
     name, kind, rounds = "powersgd", "sum", 2
 
     def __init__(self, rank: int):
@@ -319,8 +330,16 @@ class PowerSGD(Compressor):
 METHODS = CHOICES["compress"]
 
 
-def make(method: str, ratio: float = 0.01, threshold: float = 1e-3, levels: int = 127, rank: int = 4,
-         randomk_unbiased: bool = True, randomk_shared: bool = True, terngrad_clip: bool = False) -> Compressor | None:
+def make(
+    method: str,
+    ratio: float = 0.01,
+    threshold: float = 1e-3,
+    levels: int = 127,
+    rank: int = 4,
+    randomk_unbiased: bool = True,
+    randomk_shared: bool = True,
+    terngrad_clip: bool = False,
+) -> Compressor | None:
     """The compressor named by ``--compress`` (None for ``none``; ``fp32`` = Identity, for tests)."""
     if method == "none":
         return None

@@ -66,6 +66,7 @@ class Chunk:
 @dataclass
 class Stats:
     """Sums over the steps whose Python ran (``Compression.step`` of them; graph replays add none)."""
+
     payload_bytes: int = 0  # bytes this rank sent
     dense_bytes: int = 0  # bytes --compress none would have sent
     compress_s: float = 0.0  # host seconds in compress + decompress (+ error feedback), collectives excluded
@@ -85,12 +86,12 @@ def pack(tensors: list) -> tuple[torch.Tensor, list]:
     buf = torch.zeros(max(offset, 8), dtype=torch.uint8, device=device)
     for t, (o, _, _, nb) in zip(tensors, layout):
         if nb:
-            buf[o:o + nb].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+            buf[o : o + nb].copy_(t.contiguous().reshape(-1).view(torch.uint8))
     return buf, layout
 
 
 def unpack(buf: torch.Tensor, layout: list) -> list:
-    return [buf[o:o + nb].view(dtype).reshape(shape) for o, dtype, shape, nb in layout]
+    return [buf[o : o + nb].view(dtype).reshape(shape) for o, dtype, shape, nb in layout]
 
 
 def _flatten(groups: list) -> torch.Tensor:
@@ -104,7 +105,7 @@ def _unflatten(flat: torch.Tensor, groups: list) -> list:
     for group in groups:
         views = []
         for t in group:
-            views.append(flat[o:o + t.numel()].reshape(t.shape))
+            views.append(flat[o : o + t.numel()].reshape(t.shape))
             o += t.numel()
         out.append(views)
     return out
@@ -125,8 +126,15 @@ class _Pending:
 class Compression:
     """One compressor applied to every bucket of a GradBuckets, with its memory, RNGs and stats."""
 
-    def __init__(self, compressor: Compressor, scope: str = "bucket", error_feedback: bool = False,
-                 warmup_steps: int = 0, transport: str = "sparse", seed: int = 0):
+    def __init__(
+        self,
+        compressor: Compressor,
+        scope: str = "bucket",
+        error_feedback: bool = False,
+        warmup_steps: int = 0,
+        transport: str = "sparse",
+        seed: int = 0,
+    ):
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
         if transport not in TRANSPORTS:
@@ -153,6 +161,7 @@ class Compression:
         """Chunks of every bucket (GradBuckets calls this once its buckets exist, with its own group
         and device: the ranks to average over and where the RNG counters live are the buckets')."""
         from fastcifar.parallel.comm import _span
+
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -176,8 +185,10 @@ class Compression:
         note = ""
         if self.memory is not None and self.compressor.unbiased:
             note = " (note: error feedback with an unbiased compressor can diverge, see docs/compression.md)"
-        return f"compression: {self.compressor.describe()}, scope {self.scope}, {self.transport} transport, " \
-               f"{ef}{warm}{note}"
+        return (
+            f"compression: {self.compressor.describe()}, scope {self.scope}, {self.transport} transport, "
+            f"{ef}{warm}{note}"
+        )
 
     # -- per step ------------------------------------------------------------------------------
     def launch(self, b, dense_all_reduce):
@@ -191,7 +202,7 @@ class Compression:
         n, comp = self.world_size, self.compressor
         items = []  # (chunk, compensated fp32, payload, ctx)
         for c in self._chunks[b.index]:
-            g = b.flat[c.start:c.start + c.length].to(torch.float32, copy=True)
+            g = b.flat[c.start : c.start + c.length].to(torch.float32, copy=True)
             if self.memory is not None:
                 g = self.memory.compensate(c.key, g)
             scale = 1 if self.transport == "dense" else n  # dense: the whole reconstruction is summed
@@ -234,8 +245,13 @@ class Compression:
             host = max(self.step, 1)
             payload, dense = self.stats.payload_bytes / host, self.stats.dense_bytes / host
             ms = 1e3 * self.stats.compress_s / host
-        return {**out, "bytes_per_step": payload, "dense_bytes_per_step": dense,
-                "ratio": dense / payload if payload else float("inf"), "compress_ms_per_step": ms}
+        return {
+            **out,
+            "bytes_per_step": payload,
+            "dense_bytes_per_step": dense,
+            "ratio": dense / payload if payload else float("inf"),
+            "compress_ms_per_step": ms,
+        }
 
     def reset(self) -> None:
         """Back to the state before the first step (after the trainer's untimed warm-up steps)."""
@@ -250,13 +266,14 @@ class Compression:
 
     # -- transports ----------------------------------------------------------------------------
     def _write(self, b, c: Chunk, mean: torch.Tensor) -> None:
-        b.flat[c.start:c.start + c.length].copy_(mean)
+        b.flat[c.start : c.start + c.length].copy_(mean)
 
     def _timed(self, fn):
         def run():
             t0 = time.perf_counter()
             fn()
             self.stats.compress_s += time.perf_counter() - t0
+
         return run
 
     @contextlib.contextmanager
@@ -314,6 +331,7 @@ class Compression:
                         own = comp.decompress(payload, ctx) * n  # what this rank sent, unscaled
                     self.memory.update(c.key, g, own)
                 self._write(b, c, mean)
+
         return _Pending([work], self._timed(finish))
 
     def _launch_gather(self, b, items):
@@ -329,8 +347,7 @@ class Compression:
                 counts = torch.stack(gathered).cpu()  # (ranks, chunks): the host needs the sizes
             self._step_bytes[0] += mine.numel() * mine.element_size()
             largest = counts.amax(0).tolist()
-            payloads = [[torch.nn.functional.pad(t, (0, k - t.numel())) for t in p]
-                        for p, k in zip(payloads, largest)]
+            payloads = [[torch.nn.functional.pad(t, (0, k - t.numel())) for t in p] for p, k in zip(payloads, largest)]
         buf, layout = pack([t for p in payloads for t in p])
         if counts is not None and int(counts.sum()) == 0:
             out, work = [buf] * n, None  # nothing selected anywhere: no data collective at all
@@ -345,12 +362,13 @@ class Compression:
                 k = len(payload)
                 mean = torch.zeros_like(g)
                 for r in range(n):  # rank order: the same sum on every rank
-                    part = per_rank[r][i * k:(i + 1) * k]
+                    part = per_rank[r][i * k : (i + 1) * k]
                     if counts is not None:
-                        part = [t[:int(counts[r, i])] for t in part]
+                        part = [t[: int(counts[r, i])] for t in part]
                     if r == self.rank and self.memory is not None:
                         # this rank's own part came back bit for bit: it is what was sent
                         self.memory.update_from_payload(c.key, g, comp, part, ctx)
                     comp.accumulate(mean, part, ctx, n)
                 self._write(b, c, mean)
+
         return _Pending([work] if work is not None else [], self._timed(finish))

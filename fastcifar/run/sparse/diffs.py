@@ -21,8 +21,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from fastcifar.models.files import (CheckpointError, host_state, read_model_file, read_safetensors, save_weights,
-                                    write_atomic)
+from fastcifar.models.files import (
+    CheckpointError,
+    host_state,
+    read_model_file,
+    read_safetensors,
+    save_weights,
+    write_atomic,
+)
 
 DIFF_FORMAT = "fastcifar.sparse_diff/1"
 
@@ -35,8 +41,9 @@ def sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def make_diff(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor],
-              param_names: set[str]) -> dict[str, torch.Tensor]:
+def make_diff(
+    prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], param_names: set[str]
+) -> dict[str, torch.Tensor]:
     tensors = {}
     for name, t in cur.items():
         if name not in param_names:
@@ -53,9 +60,9 @@ def make_diff(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor],
 def apply_diff(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
     for key, t in tensors.items():
         if key.startswith("buffer/"):
-            state[key[len("buffer/"):]] = t.clone()
+            state[key[len("buffer/") :]] = t.clone()
         elif key.endswith("/idx"):
-            name = key[len("param/"):-len("/idx")]
+            name = key[len("param/") : -len("/idx")]
             flat = state[name].view(-1)
             flat[t.long()] = tensors[f"param/{name}/val"].to(flat.dtype)
 
@@ -82,20 +89,35 @@ class DiffWriter:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.prev = {k: v.to("cpu").contiguous() for k, v in self.prev.items()}
             self.parent = self.folder / "base.safetensors"
-            self.dense_bytes = save_weights(self.parent, self.prev, self.cfg, self.classes, None, self.mean,
-                                            self.std).stat().st_size
+            self.dense_bytes = (
+                save_weights(self.parent, self.prev, self.cfg, self.classes, None, self.mean, self.std).stat().st_size
+            )
         cur = host_state(self.model)
         tensors = make_diff(self.prev, cur, self.param_names)
         path = self.folder / f"epoch{epoch:03d}.safetensors"
-        meta = {"format": DIFF_FORMAT, "epoch": str(epoch), "parent": self.parent.name,
-                "parent_sha256": sha256(self.parent), "test_acc": str(test_acc)}
+        meta = {
+            "format": DIFF_FORMAT,
+            "epoch": str(epoch),
+            "parent": self.parent.name,
+            "parent_sha256": sha256(self.parent),
+            "test_acc": str(test_acc),
+        }
         size = write_atomic(path, save(tensors, metadata=meta)).stat().st_size
         entries = sum(t.numel() for k, t in tensors.items() if k.endswith("/idx"))
-        self.records.append({"epoch": epoch, "file": path.name, "bytes": size, "dense_bytes": self.dense_bytes,
-                             "changed_entries": entries})
+        self.records.append(
+            {
+                "epoch": epoch,
+                "file": path.name,
+                "bytes": size,
+                "dense_bytes": self.dense_bytes,
+                "changed_entries": entries,
+            }
+        )
         self.prev, self.parent = cur, path
-        return (f"sparse diff epoch {epoch}: {size:,} bytes ({entries:,} changed entries + dense BN buffers), "
-                f"dense model file {self.dense_bytes:,} bytes ({100.0 * size / self.dense_bytes:.2f}%)")
+        return (
+            f"sparse diff epoch {epoch}: {size:,} bytes ({entries:,} changed entries + dense BN buffers), "
+            f"dense model file {self.dense_bytes:,} bytes ({100.0 * size / self.dense_bytes:.2f}%)"
+        )
 
 
 class ChainError(CheckpointError):
@@ -111,8 +133,10 @@ def restore(base: str | Path, diffs: list[str | Path]) -> tuple[dict[str, torch.
         if dmeta.get("format") != DIFF_FORMAT:
             raise ChainError(f"{d}: not a sparse diff (format {dmeta.get('format')!r})")
         if dmeta.get("parent_sha256") != sha256(parent):
-            raise ChainError(f"{d}: its parent is {dmeta.get('parent')!r} (epoch chain broken or out of "
-                             f"order): it does not follow {parent.name}")
+            raise ChainError(
+                f"{d}: its parent is {dmeta.get('parent')!r} (epoch chain broken or out of "
+                f"order): it does not follow {parent.name}"
+            )
         apply_diff(state, tensors)
         parent = Path(d)
     return state, meta

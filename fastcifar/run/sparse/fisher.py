@@ -41,8 +41,9 @@ def _accumulate(scores: dict, grads: dict, variant: str, weight: torch.Tensor | 
         scores[name] += term.sum(0)
 
 
-def fisher_scores(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
-                  variant: str = "squared", chunk: int = 64) -> dict[str, torch.Tensor]:
+def fisher_scores(
+    model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, variant: str = "squared", chunk: int = 64
+) -> dict[str, torch.Tensor]:
     """Scores (fp32, each parameter's shape) of the trainable parameters over ``images``/``labels``.
     The model is used as it is (put it in eval mode first); ``chunk`` samples' gradients are held
     at once (memory: chunk x the parameters)."""
@@ -59,7 +60,7 @@ def fisher_scores(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
     per_sample = vmap(grad(loss), in_dims=(None, 0, 0))
     scores = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in params.items()}
     for start in range(0, len(labels), chunk):
-        x, y = images[start:start + chunk], labels[start:start + chunk]
+        x, y = images[start : start + chunk], labels[start : start + chunk]
         if variant != "expected":
             _accumulate(scores, per_sample(params, x, y), variant)
             continue
@@ -85,12 +86,18 @@ def scoring_copy(model: torch.nn.Module, images: torch.Tensor, chunk: int = 256)
         for i, start in enumerate(range(0, len(images), chunk)):
             for m in norms:
                 m.momentum = 1.0 / (i + 1)
-            scorer(images[start:start + chunk].float())
+            scorer(images[start : start + chunk].float())
     return scorer.eval()
 
 
-def fisher_for_mask(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
-                    variant: str = "squared", chunk: int = 64, reduce=None) -> dict[str, torch.Tensor]:
+def fisher_for_mask(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    variant: str = "squared",
+    chunk: int = 64,
+    reduce=None,
+) -> dict[str, torch.Tensor]:
     """Scores of ``model``'s trainable parameters for choosing a mask. ``reduce`` (an all-reduce,
     several ranks) sums the ranks' scores, each from its own shard's samples."""
     scorer = scoring_copy(model, images)

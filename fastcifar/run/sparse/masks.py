@@ -45,7 +45,7 @@ def _unflatten(names, flat_mask, scores, forced) -> dict[str, torch.Tensor]:
     out, start = {}, 0
     for n in names:
         size = scores[n].numel()
-        out[n] = flat_mask[start:start + size].view(scores[n].shape)
+        out[n] = flat_mask[start : start + size].view(scores[n].shape)
         start += size
     for n in forced:
         out[n] = torch.ones(scores[n].shape, dtype=torch.bool, device=scores[n].device)
@@ -64,8 +64,9 @@ def random_scores(like: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
     return {n: torch.rand(t.shape, generator=g).to(t.device) for n, t in like.items()}
 
 
-def deal(scores: dict[str, torch.Tensor], fraction: float, forced: set[str],
-         world_size: int) -> list[dict[str, torch.Tensor]]:
+def deal(
+    scores: dict[str, torch.Tensor], fraction: float, forced: set[str], world_size: int
+) -> list[dict[str, torch.Tensor]]:
     """One mask per rank: the top ``world_size x budget`` scored entries dealt round-robin by rank
     in descending order of score, plus the forced entries in every mask."""
     names, flat = _flat_scored(scores, forced)

@@ -30,14 +30,35 @@ class SparseRun(Component):
         self.forced = masks.forced_names(model, cfg.mask_bn_shifts)
         self.local = None
         if cfg.local_steps and ctx.distributed:
-            self.local = LocalSGD(self.params, list(model.buffers()), self.optimizer, cfg.local_steps, cfg.merge,
-                                  cfg.local_momentum, ctx.world_size, ctx.rank)
+            self.local = LocalSGD(
+                self.params,
+                list(model.buffers()),
+                self.optimizer,
+                cfg.local_steps,
+                cfg.merge,
+                cfg.local_momentum,
+                ctx.world_size,
+                ctx.rank,
+            )
         self.diffs = None
         if cfg.sparse_checkpoints and ctx.is_main and log.dir is not None:
-            self.diffs = DiffWriter(Path(log.dir) / "sparse" / f"run{run}", model, cfg,
-                                    log.meta.get("classes", []), CIFAR10_MEAN, CIFAR10_STD)
-        self.record: dict = {"run": run, "mask": cfg.sparse_mask, "fraction": cfg.sparse_fraction,
-                             "trainable": self.total, "masks": [], "diffs": [], "local_sgd": None}
+            self.diffs = DiffWriter(
+                Path(log.dir) / "sparse" / f"run{run}",
+                model,
+                cfg,
+                log.meta.get("classes", []),
+                CIFAR10_MEAN,
+                CIFAR10_STD,
+            )
+        self.record: dict = {
+            "run": run,
+            "mask": cfg.sparse_mask,
+            "fraction": cfg.sparse_fraction,
+            "trainable": self.total,
+            "masks": [],
+            "diffs": [],
+            "local_sgd": None,
+        }
 
     # --- the trainer's calls ---------------------------------------------------------------
 
@@ -84,6 +105,7 @@ class SparseRun(Component):
             reduce = None
             if ctx.distributed:
                 import torch.distributed as dist
+
                 reduce = dist.all_reduce
             scores = fisher.fisher_for_mask(self.model, images, labels, cfg.mask_score, reduce=reduce)
             if ctx.distributed:  # the same bits everywhere, whatever the all-reduce's rounding per rank
