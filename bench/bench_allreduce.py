@@ -95,12 +95,12 @@ def run_rank(args) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
+    from fastcifar.core.config import Config
+    from fastcifar.models.network import build_model
     from fastcifar.parallel import distributed
     from fastcifar.parallel.comm import GradBuckets
-    from fastcifar.core.config import Config
     from fastcifar.run.optim import NesterovSGD
     from fastcifar.run.report import versions
-    from fastcifar.models.network import build_model
 
     # The trainer passes broadcast_buffers=False too; torch 2.14 warns that the name is deprecated.
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")

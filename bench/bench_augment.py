@@ -22,26 +22,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import smoke_mode  # noqa: E402
+from bench.common import smoke_mode
 
 SMOKE = smoke_mode()
 
-import torch  # noqa: E402
+import torch
 
 from bench.common import (
     append_results,
     compile_static,
     copy_bandwidth_gbs,
-    environment,  # noqa: E402
+    environment,
     markdown_table,
     print_header,
     require_cuda,
     time_ms,
 )
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params  # noqa: E402
-from fastcifar.core.config import DEFAULT_PRESET, from_preset  # noqa: E402
-from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants  # noqa: E402
-from fastcifar.kernels.cutout import cutout, cutout_reference  # noqa: E402
+from fastcifar.core.config import DEFAULT_PRESET, from_preset
+from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants
+from fastcifar.kernels.cutout import cutout, cutout_reference
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params
 
 CL = torch.channels_last
 SIZE = 32

@@ -37,30 +37,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import smoke_mode  # noqa: E402
+from bench.common import smoke_mode
 
 SMOKE = smoke_mode()
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
 
+from bench import kernel_registers
 from bench.common import (
     add_index_argument,
     append_results,
     compile_static,
-    copy_bandwidth_gbs,  # noqa: E402
+    copy_bandwidth_gbs,
     environment,
     markdown_table,
     print_header,
     require_cuda,
     time_ms,
 )
-from fastcifar.run.graphs import capture  # noqa: E402
-from fastcifar.ops.norm_act_pool import NormActPool  # noqa: E402
+from fastcifar.kernels.bn_act_pool import TritonNormActPool, bn_act_pool_reference
 from fastcifar.models.resnet9 import ResNet9
-from bench import kernel_registers  # noqa: E402
-from fastcifar.kernels.bn_act_pool import TritonNormActPool, bn_act_pool_reference  # noqa: E402
+from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.run.graphs import capture
 
 CL = torch.channels_last
 # (batch per GPU, channels, map side, activation, pool): every NormActPool of the two presets the

@@ -33,8 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
-from common import RESULTS_DIR, environment, markdown_table, run_trainer  # noqa: E402
-from fastcifar.parallel.compress import make  # noqa: E402
+from common import RESULTS_DIR, environment, markdown_table, run_trainer
+
+from fastcifar.parallel.compress import make
 
 BANDWIDTHS_GBS = (1, 10, 25, 100, 400)
 

@@ -29,27 +29,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import smoke_mode  # noqa: E402
+from bench.common import smoke_mode
 
 SMOKE = smoke_mode()
 
-import torch  # noqa: E402
+import torch
 
-from bench import kernel_registers  # noqa: E402
-from bench.bench_bn_act_pool import direction_rows  # noqa: E402
+from bench import kernel_registers
+from bench.bench_bn_act_pool import direction_rows
 from bench.common import (
     add_index_argument,
     append_results,
     copy_bandwidth_gbs,
-    environment,  # noqa: E402
+    environment,
     markdown_table,
     matmul_tflops,
     print_header,
     require_cuda,
 )
-from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
-from fastcifar.kernels.conv_stats import TritonConvBlock  # noqa: E402
-from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool  # noqa: E402
+from fastcifar.kernels.bn_act_pool import TritonNormActPool
+from fastcifar.kernels.conv_stats import TritonConvBlock
+from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool
 
 CL = torch.channels_last
 CONVS = kernel_registers.DEFAULT_CONVS  # (batch, c_in, c_out, side, pool)

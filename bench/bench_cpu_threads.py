@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, environment, markdown_table  # noqa: E402
+from common import RESULTS_DIR, environment, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_EXAMPLE = ["--device", "cpu", "--subset", "2000", "--widths", "16,32,32", "--batch-size", "128"]

@@ -33,8 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastcifar.data.dali import DaliLoader, dali_available, decode_jpegs  # noqa: E402
-from fastcifar.data.loader import TorchLoader  # noqa: E402
+from fastcifar.data.dali import DaliLoader, dali_available, decode_jpegs
+from fastcifar.data.loader import TorchLoader
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
 RESULTS = ROOT / "bench" / "results" / "loader.jsonl"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from common import RESULTS_DIR, environment, markdown_table, run_trainer  # noqa: E402
+from common import RESULTS_DIR, environment, markdown_table, run_trainer
 
 SIZES = {
     "smoke": [

@@ -53,7 +53,7 @@ from bench.common import (
     append_results,
     copy_bandwidth_gbs,
     environment,
-    markdown_table,  # noqa: E402
+    markdown_table,
     matmul_tflops,
     print_header,
     require_cuda,
@@ -63,17 +63,17 @@ from bench.common import (
 
 SMOKE = smoke_mode()
 
-import torch  # noqa: E402
+import torch
 
-from fastcifar.core.config import Config, from_preset  # noqa: E402
-from fastcifar.parallel.distributed import DistContext  # noqa: E402
-from fastcifar.parallel.sync import GradientSync  # noqa: E402
-from fastcifar.run.schedule import DeviceSchedule  # noqa: E402
-from fastcifar.run.graphs import StaticBatch, TrainStep, capture  # noqa: E402
-from fastcifar.run.recipe import make_optimizer, peak_rate  # noqa: E402
-from fastcifar.models.network import build_model  # noqa: E402
-from fastcifar.run.step import make_step  # noqa: E402
-from fastcifar.ops.norm_act_pool import ConvBlock  # noqa: E402
+from fastcifar.core.config import Config, from_preset
+from fastcifar.models.network import build_model
+from fastcifar.ops.norm_act_pool import ConvBlock
+from fastcifar.parallel.distributed import DistContext
+from fastcifar.parallel.sync import GradientSync
+from fastcifar.run.graphs import StaticBatch, TrainStep, capture
+from fastcifar.run.recipe import make_optimizer, peak_rate
+from fastcifar.run.schedule import DeviceSchedule
+from fastcifar.run.step import make_step
 
 
 def conv_flops_per_image(model: torch.nn.Module, device, dtype) -> float:

@@ -38,11 +38,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastcifar.parallel import distributed  # noqa: E402
-from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, parse_args, validate  # noqa: E402
-from fastcifar.data import DataError  # noqa: E402
-from fastcifar.run.report import TIMING_PROTOCOL, RunResult, summarize  # noqa: E402
-from fastcifar.train import train  # noqa: E402
+from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, parse_args, validate
+from fastcifar.data import DataError
+from fastcifar.parallel import distributed
+from fastcifar.run.report import TIMING_PROTOCOL, RunResult, summarize
+from fastcifar.train import train
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

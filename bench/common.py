@@ -18,13 +18,13 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def smoke_mode(argv: Optional[Sequence[str]] = None) -> bool:
+def smoke_mode(argv: Sequence[str] | None = None) -> bool:
     """True when --smoke is given; then TRITON_INTERPRET=1 is set (call this before importing triton)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--smoke" in argv:
@@ -44,7 +44,7 @@ def require_cuda(name: str) -> None:
         sys.exit(2)
 
 
-def time_ms(fn: Callable[[], object], smoke: bool = False, grad_to_none=None, rep: int = 200) -> Dict[str, float]:
+def time_ms(fn: Callable[[], object], smoke: bool = False, grad_to_none=None, rep: int = 200) -> dict[str, float]:
     """Median, 20th and 80th percentile milliseconds of fn() (triton.testing.do_bench on CUDA, about
     ``rep`` ms of repetitions)."""
     if smoke:  # one call: the figure is meaningless on the CPU, and each call under the Triton
@@ -101,7 +101,7 @@ def git_commit(where: Path) -> str:
         return ""
 
 
-def environment() -> Dict[str, str]:
+def environment() -> dict[str, str]:
     """Device, versions, date and commit: the header of a results row."""
     import torch
     import triton
@@ -119,7 +119,7 @@ def environment() -> Dict[str, str]:
     }
 
 
-def print_header(title: str, env: Dict[str, str], copy_gbs: float) -> None:
+def print_header(title: str, env: dict[str, str], copy_gbs: float) -> None:
     print(f"## {title}\n")
     print(
         f"{env['device']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']} | "
@@ -170,7 +170,7 @@ def add_index_argument(p: argparse.ArgumentParser, flag: str, count: int, help: 
     p.add_argument(flag, type=index, nargs="+", default=list(range(count)), help=help)
 
 
-def best_setting(row: Dict[str, object], settings: Sequence[str]) -> Optional[str]:
+def best_setting(row: dict[str, object], settings: Sequence[str]) -> str | None:
     """A sweep's row: the setting of ``settings`` whose cell holds the least time (a cell holding an
     error string is not a time, so never the best), written to the row as "best" with "best vs base"
     (the "base" setting's time over the best's); None when no setting ran."""
@@ -182,7 +182,7 @@ def best_setting(row: Dict[str, object], settings: Sequence[str]) -> Optional[st
     return best
 
 
-def markdown_table(rows: List[Dict[str, object]], columns: Sequence[str]) -> str:
+def markdown_table(rows: list[dict[str, object]], columns: Sequence[str]) -> str:
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
@@ -193,7 +193,7 @@ def markdown_table(rows: List[Dict[str, object]], columns: Sequence[str]) -> str
     return "\n".join(lines)
 
 
-def append_results(name: str, rows: List[Dict[str, object]], env: Dict[str, str], copy_gbs: float) -> Path:
+def append_results(name: str, rows: list[dict[str, object]], env: dict[str, str], copy_gbs: float) -> Path:
     """Append one JSON line per row to bench/results/<name>.jsonl (environment fields on every line)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.jsonl"

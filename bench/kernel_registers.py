@@ -16,16 +16,15 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from bench.common import environment  # noqa: E402
-from fastcifar.kernels import aot  # noqa: E402
-from fastcifar.ops.norm_act_pool import ACTIVATIONS  # noqa: E402
-
+from bench.common import environment
+from fastcifar.kernels import aot
+from fastcifar.ops.norm_act_pool import ACTIVATIONS
 
 # ----------------------------------------------------------------------------------------------
 # The launcher calls: presets' real shapes and odd ones
@@ -109,8 +108,8 @@ def conv_call(batch, c_in, c_out, side, pool, dtype, training) -> Callable[[], N
 
 def augment_call(batch, data, pad, cutout, dtype, indexed, jitter=False) -> Callable[[], None]:
     def call():
-        from fastcifar.ops.augment import AugmentParams
         from fastcifar.kernels.augment import augment
+        from fastcifar.ops.augment import AugmentParams
 
         side = 32 + 2 * pad
         images = torch.empty(data, side, side, 3, dtype=torch.uint8)

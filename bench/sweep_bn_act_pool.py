@@ -28,37 +28,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import smoke_mode  # noqa: E402
+from bench.common import smoke_mode
 
 SMOKE = smoke_mode()  # before triton is imported: --smoke runs the kernels in its interpreter
 
-import torch  # noqa: E402
+import torch
 
 from bench.bench_bn_act_pool import (
     BLOCKS,
     CL,
     GRAPH_WARMUP,
     SMOKE_BLOCKS,
-    direction_bodies,  # noqa: E402
     add_blocks_argument,
+    direction_bodies,
     graph_timings,
     kernel_bytes,
     traffic_bytes,
 )
-from bench.bench_step import traced_kernels  # noqa: E402
+from bench.bench_step import traced_kernels
 from bench.common import (
     append_results,
     best_setting,
     copy_bandwidth_gbs,
-    environment,  # noqa: E402
+    environment,
     markdown_table,
     print_header,
     require_cuda,
     time_ms,
 )
-from fastcifar.run.graphs import capture  # noqa: E402
-from fastcifar.kernels import bn_act_pool as bn  # noqa: E402
-from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
+from fastcifar.kernels import bn_act_pool as bn
+from fastcifar.kernels.bn_act_pool import TritonNormActPool
+from fastcifar.run.graphs import capture
 
 # name: one Launch for every block (tile, pooled tile, warps, reduction programs); "base" is the
 # module's own table, one Launch per pool place (bn.LAUNCH); "before-2026-11-22" the single setting

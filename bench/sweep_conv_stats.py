@@ -29,26 +29,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import smoke_mode  # noqa: E402
+from bench.common import smoke_mode
 
 SMOKE = smoke_mode()  # before triton is imported: --smoke runs the kernels in its interpreter
 
-import torch  # noqa: E402
+import torch
 
-from bench.bench_bn_act_pool import graph_timings  # noqa: E402
-from bench.bench_conv_stats import CL, CONVS, DIFF_TOL, SMOKE_CONVS, impls  # noqa: E402
+from bench.bench_bn_act_pool import graph_timings
+from bench.bench_conv_stats import CL, CONVS, DIFF_TOL, SMOKE_CONVS, impls
 from bench.common import (
     add_index_argument,
     append_results,
     best_setting,
-    copy_bandwidth_gbs,  # noqa: E402
+    copy_bandwidth_gbs,
     environment,
     markdown_table,
     print_header,
     require_cuda,
     time_ms,
 )
-from fastcifar.kernels import conv_stats as cs  # noqa: E402
+from fastcifar.kernels import conv_stats as cs
 
 C = cs.ConvLaunch
 PROGRAMS = cs.LAUNCH.programs

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from fastcifar.models.files import ModelInfo, load_model
 from fastcifar.core.config import Config, ConfigError
 from fastcifar.data import DataError
+from fastcifar.models.files import ModelInfo, load_model
 from fastcifar.ops.norm_act_pool import as_plain_torch
 from fastcifar.run.report import RunResult
 
@@ -50,14 +50,14 @@ def train(config: Config) -> list[TrainedRun]:
     """Train ``config.runs`` runs as ``python -m fastcifar.train`` would with these settings
     (the same validation, logs and run folder); raises ConfigError or DataError on bad input.
     Under torchrun every rank calls it and gets its own copy of the results."""
-    from fastcifar.parallel import distributed
     from fastcifar import train as trainer
     from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
+    from fastcifar.parallel import distributed
 
     if not isinstance(config, Config):
         raise ConfigError(f"train() takes a fastcifar.Config, not {type(config).__name__}")
-    from fastcifar.run import report
     from fastcifar.core import signals
+    from fastcifar.run import report
 
     signals.new_run()  # no handlers here, but the end must be unclaimed for this run's watchdog
     ctx = distributed.setup(config.device, config.dist_timeout_s, config.dist_group)

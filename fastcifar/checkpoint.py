@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from fastcifar.cli import run_command
+from fastcifar.core.config import OneLineParser
 from fastcifar.evaluate import evaluate
 from fastcifar.models.files import MODEL_FORMAT, model_info, network_from_weights, read_safetensors, save_weights
 from fastcifar.run.sparse import diffs
-from fastcifar.core.config import OneLineParser
 
 
 def evaluate_state(state: dict[str, torch.Tensor], meta: dict[str, str], data: str) -> float:

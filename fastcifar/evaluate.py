@@ -22,14 +22,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastcifar.cli import make_callable, run_command
 from fastcifar.api import resolve_model
-from fastcifar.models.files import ModelInfo, load_model
-from fastcifar.core.config import CHOICES, ConfigError
+from fastcifar.cli import make_callable, run_command
+from fastcifar.core.config import CHOICES, ConfigError, OneLineParser
 from fastcifar.data import DataError, Dataset, load_dataset
 from fastcifar.data.loader import EvalSet
+from fastcifar.models.files import ModelInfo, load_model
 from fastcifar.ops.tta import tta_logits
-from fastcifar.core.config import OneLineParser
 
 
 @dataclass

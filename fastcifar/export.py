@@ -33,10 +33,9 @@ import torch
 
 from fastcifar.cli import run_command
 from fastcifar.core.atomic import write_atomic
-from fastcifar.core.config import ConfigError
+from fastcifar.core.config import ConfigError, OneLineParser
 from fastcifar.data import DataError
 from fastcifar.models.files import load_model
-from fastcifar.core.config import OneLineParser
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 11  # reflect padding and the ops the networks use are all there by 11

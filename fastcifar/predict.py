@@ -25,14 +25,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fastcifar.cli import make_callable, run_command
 from fastcifar.api import resolve_model
-from fastcifar.core.config import CHOICES, ConfigError
-from fastcifar.data import DataError
+from fastcifar.cli import make_callable, run_command
+from fastcifar.core.config import CHOICES, ConfigError, OneLineParser
 from fastcifar.core.readfile import read_regular, why
+from fastcifar.data import DataError
 from fastcifar.data.folder import IMAGE_SUFFIXES, bomb_warnings_as_errors, open_image
 from fastcifar.evaluate import logits_of, resolve_tta
-from fastcifar.core.config import OneLineParser
 
 SIZE = 32
 

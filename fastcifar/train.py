@@ -35,21 +35,21 @@ from fastcifar import cli
 from fastcifar.core import signals
 from fastcifar.core.config import Config, ConfigError, check_run_length, parse_command_line, validate
 from fastcifar.data import DataError, load_dataset, shard_indices
-from fastcifar.data.dataset import for_run
 from fastcifar.data.dali import dali_decoder, make_train_loader, resolve_loader
+from fastcifar.data.dataset import for_run
 from fastcifar.data.loader import EvalSet
-from fastcifar.parallel import distributed
-from fastcifar.parallel.sync import GradientSync, capture_blocker
 from fastcifar.models import compiled
 from fastcifar.models.blocks import resolve_kernels
 from fastcifar.models.network import build_model
+from fastcifar.parallel import distributed
+from fastcifar.parallel.sync import GradientSync, capture_blocker
 from fastcifar.run import components, graphs, profiling, recipe, report, state
 from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep
-from fastcifar.run.step import evaluate, make_step, synchronize
 from fastcifar.run.progress import Progress, chunked_decoder
 from fastcifar.run.report import EpochRecord, RunLog, RunResult, device_info, process_start_time, provenance, versions
 from fastcifar.run.schedule import DeviceSchedule, epoch_lengths, lr_schedule
 from fastcifar.run.sparse.run import SparseRun
+from fastcifar.run.step import evaluate, make_step, synchronize
 
 PROCESS_START = process_start_time()
 

@@ -23,9 +23,8 @@ import io
 import json
 import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
-
 
 ARCHS = (80, 90)
 
@@ -81,9 +80,10 @@ class Variant:
 def recording(arch: int, out: list):
     """Inside: every ``kernel[grid](...)`` appends Variants to ``out`` instead of launching, and the
     launchers accept CPU tensors."""
-    from triton.compiler import make_backend
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
     from triton.runtime import jit
+
     from . import checks
 
     backend = make_backend(GPUTarget("cuda", arch, 32))

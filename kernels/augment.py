@@ -16,7 +16,7 @@ data set, so a bad parameter gives a wrong image, never an illegal memory access
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import nn
 
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference
+
 from .checks import check_device
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -156,7 +157,7 @@ def augment(
     std=CIFAR10_STD,
     dtype: torch.dtype = torch.float16,
     size: int = 32,
-    index: Optional[torch.Tensor] = None,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launcher. ``data``: padded NHWC uint8 images, (D, size+2*pad, size+2*pad, C) contiguous -- the
     batch itself, or (better) the whole padded data set with ``index`` (B,) picking the batch.
@@ -236,7 +237,7 @@ class TritonAugment(nn.Module):
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32), persistent=False)
 
     @torch.no_grad()
-    def forward(self, data: torch.Tensor, params: AugmentParams, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, data: torch.Tensor, params: AugmentParams, index: torch.Tensor | None = None) -> torch.Tensor:
         return augment(data, params, self.cutout, self.mean, self.std, self.dtype, self.size, index)
 
     def extra_repr(self) -> str:
@@ -251,7 +252,7 @@ def augment_indexed_reference(
     std=CIFAR10_STD,
     dtype: torch.dtype = torch.float32,
     size: int = 32,
-    index: Optional[torch.Tensor] = None,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``augment``'s contract in plain PyTorch: gather the batch, then ``augment_reference``."""
     batch = data if index is None else data[index]

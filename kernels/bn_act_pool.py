@@ -52,7 +52,7 @@ Odd maps follow ``F.max_pool2d(x, 2)``: the last row/column is dropped from the 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from fastcifar.ops.norm_act_pool import ACTIVATIONS, POOL_PLACES, NormActPool, activation
+
 from .checks import check_activation
 
 ACT_IDS = {"relu": 0, "gelu": 1, "celu": 2, "silu": 3}
@@ -525,7 +526,7 @@ def _empty(shape, dtype, device, channels_last: bool = False) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check_channel_vector(t: Optional[torch.Tensor], name: str, c: int, device) -> None:
+def _check_channel_vector(t: torch.Tensor | None, name: str, c: int, device) -> None:
     if t is None:
         raise ValueError(f"{name} is required (affine batchnorm with running statistics)")
     if t.shape != (c,) or t.dtype != torch.float32 or not t.is_contiguous():
@@ -537,7 +538,7 @@ def _check_channel_vector(t: Optional[torch.Tensor], name: str, c: int, device) 
         raise ValueError(f"{name} is on {t.device}, the activations on {device}")
 
 
-def _tiling(c: int, pool: Optional[str]):
+def _tiling(c: int, pool: str | None):
     """A block's launch geometry from its ``LAUNCH`` entry: rows per tile of the one-element and of
     the 2x2-window kernels, channels per tile, channel blocks, warps and stage-1 programs."""
     launch = LAUNCH[pool]
@@ -583,7 +584,7 @@ def bn_act_pool_forward(
     momentum: float,
     eps: float,
     act: str = "relu",
-    pool: Optional[str] = None,
+    pool: str | None = None,
 ):
     """Forward launcher. Returns (y, saved) with saved = (src, idx, mean, rstd) for the backward
     launcher: src is x (pool None/"after") or the pooled z ("before"), idx the int8 argmax or None.
@@ -672,7 +673,7 @@ class Partials(NamedTuple):
 def normalize_partials(
     src,
     idx,
-    partials: Optional[Partials],
+    partials: Partials | None,
     x_shape,
     weight,
     bias,
@@ -681,7 +682,7 @@ def normalize_partials(
     momentum: float,
     eps: float,
     act: str = "relu",
-    pool: Optional[str] = None,
+    pool: str | None = None,
 ):
     """Stage 2 and the apply, from stage 1's ``partials`` (training) or the running statistics
     (``partials`` None: eval mode). ``src``: the map the batchnorm normalizes (x, or for "before" the
@@ -781,9 +782,7 @@ def normalize_partials(
     return y, (src, idx, mean, rstd)
 
 
-def bn_act_pool_backward(
-    dy, saved, weight, bias, x_shape, training: bool, act: str = "relu", pool: Optional[str] = None
-):
+def bn_act_pool_backward(dy, saved, weight, bias, x_shape, training: bool, act: str = "relu", pool: str | None = None):
     """Backward launcher: (dx, dweight, dbias) from dy and the forward's ``saved``."""
     _check_args(act, pool)
     src, idx, mean, rstd = saved
@@ -904,7 +903,7 @@ def bn_act_pool(
     momentum: float = 0.1,
     eps: float = 1e-5,
     act: str = "relu",
-    pool: Optional[str] = None,
+    pool: str | None = None,
 ) -> torch.Tensor:
     """Functional form with autograd; same signature as ``bn_act_pool_reference``."""
     return BnActPoolFunction.apply(x, weight, bias, running_mean, running_var, training, momentum, eps, act, pool)
@@ -937,7 +936,7 @@ def bn_act_pool_reference(
     momentum: float = 0.1,
     eps: float = 1e-5,
     act: str = "relu",
-    pool: Optional[str] = None,
+    pool: str | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch: [2x2 max-pool] -> batch_norm -> activation -> [2x2 max-pool] (NormActPool.forward)."""
     if pool == "before":
@@ -950,7 +949,7 @@ def bn_act_pool_reference(
 
 
 def bn_act_pool_reference_with_stats(
-    x, weight, bias, mean, rstd, act: str = "relu", pool: Optional[str] = None, eps: float = 1e-5
+    x, weight, bias, mean, rstd, act: str = "relu", pool: str | None = None, eps: float = 1e-5
 ) -> torch.Tensor:
     """Training-mode reference whose forward uses the given batch statistics (the kernel's own fp32
     ``mean``/``rstd``, from ``bn_act_pool_forward``'s ``saved``) while its gradient flows through the

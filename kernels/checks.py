@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -65,13 +65,14 @@ probably runs on the older mma path.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from fastcifar.ops.norm_act_pool import ConvBlock
+
 from .bn_act_pool import (
     Partials,
     TritonNormActPool,
@@ -295,7 +296,7 @@ def conv_tiling(c_in: int, c_out: int, rows: int, pool: bool, launch: ConvLaunch
     )
 
 
-def conv_stats_forward(x: torch.Tensor, weight: torch.Tensor, training: bool, pool: Optional[str] = None):
+def conv_stats_forward(x: torch.Tensor, weight: torch.Tensor, training: bool, pool: str | None = None):
     """The conv of ``x`` (N, C_in, H, W channels-last) with ``weight``, stride 1, padding k//2, no
     bias. Returns (out, idx, partials): ``pool="before"``: out is the 2x2-max-pooled conv output
     (N, C_out, H//2, W//2; floor mode, as ``F.max_pool2d``) and idx its int8 argmax in 0..3 (row-major
@@ -412,7 +413,7 @@ def conv_bn_act_pool(
     momentum: float = 0.1,
     eps: float = 1e-5,
     act: str = "relu",
-    pool: Optional[str] = None,
+    pool: str | None = None,
 ) -> torch.Tensor:
     """Functional form with autograd; same signature as ``conv_bn_act_pool_reference``."""
     return ConvBnActPoolFunction.apply(
@@ -482,7 +483,7 @@ def conv_bn_act_pool_reference(
     momentum: float = 0.1,
     eps: float = 1e-5,
     act: str = "relu",
-    pool: Optional[str] = None,
+    pool: str | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch: conv (stride 1, padding k//2, no bias), then ``bn_act_pool_reference``."""
     y = torch.nn.functional.conv2d(x, conv_weight, padding=conv_weight.shape[-1] // 2)

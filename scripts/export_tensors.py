@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
-from fastcifar.data import DataError, load_dataset  # noqa: E402
-from fastcifar.core.atomic import write_atomic  # noqa: E402
+from fastcifar.core.atomic import write_atomic
+from fastcifar.data import DataError, load_dataset
 
 
 def export(data: str | Path, out: str | Path, log=print) -> list[Path]:

@@ -23,11 +23,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastcifar.parallel import distributed  # noqa: E402
+from fastcifar.core.config import ConfigError, parse_args, validate
+from fastcifar.data import DataError
+from fastcifar.parallel import distributed
 from fastcifar.run import profiling
-from fastcifar.core.config import ConfigError, parse_args, validate  # noqa: E402
-from fastcifar.data import DataError  # noqa: E402
-from fastcifar.train import train  # noqa: E402
+from fastcifar.train import train
 
 
 class WindowRecorded(Exception):

@@ -41,8 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
-from fastcifar.core.config import PRESETS, ConfigError, parse_command_line, recipe_flags, validate  # noqa: E402
-from fastcifar.core.stats import p_above  # noqa: E402
+from fastcifar.core.config import PRESETS, ConfigError, parse_command_line, recipe_flags, validate
+from fastcifar.core.stats import p_above
 
 BAR = 94.0  # % official test accuracy, the record scripts' bar
 
@@ -289,6 +289,7 @@ def data_name(path: Path) -> str:
 def environment() -> dict:
     """The machine the figures come from: GPU name and driver, torch and triton versions."""
     import torch
+
     from fastcifar.run.report import gpu_identity, versions
 
     device, driver = gpu_identity(torch.device("cuda")) if torch.cuda.is_available() else ("cpu", None)

@@ -322,7 +322,7 @@ TRAJECTORY_FREE_FIELDS = (
 )
 
 
-def training_settings(cfg: "Config") -> dict:
+def training_settings(cfg: Config) -> dict:
     """The fields that shape the training trajectory, as plain data."""
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAJECTORY_FREE_FIELDS}
 

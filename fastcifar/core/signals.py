@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 
 class StopRun(BaseException):

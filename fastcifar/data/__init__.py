@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import os
 import tarfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Callable
 
 import numpy as np
 
-from fastcifar.data.dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
 from fastcifar.core.errors import DataError
 from fastcifar.core.readfile import kind, why
+from fastcifar.data.dataset import CIFAR10_CLASSES, IMAGE_SHAPE, Dataset
 from fastcifar.data.folder import (
     BatchDecoder,
     cache_path,

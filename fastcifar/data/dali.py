@@ -31,13 +31,12 @@ import os
 import re
 import sys
 import threading
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from fastcifar.core.config import CHOICES, ConfigError
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, normalize, pad_images
 from fastcifar.data import shard_indices
 from fastcifar.data.loader import (
     PARAM_FIELDS,
@@ -48,6 +47,7 @@ from fastcifar.data.loader import (
     epoch_plan,
     to_device,
 )
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, normalize, pad_images
 
 LOADERS = CHOICES["loader"]
 # What "auto" picks per device type: the faster in bench/bench_loader.py (bench/results/loader.jsonl,

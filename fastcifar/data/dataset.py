@@ -21,7 +21,7 @@ class Dataset:
     classes: tuple[str, ...]
     source: str  # what was read, for logs and summaries
 
-    def validate(self) -> "Dataset":
+    def validate(self) -> Dataset:
         """Check shapes, dtypes and label range; raise DataError naming what is wrong."""
         for split in ("train", "test"):
             images = getattr(self, f"{split}_images")
@@ -38,7 +38,7 @@ class Dataset:
                 raise DataError(f"{self.source}: the {split} split is empty")
         return self
 
-    def subset(self, n_train: int) -> "Dataset":
+    def subset(self, n_train: int) -> Dataset:
         """A fixed random sample of ``n_train`` training images and the same fraction of the
         test set (at least 100): for short CPU runs. Image folders are stored class by class,
         so taking the first N would give one class; the sample uses a constant seed instead."""
@@ -59,7 +59,7 @@ class Dataset:
             f"{self.source} (a fixed subset)",
         )  # the counts are printed beside the source
 
-    def hold_out(self, n_val: int) -> tuple["Dataset", np.ndarray, np.ndarray]:
+    def hold_out(self, n_val: int) -> tuple[Dataset, np.ndarray, np.ndarray]:
         """``--val-split``: (the set without ``n_val`` training images, their images, their labels).
         A fixed choice from a constant seed, the same on every rank, before any sharding; 0 leaves
         the set as it is (and holds out nothing)."""

@@ -16,16 +16,16 @@ import tarfile
 import tempfile
 import warnings
 import zipfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import Callable, Optional
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fastcifar.data.dataset import IMAGE_SHAPE, Dataset
 from fastcifar.core.errors import DataError
 from fastcifar.core.readfile import read_regular, why
+from fastcifar.data.dataset import IMAGE_SHAPE, Dataset
 
 SPLITS = ("train", "test")
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm"}
@@ -117,7 +117,7 @@ def decode_with_pil(raws: list[bytes], wheres: list[str]) -> np.ndarray:
 
 # A batch decoder: (encoded images, their names) -> (N, 32, 32, 3) uint8, or None to leave the
 # batch to PIL (which then names the file that is bad). fastcifar.data.dali.dali_decoder is one.
-BatchDecoder = Callable[[list, list], Optional[np.ndarray]]
+BatchDecoder = Callable[[list, list], np.ndarray | None]
 
 
 def _decode_tree(tree, classes, read, source: str, decode: BatchDecoder | None = None) -> Dataset:

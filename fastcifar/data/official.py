@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fastcifar.data.dataset import CIFAR10_CLASSES, Dataset
 from fastcifar.core.errors import DataError
 from fastcifar.core.readfile import check_regular, read_regular, why
+from fastcifar.data.dataset import CIFAR10_CLASSES, Dataset
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,12 @@ launches per step.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 _NO_POOL = ""  # custom-op schemas take str, not Optional[str]: "" is pool=None
 
 
-def _pool(pool: str) -> Optional[str]:
+def _pool(pool: str) -> str | None:
     return pool or None
 
 

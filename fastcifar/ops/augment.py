@@ -56,7 +56,7 @@ class AugmentParams:
     def jitter(self) -> bool:
         return self.shift is not None
 
-    def part(self, lo: int, hi: int) -> "AugmentParams":
+    def part(self, lo: int, hi: int) -> AugmentParams:
         """The parameters of images lo..hi-1 (views, no copy)."""
         return AugmentParams(
             **{
@@ -66,7 +66,7 @@ class AugmentParams:
         )
 
     @staticmethod
-    def concat(parts: "list[AugmentParams]") -> "AugmentParams":
+    def concat(parts: list[AugmentParams]) -> AugmentParams:
         """Batches' parameters one after the other (jittered all, or none)."""
         return AugmentParams(
             **{

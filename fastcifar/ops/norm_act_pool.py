@@ -8,7 +8,7 @@ without importing each other.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,9 +58,9 @@ class NormActPool(nn.BatchNorm2d):
         self,
         num_features: int,
         act: str = "relu",
-        pool: Optional[str] = None,
+        pool: str | None = None,
         eps: float = 1e-5,
-        momentum: Optional[float] = 0.1,
+        momentum: float | None = 0.1,
     ):
         if act not in ACTIVATIONS:
             raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
@@ -115,7 +115,7 @@ class ConvBlock(nn.Module):
         c_out: int,
         norm: NormFactory,
         act: str = "relu",
-        pool: Optional[str] = None,
+        pool: str | None = None,
         kernel: int = 3,
         stride: int = 1,
     ):
@@ -164,7 +164,7 @@ class PerRankStatistics:
         return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _per_rank_class(norm: type, ranks: int) -> type:
     return type(f"PerRank{norm.__name__}", (PerRankStatistics, norm), {"ranks": ranks})
 

@@ -26,8 +26,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -239,7 +240,7 @@ class _DataStep(threading.local):
 _data_step = _DataStep()
 
 
-def announce_stop(ctx: Optional[DistContext], detail: str) -> None:
+def announce_stop(ctx: DistContext | None, detail: str) -> None:
     """Tell the ranks waiting on the rendezvous store that this one stopped, and why (first line of
     ``detail``); the trainer calls it when a rank ends with an error of its own (not a lost peer's,
     which the others learn of in their collectives; not an interrupt, which torchrun delivers to

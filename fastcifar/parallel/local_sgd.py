@@ -32,8 +32,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from fastcifar.parallel import distributed
 from fastcifar.core.config import CHOICES
+from fastcifar.parallel import distributed
 
 
 def flat_view(t: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,10 @@ import torch
 
 from fastcifar.core.config import Config
 from fastcifar.data.loader import EvalSet, TrainLoader
-from fastcifar.parallel import compress, distributed
-from fastcifar.parallel.sync import GradientSync
 from fastcifar.models import files
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
+from fastcifar.parallel import compress, distributed
+from fastcifar.parallel.sync import GradientSync
 from fastcifar.run import profiling, report
 from fastcifar.run.component import Component, Components
 from fastcifar.run.guard import LossGuard

@@ -21,7 +21,7 @@ Without CUDA everything here except the capture itself runs eagerly, and the CPU
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

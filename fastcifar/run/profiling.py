@@ -10,12 +10,12 @@ step boundaries of the first run, and calls the callbacks a script registered wi
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
 
 from fastcifar.core.config import parse_window
 from fastcifar.run.component import Component
-
-import torch
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")  # the range names the trainer uses
 

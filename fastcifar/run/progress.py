@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
-
 from tqdm import tqdm
 
 
@@ -23,7 +22,7 @@ class Progress:
         self.enabled = bool(enabled) and self.stream.isatty()
 
     @classmethod
-    def for_rank(cls, is_main: bool, quiet: bool) -> "Progress":
+    def for_rank(cls, is_main: bool, quiet: bool) -> Progress:
         return cls(is_main and not quiet)
 
     def steps(self, iterable: Iterable, total: int, desc: str) -> Iterable:

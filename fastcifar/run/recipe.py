@@ -24,9 +24,9 @@ import math
 import torch
 from torch import nn
 
-from fastcifar.run.averaging import Lookahead
 from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.models.network import norm_layers
+from fastcifar.run.averaging import Lookahead
 from fastcifar.run.component import Component
 from fastcifar.run.optim import Muon, MuonSGD, NesterovSGD
 from fastcifar.run.schedule import epoch_lengths

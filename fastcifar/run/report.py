@@ -361,7 +361,7 @@ def to_json(doc: dict) -> str:
     return json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
 
 
-_OPEN: list["RunLog"] = []  # started, unfinished logs: stop_open_logs closes them on any early exit
+_OPEN: list[RunLog] = []  # started, unfinished logs: stop_open_logs closes them on any early exit
 
 
 def stop_open_logs(status: str, reason: str) -> None:

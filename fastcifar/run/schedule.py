@@ -15,7 +15,7 @@ step, and the device table a captured step reads its rate from.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

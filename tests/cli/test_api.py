@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from cli import ROOT, env
+from conftest import make_images, one_line_error, write_official
 from PIL import Image
 
 import fastcifar
-from cli import ROOT, env
-from conftest import make_images, one_line_error, write_official
 from fastcifar.core.config import ConfigError, from_preset, parse_args
 from fastcifar.train import main as train_main
 
@@ -132,10 +132,10 @@ def test_resolve_model_leaves_the_callers_network_as_it_is(wrap):
 @pytest.mark.cuda
 def test_a_cuda_network_of_triton_blocks_evaluates_on_the_cpu():
     from fastcifar.api import resolve_model
-    from fastcifar.models.files import ModelInfo
     from fastcifar.models.blocks import norm_factory
-    from fastcifar.ops.norm_act_pool import NormActPool
+    from fastcifar.models.files import ModelInfo
     from fastcifar.models.network import make_network
+    from fastcifar.ops.norm_act_pool import NormActPool
 
     cfg = from_preset("resnet9", widths=(8, 8, 16, 16), tta=0)
     # channels-last, as build_model and load_model leave it: the Triton kernels take no other layout
@@ -158,8 +158,8 @@ def test_an_api_run_that_diverges_closes_its_log_as_the_cli_does(learnable_data,
     later failure in the same process would write into this run's summary."""
     import json
 
-    from fastcifar.run import report
     from fastcifar.core import signals
+    from fastcifar.run import report
 
     out = tmp_path / "runs"
     cfg = from_preset(

@@ -9,21 +9,21 @@ import sys
 import numpy as np
 import pytest
 import torch
+from cli import run_dirs, run_train
+from conftest import CLASSES, batch_bytes, make_images, one_line_error
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cli import run_dirs, run_train
-from conftest import CLASSES, batch_bytes, make_images, one_line_error
 from fastcifar.core import atomic
-from fastcifar.models.network import make_network
-from fastcifar.models.files import CheckpointError, load_model, save_model
 from fastcifar.core.config import from_preset
 from fastcifar.evaluate import evaluate
 from fastcifar.evaluate import main as evaluate_main
+from fastcifar.models.files import CheckpointError, load_model, save_model
+from fastcifar.models.network import make_network
+from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.predict import main as predict_main
 from fastcifar.train import main as train_main
-from fastcifar.ops.norm_act_pool import NormActPool
 
 # The `fast` preset (whitening, lookahead, frozen BN scales, bias freeze after epoch 2) made tiny.
 # Noisy images (noise 150) keep the accuracy well below 100%, so "the same accuracy" means something;
@@ -530,8 +530,8 @@ def test_full_disk_at_the_model_file_is_one_line(learnable_data, tmp_path):
 
 def test_resume_accepts_other_display_and_path_settings_only():
     """--quiet, paths and logging may differ on resume; a training setting may not."""
-    from fastcifar.core.config import training_settings as _training_config
     from fastcifar.core.config import from_preset
+    from fastcifar.core.config import training_settings as _training_config
 
     base = from_preset("resnet9")
     assert _training_config(base) == _training_config(from_preset("resnet9", quiet=True, out_dir="x", data="y"))

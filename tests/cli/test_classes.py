@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import hashlib
+import io
 import pickle
 import tarfile
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from cli import run_dirs, summary_of
 from conftest import one_line_error
-from fastcifar.models.files import load_model
-from fastcifar.core.config import Config
-from fastcifar.data import load_dataset
-from fastcifar.data import official
-from fastcifar.evaluate import evaluate
-from fastcifar.run.report import RunLog, device_info, versions
+from PIL import Image
+
 from fastcifar import checkpoint as checkpoint_cmd
+from fastcifar.core.config import Config
+from fastcifar.data import load_dataset, official
+from fastcifar.evaluate import evaluate
+from fastcifar.models.files import load_model
+from fastcifar.run.report import RunLog, device_info, versions
 from fastcifar.run.sparse import diffs
 from fastcifar.train import main as train_main
 

@@ -11,14 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli import FAST_SHORT, ROOT, env
+from conftest import make_images, one_line_error, write_official
 
 import fastcifar
 from fastcifar import cli, evaluate, export, train
 from fastcifar.core.config import DEFAULT_PRESET, Config, build_parser, from_preset
 from fastcifar.models.files import load_model
-
-from cli import FAST_SHORT, ROOT, env
-from conftest import make_images, one_line_error, write_official
 
 COMMANDS = ("train", "evaluate", "predict", "checkpoint", "export")
 

@@ -15,9 +15,9 @@ from dataclasses import fields
 import numpy as np
 import pytest
 import torch
-
 from cli import SHORT, run_dirs
 from conftest import one_line_error, write_official
+
 from fastcifar.core.config import CHOICES, PRESETS, RANGES, Config, ConfigError, from_preset, validate
 from fastcifar.core.errors import DataError
 from fastcifar.train import main as train_main
@@ -201,8 +201,8 @@ _NAN_MODEL = {"w": torch.tensor([0.0, float("nan")])}
 )
 def test_tampered_checkpoint_fields_are_refused_by_name(field, value, message, tmp_path):
     from fastcifar.core.config import parse_args
-    from fastcifar.run.state import _read_state
     from fastcifar.models.files import CheckpointError
+    from fastcifar.run.state import _read_state
 
     cfg = parse_args(RESUMED)
     good = tmp_path / "good.pt"
@@ -233,6 +233,7 @@ def _model_file(tmp_path, meta_changes=None, tensor_changes=None, name="m.safete
     """A legitimate model file of a tiny FastNet, then its metadata or tensors changed."""
     from safetensors import safe_open
     from safetensors.torch import save_file
+
     from fastcifar.models.files import save_model
     from fastcifar.models.network import make_network
     from fastcifar.ops.norm_act_pool import NormActPool
@@ -333,6 +334,7 @@ def test_hostile_model_files_are_refused_before_building(meta, tensors, message,
 )
 def test_hostile_model_is_one_line_in_evaluate_and_predict(command, meta, tensors, tmp_path, capfd):
     from PIL import Image
+
     from fastcifar.evaluate import main as evaluate_main
     from fastcifar.predict import main as predict_main
 

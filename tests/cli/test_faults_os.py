@@ -9,18 +9,17 @@ import json
 import os
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import zlib
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from cli import ROOT, SHORT, env, run_dirs, run_train
 from conftest import one_line_error, write_image_folder, write_official
+from PIL import Image
 
 from fastcifar.core import atomic, signals
 from fastcifar.data import DataError, load_dataset
@@ -202,6 +201,7 @@ def test_train_refuses_a_decompression_bomb_in_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
     import torch
+
     from fastcifar.core.config import from_preset
     from fastcifar.models.files import save_model
     from fastcifar.models.network import make_network
@@ -641,6 +641,7 @@ def test_a_sigterm_under_torchrun_is_not_recorded_as_a_bare_interruption(monkeyp
 
 def test_jpeg_size_reads_the_frame_header_and_the_dali_decoder_declines_other_sizes(tmp_path):
     import io
+
     from fastcifar.data import dali as dl
 
     for size in ((32, 32), (40, 30), (1, 2)):

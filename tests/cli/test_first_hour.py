@@ -21,18 +21,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from cli import ROOT, SHORT, env, run_dirs, run_train
 from conftest import one_line_error, write_image_folder, write_official
-from fastcifar.data import dali as dali_loader
-from fastcifar.core import signals
+
 from fastcifar import train
-from fastcifar.parallel import sync
+from fastcifar.core import signals
+from fastcifar.data import dali as dali_loader
+from fastcifar.data import load_dataset
 from fastcifar.data.dali import DaliLoader, dali_available
 from fastcifar.data.folder import save_cache
-from fastcifar.data import load_dataset
-from fastcifar.run.guard import Diverged, LossGuard
 from fastcifar.data.loader import TorchLoader
+from fastcifar.parallel import sync
+from fastcifar.run.guard import Diverged, LossGuard
 from fastcifar.run.progress import Progress
 from fastcifar.run.report import TSV_COLUMNS, to_json
 
@@ -436,8 +436,8 @@ def test_chunked_decoder_under_a_bar_gives_the_same_arrays(tmp_path, monkeypatch
 
     from PIL import Image
 
-    from fastcifar.run import progress as progress_mod
     from fastcifar.data.folder import decode_with_pil
+    from fastcifar.run import progress as progress_mod
 
     images = np.random.default_rng(0).integers(0, 256, (7, 32, 32, 3), dtype=np.uint8)
     raws = []

@@ -9,10 +9,10 @@ import re
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
-
 from cli import ROOT, run_dirs, run_train
 from conftest import make_images, one_line_error, write_official
+from safetensors import safe_open
+
 from fastcifar.core.config import DEFAULT_PRESET, from_preset, full_recipe, parse_command_line
 from fastcifar.data import DataError
 from fastcifar.data.dataset import Dataset, for_run
@@ -258,6 +258,7 @@ def test_busy_cpu_gets_advice_only_when_omp_num_threads_is_unset(monkeypatch):
 def test_cpu_threads_bench_smoke_writes_nothing(data):
     import subprocess
     import sys
+
     from cli import bench_results, env
 
     before = bench_results()
@@ -289,6 +290,7 @@ def test_val_split_on_two_ranks_reports_the_test_set_figure(data, tmp_path, caps
     """gloo, 2 ranks: the same held-out images on both (taken before sharding), each rank evaluates
     its slice; the run's final test_acc is the whole test set's, as `evaluate` finds it again."""
     import sys
+
     from fastcifar.evaluate import main as evaluate_main
 
     torchrun = [

@@ -6,9 +6,9 @@ import csv
 
 import pytest
 import torch
-
 from cli import FAST_SHORT, SHORT, run_dirs, run_train, summary_of
 from conftest import one_line_error, write_official
+
 from fastcifar.core.config import DEFAULT_PRESET, Config, build_parser, from_preset, parse_args
 from fastcifar.core.stats import p_above
 from fastcifar.run.report import EPOCH_HEADER, TSV_COLUMNS

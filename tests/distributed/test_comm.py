@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli import ROOT, SHORT, free_port, run_dirs, run_train, summary_of
 from comm_worker import TINY16, SmallNet, make_model, reference_params
 from conftest import one_line_error
-from fastcifar.parallel.comm import GradBuckets, plan_buckets
+
 from fastcifar.core.config import Config
 from fastcifar.models.network import build_model
+from fastcifar.parallel.comm import GradBuckets, plan_buckets
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "comm_worker.py"
 TORCHRUN = [

@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fastcifar.core.config import Config, ConfigError, from_preset, validate
 from fastcifar.models.alexnet import AlexNet
 from fastcifar.parallel.comm import GradBuckets
 from fastcifar.parallel.compress import Compression, engine, log_stats, make, pack, unpack
 from fastcifar.parallel.compress.compressors import PowerSGD, _orthonormalize
 from fastcifar.parallel.compress.memory import ErrorFeedback
 from fastcifar.parallel.compress.rng import MASK32, SHARED_STREAM, CounterRNG, _mix
-from fastcifar.core.config import Config, ConfigError, from_preset, validate
 
 DRAWS = 2000
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli import SHORT, run_train, summary_of
 from compress_worker import BOTH, EXACT, LEARN
-from fastcifar.parallel.compress import SCOPES
 from test_comm import start_ranks, wait_all
+
+from fastcifar.parallel.compress import SCOPES
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "compress_worker.py"

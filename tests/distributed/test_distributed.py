@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from cli import SHORT, run_dirs, run_train, summary_of
 
 pytestmark = pytest.mark.slow
@@ -50,6 +49,7 @@ def test_progress_watchdog_ends_a_stuck_rank_in_one_line():
     """A rank whose loop stops making progress (blocked in a graph replay waiting for a stalled
     peer, say) is ended by the watchdog with exit 3; one that keeps beating is left alone."""
     import subprocess
+
     from cli import ROOT, env
 
     code = (
@@ -72,6 +72,7 @@ def test_a_stall_seen_by_both_threads_is_reported_once():
     first speaks; the watchdog, second, leaves the ending to the main thread (CI once saw two
     lines)."""
     import subprocess
+
     from cli import ROOT, env
 
     code = (

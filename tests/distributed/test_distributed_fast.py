@@ -6,7 +6,6 @@ import sys
 import textwrap
 
 import pytest
-
 from cli import FAST_SHORT, run_dirs, run_train, summary_of
 
 pytestmark = pytest.mark.slow

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli import run_dirs, run_train
-from fastcifar.core.config import DEFAULT_PRESET
 from conftest import write_official
+
+from fastcifar.core.config import DEFAULT_PRESET
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
-
 from cli import ROOT, SHORT, env, free_port, run_dirs, summary_of
 from conftest import tar_folder, write_image_folder, write_official
+from safetensors.torch import load_file
+
 from fastcifar.core.errors import DataError
 from fastcifar.data import load_dataset
 from fastcifar.parallel import distributed

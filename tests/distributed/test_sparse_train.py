@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli import ROOT, SHORT, run_dirs, run_train, summary_of
 from conftest import one_line_error
-from fastcifar.models.files import read_safetensors
-from fastcifar.core.config import ConfigError, from_preset, validate
+
 from fastcifar import checkpoint as checkpoint_cmd
+from fastcifar.core.config import ConfigError, from_preset, validate
+from fastcifar.models.files import read_safetensors
 from fastcifar.run.sparse import diffs
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

@@ -8,7 +8,6 @@ import signal
 import time
 
 import pytest
-
 import test_comm as comm_tests
 from cli import run_dirs
 from conftest import one_line_error

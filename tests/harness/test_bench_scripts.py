@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from cli import ROOT, bench_results, env
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from cli import ROOT, bench_results, env
+
 from fastcifar.core.config import DEFAULT_PRESET
 
 
@@ -172,6 +172,7 @@ def test_a_fused_conv_block_counts_its_conv(bench_step):
     """--fused-conv's block computes its conv without calling its nn.Conv2d (whose hook then never
     fires): counted from the block, the network's FLOPs are the unfused network's."""
     import torch
+
     from fastcifar.models.fastnet import FastNet
     from fastcifar.ops.norm_act_pool import ConvBlock
 

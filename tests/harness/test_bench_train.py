@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from cli import ROOT, env
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_gpu_visit import ROOT, report, visit, write_run
 
 # A stand-in for one rank of the trainer: rank 1 listens on MASTER_PORT and waits to be killed;

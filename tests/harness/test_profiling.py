@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-
 from cli import FAST_SHORT, ROOT, env
-from fastcifar.run import profiling
+
 from fastcifar.core.config import parse_args
 from fastcifar.parallel.distributed import DistContext
+from fastcifar.run import profiling
 
 
 def test_markers_off_cost_nothing():

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastcifar.core.config import ConfigError
 from fastcifar.parallel import distributed
 from fastcifar.parallel.comm import GradBuckets
-from fastcifar.core.config import ConfigError
 
 STEPS = 4
 GLOBAL_BATCH = 8

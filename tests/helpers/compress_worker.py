@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from comm_worker import make_model
+
 from fastcifar.parallel import distributed
 from fastcifar.parallel.comm import GradBuckets
 from fastcifar.parallel.compress import SCOPES, Compression, make

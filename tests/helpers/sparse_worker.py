@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fastcifar.core.config import from_preset
+from fastcifar.models.network import make_network
+from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.parallel import distributed
 from fastcifar.parallel.comm import GradBuckets
-from fastcifar.core.config import from_preset
-from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.parallel.local_sgd import LocalSGD
 from fastcifar.run.optim import NesterovSGD
-from fastcifar.models.network import make_network
 from fastcifar.run.recipe import param_groups
 from fastcifar.run.sparse import masks
 from fastcifar.run.sparse.fisher import trainable
-from fastcifar.parallel.local_sgd import LocalSGD
 from fastcifar.run.sparse.run import SparseRun
 from fastcifar.run.sparse.update import MaskedOptimizer
 

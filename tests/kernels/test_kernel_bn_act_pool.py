@@ -5,11 +5,9 @@ Runs under TRITON_INTERPRET=1 when there is no GPU (set below, before triton is 
 GPU otherwise. Shapes are small so that the whole file takes seconds on 2 CPU cores.
 """
 
+import pytest  # noqa: E402
 import torch
 import torch.nn.functional as F
-
-
-import pytest  # noqa: E402
 from _kernel_asserts import (
     DEVICE,
     assert_close,
@@ -18,11 +16,9 @@ from _kernel_asserts import (
     poisoned_empty,
 )
 
-from bench import kernel_registers  # noqa: E402
 import fastcifar.kernels.bn_act_pool as bap  # noqa: E402
 import fastcifar.kernels.checks as checks  # noqa: E402
-from fastcifar.ops.norm_act_pool import NormActPool, activation  # noqa: E402
-from fastcifar.models.resnet9 import ResNet9
+from bench import kernel_registers  # noqa: E402
 from fastcifar.kernels.bn_act_pool import (  # noqa: E402
     TritonNormActPool,
     bn_act_pool,
@@ -32,6 +28,8 @@ from fastcifar.kernels.bn_act_pool import (  # noqa: E402
     bn_act_pool_reference_with_stats,
     bn_reference_with_stats,
 )
+from fastcifar.models.resnet9 import ResNet9
+from fastcifar.ops.norm_act_pool import NormActPool, activation  # noqa: E402
 
 pytestmark = needs_triton_backend
 

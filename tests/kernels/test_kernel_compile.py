@@ -189,9 +189,10 @@ def traced(preset: str, kind: type, record) -> list:
     """record(module, its input) for every ``kind`` module of PRESET's network, in the order one
     forward reaches them, the batch written as the preset's (one GPU)."""
     import torch
+
     from fastcifar.core.config import from_preset
-    from fastcifar.ops.norm_act_pool import NormActPool
     from fastcifar.models.network import make_network
+    from fastcifar.ops.norm_act_pool import NormActPool
 
     cfg = from_preset(preset)
     model = make_network(cfg, NormActPool).eval()

@@ -19,9 +19,9 @@ from _kernel_asserts import (
     pool_windows,
 )
 
-from bench import kernel_registers  # noqa: E402
 import fastcifar.kernels.bn_act_pool as bap  # noqa: E402
 import fastcifar.kernels.conv_stats as cs  # noqa: E402
+from bench import kernel_registers  # noqa: E402
 from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
 from fastcifar.kernels.conv_stats import (
     TritonConvBlock,

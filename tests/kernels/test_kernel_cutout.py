@@ -1,10 +1,8 @@
 """kernels/cutout.py against cutout_reference: output and gradient, odd shapes, clipping at the
 border, NaN-poisoned outputs, launcher rejections. Interpreter on CPU, the GPU when there is one."""
 
-import torch
-
-
 import pytest  # noqa: E402
+import torch
 from _kernel_asserts import DEVICE, assert_close, needs_triton_backend, poisoned_empty  # noqa: E402
 
 import fastcifar.kernels.cutout as cm  # noqa: E402

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastcifar.data.loader import EvalSet, TorchLoader
 from fastcifar.ops.augment import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -13,7 +14,6 @@ from fastcifar.ops.augment import (
     normalize,
     pad_images,
 )
-from fastcifar.data.loader import EvalSet, TorchLoader
 
 
 def params(b, dy=4, dx=4, flip=0, cy=0, cx=0):

@@ -9,14 +9,13 @@ import copy
 import pytest
 import torch
 
-from fastcifar.models import compiled
 from fastcifar.core.config import from_preset
-from fastcifar.run.schedule import DeviceSchedule
+from fastcifar.models import compiled
 from fastcifar.models.blocks import norm_factory
 from fastcifar.models.network import make_network
 from fastcifar.run.recipe import make_optimizer
+from fastcifar.run.schedule import DeviceSchedule
 from fastcifar.run.step import make_step
-
 
 # Triton runs CPU tensors only in Triton's interpreter, which exists only in a process without a GPU;
 # on a GPU machine the op's own tests run on CUDA tensors (on CPU tensors they failed there: 4 of 6,

@@ -7,9 +7,9 @@ capture is ``TrainStep.warm_up_and_capture``. A recording component joins the ru
 from __future__ import annotations
 
 import pytest
-
 from cli import FAST_SHORT
 from conftest import write_official
+
 from fastcifar import train
 from fastcifar.core.config import parse_args
 from fastcifar.parallel import distributed

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from fastcifar.data import dali as dl
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params, normalize, pad_images, augment_reference
 from fastcifar.data import shard_indices
 from fastcifar.data.dali import (
     DaliLoader,
@@ -27,6 +26,7 @@ from fastcifar.data.dali import (
     decode_jpegs,
     resolve_loader,
 )
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, augment_reference, draw_params, normalize, pad_images
 
 HAVE_DALI, WHY = dali_available()
 # the exception's kind only: its message may name a library's path outside the repository
@@ -661,6 +661,7 @@ def test_cuda_decode_matches_pil():
 @needs_dali
 def test_data_layer_decodes_jpeg_folders_with_dali(tmp_path):
     from conftest import write_image_folder
+
     from fastcifar.data import load_dataset
 
     root, _ = write_image_folder(tmp_path / "jpg", n_train=30, n_test=10, fmt="JPEG")
@@ -682,6 +683,7 @@ def test_data_layer_decodes_jpeg_folders_with_dali(tmp_path):
 @needs_dali
 def test_dali_decoder_leaves_bad_files_and_pngs_to_pil(tmp_path):
     from conftest import write_image_folder
+
     from fastcifar.data import DataError, load_dataset
 
     png_root, arrays = write_image_folder(tmp_path / "png", n_train=20, n_test=10)

@@ -9,9 +9,9 @@ import pickle
 
 import numpy as np
 import pytest
+from conftest import CLASSES, SHARED_JPEG, sort_by_label, tar_folder, write_image_folder, write_official
 from PIL import Image
 
-from conftest import CLASSES, SHARED_JPEG, sort_by_label, tar_folder, write_image_folder, write_official
 from fastcifar.data import DataError, load_dataset
 from fastcifar.data.official import CIFAR10, download
 

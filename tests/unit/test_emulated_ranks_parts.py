@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import one_line_error
+
 from fastcifar.core.config import ConfigError, from_preset, validate
 from fastcifar.data import shard_indices
 from fastcifar.data.dali import dali_available, make_train_loader

@@ -18,9 +18,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from cli import ROOT, env
 from conftest import one_line_error
+
 from fastcifar.parallel import distributed
 
 NCCL_VARS = (

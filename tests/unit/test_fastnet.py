@@ -5,10 +5,10 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import make_images
-from fastcifar.ops.augment import normalize
+
 from fastcifar.models.fastnet import FastNet, init_whitening, patch_covariance, patches, whitening_weights
+from fastcifar.ops.augment import normalize
 from fastcifar.ops.norm_act_pool import NormActPool
 
 

@@ -8,16 +8,16 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-
 from cli import SHORT, run_dirs, run_train
 from conftest import one_line_error
-from fastcifar.parallel.compress import why_not_capturable
+
 from fastcifar.core.config import Config, ConfigError, validate
-from fastcifar.run.schedule import DeviceSchedule
-from fastcifar.parallel.sync import capture_blocker
-from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep, resolve
 from fastcifar.models.resnet9 import ResNet9
 from fastcifar.ops.tta import tta_logits
+from fastcifar.parallel.compress import why_not_capturable
+from fastcifar.parallel.sync import capture_blocker
+from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep, resolve
+from fastcifar.run.schedule import DeviceSchedule
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

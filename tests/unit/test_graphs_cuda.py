@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from fastcifar.core.config import Config
-from fastcifar.run.schedule import DeviceSchedule
+from fastcifar.models.network import build_model
 from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep
 from fastcifar.run.optim import NesterovSGD
-from fastcifar.models.network import build_model
+from fastcifar.run.schedule import DeviceSchedule
 from fastcifar.run.step import make_step
 
 pytestmark = pytest.mark.cuda

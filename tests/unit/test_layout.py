@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastcifar.data.loader import TorchLoader
 from fastcifar.ops import augment as aug
 from fastcifar.ops.augment import draw_params, pad_images
-from fastcifar.data.loader import TorchLoader
 from fastcifar.ops.tta import tta_logits
 
 CL = torch.channels_last

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from fastcifar.core.config import ConfigError
-from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.models.resnet9 import ResNet9
+from fastcifar.ops.norm_act_pool import NormActPool
 
 
 def channels_last(x):
@@ -76,8 +76,8 @@ def test_norm_act_pool_rejects_unknown_options():
 
 
 def test_kernel_paths_resolve_and_build(monkeypatch):
-    from fastcifar.models.blocks import norm_factory, resolve_kernels
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
+    from fastcifar.models.blocks import norm_factory, resolve_kernels
 
     assert resolve_kernels("auto", torch.device("cpu")) == "torch"
     assert resolve_kernels("auto", torch.device("cuda")) == "triton"
@@ -105,9 +105,9 @@ def test_auto_on_cuda_fuses_every_block(arch):
     """``--kernels auto`` on CUDA builds every block from the fused Triton kernel (it beat cuDNN's
     batchnorm on every block measured, resolve_kernels), on the CPU from the plain-torch one, with the
     same state either way (checkpoints move between them); under --compile the block is the custom op."""
-    from fastcifar.models import compiled
     from fastcifar.core.config import from_preset
     from fastcifar.kernels.bn_act_pool import TritonNormActPool
+    from fastcifar.models import compiled
     from fastcifar.models.blocks import norm_blocks
     from fastcifar.models.network import make_network
 

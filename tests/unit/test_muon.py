@@ -8,17 +8,17 @@ import textwrap
 
 import pytest
 import torch
-
 from cli import run_train
-from fastcifar.run import graphs
+
 from fastcifar import train as trainer
 from fastcifar.core.config import DEFAULT_PRESET, ConfigError, from_preset, validate
-from fastcifar.parallel.distributed import DistContext
-from fastcifar.run.schedule import DeviceSchedule
-from fastcifar.ops.norm_act_pool import NormActPool
-from fastcifar.run.optim import NS_COEFFICIENTS, Muon, MuonSGD, newton_schulz
 from fastcifar.models.network import make_network
+from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.parallel.distributed import DistContext
+from fastcifar.run import graphs
+from fastcifar.run.optim import NS_COEFFICIENTS, Muon, MuonSGD, newton_schulz
 from fastcifar.run.recipe import make_optimizer, param_groups
+from fastcifar.run.schedule import DeviceSchedule
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
 

@@ -9,19 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastcifar.ops.augment import alternating_flip, draw_params, normalize
-from fastcifar.run.averaging import Lookahead
 from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, parse_args, validate
-from fastcifar.parallel.distributed import DistContext
-from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.data.loader import TorchLoader
-from fastcifar.ops.norm_act_pool import NormActPool
-from fastcifar.models.resnet9 import ResNet9
-from fastcifar.run.optim import NesterovSGD
-from fastcifar.run.schedule import warmup_decay_lr
-from fastcifar.run.recipe import RunHooks, param_groups
+from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.models.network import make_network, norm_layers
-from fastcifar.ops.tta import tta_logits, translations
+from fastcifar.models.resnet9 import ResNet9
+from fastcifar.ops.augment import alternating_flip, draw_params, normalize
+from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.ops.tta import translations, tta_logits
+from fastcifar.parallel.distributed import DistContext
+from fastcifar.run.averaging import Lookahead
+from fastcifar.run.optim import NesterovSGD
+from fastcifar.run.recipe import RunHooks, param_groups
+from fastcifar.run.schedule import warmup_decay_lr
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
 

@@ -26,12 +26,12 @@ from torch import nn
 from fastcifar import train as trainer
 from fastcifar.core.config import from_preset, parse_args, validate
 from fastcifar.data import load_dataset, shard_indices
-from fastcifar.parallel.distributed import DistContext
-from fastcifar.models.fastnet import init_whitening
 from fastcifar.data.loader import EvalSet, TorchLoader
-from fastcifar.ops.norm_act_pool import NormActPool
-from fastcifar.run.schedule import epoch_lengths, lr_schedule
+from fastcifar.models.fastnet import init_whitening
 from fastcifar.models.network import make_network
+from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.parallel.distributed import DistContext
+from fastcifar.run.schedule import epoch_lengths, lr_schedule
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
 

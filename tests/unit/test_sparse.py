@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from fastcifar.core.config import CHOICES, from_preset
+from fastcifar.models.network import make_network
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.run.optim import NesterovSGD
-from fastcifar.models.network import make_network
 from fastcifar.run.recipe import param_groups
 from fastcifar.run.sparse import fisher, masks
 from fastcifar.run.sparse.update import MaskedOptimizer

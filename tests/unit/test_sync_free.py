@@ -18,12 +18,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastcifar.core.config import from_preset
+from fastcifar.models.network import build_model
 from fastcifar.parallel import comm
 from fastcifar.run import recipe
-from fastcifar.core.config import from_preset
-from fastcifar.run.schedule import DeviceSchedule, lr_schedule
 from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep
-from fastcifar.models.network import build_model
+from fastcifar.run.schedule import DeviceSchedule, lr_schedule
 from fastcifar.run.step import make_step
 
 aten = torch.ops.aten

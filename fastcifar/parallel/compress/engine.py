@@ -45,11 +45,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fastcifar.core.config import CHOICES
 from fastcifar.parallel.compress.compressors import Compressor
 from fastcifar.parallel.compress.memory import ErrorFeedback
 from fastcifar.parallel.compress.rng import SHARED_STREAM, CounterRNG
-
-from fastcifar.core.config import CHOICES
 
 SCOPES = CHOICES["compress_scope"]
 TRANSPORTS = CHOICES["compress_transport"]

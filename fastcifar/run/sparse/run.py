@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
 from fastcifar.models.files import write_atomic
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
+from fastcifar.parallel.local_sgd import LocalSGD
 from fastcifar.run.component import Component
 from fastcifar.run.sparse import fisher, masks
 from fastcifar.run.sparse.diffs import DiffWriter
-from fastcifar.parallel.local_sgd import LocalSGD
 from fastcifar.run.sparse.update import MaskedOptimizer
 
 

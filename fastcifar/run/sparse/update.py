@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from fastcifar.parallel import distributed
 from fastcifar.core.config import CHOICES
+from fastcifar.parallel import distributed
 
 
 class MaskedOptimizer:
