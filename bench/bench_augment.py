@@ -5,7 +5,8 @@
 
 Augment, at each preset's batch, crop padding and cutout (`fast`: 1024, pad 2, no cutout; `resnet9`:
 512, pad 4, cutout 8; the default: 2000, pad 2, no cutout, also with the record script's
-brightness/contrast jitter, ``--brightness 0.14 --contrast 0.13``, two float loads per element more): a batch gathered by index from the whole padded CIFAR-10 training set (50000
+brightness/contrast jitter, ``--brightness 0.14 --contrast 0.13``, two float loads per element more): a batch gathered
+by index from the whole padded CIFAR-10 training set (50000
 images, random bytes: speed does not depend on content) on the device. Triton ``augment`` vs eager
 ``augment_reference(data[index], ...)`` vs ``torch.compile`` of the same, each given the device
 mean/std tensors the loader holds. The parameters are not drawn here: the loaders draw a whole
@@ -17,6 +18,7 @@ copy bandwidth. Rows are appended to bench/results/augment.jsonl.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -84,12 +86,14 @@ def bench_augment(device, presets, num_images, compile_ref, copy_gbs):
         params = draw_params(n, pad, side, gen, device, **jitter)
         nbytes = n * SIZE * SIZE * 3 * (1 + 2)  # uint8 in, fp16 out
         impls = {
-            "triton": lambda: augment(data, params, side, mean, std, torch.float16, SIZE, index),
-            "eager": lambda: augment_indexed_reference(data, params, side, mean, std, torch.float16, SIZE, index),
+            "triton": functools.partial(augment, data, params, side, mean, std, torch.float16, SIZE, index),
+            "eager": functools.partial(
+                augment_indexed_reference, data, params, side, mean, std, torch.float16, SIZE, index
+            ),
         }
         if compile_ref:
             ref = compile_static(augment_indexed_reference)
-            impls["compile"] = lambda: ref(data, params, side, mean, std, torch.float16, SIZE, index)
+            impls["compile"] = functools.partial(ref, data, params, side, mean, std, torch.float16, SIZE, index)
         for name, fn in impls.items():
             try:
                 fn()
@@ -123,7 +127,7 @@ def bench_cutout(device, presets, compile_ref, copy_gbs):
             impls["compile"] = compile_static(cutout_reference)
         for name, op in impls.items():
 
-            def fwd(op=op):
+            def fwd(op=op, x=x, params=params, side=side):
                 return op(x, params.cy, params.cx, side)
 
             try:
@@ -131,8 +135,8 @@ def bench_cutout(device, presets, compile_ref, copy_gbs):
                 y.backward(dy, retain_graph=True)
                 t = {
                     "fwd": time_ms(fwd, SMOKE),
-                    "bwd": time_ms(lambda: y.backward(dy, retain_graph=True), SMOKE, grad_to_none=[x]),
-                    "both": time_ms(lambda: fwd().backward(dy), SMOKE, grad_to_none=[x]),
+                    "bwd": time_ms(lambda y=y, dy=dy: y.backward(dy, retain_graph=True), SMOKE, grad_to_none=[x]),
+                    "both": time_ms(lambda fwd=fwd, dy=dy: fwd().backward(dy), SMOKE, grad_to_none=[x]),
                 }
             except Exception as e:
                 rows.append(

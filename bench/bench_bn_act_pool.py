@@ -7,7 +7,8 @@
 
 Per block of the `resnet9` (ReLU, pool after, 512 images per GPU), `fast` (GELU, pool before BN on
 31/15/7/3 maps, 1024 per GPU), `fast-muon320` (`fast`'s blocks at 2000, 320 channels wide) and default
-`fast-jitter` (= `fast-muon9`'s: `fast`'s blocks at 2000) presets, as bench/kernel_registers.py lists them: Triton vs eager PyTorch
+`fast-jitter` (= `fast-muon9`'s: `fast`'s blocks at 2000) presets, as bench/kernel_registers.py lists them: Triton vs
+eager PyTorch
 (``NormActPool``: cuDNN batchnorm + activation + max-pool) vs ``torch.compile`` of ``bn_act_pool_reference``;
 forward, backward (alone, through one retained forward) and both; do_bench median with 20th/80th
 percentiles.
@@ -264,7 +265,7 @@ def bench_blocks(device, blocks, compile_ref, copy_gbs, graphs, record=None):
         minimal, tri_bytes = traffic_bytes(n, c, hw, hw, pool)
         for name, (fn, params) in block_impls(c, act, pool, device, compile_ref).items():
 
-            def figures(direction, ms, name=name):
+            def figures(direction, ms, name=name, minimal=minimal, tri_bytes=tri_bytes):
                 gbs = minimal[direction] / (ms * 1e-3) / 1e9
                 cells = {"GB/s (min bytes)": round(gbs, 1), "% copy": round(100 * gbs / copy_gbs, 1)}
                 if name == "triton":
@@ -301,7 +302,7 @@ def bench_model(device, batches, widths, compile_model, graphs):
         for name, model in variants.items():
             params = list(model.parameters())
 
-            def step(model=model, params=params):
+            def step(model=model, params=params, x=x, labels=labels):
                 torch.autograd.grad(F.cross_entropy(model(x).float(), labels), params)
 
             try:

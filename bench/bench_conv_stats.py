@@ -104,7 +104,7 @@ def bench_convs(device, convs, tflops, graphs, record=None):
         flops = conv_flops(n, c_in, c_out, side)
         for name, (block, params) in blocks.items():
 
-            def figures(direction, ms, name=name):
+            def figures(direction, ms, name=name, flops=flops, diff=diff, bound=bound):
                 rate = DIRECTION_FLOPS[direction] * flops / (ms * 1e-3) / 1e12
                 cells = {"TFLOP/s": round(rate, 1), "% matmul": round(100 * rate / tflops, 1)}
                 if name == "fused" and direction == "fwd":

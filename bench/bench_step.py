@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 import statistics
@@ -473,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                 ms = time_steps(step, images, labels, device, args.window, args.repeats)
                 parts = profile_steps(step, images, labels)
                 if parts and graphs == "off" and torch.cuda.is_available():
-                    eager_origins[batch, kernels] = kernel_origins(lambda: step(images, labels))
+                    eager_origins[batch, kernels] = kernel_origins(functools.partial(step, images, labels))
                 origins = eager_origins.get((batch, kernels), {})
                 ranks = (
                     {}

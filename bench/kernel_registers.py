@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of every kernel variant the launchers produce at the presets'
 shapes (and odd ones), compiled for a real GPU (sm_80, sm_90) on a machine without one.
 
-    python bench/kernel_registers.py --set ci   --arch 80,90          # the CI subset (tests/kernels/test_kernel_compile.py)
+    python bench/kernel_registers.py --set ci --arch 80,90   # the CI subset (tests/kernels/test_kernel_compile.py)
     python bench/kernel_registers.py --set full --arch 80,90 --out bench/results/kernel_registers
 
 The launchers are called on CPU tensors of the shapes below with each kernel's ``run`` replaced by

@@ -113,8 +113,8 @@ def predict(
         ).softmax(1)
         k = min(top, probs.shape[1])
         values, indices = probs.topk(k, dim=1)
-        for r, v, i in zip(readable, values.tolist(), indices.tolist()):
-            r.top = [(info.classes[c], p) for c, p in zip(i, v)]
+        for r, v, i in zip(readable, values.tolist(), indices.tolist(), strict=True):
+            r.top = [(info.classes[c], p) for c, p in zip(i, v, strict=True)]
     return results
 
 

@@ -390,7 +390,7 @@ def report(
     for peer in PEERS:
         if peer.name not in peers:
             continue
-        accs, times = zip(*peers[peer.name])
+        accs, times = zip(*peers[peer.name], strict=True)
         ratios = {f"ratio_fastcifar_{p}": m[peer.name] / peer_means[peer.name] for p, m in mine.items()}
         add(f"{peer.name}@{peer.commit[:7]}", list(accs), list(times), peer.clock, **ratios)
     for contender, means in mine.items():

@@ -79,7 +79,7 @@ def write_image_folder(
     arrays = {}
     for split, n, seed in (("train", n_train, 3), ("test", n_test, 4)):
         images, labels = make_images(n, seed)
-        for i, (img, lab) in enumerate(zip(images, labels)):
+        for i, (img, lab) in enumerate(zip(images, labels, strict=True)):
             d = root / split / CLASSES[lab]
             d.mkdir(parents=True, exist_ok=True)
             Image.fromarray(img).resize((size, size)).save(d / f"{i:05d}.{fmt.lower()}", format=fmt)

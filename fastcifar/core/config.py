@@ -640,7 +640,7 @@ def full_recipe(cfg: Config) -> bool:
         and cfg.arch == base.arch
         and cfg.epochs >= base.epochs
         and len(cfg.widths) == len(base.widths)
-        and all(w >= b for w, b in zip(cfg.widths, base.widths))
+        and all(w >= b for w, b in zip(cfg.widths, base.widths, strict=True))
     )
 
 

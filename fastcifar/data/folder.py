@@ -129,7 +129,7 @@ def _decode_tree(tree, classes, read, source: str, decode: BatchDecoder | None =
             for rel, handle in sorted(tree[split][cls], key=lambda t: str(t[0]))
         ]
         wheres = [f"{source}/{rel}" for rel, _, _ in items]
-        raws = [read(handle, where) for (_, handle, _), where in zip(items, wheres)]
+        raws = [read(handle, where) for (_, handle, _), where in zip(items, wheres, strict=True)]
         images = decode(raws, wheres) if decode is not None else None
         if images is None:
             images = decode_with_pil(raws, wheres)
@@ -204,7 +204,7 @@ def read_folder_archive(
     strip = len(PurePosixPath(prefix).parts) if prefix else 0
     entries = [
         (PurePosixPath(*PurePosixPath(n).parts[strip:]), m)
-        for n, m in zip(names, members)
+        for n, m in zip(names, members, strict=True)
         if m.isfile() and len(PurePosixPath(n).parts) > strip
     ]
     tree, classes = _split_files(entries, str(path))

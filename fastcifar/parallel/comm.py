@@ -65,7 +65,7 @@ def _span(p: torch.Tensor) -> int:
     """Elements the parameter's strides reach: numel for dense (contiguous or channels-last) tensors."""
     if p.numel() == 0:
         return 0
-    span = 1 + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))
+    span = 1 + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride(), strict=True))
     if span < p.numel():
         raise ValueError(f"a parameter of shape {tuple(p.shape)} and strides {p.stride()} overlaps itself")
     return span
@@ -167,7 +167,7 @@ class GradBuckets:
         with torch.no_grad():
             for b in self.buckets:
                 b.flat = torch.zeros(b.numel, dtype=b.dtype, device=self.device)
-                for p, offset in zip(b.params, b.offsets):
+                for p, offset in zip(b.params, b.offsets, strict=True):
                     view = b.flat.as_strided(p.shape, p.stride(), offset)
                     if p.grad is not None:
                         view.copy_(p.grad)

@@ -496,7 +496,7 @@ def average_buffers(buffers, world_size: int) -> None:
         flat = torch.cat([b.reshape(-1) for b in bufs])
         dist.all_reduce(flat)
         flat.div_(world_size)
-        for b, mean in zip(bufs, flat.split([b.numel() for b in bufs])):
+        for b, mean in zip(bufs, flat.split([b.numel() for b in bufs]), strict=True):
             b.copy_(mean.view_as(b))
 
 

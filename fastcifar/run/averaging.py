@@ -57,7 +57,7 @@ class Lookahead:
 
     @torch.no_grad()
     def sync(self, decay: float) -> None:
-        for fast, slow in zip(self.fast, self.slow):
+        for fast, slow in zip(self.fast, self.slow, strict=True):
             torch._foreach_lerp_(slow, fast, 1.0 - decay)
             torch._foreach_copy_(fast, slow)
 
@@ -98,5 +98,5 @@ class Lookahead:
             raise ValueError("the lookahead state does not fit this model's weights")
         if self.slow is None:
             self._snapshot()
-        for slow, saved in zip(self.slow, state["slow"]):
+        for slow, saved in zip(self.slow, state["slow"], strict=True):
             torch._foreach_copy_(slow, [t.to(slow[0].device) for t in saved])

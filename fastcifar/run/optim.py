@@ -77,7 +77,7 @@ class NesterovSGD:
 
     @torch.no_grad()
     def step(self) -> None:
-        for params, bufs, (name, weight_decay) in zip(self.groups, self.buffers, self._group_meta):
+        for params, bufs, (name, weight_decay) in zip(self.groups, self.buffers, self._group_meta, strict=True):
             grads = [p.grad for p in params]
             if any(g is None for g in grads):
                 raise RuntimeError("a parameter has no gradient; run backward before step()")
@@ -123,7 +123,7 @@ class NesterovSGD:
     def load_state_dict(self, state: dict) -> None:
         """In place (a captured graph holds these tensors); refuses state of another shape."""
         self.check_state(state)
-        for bufs, saved in zip(self.buffers, state["buffers"]):
+        for bufs, saved in zip(self.buffers, state["buffers"], strict=True):
             torch._foreach_copy_(bufs, [t.to(bufs[0].device) for t in saved])
         for name, value in state["lr_scales"].items():
             self.lr_scales[name].fill_(value)
@@ -231,7 +231,7 @@ class Muon:
         orthogonal = self._orthogonalize(updates)
         rate = self.lr_source * self.lr_ratio
         lr = {dtype: rate.to(dtype) for dtype in {p.dtype for p in self.params}}  # once per step, not per filter
-        for p, o in zip(self.params, orthogonal):
+        for p, o in zip(self.params, orthogonal, strict=True):
             p.sub_(o.reshape(p.shape).to(p.dtype).mul_(lr[p.dtype]))  # o is this step's scratch: scaled in place
 
     def _orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -242,12 +242,12 @@ class Muon:
         for shape, idx in self.groups.items():
             parts = [updates[i].reshape(shape) for i in idx]
             stack = torch.stack(parts) if len(parts) > 1 else parts[0].unsqueeze(0)  # one alone: no copy
-            for i, o in zip(idx, newton_schulz(stack, self.ns_steps, dtype=self.ns_dtype)):
+            for i, o in zip(idx, newton_schulz(stack, self.ns_steps, dtype=self.ns_dtype), strict=True):
                 out[i] = o
         if self.world == 1:
             return out
         self.flat.zero_()
-        for view, o in zip(self.views, out):
+        for view, o in zip(self.views, out, strict=True):
             if o is not None:  # this rank's filters
                 view.copy_(o.flatten())
         self.reduce(self.flat)  # each slice is one rank's and zeros elsewhere: the sum is exact

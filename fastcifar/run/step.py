@@ -14,13 +14,15 @@ from fastcifar.run.graphs import EvalStep
 from fastcifar.run.optim import NesterovSGD
 from fastcifar.run.schedule import DeviceSchedule
 
+NO_MARKERS = profiling.markers(False)  # (push, pop) that do nothing: a step without NVTX ranges
+
 
 def make_step(
     net,
     opt: NesterovSGD,
     schedule: DeviceSchedule,
     label_smoothing: float,
-    markers=profiling.markers(False),
+    markers=NO_MARKERS,
     buckets=None,
 ):
     """One training step on a batch: the function that runs eagerly or is captured. ``buckets``

@@ -110,7 +110,7 @@ def tiny_fastnet(num_classes=11):
     cfg = from_preset("fast", widths=(8, 16, 16))
     model = make_network(cfg, NormActPool, num_classes)
     with torch.no_grad():  # buffers away from their init, so a load that skipped them would show
-        for name, t in model.state_dict().items():
+        for t in model.state_dict().values():
             if t.is_floating_point():
                 t.add_(torch.rand_like(t))
     return cfg, model
@@ -228,7 +228,7 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(which, request, tmp_pa
     a = trained["summary"]["results"][0]["epochs"]
     b = json.loads((run_dir / "summary.json").read_text())["results"][0]["epochs"]
     assert [r["epoch"] for r in b] == [1, 2, 3]
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=True):
         assert (ra["train_loss"], ra["test_loss"], ra["test_acc"]) == (
             rb["train_loss"],
             rb["test_loss"],

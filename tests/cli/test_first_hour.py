@@ -378,7 +378,7 @@ def test_torch_and_dali_loaders_give_the_same_batches(flip_mode, pad_mode, cutou
         for loader in loaders:
             loader.set_epoch(seed, epoch)
             batches.append([(x.clone(), y.clone()) for x, y in loader])
-        for step, ((xt, yt), (xd, yd)) in enumerate(zip(*batches)):
+        for step, ((xt, yt), (xd, yd)) in enumerate(zip(*batches, strict=True)):
             assert torch.equal(yt, yd), f"seed {seed} epoch {epoch} step {step}: different images"
             assert torch.equal(xt, xd), f"seed {seed} epoch {epoch} step {step}: max diff {(xt - xd).abs().max()}"
 

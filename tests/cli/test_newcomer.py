@@ -85,7 +85,7 @@ def test_resume_alone_finishes_as_the_uninterrupted_run(data, uninterrupted, tmp
         assert torch.equal(full[name], resumed[name]), f"{name} differs after resume"
     a, b = uninterrupted["summary"], json.loads((run_dir / "summary.json").read_text())
     assert b["config"]["widths"] == [8, 16, 32, 64] and b["config"]["val_split"] == 40
-    for ra, rb in zip(a["results"][0]["epochs"], b["results"][0]["epochs"]):
+    for ra, rb in zip(a["results"][0]["epochs"], b["results"][0]["epochs"], strict=True):
         assert (ra["train_loss"], ra["val_loss"], ra["val_acc"]) == (rb["train_loss"], rb["val_loss"], rb["val_acc"])
     assert a["results"][0]["test_acc"] == b["results"][0]["test_acc"]
 

@@ -94,10 +94,10 @@ def test_grads_are_strided_views_that_backward_fills_in_place():
         model(x).float().sum().backward()
         buckets.finish()
         reference(x).float().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert (p.grad.data_ptr(), p.grad.stride()) == before[id(p)], f"{name}: .grad left its bucket"
         assert p.grad.stride() == p.stride(), f"{name}: grad strides {p.grad.stride()} != {p.stride()}"
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
     assert any(b.flat.abs().sum() > 0 for b in buckets.buckets), "the buckets hold the gradients"
     buckets.zero_grad()
     assert all(p.grad.abs().sum() == 0 for p in model.parameters()), "zeroing the buckets zeroes every grad"
@@ -219,7 +219,7 @@ def test_two_ranks_match_one_process_over_the_global_batch(two_rank_results, cas
     for name, want in ref.items():
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), f"{name}: ranks differ"
         torch.testing.assert_close(
-            ranks[0]["params"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}, {name}: {m}"
+            ranks[0]["params"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{case}, {name}: {m}"
         )
     assert all(r["views_kept"] for r in ranks), "a .grad left its bucket or changed strides"
 

@@ -210,7 +210,7 @@ def test_pack_unpack_roundtrip_mixed_dtypes():
     ]
     buf, layout = pack(parts)
     assert buf.dtype == torch.uint8 and all(o % 8 == 0 for o, *_ in layout)
-    for a, b in zip(parts, unpack(buf.clone(), layout)):
+    for a, b in zip(parts, unpack(buf.clone(), layout), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 

@@ -52,7 +52,7 @@ def test_exact_settings_equal_the_plain_average_bit_for_bit(two):
         reference = rank["reference"]["bucket"]["grads"]
         for name, _, _ in EXACT:
             for scope in SCOPES:
-                for a, b in zip(grads(rank, ("exact", name, scope)), reference):
+                for a, b in zip(grads(rank, ("exact", name, scope)), reference, strict=True):
                     assert torch.equal(a, b), f"{name} scope {scope}: max diff {(a - b).abs().max()}"
 
 
@@ -61,11 +61,11 @@ def test_three_ranks_exact_settings_match_and_all_ranks_agree(three):
     for name, _, _ in EXACT:
         for scope in SCOPES:
             for rank in three:  # the ring may sum 3 ranks in another order: equal to rounding
-                for a, b in zip(grads(rank, ("exact", name, scope)), reference):
+                for a, b in zip(grads(rank, ("exact", name, scope)), reference, strict=True):
                     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for key in [k for k in three[0] if isinstance(k, tuple)] + ["empty", "empty_some"]:
         for rank in three[1:]:
-            assert all(torch.equal(a, b) for a, b in zip(grads(rank, key), grads(three[0], key))), (
+            assert all(torch.equal(a, b) for a, b in zip(grads(rank, key), grads(three[0], key), strict=True)), (
                 f"{key}: ranks hold different averages"
             )
 
@@ -80,17 +80,17 @@ def test_sparse_and_dense_transports_agree(fixture, request):
                 sparse, dense = grads(rank, (name, scope, "sparse")), grads(rank, (name, scope, "dense"))
                 if name in ("fp16", "bf16"):  # sparse sums the cast values in 16 bits, dense in fp32
                     tol = {"fp16": 1e-3, "bf16": 8e-3}[name]
-                    for a, b in zip(sparse, dense):
+                    for a, b in zip(sparse, dense, strict=True):
                         torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
                 elif fixture == "two":
-                    assert all(torch.equal(a, b) for a, b in zip(sparse, dense)), f"{name} {scope}"
+                    assert all(torch.equal(a, b) for a, b in zip(sparse, dense, strict=True)), f"{name} {scope}"
                     # error feedback's residual too: what this rank sent, however it travelled
                     res_s, res_d = rank[(name, scope, "sparse")]["residual"], rank[(name, scope, "dense")]["residual"]
                     assert res_s.keys() == res_d.keys() and all(torch.equal(res_s[c], res_d[c]) for c in res_s), (
                         f"{name} {scope}: residuals differ"
                     )
                 else:
-                    for a, b in zip(sparse, dense):
+                    for a, b in zip(sparse, dense, strict=True):
                         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
                 assert rank[(name, scope, "dense")]["stats"]["ratio"] == 1.0, "dense saves nothing"
 
@@ -139,7 +139,10 @@ def test_powersgd_and_randomness_per_rank(two):
     for scope in SCOPES:
         stats = r0[("powersgd", scope)]["stats"]
         assert stats["ratio"] > 5, f"powersgd rank 1 sends a fraction: {stats}"
-        assert all(torch.equal(a, b) for a, b in zip(grads(r0, ("powersgd", scope)), grads(r1, ("powersgd", scope))))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(grads(r0, ("powersgd", scope)), grads(r1, ("powersgd", scope)), strict=True)
+        )
     # Independent draws per rank: with the same seed the per-rank TernGrad residuals still differ
     # in where they kept coordinates; shared-coordinate RandomK keeps the same ones on both.
     t0, t1 = r0[("terngrad", "model", "sparse")]["residual"], r1[("terngrad", "model", "sparse")]["residual"]
@@ -169,12 +172,12 @@ def test_powersgd_one_step_is_a_projection_of_the_mean(fixture, request):
     dot = lambda a, b: float((a.double() * b.double()).sum())  # noqa: E731
     for rank in request.getfixturevalue(fixture):
         approx, mean = grads(rank, "powersgd_1step"), grads(rank, "mean_1step")
-        for i, (a, m) in enumerate(zip(approx, mean)):
+        for i, (a, m) in enumerate(zip(approx, mean, strict=True)):
             assert dot(a, m) == pytest.approx(dot(a, a), rel=1e-4, abs=1e-12), (
                 f"parameter {i}: <A, M> = {dot(a, m):.6g}, <A, A> = {dot(a, a):.6g}"
             )
         # rank 2 of the 6x27, 12x54, 12x108 and 5x12 weights drops something: a true projection
-        dropped = [dot(a, a) < 0.99 * dot(m, m) for a, m in zip(approx, mean) if m.dim() > 1]
+        dropped = [dot(a, a) < 0.99 * dot(m, m) for a, m in zip(approx, mean, strict=True) if m.dim() > 1]
         assert sum(dropped) == 4, dropped
 
 

@@ -53,7 +53,7 @@ def test_diff_chain_restores_each_epoch_exactly(learnable_data, tmp_path, capsys
         assert checkpoint_cmd.evaluate_state(state, meta, str(learnable_data)) == accs[e - 1], f"epoch {e}"
     assert accs[-1] > 20.0  # it learned something: the equality is not between two untrained models
     dense = base.stat().st_size
-    for d, m in zip(record["diffs"], [0, 0, 1]):
+    for d, m in zip(record["diffs"], [0, 0, 1], strict=True):
         # under a fixed mask nothing outside it changes: no more changed entries than masked ones
         assert 0 < d["changed_entries"] <= record["masks"][m]["count"]
         assert d["bytes"] < 0.5 * dense and d["dense_bytes"] == dense

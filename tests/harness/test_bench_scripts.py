@@ -74,7 +74,7 @@ def _tables(stdout):
             header = cells
             tables.append([])
         elif not all(set(c) <= {"-"} for c in cells):
-            tables[-1].append(dict(zip(header, cells)))
+            tables[-1].append(dict(zip(header, cells, strict=True)))
     return tables
 
 

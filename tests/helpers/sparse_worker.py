@@ -87,10 +87,10 @@ def equivalence(ctx):
         local.after_step()
     assert local.merges == STEPS
     worst = 0.0
-    for (n, a), b in zip(dense.named_parameters(), model.parameters()):
+    for (n, a), b in zip(dense.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"rank {ctx.rank} {n}")
         worst = max(worst, float((a - b).detach().abs().max()))
-    moved = sum(float((a - b).abs().sum()) for a, b in zip(dense.parameters(), setup()[0].parameters()))
+    moved = sum(float((a - b).abs().sum()) for a, b in zip(dense.parameters(), setup()[0].parameters(), strict=True))
     assert moved > 1e-2, "training did not move the weights: the comparison would prove nothing"
     print(f"rank {ctx.rank} equivalence ok, max |dense - local| {worst:.2e}")
 
@@ -167,7 +167,7 @@ def grad_mask_change(ctx, layout="shared"):
         if epoch > 0:  # the mask changed: momentum is equal outside every mask, each rank's own inside
             inside = outside = 0.0
             others = 0  # entries another rank's mask covers and this rank's does not
-            for name, b, b0 in zip(run.optimizer.buffer_names, bufs, before):
+            for name, b, b0 in zip(run.optimizer.buffer_names, bufs, before, strict=True):
                 every = [torch.zeros_like(b) for _ in range(ctx.world_size)]
                 dist.all_gather(every, b.contiguous())
                 gap = (every[0] - every[1]).abs()

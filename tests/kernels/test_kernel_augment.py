@@ -58,7 +58,11 @@ def test_matches_reference(pad, mode, cut, use_index, jitter, dtype):
     batch = 7
     index = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(1)).to(DEVICE) if use_index else None
     params = _params(
-        batch if use_index else 10, pad, cut, seed=cut, **dict(zip(("brightness", "contrast"), jitter or ()))
+        batch if use_index else 10,
+        pad,
+        cut,
+        seed=cut,
+        **dict(zip(("brightness", "contrast"), jitter or (), strict=False)),
     )
     assert params.jitter == (jitter is not None)
     got = augment(data, params, cut, dtype=dtype, index=index)

@@ -356,7 +356,7 @@ def test_resnet9_trains_like_torch_path():
     ref_model, model = _model(NormActPool, state), _model(TritonNormActPool, state)
     ref_losses, losses = _train(ref_model, batches), _train(model, batches)
     assert ref_losses[-1] < ref_losses[0], f"the reference itself did not learn: {ref_losses}"
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= 1e-3 * abs(b), (
             f"loss at step {i}: triton {a:.7f} vs torch {b:.7f}; curves {losses} vs {ref_losses}"
         )

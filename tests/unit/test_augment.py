@@ -17,7 +17,9 @@ from fastcifar.ops.augment import (
 
 
 def params(b, dy=4, dx=4, flip=0, cy=0, cx=0):
-    full = lambda v: torch.full((b,), v, dtype=torch.int64)  # noqa: E731
+    def full(v):
+        return torch.full((b,), v, dtype=torch.int64)
+
     return AugmentParams(full(dy), full(dx), full(flip), full(cy), full(cx))
 
 
@@ -132,21 +134,24 @@ def test_a_jittering_loader_gives_the_reference_of_its_epochs_draws():
     rng = np.random.default_rng(4)
     images = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    make = lambda kernels, **jitter: TorchLoader(
-        images,
-        np.arange(12),
-        np.arange(12),
-        4,
-        3,
-        pad=2,  # noqa
-        pad_mode="reflect",
-        cutout=4,
-        flip=True,
-        dtype=torch.float32,
-        device=device,
-        kernels=kernels,
-        **jitter,
-    )
+
+    def make(kernels, **jitter):
+        return TorchLoader(
+            images,
+            np.arange(12),
+            np.arange(12),
+            4,
+            3,
+            pad=2,
+            pad_mode="reflect",
+            cutout=4,
+            flip=True,
+            dtype=torch.float32,
+            device=device,
+            kernels=kernels,
+            **jitter,
+        )
+
     loader = make("torch", brightness=0.3, contrast=0.2)
     loader.set_epoch(5, 1)
     order, plan = epoch_plan(
@@ -172,7 +177,7 @@ def test_a_jittering_loader_gives_the_reference_of_its_epochs_draws():
         torch.testing.assert_close(x.cpu(), ref, rtol=0, atol=0)
     fused = make("triton", brightness=0.3, contrast=0.2)
     fused.set_epoch(5, 1)
-    for (a, _), (b, _) in zip(fused, batches):
+    for (a, _), (b, _) in zip(fused, batches, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     still = make("torch")
     still.set_epoch(5, 1)
@@ -205,7 +210,7 @@ def test_loader_epochs_shapes_and_shuffles():
     assert set(seen.tolist()) <= set(labels[shard].tolist())
     loader.set_epoch(0, 0)
     again = list(loader)
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again)), "same seed and epoch must repeat"
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True)), "same seed and epoch must repeat"
     loader.set_epoch(0, 1)
     other = list(loader)
     assert not torch.equal(first[0][0], other[0][0]), "a new epoch must reshuffle"
@@ -221,19 +226,22 @@ def test_an_epoch_prepared_ahead_is_the_epoch_drawn_at_its_start(device):
     another epoch's iteration neither uses nor drops it."""
     rng = np.random.default_rng(1)
     images = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
-    make = lambda: TorchLoader(
-        images,
-        np.arange(40) % 10,
-        np.arange(40),
-        8,
-        4,
-        pad=4,
-        pad_mode="reflect",  # noqa
-        cutout=8,
-        flip=True,
-        dtype=torch.float32,
-        device=torch.device(device),
-    )
+
+    def make():
+        return TorchLoader(
+            images,
+            np.arange(40) % 10,
+            np.arange(40),
+            8,
+            4,
+            pad=4,
+            pad_mode="reflect",
+            cutout=8,
+            flip=True,
+            dtype=torch.float32,
+            device=torch.device(device),
+        )
+
     drawn_then, ahead = make(), make()
     drawn_then.set_epoch(5, 2)
     want = list(drawn_then)
@@ -246,7 +254,7 @@ def test_an_epoch_prepared_ahead_is_the_epoch_drawn_at_its_start(device):
     got = list(ahead)
     assert made == [(5, 2), (5, 1)], "epoch 2 was drawn again instead of taken from prepare"
     assert len(got) == len(want) == 4
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got, strict=True))
     list(ahead)  # taken once: a second pass draws again
     assert made == [(5, 2), (5, 1), (5, 2)]
 
@@ -290,23 +298,26 @@ def test_loader_with_triton_kernels_equals_the_reference():
     images = rng.integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)
     # Triton runs CPU tensors only in a process without a GPU (its interpreter); the GPU where there is one
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    make = lambda kernels: TorchLoader(
-        images,
-        np.arange(6),
-        np.arange(6),
-        3,
-        2,
-        pad=4,
-        pad_mode="reflect",  # noqa
-        cutout=8,
-        flip=True,
-        dtype=torch.float32,
-        device=device,
-        kernels=kernels,
-    )
+
+    def make(kernels):
+        return TorchLoader(
+            images,
+            np.arange(6),
+            np.arange(6),
+            3,
+            2,
+            pad=4,
+            pad_mode="reflect",
+            cutout=8,
+            flip=True,
+            dtype=torch.float32,
+            device=device,
+            kernels=kernels,
+        )
+
     fused, ref = make("triton"), make("torch")
     assert fused.fused is not None and ref.fused is None
-    for (a, ya), (b, yb) in zip(fused, ref):  # same seed: same order and parameters
+    for (a, ya), (b, yb) in zip(fused, ref, strict=True):  # same seed: same order and parameters
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         assert torch.equal(ya, yb)
 

@@ -63,9 +63,9 @@ def test_custom_op_matches_the_kernel_and_its_gradients():
         dy = nhwc(*y.shape, seed=2)
         (y * dy).sum().backward()
         (want * dy).sum().backward()
-        for ours, ref, name in zip(leaves, refs, ("x", "weight", "bias")):
+        for ours, ref, name in zip(leaves, refs, ("x", "weight", "bias"), strict=True):
             torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-4, atol=1e-4, msg=f"{pool or 'no pool'}: d{name}")
-        for ours, ref in zip(stats_ours, stats_ref):
+        for ours, ref in zip(stats_ours, stats_ref, strict=True):
             torch.testing.assert_close(ours, ref)
 
 
@@ -102,7 +102,7 @@ def test_compiled_step_equals_eager_step(preset):
         loss_eager, _ = eager_step(x, y)
         loss, _ = step(x, y)
         torch.testing.assert_close(loss, loss_eager, rtol=1e-5, atol=1e-5)
-    for (name, a), b in zip(model.state_dict().items(), eager_model.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), eager_model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
     assert not torch.equal(model.fc.weight, make_network(cfg, triton_norm).fc.weight)
 
@@ -118,7 +118,7 @@ def test_inductor_compiles_the_step_around_the_custom_op():
     for i in range(2):
         x, y = nhwc(8, 3, 32, 32, seed=20 + i), torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(i))
         torch.testing.assert_close(step(x, y)[0], eager_step(x, y)[0], rtol=1e-4, atol=1e-4)
-    for a, b in zip(model.state_dict().values(), eager_model.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), eager_model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -153,7 +153,7 @@ def test_compiled_step_in_a_cuda_graph_equals_eager(preset):
             ts(x, y)
         torch.cuda.synchronize()
         runs.append([t.float().cpu() for t in model.state_dict().values()])
-    for a, b in zip(*runs):
+    for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
@@ -189,8 +189,8 @@ def test_inductor_backward_through_the_global_max_pool_stays_finite(device):
     x = nhwc(16, 3, 8, 8, seed=3, device=torch.device(device)).half()
     y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(3)).to(device)
     torch._dynamo.reset()
-    for net, m in ((eager, eager), (torch.compile(model, backend="inductor"), model)):
+    for net in (eager, torch.compile(model, backend="inductor")):
         torch.nn.functional.cross_entropy(net(x).float(), y, reduction="sum").backward()
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         assert torch.isfinite(p.grad).all(), name
         torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=2e-2, atol=2e-2, msg=name)

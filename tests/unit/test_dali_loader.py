@@ -197,7 +197,7 @@ def test_jitter_exact_against_reference(cutout, jitter):
         **jitter,
         **IDENTITY,
     )
-    for (a, ya), (b, yb) in zip(own, torch_loader):
+    for (a, ya), (b, yb) in zip(own, torch_loader, strict=True):
         assert torch.equal(ya, yb) and torch.equal(a, b)
 
 
@@ -249,8 +249,8 @@ def test_fp16_cutout_is_erased_in_float32_and_rounded_once(cutout, monkeypatch):
 
     built = []
     for name in ("crop_mirror_normalize", "erase", "cast"):
-
-        def recorded(*args, _name=name, _op=getattr(fn, name), **kwargs):
+        # the defaults bind this iteration's name and op: the wrapper outlives the loop
+        def recorded(*args, _name=name, _op=getattr(fn, name), **kwargs):  # noqa: B008
             built.append((_name, kwargs.get("dtype")))
             return _op(*args, **kwargs)
 
@@ -307,7 +307,7 @@ def recover_params(out: np.ndarray, pad: int, cutout: int):
     """(dy, dx, flip, cy, cx) of each image of a coded batch augmented with mean -1, std 1, zero padding:
     cutout pixels are 0, padding 1, image pixels 11 and up. Asserts each output is one consistent
     crop/flip of the source with one cutout x cutout hole fully inside."""
-    b, size = out.shape[0], out.shape[1]
+    size = out.shape[1]
     raw = out.astype(np.int64) - 1
     hole = (out == 0).all(-1)
     assert (hole.sum((1, 2)) == cutout * cutout).all(), "a cutout hole is not cutout x cutout pixels"
@@ -384,7 +384,7 @@ def test_random_parameters_are_distributed_as_the_recipe():
             assert_uniform(values, high, name)
         # a shared draw would make these 1.0; independent ones give 1/9 and 1/25 (sigma <= 0.005)
         assert abs((dy == dx).mean() - 1 / 9) < 0.05 and abs((cy == cx).mean() - 1 / 25) < 0.03
-    same = [(a == b).mean() for a, b in zip(per_epoch[0], per_epoch[1])]
+    same = [(a == b).mean() for a, b in zip(per_epoch[0], per_epoch[1], strict=True)]
     assert max(same[0], same[1], same[3], same[4]) < 0.25 and same[2] < 0.6, f"epoch 1 repeats epoch 0: {same}"
 
 
@@ -394,7 +394,7 @@ def test_same_seed_same_batches_and_epochs_differ():
     a = DaliLoader(images, np.arange(64), None, 16, seed=7)
     b = DaliLoader(images, np.arange(64), None, 16, seed=7)
     first = [(x.clone(), y.clone()) for x, y in a]
-    assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(first, b))
+    assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(first, b, strict=True))
     assert a.run_seed == 7 and a.epoch == 0  # what a training checkpoint records (checkpoint.save_state)
     assert a.images.is_contiguous()  # pad_images returns contiguous NHWC: DALI gathers rows of it
     a.set_epoch(7, 1)
@@ -416,7 +416,7 @@ def test_an_epoch_prepared_ahead_feeds_the_same_batches():
     got = [(x.clone(), y.clone()) for x, y in b]
     assert b._ahead.key is None, "the prepared plan was not the one used"
     assert len(got) == len(want) == 3
-    assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(want, got))
+    assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(want, got, strict=True))
 
 
 @needs_dali
@@ -456,7 +456,7 @@ def test_static_buffers_receive_each_batch():
     sx = torch.empty(16, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     sy = torch.empty(16, dtype=torch.int64)
     loader.bind_static(sx, sy)
-    for (x, y), (fx, fy) in zip(loader, free):
+    for (x, y), (fx, fy) in zip(loader, free, strict=True):
         assert x.data_ptr() == sx.data_ptr() and y.data_ptr() == sy.data_ptr()
         assert torch.equal(x, fx) and torch.equal(y, fy)
     with pytest.raises(ValueError, match="channels-last"):
@@ -479,13 +479,13 @@ def test_prefetch_keeps_batches_in_flight_and_abandoned_passes_drain():
     loader = DaliLoader(images, np.arange(64), None, 8, seed=5, prefetch=2)
     for step, _ in enumerate(loader):
         assert loader._flight.pending == min(2, len(loader) - 1 - step), f"step {step}"
-    for _ in zip(range(3), loader):  # warm-up style: abandon the pass after 3 batches
+    for _ in zip(range(3), loader, strict=False):  # warm-up style: abandon the pass after 3 batches
         pass
     loader.set_epoch(5, 4)
     after = [y.clone() for _, y in loader]
     fresh = DaliLoader(images, np.arange(64), None, 8, seed=5)
     fresh.set_epoch(5, 4)
-    assert len(after) == 8 and all(torch.equal(a, b) for a, b in zip(after, (y for _, y in fresh)))
+    assert len(after) == 8 and all(torch.equal(a, b) for a, b in zip(after, (y for _, y in fresh), strict=True))
 
 
 @needs_dali

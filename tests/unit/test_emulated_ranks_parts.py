@@ -83,7 +83,7 @@ def test_emulated_ranks_loader_is_each_ranks_loader_side_by_side(name):
             emulated.prepare(7, epoch)  # drawn ahead, as the trainer does
         batches = list(emulated)
         assert len(batches) == steps
-        for step, (images_e, labels_e), *parts in zip(range(steps), batches, *alone):
+        for step, (images_e, labels_e), *parts in zip(range(steps), batches, *alone, strict=False):
             assert torch.equal(images_e, torch.cat([p[0] for p in parts])), f"epoch {epoch} step {step}"
             assert torch.equal(labels_e, torch.cat([p[1] for p in parts]))
     emulated.set_epoch(7, 0)
@@ -97,7 +97,7 @@ def test_emulated_ranks_loader_is_each_ranks_loader_side_by_side(name):
 def _per_rank_reference(norms, x, dy):
     """Each rank's block on its chunk: outputs and gradients side by side."""
     outs, grads = [], []
-    for norm, chunk, d in zip(norms, x.chunk(len(norms)), dy.chunk(len(norms))):
+    for norm, chunk, d in zip(norms, x.chunk(len(norms)), dy.chunk(len(norms)), strict=True):
         chunk = chunk.detach().clone().requires_grad_()
         y = norm(chunk)
         y.backward(d)
@@ -175,11 +175,11 @@ def test_emulated_ranks_steps_equal_ranks_averaging_their_gradients():
         labels = torch.randint(0, 10, (cfg.batch_size,), generator=g)
         step(images, labels)
         for replica, opt_r, sched, x, y in zip(
-            replicas, rank_opts, rank_schedules, images.chunk(ranks), labels.chunk(ranks)
+            replicas, rank_opts, rank_schedules, images.chunk(ranks), labels.chunk(ranks), strict=True
         ):
             sched.apply(opt_r.lr)
             F.cross_entropy(replica(x), y, reduction="sum", label_smoothing=cfg.label_smoothing).backward()
-        for params in zip(*(r.parameters() for r in replicas)):
+        for params in zip(*(r.parameters() for r in replicas), strict=True):
             if params[0].grad is not None:
                 mean = sum(p.grad for p in params) / ranks
                 for p in params:
@@ -190,7 +190,7 @@ def test_emulated_ranks_steps_equal_ranks_averaging_their_gradients():
     moved = 0.0
     torch.manual_seed(0)
     start = build_model(cfg, CPU, torch.float32)  # the same seed's initial weights
-    for (name, p), q, p0 in zip(model.named_parameters(), replicas[0].parameters(), start.parameters()):
+    for (name, p), q, p0 in zip(model.named_parameters(), replicas[0].parameters(), start.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
         moved = max(moved, (p - p0).abs().max().item())
     assert moved > 1e-2, "the steps must move the weights (else the comparison proves nothing)"

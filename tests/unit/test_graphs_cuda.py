@@ -59,9 +59,11 @@ def test_graphed_training_matches_eager(kernels):
     eager, _ = trained(False, kernels)
     graphed, step = trained(True, kernels)
     assert step.graph is not None
-    for (name, a), b in zip(eager.state_dict().items(), graphed.state_dict().values()):
+    for (name, a), b in zip(eager.state_dict().items(), graphed.state_dict().values(), strict=True):
         if a.is_floating_point():
-            torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-3, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                b.float(), a.float(), rtol=2e-2, atol=2e-3, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 def test_replays_do_not_grow_memory():

@@ -112,7 +112,7 @@ def test_muon_orthogonalizes_filters_of_one_shape_as_one_stack(monkeypatch):
     muon = Muon([torch.zeros(s, requires_grad=True) for s in shapes], torch.tensor(0.1), 1.0)
     out = muon._orthogonalize(updates)
     assert sorted(calls) == sorted([(1, 8, 27), (2, 16, 72), (3, 16, 144), (1, 6, 40)])
-    for u, o in zip(updates, out):
+    for u, o in zip(updates, out, strict=True):
         torch.testing.assert_close(o, plain(u.reshape(len(u), -1), 3), rtol=0, atol=1e-6)
 
 
@@ -171,22 +171,22 @@ def test_muon_sgd_step_equals_a_plain_reference():
         if step == 2:
             opt.set_lr_scale("whiten_bias", 0.0)
             scales[[g["name"] for g in groups if g["name"] != "filters" and g["params"]].index("whiten_bias")] = 0.0
-        for p, q in zip(ours, theirs):
+        for p, q in zip(ours, theirs, strict=True):
             g = torch.randn_like(p)
             p.grad, q.grad = g.clone(), g.clone()
         opt.set_lr(lr)
         opt.step()
-        for group, scale in zip(ref_sgd.param_groups, scales):
+        for group, scale in zip(ref_sgd.param_groups, scales, strict=True):
             group["lr"] = lr * scale
         ref_sgd.step()
         with torch.no_grad():
-            for p, buf in zip(filters, bufs):
+            for p, buf in zip(filters, bufs, strict=True):
                 buf.mul_(cfg.muon_momentum).add_(p.grad)
                 update = p.grad + cfg.muon_momentum * buf
                 p.mul_(p.shape[0] ** 0.5 / p.norm())
                 o = quintic_on_singular_values(update.reshape(len(update), -1), cfg.muon_ns_steps)
                 p.sub_(cfg.muon_lr * (lr / peak) * o.view_as(p).float())
-        for p, q in zip(ours, theirs):
+        for p, q in zip(ours, theirs, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
     opt.reset_state()
     assert all(b.abs().sum() == 0 for b in opt.muon.buffers)
@@ -239,7 +239,7 @@ def test_muon_state_round_trip_continues_the_same_steps():
     fresh.load_state_dict(saved)
     assert fresh.muon.buffers[0] is held  # in place: a captured graph keeps reading the same tensor
     steps(other, fresh, 2, seed=2)
-    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
     sgd_only = {k: v for k, v in saved.items() if k != "muon"}
@@ -250,7 +250,7 @@ def test_muon_state_round_trip_continues_the_same_steps():
     before = [b.clone() for b in wider.sgd.buffers[0]]
     with pytest.raises(ValueError, match="conv filters"):
         wider.load_state_dict(saved)
-    assert all(torch.equal(a, b) for a, b in zip(before, wider.sgd.buffers[0])), "refused, yet written"
+    assert all(torch.equal(a, b) for a, b in zip(before, wider.sgd.buffers[0], strict=True)), "refused, yet written"
     # the filters fit but SGD's groups do not: Muon's momentum is not written either
     muon_before = [b.clone() for b in fresh.muon.buffers]
     wrong_groups = {
@@ -260,7 +260,7 @@ def test_muon_state_round_trip_continues_the_same_steps():
     }
     with pytest.raises(ValueError, match="parameter groups"):
         fresh.load_state_dict(wrong_groups)
-    assert all(torch.equal(a, b) for a, b in zip(muon_before, fresh.muon.buffers)), "refused, yet written"
+    assert all(torch.equal(a, b) for a, b in zip(muon_before, fresh.muon.buffers, strict=True)), "refused, yet written"
 
 
 def test_default_preset_names_itself_where_muon_cannot_go():
@@ -375,13 +375,13 @@ def test_muon_step_replays_from_a_cuda_graph():
         opt = make_optimizer(model, cfg, 100, peak=0.053)
         params = [p for p in model.parameters() if p.requires_grad]
         grads = [[torch.randn_like(p) for p in params] for _ in range(4)]
-        for p, g in zip(params, grads[0]):
+        for p, g in zip(params, grads[0], strict=True):
             p.grad = g.clone()
         # the trainer's device-side schedule: indexing a table with a device tensor (rate[i]) reads
         # the index back to the host, which a capture refuses; DeviceSchedule advances on the device
         schedule = DeviceSchedule([0.053, 0.04, 0.03, 0.02], dev)
 
-        def body():
+        def body(schedule=schedule, opt=opt):
             schedule.apply(opt.lr)
             opt.step()
 
@@ -390,15 +390,15 @@ def test_muon_step_replays_from_a_cuda_graph():
             initial = [p.detach().clone() for p in params]
             graph = graphs.capture(body, warmup_iters=1)  # the trainer's: one warm-up step on a side stream
             with torch.no_grad():
-                for p, p0 in zip(params, initial):
+                for p, p0 in zip(params, initial, strict=True):
                     p.copy_(p0)
             opt.reset_state()
             schedule.reset()  # warm-up advanced the counter (the capture itself ran nothing)
         for i in range(4):
-            for p, g in zip(params, grads[i]):
+            for p, g in zip(params, grads[i], strict=True):
                 p.grad.copy_(g)
             graph.replay() if graph is not None else body()
         torch.cuda.synchronize()
         results.append([p.detach().float().cpu() for p in params])
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -17,14 +17,14 @@ def test_matches_torch_sgd(nesterov, wd):
     for step in range(5):
         lr = 0.01 * (step + 1)
         grads = [torch.randn_like(p) for p in ours]
-        for p, q, g in zip(ours, ref, grads):
+        for p, q, g in zip(ours, ref, grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
         opt.set_lr(lr)
         for group in ref_opt.param_groups:
             group["lr"] = lr
         opt.step()
         ref_opt.step()
-        for p, q in zip(ours, ref):
+        for p, q in zip(ours, ref, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 

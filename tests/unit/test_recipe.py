@@ -3,6 +3,7 @@ alternating flips, TTA levels, the schedule's ends, and the presets."""
 
 import copy
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -64,14 +65,14 @@ def test_param_groups_match_torch_sgd_with_groups():
             opt.set_lr_scale("z", 0.0)
             scales[2] = 0.0
         grads = [torch.randn_like(p) for p in ours]
-        for p, q, g in zip(ours, ref, grads):
+        for p, q, g in zip(ours, ref, grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
         opt.set_lr(lr)
-        for group, scale in zip(ref_opt.param_groups, scales):
+        for group, scale in zip(ref_opt.param_groups, scales, strict=True):
             group["lr"] = lr * scale
         opt.step()
         ref_opt.step()
-        for p, q in zip(ours, ref):
+        for p, q in zip(ours, ref, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     frozen_at = ours[2].detach().clone()
     ours[2].grad = torch.randn(2)
@@ -132,7 +133,7 @@ def test_frozen_bn_scales_do_not_change_and_shifts_do():
     assert len(norms) == 6 and all(not m.weight.requires_grad for m in norms)
     before = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in norms]
     run_steps(cfg, model, 3)
-    for m, (w, b) in zip(norms, before):
+    for m, (w, b) in zip(norms, before, strict=True):
         assert torch.equal(m.weight, w) and torch.equal(m.weight, torch.ones_like(w))
         assert not torch.equal(m.bias, b)
     unfrozen = make_network(dataclasses.replace(cfg, bn_scale_frozen=False), NormActPool)
@@ -279,7 +280,7 @@ def test_ending_backward_at_the_whitening_conv_changes_no_weight(learnable_data,
     monkeypatch.setattr(RunHooks, "stops_backward_at_whitening", property(lambda self: False))
     (full,) = fastcifar.train(cfg)
     assert frozen == [False, True]
-    for (name, a), b in zip(full.model.state_dict().items(), cut.model.state_dict().values()):
+    for (name, a), b in zip(full.model.state_dict().items(), cut.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert cut.test_acc == full.test_acc
 
@@ -374,7 +375,7 @@ def test_lookahead_rejects_bad_settings():
 def test_alternating_flip_alternates_and_mirrors_half_per_epoch():
     index = torch.arange(20000)
     flips = [alternating_flip(index, e, seed=3) for e in range(4)]
-    for a, b in zip(flips, flips[1:]):
+    for a, b in itertools.pairwise(flips):
         assert torch.equal(a ^ b, torch.ones_like(a)), "every image changes orientation every epoch"
     for f in flips:
         rate = f.float().mean().item()
@@ -430,7 +431,7 @@ def test_loader_alternates_each_images_flip_across_epochs():
         loader.set_epoch(7, epoch)
         seen = {}
         for x, y in loader:
-            for img, label in zip(x, y.tolist()):
+            for img, label in zip(x, y.tolist(), strict=True):
                 if torch.equal(img, plain[label]):
                     seen[label] = 0
                 elif torch.equal(img, plain[label].flip(2)):
@@ -441,7 +442,7 @@ def test_loader_alternates_each_images_flip_across_epochs():
 
     epochs = [flips_of_epoch(e) for e in range(3)]
     assert all(len(e) == n for e in epochs)
-    for a, b in zip(epochs, epochs[1:]):
+    for a, b in itertools.pairwise(epochs):
         assert all(a[i] != b[i] for i in range(n))
     assert epochs[0] == {i: int(alternating_flip(torch.tensor([i]), 0, 7)) for i in range(n)}
 

@@ -123,7 +123,7 @@ def airbench94(net, loader, epochs, seed, whiten_images, test_images, test_label
     slow, step, history = None, 0, []
 
     def sync(decay):
-        for s, f in zip(slow, [t for t in net.state_dict().values() if t.is_floating_point()]):
+        for s, f in zip(slow, [t for t in net.state_dict().values() if t.is_floating_point()], strict=True):
             s.lerp_(f, 1 - decay)
             f.copy_(s)
 
@@ -269,13 +269,13 @@ def test_fast_training_equals_the_published_recipe(tmp_path, learnable_data):
     ref = Airbench94Net(widths)
     theirs_state = ref.state_dict()
     assert len(theirs_state) == len(start.state_dict())
-    for (name, mine), (their_name, t) in zip(start.state_dict().items(), theirs_state.items()):
+    for (name, mine), (their_name, t) in zip(start.state_dict().items(), theirs_state.items(), strict=True):
         assert mine.shape == t.shape, (name, their_name)
         t.copy_(mine)
     history = airbench94(ref, loader, epochs, seed, loader.plain_images(5000), test.images, test.labels)
 
     assert len(ours) == len(history) == 5
-    for epoch, (record, (train_loss, test_loss, test_acc)) in enumerate(zip(ours, history), 1):
+    for epoch, (record, (train_loss, test_loss, test_acc)) in enumerate(zip(ours, history, strict=True), 1):
         assert record.train_loss == pytest.approx(train_loss, rel=1e-4), f"epoch {epoch} train loss"
         assert record.test_loss == pytest.approx(test_loss, rel=1e-4), f"epoch {epoch} TTA test loss"
         assert record.test_acc == pytest.approx(test_acc, abs=0.26), f"epoch {epoch} TTA accuracy (1 of 400)"

@@ -33,7 +33,7 @@ def test_table_equals_the_per_step_functions(lr_at, epochs, warmup, ends, steps)
     table = lr_schedule(cfg, steps, peak=27.136 / 2000)
     want = per_step(cfg, steps, 27.136 / 2000)
     assert table.dtype == np.float64 and len(table) == len(want)
-    bad = [i for i, (a, b) in enumerate(zip(table, want)) if a != b]
+    bad = [i for i, (a, b) in enumerate(zip(table, want, strict=True)) if a != b]
     assert not bad, f"step {bad[0]}: {table[bad[0]]!r} != {want[bad[0]]!r}"
 
 

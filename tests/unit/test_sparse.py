@@ -42,7 +42,7 @@ def loop_scores(model, x, y, variant):
             grads = torch.autograd.grad(
                 F.cross_entropy(logits, torch.tensor([c])), list(params.values()), retain_graph=True
             )
-            for n, g in zip(params, grads):
+            for n, g in zip(params, grads, strict=True):
                 if variant == "squared":
                     out[n] += g.square()
                 elif variant == "abs":

@@ -83,7 +83,7 @@ def pack(tensors: list) -> tuple[torch.Tensor, list]:
         offset += _aligned(t.numel() * t.element_size())
     device = tensors[0].device if tensors else "cpu"
     buf = torch.zeros(max(offset, 8), dtype=torch.uint8, device=device)
-    for t, (o, _, _, nb) in zip(tensors, layout):
+    for t, (o, _, _, nb) in zip(tensors, layout, strict=True):
         if nb:
             buf[o : o + nb].copy_(t.contiguous().reshape(-1).view(torch.uint8))
     return buf, layout
@@ -170,7 +170,7 @@ class Compression:
         for b in buckets:
             if self.scope == "layer":
                 chunks = []
-                for p, offset in zip(b.params, b.offsets):
+                for p, offset in zip(b.params, b.offsets, strict=True):
                     chunks.append(Chunk(key, offset, _span(p), p.shape[0] if p.dim() > 1 else None))
                     key += 1
             else:
@@ -311,17 +311,17 @@ class Compression:
         def finish():
             per_item = _unflatten(buf, payloads)
             if comp.rounds > 1:  # PowerSGD: the second collective (Q) needs the first's result (P)
-                second = [comp.next_round(s, ctx, n) for s, (_, _, _, ctx) in zip(per_item, items)]
+                second = [comp.next_round(s, ctx, n) for s, (_, _, _, ctx) in zip(per_item, items, strict=True)]
                 if any(second):  # chunks sent whole have no second round
                     buf2 = _flatten(second)
                     self._step_bytes[0] += buf2.numel() * buf2.element_size()
                     with self._off_clock():
                         dist.all_reduce(buf2, group=self.group)
                     second = _unflatten(buf2, second)
-                for s2, (_, _, _, ctx) in zip(second, items):
+                for s2, (_, _, _, ctx) in zip(second, items, strict=True):
                     comp.finish_round(s2, ctx)
-                per_item = [s + s2 for s, s2 in zip(per_item, second)]
-            for s, (c, g, payload, ctx) in zip(per_item, items):
+                per_item = [s + s2 for s, s2 in zip(per_item, second, strict=True)]
+            for s, (c, g, payload, ctx) in zip(per_item, items, strict=True):
                 mean = comp.decompress(s, ctx)
                 if self.memory is not None:  # own payload's decompression: only the residual needs it
                     if comp.rounds > 1:
@@ -346,7 +346,10 @@ class Compression:
                 counts = torch.stack(gathered).cpu()  # (ranks, chunks): the host needs the sizes
             self._step_bytes[0] += mine.numel() * mine.element_size()
             largest = counts.amax(0).tolist()
-            payloads = [[torch.nn.functional.pad(t, (0, k - t.numel())) for t in p] for p, k in zip(payloads, largest)]
+            payloads = [
+                [torch.nn.functional.pad(t, (0, k - t.numel())) for t in p]
+                for p, k in zip(payloads, largest, strict=True)
+            ]
         buf, layout = pack([t for p in payloads for t in p])
         if counts is not None and int(counts.sum()) == 0:
             out, work = [buf] * n, None  # nothing selected anywhere: no data collective at all

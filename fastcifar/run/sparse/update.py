@@ -45,7 +45,7 @@ class MaskedOptimizer:
             else:
                 m.zero_()
         if self.mode == "full":
-            for bufs, group_masks in zip(self.opt.buffers, self.group_masks):
+            for bufs, group_masks in zip(self.opt.buffers, self.group_masks, strict=True):
                 torch._foreach_mul_(bufs, group_masks)
 
     @torch.no_grad()
@@ -56,12 +56,12 @@ class MaskedOptimizer:
         bufs = [b for group in self.opt.buffers for b in group]
         means = [b.clone() for b in bufs]
         distributed.average_buffers(means, world_size)
-        for name, buf, mean in zip(self.buffer_names, bufs, means):
+        for name, buf, mean in zip(self.buffer_names, bufs, means, strict=True):
             buf.copy_(torch.where(covered[name], buf, mean))
 
     @torch.no_grad()
     def step(self) -> None:
-        for params, masks, wd in zip(self.opt.groups, self.group_masks, self.decays):
+        for params, masks, wd in zip(self.opt.groups, self.group_masks, self.decays, strict=True):
             grads = [p.grad for p in params]
             if any(g is None for g in grads):
                 raise RuntimeError("a parameter has no gradient; run backward before step()")
