@@ -25,6 +25,8 @@ from typing import Any
 from fastcifar.core.errors import ConfigError
 
 
+# Each field and its comment stay on one line: the comment is the field's --help (_field_notes reads it).
+# fmt: off
 @dataclass
 class Config:
     # --- data ---
@@ -37,18 +39,11 @@ class Config:
     loader: str = "auto"  # dali | torch (plain torch ops on device-resident uint8) | auto: torch on CUDA, dali on the CPU (the faster measured: fastcifar.data.dali.AUTO_LOADER)
     # --- model ---
     arch: str = "resnet9"  # network: resnet9 (fastcifar.models.resnet9) | fastnet (fastcifar.models.fastnet) | alexnet (fastcifar.models.alexnet)
-    widths: tuple = (
-        64,
-        128,
-        256,
-        512,
-    )  # channels (each 1..4096): resnet9 prep,layer1,layer2,layer3; fastnet its 3 blocks; alexnet its 5 convs
+    widths: tuple = (64, 128, 256, 512)  # channels (each 1..4096): resnet9 prep,layer1,layer2,layer3; fastnet its 3 blocks; alexnet its 5 convs
     whiten_kernel: int = 2  # fastnet: side of the patches its first conv whitens (2*3*side^2 channels)
     whiten_eps: float = 5e-4  # fastnet: added to each patch eigenvalue before the 1/sqrt scaling (damps smaller ones)
     activation: str = "gelu"  # fastnet: after the whitening conv and every batchnorm: gelu | silu | relu | celu
-    whiten_images: int = (
-        5000  # fastnet: training images whose patches set the first conv, on the clock; 0 = random init
-    )
+    whiten_images: int = 5000  # fastnet: training images whose patches set the first conv, on the clock; 0 = random init
     whiten_frozen: bool = True  # fastnet: the whitening conv's weights are not trained
     whiten_bias_epochs: int = 3  # fastnet: epochs the whitening conv's bias trains before it is frozen
     bn_momentum: float = 0.1  # weight of each batch in batchnorm's running statistics (torch convention)
@@ -57,9 +52,7 @@ class Config:
     epochs: float = 24  # passes over the training set, in (0, 1000]; a fraction cuts the last one short (9.9: ceil(9.9 x steps) steps)
     batch_size: int = 512  # images per step (1..65536), global: split evenly over the ranks
     lr: float = 0.4  # peak rate for the mean loss, per 512 images of global batch: the run peaks at lr x batch-size / 512 (the log's lr column)
-    warmup_epochs: float = (
-        5.0  # from lr-start x peak up to the peak, then to lr-end x peak; scales with --epochs unless given
-    )
+    warmup_epochs: float = 5.0  # from lr-start x peak up to the peak, then to lr-end x peak; scales with --epochs unless given
     lr_start: float = 0.0  # rate at the first step, as a fraction of the peak
     lr_end: float = 0.0  # rate at the last step, as a fraction of the peak
     bias_lr_scale: float = 1.0  # batchnorm shifts: rate x this, weight decay / this (same decay per step)
@@ -67,16 +60,12 @@ class Config:
     nesterov: bool = True  # Nesterov momentum
     weight_decay: float = 5e-4  # per example (the step multiplies it by the per-rank batch, as it sums the loss: docs/presets.md, learning-rate rule)
     label_smoothing: float = 0.2  # cross-entropy label smoothing
-    lookahead_steps: int = (
-        0  # every this many steps slow weights move toward the trained ones and replace them; 0 = off
-    )
+    lookahead_steps: int = 0  # every this many steps slow weights move toward the trained ones and replace them; 0 = off
     lookahead_decay: float = 0.7738  # slow weights' share at the last sync (0.95^5), ramping up from 0 as progress^3
     crop_pad: int = 4  # random crop from this many pixels of padding per side
     pad_mode: str = "reflect"  # padding for the random crop: reflect | zero
     flip: bool = True  # horizontal flip, half of the images per epoch
-    flip_mode: str = (
-        "random"  # random: a coin per image per epoch | alternate: a coin per image, mirrored every other epoch
-    )
+    flip_mode: str = "random"  # random: a coin per image per epoch | alternate: a coin per image, mirrored every other epoch
     cutout: int = 8  # side of the zeroed square, pixels; 0 = off
     brightness: float = 0.0  # jitter: each training image, normalized, plus a uniform draw in [-B, B] (units of each channel's std); 0 = off
     contrast: float = 0.0  # jitter: then times a uniform draw in [1 - C, 1 + C], one per image; 0 = off
@@ -92,9 +81,7 @@ class Config:
     muon_lr: float = 0.24  # muon: a filter's step at the peak, x its orthogonalized update (weights renormalized to sqrt(out channels))
     muon_momentum: float = 0.6  # muon: Nesterov momentum of the filters
     muon_ns_steps: int = 3  # muon: Newton-Schulz iterations per orthogonalization
-    muon_shard: bool = (
-        False  # muon, several ranks: each orthogonalizes every world-th filter, one all-reduce shares them
-    )
+    muon_shard: bool = False  # muon, several ranks: each orthogonalizes every world-th filter, one all-reduce shares them
     head_lr_scale: float = 1.0  # the linear head: rate x this, weight decay / this (same decay per step)
     logit_scale: float = 0.0  # fastnet: logits x this; 0 = 1/9 (airbench94)
     head_unit_init: bool = False  # fastnet: head weights rescaled to standard deviation 1 at init (fast-muon)
@@ -102,9 +89,7 @@ class Config:
     sparse_mask: str = "none"  # which parameters train: none (all) | fisher (top Fisher scores) | random (same count)
     sparse_fraction: float = 0.02  # K: fraction of the trainable parameters in the mask (classifier/BN shifts on top)
     mask_samples: int = 1024  # N: training images whose per-sample gradients score the parameters (split over ranks)
-    mask_score: str = (
-        "squared"  # Fisher score per sample: squared grad at the true label | abs | expected (over the model's labels)
-    )
+    mask_score: str = "squared"  # Fisher score per sample: squared grad at the true label | abs | expected (over the model's labels)
     mask_every: int = 0  # recompute the mask every this many epochs; 0 = one mask for the whole run
     mask_bn_shifts: bool = True  # batchnorm shifts always train (else they compete for the mask like the rest)
     sparse_update: str = "full"  # full: mask gradient, weight decay and momentum | grad: the gradient only
@@ -117,9 +102,7 @@ class Config:
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     kernels: str = "auto"  # triton (fused BN+act+pool, augmentation) | torch (reference) | auto: triton on CUDA
     precision: str = "auto"  # auto (fp16 on cuda, fp32 on cpu) | fp16 | fp32
-    comm: str = (
-        "bucketed"  # gradient averaging over ranks: bucketed (fastcifar.parallel.comm, overlapped) | ddp (stock)
-    )
+    comm: str = "bucketed"  # gradient averaging over ranks: bucketed (fastcifar.parallel.comm, overlapped) | ddp (stock)
     bucket_mb: float = 2.0  # MiB of gradients per all-reduce bucket (--comm bucketed), see fastcifar.parallel.comm
     cuda_graphs: str = "auto"  # capture the train step and eval batch as CUDA graphs: auto (on for CUDA) | on | off
     eval_batch_size: int = 1000  # images per evaluation batch, per rank (1..65536); with --tta-share < 1 it decides which images share the views
@@ -127,29 +110,19 @@ class Config:
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the run
     dist_group: str = "auto"  # process group: auto (only with several ranks) | always (also for one rank: its gradient buckets, comm stream and captured collectives run, as on several)
     emulate_ranks: int = 1  # one process trains what N ranks train (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged): the N-GPU recipe's accuracy on one device (fastcifar.data.loader.EmulatedRanks); 1 = off
-    compile: bool = (
-        False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
-    )
+    compile: bool = False  # run the model through torch.compile, Triton kernels as custom ops (fastcifar.models.compiled)
     fused_conv: bool = False  # the blocks' convs as Triton implicit GEMMs that take the batchnorm statistics (and a pool-first block's 2x2 pool) in their epilogue (fastcifar.kernels.conv_stats); needs the Triton kernels; slower than cuDNN so far (bench/results/visits/visit-11.md)
     # --- compressed gradient communication (fastcifar.parallel.compress; several ranks, --comm bucketed) ---
-    compress: str = (
-        "none"  # none (plain all-reduce) | fp16 | bf16 | topk | randomk | threshold | terngrad | qsgd | powersgd
-    )
+    compress: str = "none"  # none (plain all-reduce) | fp16 | bf16 | topk | randomk | threshold | terngrad | qsgd | powersgd
     compress_ratio: float = 0.01  # topk/randomk: fraction K of each chunk's coordinates sent, 0 < K <= 1
     compress_threshold: float = 1e-3  # threshold: send |g_i| >= V (units of the summed-loss gradient)
     qsgd_levels: int = 127  # qsgd: quantization levels s (int8 on the wire up to 127)
     powersgd_rank: int = 4  # powersgd: rank r of the P Q^T approximation
-    compress_scope: str = (
-        "bucket"  # what one compressor call sees: layer (each parameter) | bucket | model (one vector per dtype)
-    )
+    compress_scope: str = "bucket"  # what one compressor call sees: layer (each parameter) | bucket | model (one vector per dtype)
     error_feedback: bool = True  # add what compression dropped to the next step's gradient
     compress_warmup_steps: int = 0  # steps averaged uncompressed before compression starts
-    compress_transport: str = (
-        "sparse"  # sparse: payloads only (all-reduce or all-gather) | dense: the seed's zero-filled all-reduce
-    )
-    randomk_unbiased: bool = (
-        False  # randomk: values x d/k (unbiased; pair with --no-error-feedback) | off: the seed's unscaled
-    )
+    compress_transport: str = "sparse"  # sparse: payloads only (all-reduce or all-gather) | dense: the seed's zero-filled all-reduce
+    randomk_unbiased: bool = False  # randomk: values x d/k (unbiased; pair with --no-error-feedback) | off: the seed's unscaled
     terngrad_clip: bool = False  # terngrad: clip to +-2.5 standard deviations before ternarizing
     nvtx: bool = False  # NVTX ranges around data, forward, backward, optimizer (for nsys); off: no CUDA calls
     profile_steps: str = ""  # A:B: cudaProfilerStart after A timed steps of run 1, Stop after B (nsys capture range)
@@ -164,6 +137,7 @@ class Config:
     checkpoint_every: int = 0  # epochs between training-state checkpoints (run folder's checkpoint.pt); 0 = none
     resume: str = ""  # training-state checkpoint (checkpoint.pt) to continue from, with its settings (options given must agree); "" = start fresh
     preset: str = field(default="resnet9", metadata={"cli": False})  # the preset this started from
+# fmt: on
 
 
 PRESETS: dict[str, dict[str, Any]] = {
