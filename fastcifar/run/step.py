@@ -30,6 +30,8 @@ def make_step(
     push, pop = markers
 
     def step(images, labels):
+        if buckets is not None:
+            buckets.begin()  # a parameter frozen since the last step leaves its bucket (host-only, eager)
         schedule.apply(opt.lr)  # device-side: the captured graph reads each step's rate
         push("forward")
         logits = net(images)

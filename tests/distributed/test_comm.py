@@ -20,9 +20,9 @@ from cli import ROOT, SHORT, free_port, run_dirs, run_train, summary_of
 from comm_worker import TINY16, SmallNet, make_model, reference_params
 from conftest import one_line_error
 
-from fastcifar.core.config import Config
+from fastcifar.core.config import DEFAULT_PRESET, Config, from_preset
 from fastcifar.models.network import build_model
-from fastcifar.parallel.comm import GradBuckets, plan_buckets
+from fastcifar.parallel.comm import LAST_BUCKET_BYTES, GradBuckets, plan_buckets
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "comm_worker.py"
 TORCHRUN = [
@@ -504,3 +504,69 @@ def test_apple8_launcher_spells_out_the_seed_recipe():
         env=dict(os.environ, DRY_RUN="1", NNODES="2", RDZV_ENDPOINT="host0:29500"),
     )
     assert "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint host0:29500" in multi.stdout, multi.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The last bucket (issue 73): what backward completes last is small, and a frozen parameter is in
+# no bucket, on the default preset's own network (the GPU layout: fp16 weights, fp32 batchnorm).
+
+
+def default_preset_model():
+    cfg = from_preset(DEFAULT_PRESET)
+    torch.manual_seed(0)
+    return cfg, build_model(cfg, torch.device("cpu"), torch.float16)
+
+
+def test_last_bucket_of_the_default_preset_is_its_small_first_layers():
+    cfg, model = default_preset_model()
+    names = {p: n for n, p in model.named_parameters()}
+    buckets = plan_buckets(model.parameters(), int(cfg.bucket_mb * MB))
+    sizes = [b.numel * torch.empty(0, dtype=b.dtype).element_size() for b in buckets]
+    last = buckets[-1]
+    assert {names[p] for p in last.params} == {
+        "whiten.bias",
+        "blocks.0.conv1.conv.weight",
+        "blocks.0.conv2.conv.weight",
+    }, "the last bucket holds what backward produces last: the first layers"
+    assert sizes[-1] <= LAST_BUCKET_BYTES and sizes[-1] == min(
+        s for s, b in zip(sizes, buckets, strict=True) if b.dtype == torch.float16
+    ), f"the last bucket must be the small one: {sizes}"
+    assert max(sizes) <= cfg.bucket_mb * MB and sum(sizes) < 4.0e6, sizes  # 3.95 MB of fp16 + 4.6 KB of fp32
+
+
+def _step_trace(model, buckets, trace, x):
+    trace.clear()
+    buckets.begin()
+    model(x).float().sum().backward()
+    buckets.finish()
+    return [(kind, i) for kind, i in trace]
+
+
+def test_last_bucket_launches_during_backward_and_leaves_the_frozen_bias_out():
+    """The trace of two steps on the default preset's network: with the whitening bias trainable
+    its bucket launches from the bias's own gradient; once it is frozen (as run.recipe freezes it,
+    backward then ending at blocks.0) it is in no bucket and nothing waits for finish()."""
+    cfg, model = default_preset_model()
+    names = {p: n for n, p in model.named_parameters()}
+    trace: list = []
+    buckets = GradBuckets(model.parameters(), cfg.bucket_mb, communicate=False, names=names, trace=trace)
+    x = torch.randn(2, 3, 16, 16).half().contiguous(memory_format=torch.channels_last)  # fp16 on 2 CPU cores
+    before = {p: p.grad.data_ptr() for p in buckets.params}  # the first plan's views
+    for frozen in (False, True):
+        model.whiten.bias.requires_grad_(not frozen)
+        events = _step_trace(model, buckets, trace, x)
+        grads = [i for kind, i in events if kind == "grad"]
+        assert ("whiten.bias" in grads) is not frozen
+        launched = [i for kind, i in events[: events.index(("finish", None))] if kind == "launch"]
+        assert launched == list(range(len(buckets))), f"frozen={frozen}: a bucket left to finish(): {events}"
+        in_buckets = {names[p] for b in buckets.buckets for p in b.params}
+        assert ("whiten.bias" in in_buckets) is not frozen
+        assert buckets.buckets[-1].numel * 2 <= LAST_BUCKET_BYTES
+        buckets.zero_grad()
+    bias = model.whiten.bias
+    assert not any(
+        b.flat.data_ptr() <= bias.grad.data_ptr() < b.flat.data_ptr() + b.numel * 2 for b in buckets.buckets
+    ), "the frozen bias's gradient lives outside every bucket"
+    model.whiten.bias.requires_grad_(True)  # thawed: back to the first plan, its views unchanged
+    _step_trace(model, buckets, trace, x)
+    assert {p: p.grad.data_ptr() for p in buckets.params} == before and bias in before
