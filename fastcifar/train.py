@@ -279,6 +279,13 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
 def train_one_run(session: components.Session, run: int, seed: int) -> RunResult:
     """Run ``run`` (0: an unlogged warm-up run) of the session, seeded ``seed``."""
+    # From the run's first collective on, a peer lost ends this rank within --dist-timeout-s (one
+    # line, exit 3): in the model handshake, warm-up and graph capture too (the steps beat it).
+    with components.Watchdog(session) as watchdog:
+        return _train_one_run(session, run, seed, watchdog)
+
+
+def _train_one_run(session: components.Session, run: int, seed: int, watchdog: components.Watchdog) -> RunResult:
     cfg, ctx, loader, log = session.cfg, session.ctx, session.train_loader, session.log
     set_up = time.perf_counter()  # what the user waits for before the clock starts (RunResult.setup_time)
     torch.manual_seed(seed)  # same seed on every rank: identical initial weights
@@ -297,7 +304,7 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
     sparse = SparseRun(cfg, model, opt, loader, ctx, log, run, seed)  # masks, diffs, local SGD
     opt = sparse.optimizer  # masked when --sparse-mask is set
     push, pop = profiling.markers(cfg.nvtx)
-    step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), sync.buckets)
+    step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), sync.buckets, watchdog.dog.beat)
     train_step = TrainStep(step, StaticBatch(per_rank_batch, session.dtype, ctx.device), capture=session.use_graphs)
     loader.bind_static(train_step.batch.images, train_step.batch.labels)  # DALI: the one copy, into the step's buffers
     eval_step = EvalStep(
@@ -329,7 +336,7 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
     eval_step.prepare()
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
-    run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step)
+    run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step, watchdog)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
     total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
