@@ -139,6 +139,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     dtype = torch.float16 if half else torch.float32
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv algorithm once
+        distributed.apply_test_determinism()  # test only: FASTCIFAR_TEST_DETERMINISTIC (gpu_visit.sh nccl2)
 
     kernels = resolve_kernels(cfg.kernels, ctx.device, cfg.fused_conv)  # refused before anything is written
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
@@ -176,10 +177,12 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         cfg.subset,
         cfg.val_split,
     )  # --subset, then --val-split's held-out images, before any sharding
-    per_rank_batch = cfg.batch_size // ctx.world_size
-    steps = len(data.train_labels) // ctx.world_size // per_rank_batch
+    # whose shard and draws this rank trains on: its own (test only, FASTCIFAR_TEST_RANK0_DATA: rank 0's)
+    data_rank, data_world = distributed.data_ranks(ctx)
+    per_rank_batch = cfg.batch_size // data_world
+    steps = len(data.train_labels) // data_world // per_rank_batch
     check_run_length(cfg, steps, len(data.train_labels), ctx.world_size)  # 1..MAX_STEPS steps in all
-    shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
+    shard = shard_indices(len(data.train_labels), data_rank, data_world)
     train_loader = make_train_loader(
         loader_name,
         data.train_images,
@@ -197,7 +200,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         contrast=cfg.contrast,
         dtype=dtype,
         device=ctx.device,
-        rank=ctx.rank,
+        rank=data_rank,
         emulate_ranks=cfg.emulate_ranks,
     )  # N ranks' side by side
     test_set = EvalSet(

@@ -88,6 +88,40 @@ def pick_device(requested: str, local_rank: int, own_gpus: bool = False) -> torc
     return torch.device("cuda", index)
 
 
+# Test only (scripts/gpu_visit.sh nccl2, tests/distributed/test_same_data.py), never for training:
+# FASTCIFAR_TEST_RANK0_DATA=N makes every rank train on the data rank 0 of N ranks trains on (its
+# shard, its shuffle and augmentation draws, batch / N images a step), whatever its own rank and the
+# world size. On N ranks every rank's gradient is then the same, their average is each one's bit
+# for bit ((g + g) / 2 = g), and the run must equal one process given the same variable: a check of
+# the all-reduce's stream ordering far sharper than a loss tolerance.
+RANK0_DATA = "FASTCIFAR_TEST_RANK0_DATA"
+# Test only, with the above on a GPU: "1" takes deterministic cuDNN algorithms (no benchmark search,
+# whose pick may differ between processes) and torch's deterministic kernels where they exist.
+DETERMINISTIC = "FASTCIFAR_TEST_DETERMINISTIC"
+
+
+def data_ranks(ctx: DistContext) -> tuple[int, int]:
+    """(rank, world size) whose data this rank trains on: its own, or (0, N) under ``RANK0_DATA``."""
+    value = os.environ.get(RANK0_DATA, "")
+    if not value:
+        return ctx.rank, ctx.world_size
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{RANK0_DATA} must be a rank count (test only), not {value!r}")
+    return 0, int(value)
+
+
+def apply_test_determinism() -> None:
+    """Under ``DETERMINISTIC``=1, deterministic cuDNN and torch kernels (CUBLAS_WORKSPACE_CONFIG
+    must be set for cuBLAS: gpu_visit.sh sets it); otherwise nothing."""
+    value = os.environ.get(DETERMINISTIC, "0")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{DETERMINISTIC} must be 0 or 1 (test only), not {value!r}")
+    if value == "1":
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 # The rendezvous port of an srun launch when MASTER_PORT is not exported: every task derives the
 # same one from the job id, with no message between them; 20000-29999 stays below Linux's ephemeral
 # range (32768-60999), where the OS hands out ports to outgoing connections.
