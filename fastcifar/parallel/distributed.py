@@ -165,13 +165,21 @@ def slurm_environment(environ) -> dict[str, str]:
     not start this process (an sbatch script's own shell has SLURM_PROCID and SLURM_NTASKS, but no
     SLURM_STEP_NUM_TASKS: a Python started there stays one process). RANK = SLURM_PROCID,
     LOCAL_RANK = SLURM_LOCALID, WORLD_SIZE = the step's task count; MASTER_ADDR as exported, else
-    127.0.0.1 on one node, else the step's first node (block distribution, Slurm's default, puts
-    task 0 there); MASTER_PORT as exported, else ``SLURM_PORT_BASE`` + the job id mod
+    127.0.0.1 on one node, else the step's first node (block distribution, Slurm's default and the
+    only one accepted, puts task 0 there); MASTER_PORT as exported, else ``SLURM_PORT_BASE`` + the job id mod
     ``SLURM_PORT_SPAN``."""
     if "RANK" in environ or "WORLD_SIZE" in environ:
         return {}
     if "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
         return {}
+    # one node's tasks must be numbered contiguously, as torchrun numbers them: the data is read once
+    # per node by rank - local rank's task (load_once_per_node), and task 0's node is the first
+    layout = environ.get("SLURM_DISTRIBUTION", "block").split(":")[0]
+    if layout not in ("block", ""):
+        raise ConfigError(
+            f"srun --distribution {environ['SLURM_DISTRIBUTION']}: fastcifar needs each node's tasks numbered "
+            "one after another (block, srun's default)"
+        )
     mapped = {
         "RANK": environ["SLURM_PROCID"],
         "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),

@@ -43,6 +43,9 @@ def test_slurm_task_maps_to_torchruns_variables():
     # torchrun inside the allocation sets its own; an sbatch script's shell is no srun task
     assert slurm_environment(dict(TASK, RANK="3", WORLD_SIZE="16")) == {}
     assert slurm_environment({k: v for k, v in TASK.items() if k != "SLURM_STEP_NUM_TASKS"}) == {}
+    assert slurm_environment(dict(TASK, SLURM_DISTRIBUTION="block:cyclic"))["RANK"] == "1"
+    with pytest.raises(ConfigError, match="--distribution cyclic: fastcifar needs each node's tasks numbered"):
+        slurm_environment(dict(TASK, SLURM_DISTRIBUTION="cyclic"))
     with pytest.raises(ConfigError, match="export MASTER_ADDR"):
         slurm_environment({k: v for k, v in two_nodes.items() if k != "SLURM_STEP_NODELIST"})
 
