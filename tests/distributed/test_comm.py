@@ -125,6 +125,7 @@ def test_buckets_launch_in_bucket_order_even_when_completed_out_of_order():
         p.grad.add_(1.0)
         buckets._on_grad(p)
     buckets.finish()
+    assert trace.pop() == ("finish", None)  # every bucket was complete: finish() launched none
     launches = [i for kind, i in trace if kind == "launch"]
     assert launches == list(range(len(buckets)))
     assert trace.index(("launch", 0)) == len(trace) - len(buckets), "nothing launched before bucket 0 was ready"
