@@ -236,6 +236,25 @@ def test_first_bucket_launches_before_backward_ends(two_rank_results):
         assert [i for kind, i in step if kind == "launch"] == list(range(n))
 
 
+def test_last_bucket_launches_inside_backward_on_two_gloo_ranks(two_rank_results):
+    """The default preset's network on 2 gloo ranks: in both steps (whitening bias trainable, then
+    frozen) every bucket launches from backward's hooks, the last from the last gradient, in the
+    same order on both ranks; the last bucket is small and the frozen bias in no bucket."""
+    traces = [rank["default preset"] for rank in two_rank_results]
+    assert traces[0]["plans"] == traces[1]["plans"]
+    for step, plan in enumerate(traces[0]["plans"]):
+        events = [rank["steps"][step] for rank in traces]
+        assert [e for e in events[0] if e[0] == "launch"] == [e for e in events[1] if e[0] == "launch"]
+        for trace in events:
+            assert trace[-1] == ("finish", None) and trace[-2] == ("launch", len(plan) - 1), trace[-4:]
+            assert trace[-3][0] == "grad", "the last bucket launched from the last gradient's hook"
+            assert [i for kind, i in trace if kind == "launch"] == list(range(len(plan)))
+        nbytes, members = plan[-1]
+        assert nbytes <= LAST_BUCKET_BYTES and "blocks.0.conv1.conv.weight" in members
+        frozen = step == 1
+        assert ("whiten.bias" in {n for _, ns in plan for n in ns}) is not frozen
+
+
 def test_different_model_shapes_fail_on_every_rank(tmp_path):
     procs = start_ranks(lambda r: [sys.executable, str(WORKER), "shapes"], tmp_path)
     assert wait_all(procs, timeout=120) == [2, 2]
