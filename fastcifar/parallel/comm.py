@@ -55,9 +55,10 @@ import torch.distributed as dist
 # for ResNet-9's 30 tensors.
 ALIGN_BYTES = 128
 # The cap of the bucket backward completes last: its all-reduce starts only when backward ends, so
-# all of it is exposed. 256 KiB is ~3 us on the wire of 8 NVLink H100s (ring: 2 x 7/8 x 256 KiB at
-# ~150 GB/s), below one collective's latency there (~10-20 us), and 40 us on two nodes at 100 Gb/s
-# (bench/results/allreduce_model_8gpu.md); the default preset's last bucket holds 101 KB (blocks.0).
+# all of it is exposed. 256 KiB is ~1 us on the wire of 8 NVLink H100s (ring: 2 x 7/8 x 256 KiB at
+# the model's 400 GB/s bus bandwidth), far below one collective's latency there (~20 us), and 44 us
+# on two nodes at 100 Gb/s (11.25 GB/s; bench/results/allreduce_model_8gpu.md, its assumptions);
+# the default preset's last bucket holds 101 KB (blocks.0 and the whitening bias).
 LAST_BUCKET_BYTES = 256 * 1024
 
 
