@@ -1,9 +1,12 @@
-"""Step time of data-parallel ResNet-9 with stock DDP vs fastcifar.parallel.comm's buckets, and the exposed
-communication: a config's step time minus the same step with its communication skipped.
+"""Step time of a data-parallel preset's network (ResNet-9 unless --preset) with stock DDP vs
+fastcifar.parallel.comm's buckets, and the exposed communication: a config's step time minus the
+same step with its communication skipped.
 
-    python bench/bench_allreduce.py                                   # gloo, 2 CPU ranks, CI-sized (~1 min)
-    python bench/bench_allreduce.py --backend nccl --nproc 8 --widths 64,128,256,512 --batch 256 \\
-        --bucket-mb 0.5,1,2,4,8,25 --steps 30                         # the 8-GPU recipe's shapes
+    python bench/bench_allreduce.py --widths 16,32,64,128              # gloo, 2 CPU ranks, CI-sized (~1 min)
+    python bench/bench_allreduce.py --backend nccl --nproc 8 --batch 256 \\
+        --bucket-mb 0.5,1,2,4,8,25 --steps 30                         # the 8-GPU seed recipe's shapes
+    python bench/bench_allreduce.py --backend nccl --nproc 8 --preset fast-jitter --batch 250 \\
+        --bucket-mb 0.5,1,2,4,25 --steps 30                           # the default preset on 8 GPUs
 
 Started without torchrun's environment it launches itself under torchrun (``--nproc`` ranks).
 Each rank times every step (device synchronized at its end); a config's figure is the slowest rank's
@@ -40,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo: CPU ranks; nccl: one GPU each")
     p.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
-    p.add_argument("--widths", default="16,32,64,128", help="ResNet-9 channels (the recipe: 64,128,256,512)")
+    p.add_argument("--preset", default="resnet9", help="the preset whose network is timed (fastcifar.PRESETS)")
+    p.add_argument("--widths", default="", help="channels, comma-separated; empty: the preset's own")
     p.add_argument("--batch", type=int, default=8, help="images per rank per step (small: the CPU ranks share 2 cores)")
     p.add_argument("--bucket-mb", default="0.05,0.25,0.5,1,25", help="bucket caps to try, MiB, comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps per config per round")
@@ -95,7 +99,7 @@ def run_rank(args) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from fastcifar.core.config import Config
+    from fastcifar.core.config import ConfigError, from_preset
     from fastcifar.models.network import build_model
     from fastcifar.parallel import distributed
     from fastcifar.parallel.comm import GradBuckets
@@ -107,7 +111,13 @@ def run_rank(args) -> None:
     ctx = distributed.setup("cuda" if args.backend == "nccl" else "cpu", timeout_s=300.0)
     device = ctx.device
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    cfg = Config(widths=tuple(int(w) for w in args.widths.split(",")))
+    try:
+        widths = {"widths": tuple(int(w) for w in args.widths.split(","))} if args.widths else {}
+        cfg = from_preset(args.preset, **widths)
+    except (ConfigError, ValueError) as exc:
+        print(f"bench_allreduce: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    args.widths, args.arch = ",".join(str(w) for w in cfg.widths), cfg.arch  # what the report names
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     g = torch.Generator().manual_seed(100 + ctx.rank)  # each rank its own batch, as in training
@@ -169,7 +179,7 @@ def run_rank(args) -> None:
                 dist.barrier()  # every rank starts the config together: no skew carried between configs
                 c["samples"][key] += [timed(c, skip) for _ in range(args.steps)]
 
-    grad_bytes = sum(p.numel() * p.element_size() for p in configs[0]["model"].parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in configs[0]["model"].parameters() if p.requires_grad)
     rows = []
     for c in configs:
         row = {
@@ -205,6 +215,7 @@ def report(args, ctx, device, rows, grad_bytes, vers) -> None:
         "python": vers["python"],
         "host": platform.node(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "preset": args.preset,
         "widths": args.widths,
         "batch_per_rank": args.batch,
         "grad_mb": round(grad_bytes / 2**20, 3),
@@ -213,8 +224,9 @@ def report(args, ctx, device, rows, grad_bytes, vers) -> None:
     lines = [
         f"### {ctx.world_size} x {name}, {args.backend}; torch {vers['torch']}, {env['date']}",
         "",
-        f"ResNet-9 widths {args.widths}, {args.batch} images per rank, {grad_bytes / 2**20:.2f} MiB of "
-        f"gradients; {args.steps * args.rounds} timed steps per config (slowest rank's median, p20-p80).",
+        f"{args.preset} ({args.arch}) widths {args.widths}, {args.batch} images per rank, "
+        f"{grad_bytes / 2**20:.2f} MiB of gradients; {args.steps * args.rounds} timed steps per config "
+        "(slowest rank's median, p20-p80).",
         "",
         "| config | buckets | step ms | p20-p80 | comm skipped ms | exposed comm ms | exposed % of step |",
         "|---|---|---|---|---|---|---|",
@@ -250,6 +262,13 @@ def report(args, ctx, device, rows, grad_bytes, vers) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    from fastcifar.core.config import PRESETS
+
+    if args.preset not in PRESETS:  # refused here, before torchrun starts a rank to refuse it
+        print(
+            f"bench_allreduce: error: unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}", file=sys.stderr
+        )
+        return 2
     if "RANK" not in os.environ:
         return launch(args, argv)
     run_rank(args)

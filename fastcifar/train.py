@@ -139,6 +139,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     dtype = torch.float16 if half else torch.float32
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv algorithm once
+        distributed.apply_test_determinism()  # test only: FASTCIFAR_TEST_DETERMINISTIC (gpu_visit.sh nccl2)
 
     kernels = resolve_kernels(cfg.kernels, ctx.device, cfg.fused_conv)  # refused before anything is written
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
@@ -176,10 +177,12 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         cfg.subset,
         cfg.val_split,
     )  # --subset, then --val-split's held-out images, before any sharding
-    per_rank_batch = cfg.batch_size // ctx.world_size
-    steps = len(data.train_labels) // ctx.world_size // per_rank_batch
+    # whose shard and draws this rank trains on: its own (test only, FASTCIFAR_TEST_RANK0_DATA: rank 0's)
+    data_rank, data_world = distributed.data_ranks(ctx)
+    per_rank_batch = cfg.batch_size // data_world
+    steps = len(data.train_labels) // data_world // per_rank_batch
     check_run_length(cfg, steps, len(data.train_labels), ctx.world_size)  # 1..MAX_STEPS steps in all
-    shard = shard_indices(len(data.train_labels), ctx.rank, ctx.world_size)
+    shard = shard_indices(len(data.train_labels), data_rank, data_world)
     train_loader = make_train_loader(
         loader_name,
         data.train_images,
@@ -197,7 +200,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         contrast=cfg.contrast,
         dtype=dtype,
         device=ctx.device,
-        rank=ctx.rank,
+        rank=data_rank,
         emulate_ranks=cfg.emulate_ranks,
     )  # N ranks' side by side
     test_set = EvalSet(
@@ -279,6 +282,13 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
 
 def train_one_run(session: components.Session, run: int, seed: int) -> RunResult:
     """Run ``run`` (0: an unlogged warm-up run) of the session, seeded ``seed``."""
+    # From the run's first collective on, a peer lost ends this rank within --dist-timeout-s (one
+    # line, exit 3): in the model handshake, warm-up and graph capture too (the steps beat it).
+    with components.Watchdog(session) as watchdog:
+        return _train_one_run(session, run, seed, watchdog)
+
+
+def _train_one_run(session: components.Session, run: int, seed: int, watchdog: components.Watchdog) -> RunResult:
     cfg, ctx, loader, log = session.cfg, session.ctx, session.train_loader, session.log
     set_up = time.perf_counter()  # what the user waits for before the clock starts (RunResult.setup_time)
     torch.manual_seed(seed)  # same seed on every rank: identical initial weights
@@ -297,7 +307,7 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
     sparse = SparseRun(cfg, model, opt, loader, ctx, log, run, seed)  # masks, diffs, local SGD
     opt = sparse.optimizer  # masked when --sparse-mask is set
     push, pop = profiling.markers(cfg.nvtx)
-    step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), sync.buckets)
+    step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), sync.buckets, watchdog.dog.beat)
     train_step = TrainStep(step, StaticBatch(per_rank_batch, session.dtype, ctx.device), capture=session.use_graphs)
     loader.bind_static(train_step.batch.images, train_step.batch.labels)  # DALI: the one copy, into the step's buffers
     eval_step = EvalStep(
@@ -329,7 +339,7 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
     eval_step.prepare()
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
-    run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step)
+    run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step, watchdog)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
     total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0

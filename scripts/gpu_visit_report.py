@@ -4,7 +4,7 @@
     python scripts/gpu_visit_report.py accuracy RUNS_DIR... [--out FIGURES.md]
     python scripts/gpu_visit_report.py emulated RUNS_DIR... [--data PATH] [--jsonl FILE] [--call NAME]
                                        [--commit C] [--out FIGURES.md]
-    python scripts/gpu_visit_report.py nccl2 RUNS_DIR --log RANKS_LOG --kill KILL_JSON [--jsonl FILE]
+    python scripts/gpu_visit_report.py nccl2 RUNS_DIR --log RANKS_LOG --kill KILL_JSON [--ended FILE] [--jsonl FILE]
                                        [--call NAME] [--commit C] [--out FIGURES.md]
 
 ``engines``: one row per engine combination (the folder name under RUNS_DIR: k-KERNELS-g-GRAPHS,
@@ -23,7 +23,10 @@ one device), one set per preset and N: mean, std, min, runs below 94% and the on
 2-rank run's per-epoch train loss against one process training the same (``--emulate-ranks 2``)
 and against the plain run over the same global batch, NCCL's transport or, when the 2-rank run
 failed, NCCL's refusal from its log, and the kill test's verdict (scripts/kill_rank.py's
-kill.json); one row per check appended to ``--jsonl``. The race's report is scripts/race.py.
+kill.json); issue 73: the 2 ranks fed rank 0's data against one process, bit for bit (figures and
+weights), a ``--muon-shard`` 2-rank run against the unsharded one (1%), and the exit after the
+graphed 2-rank run (``--ended``: its launcher's end, from its summary.json's write); one row per
+check appended to ``--jsonl``. The race's report is scripts/race.py.
 """
 
 from __future__ import annotations
@@ -179,6 +182,12 @@ def emulated(
 # whose batchnorms normalize over all 2000 images, not each rank's 1000: the engines stage's 5%.
 RANKS_TOL, PLAIN_TOL = 0.01, 0.05
 RANKS, EMULATED, PLAIN = "nccl2-ranks", "nccl2-emulated", "nccl2-1rank"  # gpu_visit.sh nccl2's run folders
+# issue 73: both ranks fed rank 0's data (bit for bit against SAME1), and --muon-shard
+SAME, SAME1, SHARD = "nccl2-same", "nccl2-same-1rank", "nccl2-shard"
+# From the 2-rank run's summary.json to its launcher's end: the trainer bounds leaving the group at
+# 5 s (distributed.TEARDOWN_TIMEOUT_S; pytorch#115388: ncclCommDestroy can hang after capture), then
+# the interpreter and torchrun exit; 15 s leaves them 10.
+EXIT_BOUND_S = 15.0
 
 
 def nccl_refusal(log: str) -> str:
@@ -205,8 +214,49 @@ def largest_gap(losses: list[float], reference: list[float]) -> float | None:
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
 
 
+def same_data(root: Path, first: dict) -> tuple[bool, str]:
+    """Whether the 2 ranks fed rank 0's data equal the one process bit for bit: per-epoch train loss
+    and accuracy and test accuracy exactly, and every tensor of their model files."""
+    a, b = first.get(SAME), first.get(SAME1)
+    if a is None or b is None:
+        return False, f"no {SAME if a is None else SAME1} run to compare (see its log)"
+    if a["_device"].get("world_size") != 2 or "comm" not in a["_engine"]:
+        return False, f"the {SAME} run was not 2 ranks in a process group"
+    figures = [[(e["train_loss"], e["train_acc"], e["test_acc"]) for e in r["epochs"]] for r in (a, b)]
+    if figures[0] != figures[1]:
+        for epoch, (x, y) in enumerate(zip(*figures, strict=False), 1):  # counts compared below
+            if x != y:
+                return False, f"epoch {epoch}: 2 ranks {x} != 1 process {y} (train loss, train acc, test acc)"
+        return False, f"2 ranks trained {len(figures[0])} epochs, 1 process {len(figures[1])}"
+    files = [sorted((root / name).glob("**/model.safetensors")) for name in (SAME, SAME1)]
+    if not all(files):
+        return True, "per-epoch figures equal to the bit (no model files to compare)"
+    from safetensors.torch import load_file  # the GPU machine has the trainer's packages
+
+    x, y = load_file(files[0][0]), load_file(files[1][0])
+    differ = [k for k in x if k not in y or not bool((x[k] == y[k]).all()) or x[k].dtype != y[k].dtype]
+    if differ or x.keys() != y.keys():
+        return False, f"the weights differ: {', '.join(differ[:5]) or 'their tensor names'}"
+    return True, f"per-epoch figures and all {len(x)} weight tensors equal to the bit"
+
+
+def exit_time(root: Path, ended: Path | None) -> float | None:
+    """Seconds from the 2-rank run's summary.json (written when training ended) to its launcher's
+    end (``ended``: its epoch time in seconds); None when either is missing."""
+    summaries = sorted((root / RANKS).glob("**/summary.json"))
+    if ended is None or not ended.is_file() or not summaries:
+        return None
+    return float(ended.read_text().strip()) - summaries[0].stat().st_mtime
+
+
 def nccl2(
-    root: Path, log: Path | None, kill: Path | None, call: str = "", commit: str = "", today: str | None = None
+    root: Path,
+    log: Path | None,
+    kill: Path | None,
+    call: str = "",
+    commit: str = "",
+    today: str | None = None,
+    ended: Path | None = None,
 ) -> tuple[list[str], list[dict], list[str]]:
     """(table lines, jsonl rows, problems) of gpu_visit.sh nccl2: two NCCL ranks on one GPU."""
     runs = load_runs(root)
@@ -231,7 +281,14 @@ def nccl2(
         "|---|---|---|---|---|",
     ]
     losses = {}
-    for name, ranks in ((RANKS, "2 (NCCL)"), (EMULATED, "1 (2 emulated)"), (PLAIN, "1")):
+    for name, ranks in (
+        (RANKS, "2 (NCCL)"),
+        (EMULATED, "1 (2 emulated)"),
+        (PLAIN, "1"),
+        (SAME, "2 (NCCL), rank 0's data"),
+        (SAME1, "1, rank 0's data"),
+        (SHARD, "2 (NCCL), --muon-shard"),
+    ):
         r = first.get(name)
         if r is None:
             lines.append(f"| {name} | {ranks} | no summary.json | | |")
@@ -287,6 +344,50 @@ def nccl2(
     lines.append(f"\nNCCL transport: {row['transport'] or 'not in the log'}; {row['message']}")
     rows.append(row)
 
+    ok, message = same_data(root, first)
+    rows.append({**base, "check": "nccl-2-ranks-same-data-bit-exact", "ok": ok, "message": message})
+    lines.append(f"\n2 ranks fed rank 0's data vs 1 process, bit for bit: {'ok' if ok else 'FAIL'}: {message}")
+    if not ok:
+        problems.append(f"same-data check: {message}")
+
+    shard_run = first.get(SHARD)
+    gap = largest_gap(losses.get(SHARD, []), losses.get(RANKS, []))
+    if shard_run is None or gap is None or not shard_run["_config"].get("muon_shard"):
+        message = f"no {SHARD} run with --muon-shard beside a {RANKS} run of as many epochs"
+        ok = False
+    else:
+        ok = gap <= RANKS_TOL
+        message = (
+            f"per-epoch train loss at most {100 * gap:.2f}% from the unsharded 2 ranks (bound {100 * RANKS_TOL:g}%)"
+        )
+    rows.append(
+        {**base, "check": "nccl-2-ranks-muon-shard", "ok": ok, "message": message, "train_loss": losses.get(SHARD)}
+    )
+    lines.append(f"\n--muon-shard on 2 ranks: {'ok' if ok else 'FAIL'}: {message}")
+    if not ok:
+        problems.append(f"--muon-shard: {message}")
+
+    seconds = exit_time(root, ended)
+    ok = seconds is not None and seconds <= EXIT_BOUND_S
+    message = (
+        f"the launcher ended {seconds:.1f} s after the 2-rank run's summary.json (bound {EXIT_BOUND_S:g} s)"
+        if seconds is not None
+        else "no exit time: the 2-rank run's summary.json or the launcher's end mark is missing"
+    )
+    rows.append(
+        {
+            **base,
+            "check": "nccl-exit-after-graphs",
+            "ok": ok,
+            "message": message,
+            "seconds": seconds,
+            "bound_s": EXIT_BOUND_S,
+        }
+    )
+    lines.append(f"\nexit after the graphed NCCL run: {'ok' if ok else 'FAIL'}: {message}")
+    if not ok:
+        problems.append(f"exit: {message}")
+
     verdict = json.loads(kill.read_text()) if kill is not None and kill.is_file() else None
     if verdict is None:
         problems.append(f"no kill verdict ({kill}): the kill step did not run or was cut short")
@@ -325,6 +426,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--log", type=Path, help="nccl2: the 2-rank run's log (NCCL's transport or refusal)")
     p.add_argument("--kill", type=Path, help="nccl2: scripts/kill_rank.py's kill.json")
+    p.add_argument("--ended", type=Path, help="nccl2: when the 2-rank run's launcher ended (epoch seconds)")
     args = p.parse_args(argv)
     rows = []
     if args.what == "engines":
@@ -334,7 +436,7 @@ def main(argv=None) -> int:
     elif args.what == "emulated":
         lines, rows, problems = emulated(args.roots, args.data, args.call, args.commit)
     else:
-        lines, rows, problems = nccl2(args.roots[0], args.log, args.kill, args.call, args.commit)
+        lines, rows, problems = nccl2(args.roots[0], args.log, args.kill, args.call, args.commit, ended=args.ended)
     write_report(lines, problems, rows, args.out, args.jsonl)
     return 1 if problems else 0
 

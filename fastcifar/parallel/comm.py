@@ -2,10 +2,14 @@
 
 Each parameter's ``.grad`` is a view into a flat bucket, laid out with the parameter's own strides
 (conv weights are channels-last), so autograd accumulates into the bucket in place and nothing is
-copied before or after the collective. Buckets are filled in reverse registration order (the order
-backward produces gradients), one dtype per bucket (fp16 weights and fp32 batchnorm parameters on
-the GPU); the plan depends only on the parameters' shapes and dtypes, so it is the same on every
-rank (distributed.check_same compares the model's shapes at start-up).
+copied before or after the collective. Buckets hold parameters in reverse registration order (the
+order backward produces gradients), one dtype per bucket (fp16 weights and fp32 batchnorm parameters
+on the GPU), and are filled from the end of backward, so the one that can only start when backward
+ends is small (``LAST_BUCKET_BYTES``); the plan depends only on the parameters' shapes, dtypes and
+which of them require grad, so it is the same on every rank (distributed.check_same compares the
+model's shapes at start-up). A parameter frozen part-way (the recipe's whitening bias) leaves the
+buckets at the next step's ``begin()``: each trainable set has its own plan, made once, in an eager
+step before any capture of it.
 
 A post-accumulate-grad hook per parameter counts what is ready. When a bucket is complete and every
 bucket before it has been launched, its all-reduce starts with ``async_op=True``: on the GPU on a
@@ -24,14 +28,17 @@ batch alone would not (numbers at ``_all_reduce_mean``). For 2, 4 or 8 ranks and
 bit for bit the former one. During a CUDA graph capture a launch checks that the collective is
 issued on a capturing stream (one outside the capture would be missing from every replay).
 
-The default cap, 2 MiB, splits ResNet-9's 12.5 MiB of fp16 gradients into 6 collectives whose last
-(layer2 and earlier, 1.3 MB) is all that waits after backward: a small share of the step on 8
-NVLink GPUs in bench/results/allreduce_model_8gpu.md (a model, not a measurement). The only
+The default cap, 2 MiB, splits the default preset's 3.95 MB of fp16 gradients into 4 collectives
+(and one of 4.6 KB of fp32 batchnorm shifts) whose last, blocks.0 and the whitening bias (101 KB),
+is all that waits after backward; filled from the start, as until issue 73, the last was the
+largest, 1.58 MB. Exposed time before and after on 8 GPUs: bench/results/allreduce_model_8gpu.md
+(a model, not a measurement). The only
 measurement so far is gloo on 2 shared CPU cores (bench/results/allreduce.md, the bucket-size
 rows): small buckets cost a collective each, and the sizes from 1 to 25 MiB tie DDP; overlap
 cannot pay on the CPU, where gloo sums on the cores backward uses.
 
     buckets = GradBuckets(model.parameters(), bucket_mb=2.0)   # after the model, before the optimizer
+    buckets.begin(); loss = ...   # begin: a parameter frozen since the last step leaves the buckets
     loss.backward(); buckets.finish(); opt.step(); opt.zero_grad()   # zero_grad keeps the views
 """
 
@@ -47,6 +54,12 @@ import torch.distributed as dist
 # vectorized accumulate kernels and NCCL read aligned memory. Padding stays zero; it costs < 4 KB
 # for ResNet-9's 30 tensors.
 ALIGN_BYTES = 128
+# The cap of the bucket backward completes last: its all-reduce starts only when backward ends, so
+# all of it is exposed. 256 KiB is ~1 us on the wire of 8 NVLink H100s (ring: 2 x 7/8 x 256 KiB at
+# the model's 400 GB/s bus bandwidth), far below one collective's latency there (~20 us), and 44 us
+# on two nodes at 100 Gb/s (11.25 GB/s; bench/results/allreduce_model_8gpu.md, its assumptions);
+# the default preset's last bucket holds 101 KB (blocks.0 and the whitening bias).
+LAST_BUCKET_BYTES = 256 * 1024
 
 
 @dataclass
@@ -71,29 +84,41 @@ def _span(p: torch.Tensor) -> int:
     return span
 
 
-def plan_buckets(params, bucket_bytes: int) -> list[Bucket]:
-    """Group ``params`` (registration order) into buckets of at most ``bucket_bytes`` per dtype, taking
-    them in reverse order; a tensor bigger than the cap gets a bucket of its own. Buckets are ordered
-    by when their last gradient arrives in backward, which is the order they can launch in."""
+def plan_buckets(params, bucket_bytes: int, last_bytes: int | None = None) -> list[Bucket]:
+    """Group ``params`` (registration order) into buckets of one dtype, filled from the end of
+    backward: the gradients backward produces last (the first layers') fill a bucket of at most
+    ``last_bytes`` (default: ``LAST_BUCKET_BYTES``, or ``bucket_bytes`` when smaller), the earlier
+    ones buckets of at most ``bucket_bytes``; a tensor bigger than its cap gets a bucket of its own.
+    Buckets are ordered by when their last gradient arrives in backward, which is the order they
+    can launch in. Parameters that do not require grad are left out."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
     if len({p.device for p in params}) != 1:
         raise ValueError("all parameters must live on one device (one process per device)")
-    open_by_dtype: dict[torch.dtype, list] = {}  # dtype -> [members, bytes used, position of last]
+    if last_bytes is None:
+        last_bytes = min(bucket_bytes, LAST_BUCKET_BYTES)
+    # Filled from the end: the bucket that can only launch when backward ends is the small one, and
+    # what is left over lands in the first bucket, which overlaps the most backward. (Filled from
+    # the start, as until issue 73, the default preset's last bucket was its largest: 1.58 MB of
+    # 3.95, the first block, blocks.1 and the whitening bias, all sent after backward.)
+    open_by_dtype: dict[torch.dtype, list] = {}  # dtype -> [members, bytes used, cap]
     closed: list[tuple[int, list]] = []  # (position in backward order of the last member, members)
-    for position, p in enumerate(reversed(params)):
+    last_position: dict[int, int] = {}  # id of a bucket's members list -> its last member's position
+    for position in range(len(params) - 1, -1, -1):  # backward order is reversed registration order
+        p = params[len(params) - 1 - position]
         nbytes = _span(p) * p.element_size()
         current = open_by_dtype.get(p.dtype)
-        if current and current[1] + nbytes > bucket_bytes:
-            closed.append((current[2], current[0]))
+        if current and current[1] + nbytes > current[2]:
+            closed.append((last_position[id(current[0])], current[0]))
             current = None
         if current is None:
-            current = open_by_dtype[p.dtype] = [[], 0, position]
-        current[0].append(p)
+            cap = bucket_bytes if any(dtype == p.dtype for dtype in open_by_dtype) else last_bytes
+            current = open_by_dtype[p.dtype] = [[], 0, cap]
+            last_position[id(current[0])] = position  # the first member taken is the last to arrive
+        current[0].insert(0, p)  # members in backward order
         current[1] += nbytes
-        current[2] = position
-    closed += [(last, members) for members, _, last in open_by_dtype.values()]
+    closed += [(last_position[id(members)], members) for members, _, _ in open_by_dtype.values()]
     closed.sort(key=lambda item: item[0])
 
     align = {}
@@ -123,14 +148,31 @@ class SumThenDivide:
             self.flat.div_(self.world_size)
 
 
+class _Plan:
+    """One trainable set's buckets, with each parameter's gradient view (``ptr``: its address,
+    which ``_on_grad`` checks) and bucket."""
+
+    def __init__(self, buckets: list[Bucket]):
+        self.buckets = buckets
+        self.params = [p for b in buckets for p in b.params]
+        self.views, self.ptr, self.bucket_of = {}, {}, {}
+        device = self.params[0].device
+        for b in buckets:
+            b.flat = torch.zeros(b.numel, dtype=b.dtype, device=device)
+            for p, offset in zip(b.params, b.offsets, strict=True):
+                view = b.flat.as_strided(p.shape, p.stride(), offset)
+                self.views[p], self.ptr[p], self.bucket_of[p] = view, view.data_ptr(), b
+            b.pending = len(b.params)
+
+
 class GradBuckets:
     """Own the gradients of ``params`` in flat buckets and average them over ``group``'s ranks.
 
     ``communicate=False`` keeps the buckets, hooks and readiness counting but issues no collective:
     the same step with communication skipped, which the benchmark subtracts to get the exposed
     communication time (an attribute: the benchmark flips it between steps, never inside one).
-    ``trace``, when a list, receives ("grad", name) and ("launch", bucket index) events in the
-    order they happen (the overlap test reads it).
+    ``trace``, when a list, receives ("grad", name), ("launch", bucket index) and ("finish", None)
+    events in the order they happen (the overlap and last-bucket tests read it).
     ``compression`` (a ``fastcifar.parallel.compress.Compression``), when given, replaces each bucket's
     all-reduce by its compress -> transport -> decompress, launched at the same moment on the same
     stream; scope ``model`` makes one bucket per dtype (the whole gradient as one vector).
@@ -150,9 +192,8 @@ class GradBuckets:
             raise ValueError(f"bucket_mb must be positive, not {bucket_mb}")
         self.compression = compression
         whole = compression is not None and compression.scope == "model"
-        self.buckets = plan_buckets(params, 2**62 if whole else int(bucket_mb * 2**20))
-        self.params = [p for b in self.buckets for p in b.params]
-        self.device = self.params[0].device
+        self._caps = (2**62, 2**62) if whole else (int(bucket_mb * 2**20), None)
+        self.all_params = [p for p in params if p.requires_grad]  # the trainable set at construction
         self.group = group
         self.communicate = communicate
         if communicate and not dist.is_initialized():
@@ -161,25 +202,55 @@ class GradBuckets:
         self.trace = trace
         self._names = names or {}
         self._next = 0  # index of the next bucket to launch
-        self._bucket_of = {}
-        self._ptr = {}
+        self._plans: dict[tuple, _Plan] = {}  # which of all_params require grad -> their plan
+        self._loose: dict = {}  # a parameter -> its gradient while it is frozen (in no bucket)
+        self._key: tuple = ()
+        self._use(tuple(True for _ in self.all_params))
+        self.device = self.params[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        with torch.no_grad():
-            for b in self.buckets:
-                b.flat = torch.zeros(b.numel, dtype=b.dtype, device=self.device)
-                for p, offset in zip(b.params, b.offsets, strict=True):
-                    view = b.flat.as_strided(p.shape, p.stride(), offset)
-                    if p.grad is not None:
-                        view.copy_(p.grad)
-                    p.grad = view
-                    self._bucket_of[p] = b
-                    self._ptr[p] = view.data_ptr()
-                b.pending = len(b.params)
         if compression is not None:
             compression.plan(self.buckets, group, self.device)  # one group and device for both
         if communicate:
             self._broadcast_from_rank0()
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.all_params]
+
+    @torch.no_grad()
+    def _use(self, key: tuple) -> None:
+        """Make the plan of the parameters flagged in ``key`` current: each one's ``.grad`` its view
+        in that plan's buckets, each other one's its own tensor outside every bucket (what it held
+        is copied over, so a switch between steps keeps the gradients)."""
+        if key not in self._plans:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "the trainable parameters changed inside a CUDA graph capture: the gradient "
+                    "buckets are planned in the eager steps before it (warm up the variant first)"
+                )
+            trainable = [p for p, on in zip(self.all_params, key, strict=True) if on]
+            self._plans[key] = _Plan(plan_buckets(trainable, *self._caps))
+        plan = self._plans[key]
+        for p in self.all_params:
+            target = plan.views.get(p)
+            if target is None:
+                target = self._loose.get(p)
+                if target is None:
+                    target = self._loose[p] = torch.zeros_like(p)  # keeps channels-last strides
+            if p.grad is not None and p.grad.data_ptr() != target.data_ptr():
+                target.copy_(p.grad)
+            p.grad = target
+        self.buckets, self.params, self._plan, self._key = plan.buckets, plan.params, plan, key
+
+    def begin(self) -> None:
+        """Before each step's forward: when the set of parameters that require grad changed since
+        the last step (the recipe freezes the whitening bias after a few epochs), switch to that
+        set's bucket plan, so a frozen parameter is in no bucket (its bucket no longer waits for a
+        gradient that never comes, to be sent from ``finish()`` after backward). Each set's plan
+        is made once, in an eager step: a captured step replays its own plan's buckets. With
+        compression the plan stays the first one (its error-feedback memory is per bucket)."""
+        if self.compression is not None:
+            return
+        key = tuple(p.requires_grad for p in self.all_params)
+        if key != self._key:
+            self._use(key)
 
     def __len__(self) -> int:
         return len(self.buckets)
@@ -189,16 +260,21 @@ class GradBuckets:
         """Start every rank from rank 0's weights, as DDP does: the same seed gives the same weights
         on the same software, but nodes with different library versions need not agree."""
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for p in self.params:
+        for p in self.all_params:
             dist.broadcast(p.data, src=src, group=self.group)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is None or p.grad.data_ptr() != self._ptr[p]:
+        b = self._plan.bucket_of.get(p)
+        if b is None:
+            raise RuntimeError(
+                f"{self._name(p)} requires grad again but its bucket plan was made without it: call "
+                "begin() before each step's forward"
+            )
+        if p.grad is None or p.grad.data_ptr() != self._plan.ptr[p]:
             raise RuntimeError(
                 f"the gradient of {self._name(p)} no longer lives in its bucket: was .grad "
                 "replaced or set to None (zero_grad(set_to_none=True))? Zero it in place"
             )
-        b = self._bucket_of[p]
         if b.pending <= 0:
             raise RuntimeError(
                 f"the gradient of {self._name(p)} was accumulated twice before finish(): "
@@ -269,6 +345,8 @@ class GradBuckets:
     def finish(self) -> None:
         """Launch the buckets backward did not complete, then make the caller's stream wait for
         every all-reduce. Call it between backward and the optimizer step, once per backward."""
+        if self.trace is not None:
+            self.trace.append(("finish", None))
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
@@ -289,9 +367,13 @@ class GradBuckets:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        """Zero every bucket (one fill per bucket; the views and their storage stay)."""
+        """Zero every bucket (one fill per bucket; the views and their storage stay), and the
+        gradients of frozen parameters."""
         for b in self.buckets:
             b.flat.zero_()
+        for p, g in self._loose.items():
+            if p not in self._plan.views:
+                g.zero_()
 
     def reset(self) -> None:
         """Compression state (error-feedback residuals, RNG step, warm start, counts) back to

@@ -1,8 +1,9 @@
 """Ranks, devices and process groups: one process per device, launched by torchrun (or alone).
 
-torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a process started without them is rank 0 of 1
-and creates no process group unless asked to (``--dist-group always``: a real group of one, so the
-multi-rank path runs on one device). NCCL joins GPU ranks, gloo CPU ranks.
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK (srun's tasks get them from Slurm's variables:
+``slurm_environment``); a process started without them is rank 0 of 1 and creates no process
+group unless asked to (``--dist-group always``: a real group of one, so the multi-rank path runs
+on one device). NCCL joins GPU ranks, gloo CPU ranks.
 
 Nothing waits forever: every collective is bounded by ``--dist-timeout-s`` (gloo's timeout and
 the progress watchdog's), the start-up handshakes by at most ``HANDSHAKE_TIMEOUT_S``, the waits for
@@ -61,7 +62,11 @@ class DistContext:
 SHARE_GPU = "FASTCIFAR_SHARE_GPU"
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
+def pick_device(requested: str, local_rank: int, own_gpus: bool = False) -> torch.device:
+    """This rank's device: GPU ``local_rank`` of those visible (torchrun: every rank of a node sees
+    all its GPUs). ``own_gpus`` (srun started this process): a rank that sees fewer GPUs than its
+    local rank + 1 sees only its own (``srun --gpus-per-task 1`` leaves one in
+    CUDA_VISIBLE_DEVICES) and takes the first."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -70,24 +75,149 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     share = os.environ.get(SHARE_GPU, "0")
     if share not in ("0", "1"):
         raise ConfigError(f"{SHARE_GPU} must be 0 or 1 (1: ranks share the GPUs, for testing only), not {share!r}")
-    if share == "0" and local_rank >= count:
-        raise ConfigError(f"local rank {local_rank} has no GPU: this machine has {count}")
-    index = local_rank % count
+    if own_gpus and local_rank >= count:
+        index = 0
+    elif share == "0" and local_rank >= count:
+        raise ConfigError(
+            f"local rank {local_rank} has no GPU: this machine has {count}"
+            + (" visible (CUDA_VISIBLE_DEVICES)" if "CUDA_VISIBLE_DEVICES" in os.environ else "")
+        )
+    else:
+        index = local_rank % count
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+# Test only (scripts/gpu_visit.sh nccl2, tests/distributed/test_same_data.py), never for training:
+# FASTCIFAR_TEST_RANK0_DATA=N makes every rank train on the data rank 0 of N ranks trains on (its
+# shard, its shuffle and augmentation draws, batch / N images a step), whatever its own rank and the
+# world size. On N ranks every rank's gradient is then the same, their average is each one's bit
+# for bit ((g + g) / 2 = g), and the run must equal one process given the same variable: a check of
+# the all-reduce's stream ordering far sharper than a loss tolerance.
+RANK0_DATA = "FASTCIFAR_TEST_RANK0_DATA"
+# Test only, with the above on a GPU: "1" takes deterministic cuDNN algorithms (no benchmark search,
+# whose pick may differ between processes) and torch's deterministic kernels where they exist.
+DETERMINISTIC = "FASTCIFAR_TEST_DETERMINISTIC"
+
+
+def data_ranks(ctx: DistContext) -> tuple[int, int]:
+    """(rank, world size) whose data this rank trains on: its own, or (0, N) under ``RANK0_DATA``."""
+    value = os.environ.get(RANK0_DATA, "")
+    if not value:
+        return ctx.rank, ctx.world_size
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{RANK0_DATA} must be a rank count (test only), not {value!r}")
+    return 0, int(value)
+
+
+def apply_test_determinism() -> None:
+    """Under ``DETERMINISTIC``=1, deterministic cuDNN and torch kernels (CUBLAS_WORKSPACE_CONFIG
+    must be set for cuBLAS: gpu_visit.sh sets it); otherwise nothing."""
+    value = os.environ.get(DETERMINISTIC, "0")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{DETERMINISTIC} must be 0 or 1 (test only), not {value!r}")
+    if value == "1":
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+# The rendezvous port of an srun launch when MASTER_PORT is not exported: every task derives the
+# same one from the job id, with no message between them; 20000-29999 stays below Linux's ephemeral
+# range (32768-60999), where the OS hands out ports to outgoing connections.
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``scontrol show hostnames`` where Slurm's tools are
+    installed, else the list's own syntax for its first entry (``gpu[03-04,07],cpu1`` -> ``gpu03``;
+    one bracket per name, the form Slurm prints for a cluster's usual names)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+            ).stdout.split()
+            if out:
+                return out[0]
+        except (OSError, subprocess.SubprocessError):
+            pass  # the list's own syntax below
+    first, depth = "", 0
+    for ch in nodelist.strip():
+        if ch == "," and depth == 0:
+            break
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        first += ch
+    if "[" not in first:
+        return first
+    head, rest = first.split("[", 1)
+    ranges, tail = rest.split("]", 1)
+    if "[" in tail:
+        raise ConfigError(f"cannot read the first host of the Slurm node list {nodelist!r}: export MASTER_ADDR")
+    return head + ranges.split(",")[0].split("-")[0] + tail
+
+
+def slurm_environment(environ) -> dict[str, str]:
+    """torchrun's variables for a process that ``srun`` started as one task of a step, from Slurm's;
+    empty when torchrun's are set (``torchrun`` inside an allocation sets its own) or when srun did
+    not start this process (an sbatch script's own shell has SLURM_PROCID and SLURM_NTASKS, but no
+    SLURM_STEP_NUM_TASKS: a Python started there stays one process). RANK = SLURM_PROCID,
+    LOCAL_RANK = SLURM_LOCALID, WORLD_SIZE = the step's task count; MASTER_ADDR as exported, else
+    127.0.0.1 on one node, else the step's first node (block distribution, Slurm's default and the
+    only one accepted, puts task 0 there); MASTER_PORT as exported, else ``SLURM_PORT_BASE`` + the job id mod
+    ``SLURM_PORT_SPAN``."""
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        return {}
+    if "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
+        return {}
+    # one node's tasks must be numbered contiguously, as torchrun numbers them: the data is read once
+    # per node by rank - local rank's task (load_once_per_node), and task 0's node is the first
+    layout = environ.get("SLURM_DISTRIBUTION", "block").split(":")[0]
+    if layout not in ("block", ""):
+        raise ConfigError(
+            f"srun --distribution {environ['SLURM_DISTRIBUTION']}: fastcifar needs each node's tasks numbered "
+            "one after another (block, srun's default)"
+        )
+    mapped = {
+        "RANK": environ["SLURM_PROCID"],
+        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+        "WORLD_SIZE": environ["SLURM_STEP_NUM_TASKS"],
+    }
+    if "MASTER_ADDR" not in environ:
+        nodes = environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1"))
+        nodelist = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
+        if nodes == "1":
+            mapped["MASTER_ADDR"] = "127.0.0.1"
+        elif nodelist:
+            mapped["MASTER_ADDR"] = first_host(nodelist)
+        else:
+            raise ConfigError("srun on several nodes without a node list: export MASTER_ADDR (task 0's host)")
+    if "MASTER_PORT" not in environ:
+        if "SLURM_JOB_ID" not in environ:
+            raise ConfigError("srun without SLURM_JOB_ID: export MASTER_PORT")
+        job = environ["SLURM_JOB_ID"].split("_")[0]  # an array task's id reads JOB_TASK in some tools
+        if not job.isdigit():
+            raise ConfigError(f"SLURM_JOB_ID {environ['SLURM_JOB_ID']!r} is not a number: export MASTER_PORT")
+        mapped["MASTER_PORT"] = str(SLURM_PORT_BASE + int(job) % SLURM_PORT_SPAN)
+    return mapped
 
 
 def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto") -> DistContext:
     """Read torchrun's environment, pick this rank's device and join the process group: with several
     ranks, or also alone with ``group="always"`` (``--dist-group always``), so that one rank builds
-    the gradient buckets, runs their comm stream and captures their collectives as several do."""
+    the gradient buckets, runs their comm stream and captures their collectives as several do.
+    A process that ``srun`` started gets torchrun's variables from Slurm's first (``slurm_environment``)."""
+    slurm = slurm_environment(os.environ)
+    os.environ.update(slurm)  # where init_process_group's env:// rendezvous and the logs read them
     try:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError as exc:
         raise ConfigError(f"bad torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {exc}") from None
-    device = pick_device(requested_device, local_rank)
+    device = pick_device(requested_device, local_rank, own_gpus=bool(slurm))
     _data_step.done = False  # a new run: its data step is ahead (announce_stop)
     if world_size == 1 and group != "always":
         return DistContext(0, 1, 0, device, None)

@@ -51,7 +51,13 @@ class Session:
 
 
 class Watchdog(Component):
-    """Several ranks: a stalled peer ends this rank too, also inside graph replays (distributed.py)."""
+    """Several ranks: a stalled peer ends this rank too, also inside graph replays (distributed.py).
+    Started at the run's start (``with Watchdog(session) as dog``), so it covers the model
+    handshake, the warm-up steps and graph capture as well: a peer lost there would otherwise be
+    left to the handshake's 60 s or NCCL's timeout, whose aborted communicator then fails the next
+    capture with a CUDA error (a traceback, exit 1), not exit 3 and one line. The warm-up steps beat
+    it (``make_step``'s ``beat``), so only one step, or the gap between two beats, longer than
+    --dist-timeout-s ends a rank, as it would end the step's own collective anyway."""
 
     def __init__(self, session: Session):
         cfg, ctx = session.cfg, session.ctx
@@ -68,6 +74,12 @@ class Watchdog(Component):
 
     def finish(self, result) -> None:
         self.dog.close()
+
+    def __enter__(self) -> Watchdog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.dog.close()  # also when the run raises: an API caller's process is not ended later
 
 
 class SyncCleanup(Component):
@@ -115,10 +127,18 @@ class FinalTest(Component):
 
 
 def for_run(
-    session: Session, run: int, parts: dict, sync: GradientSync, sparse: SparseRun, epochs: int, eval_step=None
+    session: Session,
+    run: int,
+    parts: dict,
+    sync: GradientSync,
+    sparse: SparseRun,
+    epochs: int,
+    eval_step=None,
+    watchdog: Watchdog | None = None,
 ) -> Components:
     """The components of run ``run`` (0: an unlogged warm-up run, which saves and resumes nothing).
-    ``parts``: the run's objects a training state covers (run.state)."""
+    ``parts``: the run's objects a training state covers (run.state); ``watchdog``: the run's, started
+    before its warm-up (a new one when None)."""
     cfg, log = session.cfg, session.log
     members: list[Component] = [parts["hooks"], sparse]  # built after warm-up: the window may start at 0
     members.append(profiling.StepWindow(cfg.profile_steps if run == 1 else ""))  # nsys range, profiler steps
@@ -129,7 +149,7 @@ def for_run(
     members.append(SyncCleanup(sync, log, run))
     if session.eval_set is not session.test_set:  # --val-split
         members.append(FinalTest(session, parts["model"], eval_step, run))
-    members.append(Watchdog(session))  # last to hear of each step; closed before the model file is written
+    members.append(watchdog or Watchdog(session))  # last to hear of each step; closed before the model file is written
     if cfg.save_model and log.dir is not None:  # rank 0 alone, no collective: a slow disk ends no rank
         members.append(ModelFile(session, run))
     return Components(members)

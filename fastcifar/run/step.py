@@ -24,14 +24,20 @@ def make_step(
     label_smoothing: float,
     markers=NO_MARKERS,
     buckets=None,
+    beat=None,
 ):
     """One training step on a batch: the function that runs eagerly or is captured. ``buckets``
     (several ranks, --comm bucketed: ``parallel.comm.GradBuckets``) average the gradients during
     backward; ``markers`` (push, pop) put NVTX ranges around its phases for nsys (no-ops unless
-    --nvtx on CUDA)."""
+    --nvtx on CUDA). ``beat``: called as each eager step starts (the warm-up steps; a captured step's
+    replays run no Python): the progress watchdog's, so warm-up and capture are watched too."""
     push, pop = markers
 
     def step(images, labels):
+        if beat is not None:
+            beat()
+        if buckets is not None:
+            buckets.begin()  # a parameter frozen since the last step leaves its bucket (host-only, eager)
         schedule.apply(opt.lr)  # device-side: the captured graph reads each step's rate
         push("forward")
         logits = net(images)

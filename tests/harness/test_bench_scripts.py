@@ -25,6 +25,13 @@ pytestmark = pytest.mark.slow
         ("sweep_conv_stats.py", ["--smoke"], "| batch | conv | cudnn+triton | base | w4 | best | best vs base |"),
         ("sweep_bn_act_pool.py", ["--smoke", "--per-kernel"], "| block | setting | kernel | us |"),
         ("bench_loader.py", ["--images", "256", "--epochs", "1", "--batches", "64", "--no-record"], "images/s"),
+        # 2 gloo ranks: the default preset's network (FastNet, narrowed), DDP and two bucket caps
+        (
+            "bench_allreduce.py",
+            ["--preset", "fast-jitter", "--widths", "8,16,16", "--batch", "4", "--bucket-mb", "0.001,25"]
+            + ["--steps", "2", "--rounds", "1", "--warmup", "1", "--no-save"],
+            "fast-jitter (fastnet) widths 8,16,16",
+        ),
         # the two that launch the trainer (bench.common.run_trainer) and append their own rows
         ("bench_compress.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
         ("bench_sparse.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),

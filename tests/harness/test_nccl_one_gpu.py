@@ -67,7 +67,16 @@ def test_the_stage_runs_two_ranks_through_the_wrapper_then_compares_and_kills(tm
     assert proc.returncode == 0, proc.stdout[-2000:]
     table = (out / "nccl2-table.md").read_text()
     steps = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| nccl2")]
-    assert steps == ["nccl2-ranks", "nccl2-emulated", "nccl2-1rank", "nccl2-kill", "nccl2-checks"], table
+    assert steps == [
+        "nccl2-ranks",
+        "nccl2-same",
+        "nccl2-same-1rank",
+        "nccl2-kill",
+        "nccl2-shard",
+        "nccl2-emulated",
+        "nccl2-1rank",
+        "nccl2-checks",
+    ], table
     lines = dry_lines(proc)
     short = "--subset 10000 --epochs 2 --cuda-graphs on --comm bucketed --loader torch"
     py, data = sys.executable, tmp_path / "cifar.tar.gz"
@@ -81,6 +90,16 @@ def test_the_stage_runs_two_ranks_through_the_wrapper_then_compares_and_kills(tm
     # one process over the same global batch: as the ranks train it (emulated), and plain
     assert any(line.endswith(f"/runs/nccl2-emulated --emulate-ranks 2 {short}") for line in lines), lines
     assert any(line.endswith(f"/runs/nccl2-1rank {short}") for line in lines), lines
+    # issue 73: both ranks fed rank 0's data (test-only variables) with deterministic kernels, against
+    # one process given the same data and rank 0's 2500 whitening images; then --muon-shard on 2 ranks
+    same = "dry run: env FASTCIFAR_TEST_RANK0_DATA=2 FASTCIFAR_TEST_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+    same_ranks = next(line for line in lines if line.startswith(same) and "torch.distributed.run" in line)
+    assert same_ranks.endswith(f"/runs/nccl2-same {short} --kernels torch"), same_ranks
+    same_one = next(line for line in lines if line.startswith(same) and "torch.distributed.run" not in line)
+    assert same_one.endswith(f"/runs/nccl2-same-1rank {short} --kernels torch --whiten-images 2500"), same_one
+    assert f"{same}{py} -m fastcifar.train --data {data} --out-dir " in same_one, same_one
+    shard = next(line for line in lines if "/runs/nccl2-shard " in line)
+    assert "bash scripts/rank_env.sh" in shard and shard.endswith(f"{short} --muon-shard"), shard
     kill = next(line for line in lines if "kill_rank.py" in line)
     assert "--ranks 2 --kill 1 --after-s 3 --dist-timeout-s 10 --ready-s 90 --out " in kill
     assert "torch.distributed.run" not in kill  # torchrun would stop rank 0 itself when rank 1 dies
@@ -93,6 +112,7 @@ def test_the_stage_runs_two_ranks_through_the_wrapper_then_compares_and_kills(tm
     for part in (
         "/nccl2-ranks.log",
         f"--kill {folder}/kill.json",
+        "/nccl2-ranks.ended --jsonl",
         "--jsonl bench/results/multi_gpu.jsonl",
         "--call visit 10",
         "--commit abc1234",
@@ -232,6 +252,19 @@ TWO = {**GPU, "device": {**GPU["device"], "world_size": 2}}
 SOCKET_LOG = "host:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Socket/0\n"
 
 
+def issue73_runs(tmp_path, runs, exit_s, same_loss=1.5, shard=True):
+    """The same-data pair (the 2 ranks' second-epoch loss ``same_loss``), a --muon-shard run, and the
+    launcher's end mark ``exit_s`` after the 2-rank run's summary.json; returns the mark's path."""
+    write_run(runs, "nccl2-same", [2.0, same_loss], engine={"comm": "bucketed"}, **TWO)
+    write_run(runs, "nccl2-same-1rank", [2.0, 1.5], **GPU)
+    if shard:
+        write_run(runs, "nccl2-shard", [2.0, 1.502], engine={"comm": "bucketed"}, config={"muon_shard": True}, **TWO)
+    (summary,) = (runs / "nccl2-ranks").glob("**/summary.json")
+    ended = tmp_path / "nccl2-ranks.ended"
+    ended.write_text(f"{summary.stat().st_mtime + exit_s:.3f}\n")
+    return ended
+
+
 def kill_json(folder, ok=True):
     folder.mkdir(parents=True, exist_ok=True)
     verdict = {
@@ -252,12 +285,25 @@ def kill_json(folder, ok=True):
     return folder / "kill.json"
 
 
-def nccl2_report(tmp_path, runs, log_text, kill):
+def nccl2_report(tmp_path, runs, log_text, kill, ended=None):
     log = tmp_path / "nccl2-ranks.log"
     log.write_text(log_text)
     jsonl = tmp_path / "multi_gpu.jsonl"
+    extra = ["--ended", ended] if ended is not None else []
     proc = report(
-        "nccl2", runs, "--log", log, "--kill", kill, "--jsonl", jsonl, "--call", "visit 10", "--commit", "abc1234"
+        "nccl2",
+        runs,
+        "--log",
+        log,
+        "--kill",
+        kill,
+        "--jsonl",
+        jsonl,
+        "--call",
+        "visit 10",
+        "--commit",
+        "abc1234",
+        *extra,
     )
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
     return proc, rows
@@ -268,7 +314,8 @@ def test_report_passes_two_ranks_that_match_one_process_and_files_both_checks(tm
     write_run(runs, "nccl2-ranks", [2.0, 1.500], engine={"comm": "bucketed"}, **TWO)
     write_run(runs, "nccl2-emulated", [2.0, 1.505], config={"emulate_ranks": 2}, **GPU)  # 0.33% apart
     write_run(runs, "nccl2-1rank", [2.02, 1.54], **GPU)  # 2.6% apart: batchnorm over the global batch
-    proc, rows = nccl2_report(tmp_path, runs, SOCKET_LOG, kill_json(tmp_path / "kill"))
+    ended = issue73_runs(tmp_path, runs, exit_s=2.5)
+    proc, rows = nccl2_report(tmp_path, runs, SOCKET_LOG, kill_json(tmp_path / "kill"), ended)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| nccl2-ranks | 2 (NCCL) | 2.0000 > 1.5000 |" in proc.stdout
     assert (
@@ -276,7 +323,11 @@ def test_report_passes_two_ranks_that_match_one_process_and_files_both_checks(tm
         "(bound 1%)" in proc.stdout
     )
     assert "NCCL transport: NET/Socket/0" in proc.stdout and "kill -9 of rank 1: ok" in proc.stdout
-    match, kill = rows
+    match, same, shard, exit_row, kill = rows
+    assert same["check"] == "nccl-2-ranks-same-data-bit-exact" and same["ok"] is True, same
+    assert shard["check"] == "nccl-2-ranks-muon-shard" and shard["ok"] is True and shard["train_loss"] == [2.0, 1.502]
+    assert exit_row["check"] == "nccl-exit-after-graphs" and exit_row["seconds"] == pytest.approx(2.5, abs=0.01)
+    assert "exit after the graphed NCCL run: ok: the launcher ended 2.5 s after" in proc.stdout
     assert match["check"] == "nccl-2-ranks-one-gpu" and match["ok"] is True and match["transport"] == "NET/Socket/0"
     assert match["gap_emulated_pct"] == pytest.approx(0.332, abs=1e-3)
     assert match["gap_1rank_pct"] == pytest.approx(2.597, abs=1e-3)
@@ -297,11 +348,16 @@ def test_report_fails_ranks_that_train_apart_or_a_kill_that_broke_the_promise(tm
     write_run(runs, "nccl2-ranks", [2.0, 1.50], engine={"comm": "bucketed"}, **TWO)
     write_run(runs, "nccl2-emulated", [2.0, 1.53], config={"emulate_ranks": 2}, **GPU)  # 2% apart: not the same math
     write_run(runs, "nccl2-1rank", [2.0, 1.52], **GPU)
-    proc, rows = nccl2_report(tmp_path, runs, SOCKET_LOG, kill_json(tmp_path / "kill", ok=False))
+    # the same-data pair one bit apart in one epoch's loss, a hung exit, no --muon-shard run
+    ended = issue73_runs(tmp_path, runs, exit_s=40.0, same_loss=1.5000000000000002, shard=False)
+    proc, rows = nccl2_report(tmp_path, runs, SOCKET_LOG, kill_json(tmp_path / "kill", ok=False), ended)
     assert proc.returncode == 1
     assert "PROBLEM: 2 ranks vs --emulate-ranks 2: train loss 1.96% apart, past 1%" in proc.stdout
     assert "PROBLEM: kill test: rank 0: still running 40.0 s after the kill" in proc.stdout
-    assert [r["ok"] for r in rows] == [False, False]
+    assert "PROBLEM: same-data check: epoch 2: 2 ranks (1.5000000000000002, 50.0, 91.0) != 1 process" in proc.stdout
+    assert "PROBLEM: --muon-shard: no nccl2-shard run" in proc.stdout
+    assert "PROBLEM: exit: the launcher ended 40.0 s after" in proc.stdout
+    assert [r["ok"] for r in rows] == [False] * 5
     # a run without its process group is no 2-rank run, and a missing verdict is a problem
     (tmp_path / "multi_gpu.jsonl").unlink()
     alone = tmp_path / "alone"
@@ -327,9 +383,10 @@ def test_report_records_nccls_refusal_when_two_ranks_on_one_gpu_are_refused(tmp_
     assert f"PROBLEM: 2 ranks on one GPU did not train: {line}" in proc.stdout
     assert rows[0]["ok"] is False and rows[0]["message"] == line and rows[0]["device"] == "NVIDIA H100 80GB HBM3"
     # another NCCL failure: its first warning or error line; none: the report says NCCL was silent
+    # (rows[-5]: each report appends its 5 rows, the 2-rank check first)
     proc, rows = nccl2_report(tmp_path, runs, refused.splitlines()[0], kill_json(tmp_path / "kill"))
-    assert proc.returncode == 1 and rows[-2]["ok"] is False
-    assert rows[-2]["message"].startswith("NCCL: [rank1]: torch.distributed.DistBackendError: NCCL error in:")
+    assert proc.returncode == 1 and rows[-5]["ok"] is False
+    assert rows[-5]["message"].startswith("NCCL: [rank1]: torch.distributed.DistBackendError: NCCL error in:")
     proc, rows = nccl2_report(tmp_path, runs, "Traceback ...\n", kill_json(tmp_path / "kill"))
-    assert proc.returncode == 1 and rows[-2]["ok"] is False
-    assert "left no summary.json and NCCL said nothing (see nccl2-ranks.log)" in rows[-2]["message"]
+    assert proc.returncode == 1 and rows[-5]["ok"] is False
+    assert "left no summary.json and NCCL said nothing (see nccl2-ranks.log)" in rows[-5]["message"]

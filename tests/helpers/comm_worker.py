@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastcifar.core.config import ConfigError
+from fastcifar.core.config import DEFAULT_PRESET, ConfigError, from_preset
+from fastcifar.models.network import build_model
 from fastcifar.parallel import distributed
 from fastcifar.parallel.comm import GradBuckets
 
@@ -94,7 +95,34 @@ def train(out: Path, bucket_sizes: list[float], ctx) -> None:
             ),
         }
         buckets.remove()
+    results["default preset"] = default_preset_trace(ctx)
     torch.save(results, out / f"rank{ctx.rank}.pt")
+
+
+def default_preset_trace(ctx) -> dict:
+    """The default preset's network in the GPU's layout (fp16 weights, fp32 batchnorm shifts), its
+    own bucket plan, all-reduced on gloo: one step's trace with the whitening bias trainable, one
+    with it frozen (issue 73: the last bucket small, the frozen bias in none)."""
+    cfg = from_preset(DEFAULT_PRESET)
+    torch.manual_seed(0)
+    model = build_model(cfg, torch.device("cpu"), torch.float16)
+    names = {p: n for n, p in model.named_parameters()}
+    trace: list = []
+    buckets = GradBuckets(model.parameters(), cfg.bucket_mb, names=names, trace=trace)
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(2, 3, 16, 16, generator=g).half().contiguous(memory_format=torch.channels_last)  # fp16 on 2 cores
+    steps, plans = [], []
+    for frozen in (False, True):
+        model.whiten.bias.requires_grad_(not frozen)
+        trace.clear()
+        buckets.begin()
+        model(x).float().sum().backward()
+        buckets.finish()
+        buckets.zero_grad()
+        steps.append(list(trace))
+        plans.append([(b.numel * b.flat.element_size(), [names[p] for p in b.params]) for b in buckets.buckets])
+    buckets.remove()
+    return {"steps": steps, "plans": plans}
 
 
 TINY16 = 2.0**-24  # fp16's smallest subnormal, and the spacing of every value below 2^-14

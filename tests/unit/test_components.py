@@ -56,6 +56,19 @@ def recorded(tmp_path, monkeypatch):
         events.append("capture")
         return real_capture(self, *args, **kwargs)
 
+    watch = []  # (what the progress watchdog was told, how many events had happened by then)
+    real_dog, real_beat = distributed.ProgressWatchdog.__init__, distributed.ProgressWatchdog.beat
+
+    def new_dog(self, *args, **kwargs):
+        watch.append(("new", len(events)))
+        real_dog(self, *args, **kwargs)
+
+    def beat(self):
+        watch.append(("beat", len(events)))
+        real_beat(self)
+
+    monkeypatch.setattr(distributed.ProgressWatchdog, "__init__", new_dog)
+    monkeypatch.setattr(distributed.ProgressWatchdog, "beat", beat)
     monkeypatch.setattr(components, "for_run", for_run)
     monkeypatch.setattr(TrainStep, "warm_up_and_capture", capture)
     monkeypatch.setattr(train, "synchronize", lambda device: events.append("clock"))
@@ -81,11 +94,11 @@ def recorded(tmp_path, monkeypatch):
         (result,) = train.run(cfg, ctx)
     finally:
         distributed.teardown(ctx)
-    return events, members, result
+    return events, members, result, watch
 
 
 def test_hooks_sit_where_the_clock_and_the_capture_put_them(recorded):
-    events, _, result = recorded
+    events, _, result, _ = recorded
     steps = 4  # 200 training images, batch 50
     per_epoch = ["clock", "epoch_start {e}", *["step"] * steps, "epoch_end {e}", "clock", "epoch_done {e} acc=True"]
     # the trainer's capture, then the recipe's second variant (bias frozen), both before start
@@ -94,11 +107,17 @@ def test_hooks_sit_where_the_clock_and_the_capture_put_them(recorded):
     assert len(result.epochs) == 2
 
 
-def test_the_run_components_and_their_order(recorded):
-    _, members, _ = recorded
+def test_the_run_components_and_their_order_with_the_watchdog_before_first_epoch(recorded):
+    """... and one progress watchdog a run, started before the warm-up steps and beaten by them, so
+    a peer lost in the model handshake, warm-up or capture ends the rank as one lost in training."""
+    events, members, _, watch = recorded
     assert members == [
         ["RunHooks", "SparseRun", "StepWindow", "LossGuard", "Checkpoints", "SyncCleanup", "Watchdog", "ModelFile"]
     ]
+    assert [what for what, _ in watch].count("new") == 1 and watch[0] == ("new", 0), watch
+    first_capture, start = events.index("capture"), events.index("start")
+    warm_up_beats = [at for what, at in watch if what == "beat" and first_capture < at <= start]
+    assert len(warm_up_beats) >= 2, f"the warm-up steps did not beat the watchdog: {watch}"
 
 
 def test_components_call_only_overridden_after_step():

@@ -43,7 +43,7 @@ def fake_group(monkeypatch, device: str) -> list[dict]:
     monkeypatch.setattr(
         distributed,
         "pick_device",
-        lambda requested, local_rank: torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
+        lambda requested, local_rank, **_: torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
     )
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
