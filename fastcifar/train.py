@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
     # blocked in a collective (signals.py: a watcher thread then records the stop and ends the process)
     previous = signals.install(on_blocked=record_stop)
     try:
-        ctx = distributed.setup(cfg.device, cfg.dist_timeout_s, cfg.dist_group)
+        ctx = distributed.setup(cfg.device, cfg.dist_timeout_s, cfg.dist_group, settings=cfg)
         # The first collective, right after the group forms: ranks launched with different command
         # lines stop here, before any file is read (a checkpoint, the data).
         distributed.check_same(distributed.config_digest(cfg), "config", ctx)

@@ -33,7 +33,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from fastcifar.core import signals
+from fastcifar.core import gpu, signals
 from fastcifar.core.config import ConfigError
 from fastcifar.core.errors import DataError
 
@@ -61,11 +61,17 @@ class DistContext:
 SHARE_GPU = "FASTCIFAR_SHARE_GPU"
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+def pick_device(requested: str, local_rank: int, settings=None) -> torch.device:
+    """This rank's device, after ``core.gpu``'s preflight: torch must have code for the GPU, and
+    ``settings`` (the run's Config, when given) a --loader and --compress the GPU can run. The one
+    place a device is picked, before any CUDA work."""
+    if requested == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for, but PyTorch sees no CUDA GPU")
+    use_cuda, notice = gpu.cuda_or_cpu(requested)  # --device cuda without CUDA: refused here
+    if not use_cuda:
+        if notice and local_rank == 0:  # one line per machine, before the run says it trains on the CPU
+            print(f"fastcifar: {notice}", file=sys.stderr, flush=True)
+        return torch.device("cpu")
     count = torch.cuda.device_count()
     share = os.environ.get(SHARE_GPU, "0")
     if share not in ("0", "1"):
@@ -73,21 +79,27 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     if share == "0" and local_rank >= count:
         raise ConfigError(f"local rank {local_rank} has no GPU: this machine has {count}")
     index = local_rank % count
+    gpu.preflight(
+        index,
+        loader=getattr(settings, "loader", "auto"),
+        compress=getattr(settings, "compress", "none"),
+    )
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
-def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto") -> DistContext:
+def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto", settings=None) -> DistContext:
     """Read torchrun's environment, pick this rank's device and join the process group: with several
     ranks, or also alone with ``group="always"`` (``--dist-group always``), so that one rank builds
-    the gradient buckets, runs their comm stream and captures their collectives as several do."""
+    the gradient buckets, runs their comm stream and captures their collectives as several do.
+    ``settings``: the run's Config, whose --loader and --compress the preflight checks against the GPU."""
     try:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError as exc:
         raise ConfigError(f"bad torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {exc}") from None
-    device = pick_device(requested_device, local_rank)
+    device = pick_device(requested_device, local_rank, settings)
     _data_step.done = False  # a new run: its data step is ahead (announce_stop)
     if world_size == 1 and group != "always":
         return DistContext(0, 1, 0, device, None)

@@ -1,0 +1,197 @@
+"""Every NVIDIA GPU from Volta to Blackwell (issue 69): the preflight before any CUDA work
+(``fastcifar.core.gpu``, called by ``pick_device``) and the choices that follow from the device's
+compute capability, on a machine without a GPU: the capability, name, SM count and torch's arch
+list are mocked (tests/helpers/gpus.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from gpus import CU130_ARCHS, TORCH_2_10_ARCHS, fake_gpus
+
+from fastcifar.core import gpu
+from fastcifar.core.config import Config, ConfigError
+from fastcifar.parallel.distributed import pick_device
+
+ROOT = Path(__file__).resolve().parents[2]
+V100 = (7, 0)
+VOLTA_LINE = "pip install -e '.[volta]'"
+
+
+# --- the preflight --------------------------------------------------------------------------------
+
+
+def test_capability_7_0_under_the_cu130_torch_is_one_line_and_exit_2(tmp_path):
+    """The trainer as a user starts it, in a subprocess whose torch sees one V100 and the cu130
+    wheel's arch list (a sitecustomize mocks both before anything imports): one line naming the GPU,
+    its capability, the installed torch and the Volta install line; exit 2; no traceback; nothing written."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
+            import json, os, torch
+            capability, archs = json.loads(os.environ["FAKE_GPU"])
+            torch.cuda.is_available = lambda: True
+            torch.cuda.device_count = lambda: 1
+            torch.cuda.get_device_capability = lambda device=None: tuple(capability)
+            torch.cuda.get_device_name = lambda device=None: "Tesla V100-SXM2-16GB"
+            torch.cuda.get_arch_list = lambda: archs
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), FAKE_GPU=json.dumps([V100, CU130_ARCHS]))
+    for device in ("auto", "cuda"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "fastcifar", "train", "--data", str(tmp_path / "data"), "--device", device]
+            + ["--out-dir", str(tmp_path / "runs")],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line == (
+            "fastcifar: error: GPU 0 (Tesla V100-SXM2-16GB, compute capability 7.0) cannot run "
+            f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if torch.version.cuda else "") + ", "
+            "which is built for sm_75 sm_80 sm_86 sm_90 sm_100 sm_120: "
+            f"install the Volta (V100) line of README's Install table: {VOLTA_LINE}"
+        )
+        assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize(
+    "capability,archs",
+    [(V100, TORCH_2_10_ARCHS), ((9, 0), CU130_ARCHS), ((12, 0), CU130_ARCHS), ((9, 0), TORCH_2_10_ARCHS)],
+)
+def test_capability_with_code_in_the_arch_list_passes_the_preflight(monkeypatch, capability, archs):
+    chosen = fake_gpus(monkeypatch, 8, capability, archs)
+    assert pick_device("cuda", 3, Config()) == torch.device("cuda", 3) and chosen == [3]
+
+
+def test_capability_7_0_under_the_cu130_torch_picks_no_device(monkeypatch):
+    chosen = fake_gpus(monkeypatch, 8, V100, CU130_ARCHS)
+    with pytest.raises(ConfigError, match=r"GPU 5 \(Tesla V100-SXM2-16GB, compute capability 7\.0\) cannot run"):
+        pick_device("auto", 5)
+    assert chosen == []
+
+
+@pytest.mark.parametrize(
+    "entry,capability,runs",
+    [
+        ("sm_80", (8, 6), True),  # a cubin runs on later minors of its major
+        ("sm_86", (8, 0), False),
+        ("sm_80", (9, 0), False),  # ... but not on another major
+        ("sm_120", (12, 0), True),
+        ("sm_100", (10, 3), True),
+        ("sm_90a", (9, 0), True),  # arch-specific: that capability only
+        ("sm_100a", (10, 3), False),
+        ("compute_70", (7, 5), True),  # PTX: the driver compiles it for any later capability
+        ("compute_70", (12, 0), True),
+        ("compute_80", (7, 5), False),
+        ("sm_7x", (7, 0), False),
+    ],
+)
+def test_capability_against_each_kind_of_arch_entry(entry, capability, runs):
+    assert gpu.runs_on(entry, capability) is runs
+
+
+def test_capability_checked_against_a_ptx_entry_that_jits_forward(monkeypatch):
+    fake_gpus(monkeypatch, 1, (12, 1), ["sm_80", "sm_90", "compute_90"])
+    assert pick_device("cuda", 0) == torch.device("cuda", 0)
+    fake_gpus(monkeypatch, 1, V100, ["sm_80", "sm_90", "compute_90"])
+    with pytest.raises(ConfigError, match="built for sm_80 sm_90 compute_90"):
+        pick_device("cuda", 0)
+
+
+def test_capability_below_volta_gets_no_install_line(monkeypatch):
+    fake_gpus(monkeypatch, 1, (6, 1), CU130_ARCHS)
+    with pytest.raises(ConfigError, match=r"cover compute capability 7\.0 \(Volta\) and newer; use --device cpu$"):
+        pick_device("cuda", 0)
+
+
+def test_capability_unknown_when_cuda_is_off_but_nvidia_smi_lists_a_gpu(monkeypatch, capsys):
+    """A driver too old for this torch's CUDA: CUDA reads as unavailable. --device auto says so in
+    one line before it trains on the CPU; --device cuda is refused with that line; without a GPU in
+    nvidia-smi's list auto is silent, as before."""
+    fake_gpus(monkeypatch, 0, driver=["GPU 0: Tesla V100-SXM2-16GB", "GPU 1: Tesla V100-SXM2-16GB"])
+    assert pick_device("auto", 0) == torch.device("cpu")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("fastcifar: note: nvidia-smi lists GPU 0: Tesla V100-SXM2-16GB and 1 more, but torch ")
+    assert line.endswith("update the NVIDIA driver; training on the CPU")
+    assert pick_device("auto", 1) == torch.device("cpu") and capsys.readouterr().err == ""  # local rank 0 says it
+    with pytest.raises(ConfigError, match=r"^--device cuda was asked for, but nvidia-smi lists GPU 0: Tesla V100"):
+        pick_device("cuda", 0)
+    fake_gpus(monkeypatch, 0)
+    assert pick_device("auto", 0) == torch.device("cpu") and capsys.readouterr().err == ""
+
+
+def test_capability_nvidia_smi_is_read_and_bounded(tmp_path, monkeypatch):
+    """The real ``driver_gpus``: nvidia-smi found on PATH, its GPU lines without UUIDs; one that
+    hangs is given up after the timeout; none on PATH, none listed."""
+    sleep = shutil.which("sleep")  # before PATH holds only the fake tool
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text('#!/bin/sh\necho "GPU 0: Tesla V100-SXM2-16GB (UUID: GPU-3f2a)"\necho "  MIG 1g.5gb"\n')
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpu.driver_gpus() == ["GPU 0: Tesla V100-SXM2-16GB"]
+    tool.write_text(f'#!/bin/sh\necho "GPU 0: Tesla V100-SXM2-16GB"\nexec {sleep} 30\n')  # waited for: the line
+    assert gpu.driver_gpus(timeout_s=0.5) == []
+    tool.unlink()
+    assert gpu.driver_gpus() == []
+
+
+@pytest.mark.parametrize(
+    "capability,archs,builds,refused",
+    [
+        (V100, TORCH_2_10_ARCHS, [("nvidia-dali-cuda130", 13)], "cannot run nvidia-dali-cuda130"),
+        (V100, TORCH_2_10_ARCHS, [("nvidia-dali-cuda120", 12)], None),
+        ((9, 0), CU130_ARCHS, [("nvidia-dali-cuda130", 13)], None),
+        ((7, 5), CU130_ARCHS, [("nvidia-dali-cuda130", 13)], None),
+        ((9, 0), CU130_ARCHS, [("nvidia-dali-cuda120", 12), ("nvidia-dali-cuda130", 13)], "2 DALI builds"),
+    ],
+)
+def test_capability_against_the_dali_build(monkeypatch, capability, archs, builds, refused):
+    """--loader dali: the installed DALI build must hold code for the GPU (CUDA 13's start at
+    sm_75), and only one may be installed; the torch loader never asks."""
+    chosen = fake_gpus(monkeypatch, 1, capability, archs)
+    monkeypatch.setattr(gpu, "dali_builds", lambda: builds)
+    if refused:
+        with pytest.raises(ConfigError, match=f"^--loader dali: .*{refused}") as err:
+            pick_device("cuda", 0, Config(loader="dali"))
+        assert "\n" not in str(err.value) and chosen == []
+    else:
+        assert pick_device("cuda", 0, Config(loader="dali")) == torch.device("cuda", 0)
+    assert pick_device("cuda", 0, Config(loader="torch")) == torch.device("cuda", 0)
+
+
+def test_capability_dali_builds_read_from_the_package_metadata(monkeypatch):
+    class Dist:
+        def __init__(self, name):
+            self.metadata = {"Name": name}
+
+    names = ["torch", "nvidia_dali_cuda130", "nvidia-dali-cuda120", "nvidia-dali-tf-plugin-cuda120"]
+    monkeypatch.setattr(gpu.importlib.metadata, "distributions", lambda: [Dist(n) for n in names])
+    assert gpu.dali_builds() == [("nvidia-dali-cuda120", 12), ("nvidia-dali-cuda130", 13)]
+
+
+@pytest.mark.parametrize("capability,refused", [(V100, True), ((7, 5), True), ((8, 0), False), ((9, 0), False)])
+def test_capability_below_8_0_refuses_compress_bf16(monkeypatch, capability, refused):
+    fake_gpus(monkeypatch, 1, capability, TORCH_2_10_ARCHS)
+    if refused:
+        with pytest.raises(ConfigError, match=r"^--compress bf16: GPU 0 .* has no bf16 arithmetic .* --compress fp16$"):
+            pick_device("cuda", 0, Config(compress="bf16"))
+    else:
+        assert pick_device("cuda", 0, Config(compress="bf16")) == torch.device("cuda", 0)
+    assert pick_device("cuda", 0, Config(compress="fp16")) == torch.device("cuda", 0)
