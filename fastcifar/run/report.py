@@ -210,13 +210,16 @@ def provenance(cfg, device: torch.device) -> dict:
 
 def device_info(device: torch.device, world_size: int) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return {
+    info = {
         "type": device.type,
         "name": name,
         "world_size": world_size,
         "cpu_threads": torch.get_num_threads(),
         "host": platform.node(),
     }
+    if device.type == "cuda":  # what the dtype policy and the kernels' tiles follow (core.gpu)
+        info["capability"] = "{}.{}".format(*torch.cuda.get_device_capability(device))
+    return info
 
 
 @dataclass
@@ -460,6 +463,8 @@ class RunLog:
     def _header(self, meta: dict) -> None:
         dev = meta["device"]
         name = "" if dev["name"] in ("", dev["type"]) else f" {dev['name']}"
+        if dev.get("capability"):
+            name += f" (compute capability {dev['capability']})"
         self.line(
             f"fastcifar {meta['versions']['fastcifar'] or '(source)'} | preset {self.cfg.preset} | "
             f"{dev['type']}{name} x{dev['world_size']} | torch {meta['versions']['torch']}"

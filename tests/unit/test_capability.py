@@ -5,6 +5,7 @@ list are mocked (tests/helpers/gpus.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,9 +18,12 @@ import pytest
 import torch
 from gpus import CU130_ARCHS, TORCH_2_10_ARCHS, fake_gpus
 
+from fastcifar import train as trainer
 from fastcifar.core import gpu
-from fastcifar.core.config import Config, ConfigError
-from fastcifar.parallel.distributed import pick_device
+from fastcifar.core.config import Config, ConfigError, from_preset, validate
+from fastcifar.parallel.distributed import DistContext, pick_device
+from fastcifar.run import optim
+from fastcifar.run.optim import NS_COEFFICIENTS, newton_schulz
 
 ROOT = Path(__file__).resolve().parents[2]
 V100 = (7, 0)
@@ -195,3 +199,104 @@ def test_capability_below_8_0_refuses_compress_bf16(monkeypatch, capability, ref
     else:
         assert pick_device("cuda", 0, Config(compress="bf16")) == torch.device("cuda", 0)
     assert pick_device("cuda", 0, Config(compress="fp16")) == torch.device("cuda", 0)
+
+
+# --- the dtype policy -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "capability,dtype",
+    [(V100, torch.float16), ((7, 5), torch.float16), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)]
+    + [((12, 0), torch.bfloat16)],
+)
+def test_capability_decides_the_newton_schulz_dtype(monkeypatch, capability, dtype):
+    fake_gpus(monkeypatch, 1, capability, TORCH_2_10_ARCHS)
+    assert gpu.newton_schulz_dtype(torch.device("cuda", 0)) == dtype
+    assert gpu.newton_schulz_dtype(torch.device("cpu")) == torch.float32
+
+
+def cast_first(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """newton_schulz as it was before the policy: cast to ``dtype``, then scale to unit norm in it."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.unsqueeze(0).to(dtype)
+    x = x / (torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        gram = torch.bmm(x, x.mT)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x[0]
+
+
+def test_capability_below_8_0_runs_fp16_newton_schulz_closer_to_fp32_than_bf16():
+    """The choice below 8.0 (no bf16 tensor cores): fp16 with the norm scaling before the cast stays
+    within the bf16 path's distance of the fp32 iteration (about 10x closer: 10 mantissa bits to 7)
+    at every scale of gradient-like updates (low rank + noise, filter-shaped); fp16 cast first, as
+    the code did, loses the whole update once the norm passes fp16's 65504 (distance 1: all zeros)
+    and much of it at tiny scales (fp16's subnormals: 0.16 at 1e-6). fp32 would be closer still,
+    at an eighth of a V100's tensor-core rate."""
+    torch.manual_seed(0)
+    rows, worst = [], {}
+    for shape in [(64, 216), (256, 576)]:  # wide filters as Muon flattens them (out x in*3*3)
+        for scale in (1e-6, 1.0, 1e2, 1e3):  # mean |entry|: summed-loss gradients span these
+            g = torch.randn(shape[0], 8) @ torch.randn(8, shape[1]) + 0.1 * torch.randn(shape)
+            g = g * scale / g.abs().mean()
+            ref = newton_schulz(g, 3, dtype=torch.float32)
+            d = {
+                "bf16": newton_schulz(g, 3, dtype=torch.bfloat16),
+                "fp16": newton_schulz(g, 3, dtype=torch.float16),
+                "fp16 cast first": cast_first(g, 3, torch.float16),
+            }
+            d = {k: float((v.float() - ref).norm() / ref.norm()) for k, v in d.items()}
+            rows.append(f"{shape} x{scale:g}: " + ", ".join(f"{k} {v:.2e}" for k, v in d.items()))
+            for k, v in d.items():
+                worst[k] = max(worst.get(k, 0.0), v)
+            assert d["fp16"] <= d["bf16"], "\n".join(rows)
+    table = "\n".join(rows)
+    print("relative distance to the fp32 iteration:\n" + table)
+    assert worst["fp16"] < 0.01 < worst["bf16"], table
+    assert worst["fp16 cast first"] == pytest.approx(1.0), table  # why the scaling comes first
+
+
+def test_capability_8_0_and_up_keep_the_cast_first_bf16_iteration():
+    """Hopper's (and Ampere's) Newton-Schulz is what it was: bf16, cast then scaled, bit for bit."""
+    g = torch.randn(3, 32, 72, generator=torch.Generator().manual_seed(3))
+    for k in range(3):
+        assert torch.equal(newton_schulz(g[k], 3, dtype=torch.bfloat16), cast_first(g[k], 3, torch.bfloat16))
+
+
+@pytest.mark.slow
+def test_capability_7_0_under_torch_2_10_trains_with_fp16_newton_schulz(monkeypatch, tmp_path, learnable_data):
+    """A V100 under torch 2.10's arch list: the preflight passes and the policy gives fp16; a short
+    CPU run of the Muon preset with that policy (the only thing here a V100 would change) takes fp16
+    Newton-Schulz steps, learns, and logs the choice with the run's engine."""
+    with monkeypatch.context() as m:
+        fake_gpus(m, 8, V100, TORCH_2_10_ARCHS)
+        assert pick_device("cuda", 0, Config()) == torch.device("cuda", 0)
+        v100 = gpu.newton_schulz_dtype(torch.device("cuda", 0))
+    assert v100 == torch.float16
+    monkeypatch.setattr(gpu, "newton_schulz_dtype", lambda device: v100)
+    seen = []
+
+    def spy(g, steps=3, eps=1e-7, dtype=None):
+        seen.append(dtype)
+        return real(g, steps, eps, dtype)
+
+    real = optim.newton_schulz
+    monkeypatch.setattr(optim, "newton_schulz", spy)
+    cfg = from_preset("fast-muon", widths=(8, 16, 16), data=str(learnable_data), batch_size=100, epochs=2)
+    cfg = dataclasses.replace(
+        cfg,
+        device="cpu",
+        loader="torch",
+        kernels="torch",
+        cuda_graphs="off",
+        eval_batch_size=200,
+        warmup_steps=1,
+        whiten_bias_epochs=1,
+        out_dir=str(tmp_path / "runs"),
+    )
+    validate(cfg)
+    (result,) = trainer.train(cfg, DistContext(0, 1, 0, torch.device("cpu"), None))
+    assert seen and set(seen) == {torch.float16}
+    assert result.epochs[-1].test_acc > 60.0, [e.test_acc for e in result.epochs]  # 10 classes: chance is 10%
+    (summary,) = (tmp_path / "runs").glob("*/summary.json")
+    assert json.loads(summary.read_text())["engine"]["newton-schulz"] == "float16"
