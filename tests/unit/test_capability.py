@@ -300,3 +300,66 @@ def test_capability_7_0_under_torch_2_10_trains_with_fp16_newton_schulz(monkeypa
     assert result.epochs[-1].test_acc > 60.0, [e.test_acc for e in result.epochs]  # 10 classes: chance is 10%
     (summary,) = (tmp_path / "runs").glob("*/summary.json")
     assert json.loads(summary.read_text())["engine"]["newton-schulz"] == "float16"
+
+
+# --- kernels by generation ------------------------------------------------------------------------
+
+
+def test_capability_below_8_0_gives_the_fused_conv_its_small_tiles(monkeypatch):
+    """Volta and Turing: tl.dot has no mma there, and the 128 x 64 x 32 tiles spilled; every dtype
+    takes the 64 x 32 x 16 tiles on 4 warps (tests/kernels/test_kernel_compile.py compiles them)."""
+    cs = pytest.importorskip("fastcifar.kernels.conv_stats")
+    for capability in (V100, (7, 5)):
+        fake_gpus(monkeypatch, 1, capability, TORCH_2_10_ARCHS)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            assert cs.launch_for(dtype, torch.device("cuda", 0)) == cs.ConvLaunch(64, 32, 16, 4, 1, 8)
+
+
+def test_capability_sm_count_sizes_the_conv_grid(monkeypatch):
+    """8 programs per SM: asked of the device once (a V100's 80 SMs, mocked), and the launcher's
+    grid is the one that count gives, not an H100's."""
+    cs = pytest.importorskip("fastcifar.kernels.conv_stats")
+    calls = []
+    fake_gpus(monkeypatch, 2, V100, TORCH_2_10_ARCHS, sms=80)
+    props = torch.cuda.get_device_properties
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: calls.append(device) or props(device))
+    assert [gpu.sm_count(torch.device("cuda", 1)) for _ in range(3)] == [80] * 3 and calls == [1]
+    assert gpu.sm_count(torch.device("cpu")) == gpu.DEFAULT_SMS == 132
+
+    grids = []
+
+    class Kernel:  # records the grid instead of launching
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(cs, "_conv_stats_kernel", Kernel())
+    monkeypatch.setattr(cs.gpu, "sm_count", lambda device: 80)
+    x = torch.zeros(2000, 64, 15, 15, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    w = torch.zeros(256, 64, 3, 3, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    cs.conv_stats_forward(x, w, True, "before")
+    rows = 2000 * 7 * 7  # the default preset's third conv, pooled before its batchnorm
+    at = {sms: cs.conv_tiling(64, 256, rows, True, cs.LAUNCH, sms) for sms in (80, 132)}
+    assert at[80].chunks != at[132].chunks  # the count matters at this shape
+    assert grids == [(at[80].n_blocks, at[80].chunks)]
+
+
+def test_capability_9_0_keeps_the_hopper_choices(monkeypatch):
+    """Hopper (an H100 or H200: 9.0, 132 SMs) under the cu130 torch: what it ran before issue 69,
+    unchanged. The preflight passes (also --compress bf16), Newton-Schulz is bf16 (cast first:
+    test_capability_8_0_and_up_keep_the_cast_first_bf16_iteration), the fused conv keeps its tiles
+    and 1056 programs, Triton kernels and CUDA graphs stay the default engines."""
+    cs = pytest.importorskip("fastcifar.kernels.conv_stats")
+    from fastcifar.models.blocks import resolve_kernels
+    from fastcifar.run import graphs
+
+    fake_gpus(monkeypatch, 1, (9, 0), CU130_ARCHS, sms=132)
+    h100 = pick_device("auto", 0, Config(compress="bf16"))
+    assert h100 == torch.device("cuda", 0)
+    assert gpu.newton_schulz_dtype(h100) == torch.bfloat16
+    assert cs.launch_for(torch.float16, h100) == cs.launch_for(torch.bfloat16, h100) == (128, 64, 32, 8, 2, 8)
+    assert cs.launch_for(torch.float32, h100) == (64, 32, 16, 4, 1, 8)
+    # the grid of 8 x 132 = 1056 programs the conv was written for
+    tiling = cs.conv_tiling(256, 256, 2000 * 7 * 7, False, cs.LAUNCH, gpu.sm_count(h100))
+    assert tiling.tiles_per_prog == -(-tiling.num_tiles // (1056 // tiling.n_blocks))
+    assert resolve_kernels("auto", h100) == "triton" and graphs.resolve("auto", h100) == (True, "")
