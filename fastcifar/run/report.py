@@ -33,6 +33,7 @@ import torch
 
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import ConfigError, training_settings
+from fastcifar.core.gpu import dali_builds
 from fastcifar.core.stats import p_above
 
 TIMING_PROTOCOL = (
@@ -155,7 +156,7 @@ def versions() -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "triton": version_of("triton"),
         "numpy": version_of("numpy"),
-        "dali": version_of("nvidia-dali-cuda130"),
+        "dali": next((version_of(name) for name, _ in dali_builds()), None),  # the cuda130 or cuda120 build
         "fastcifar": version_of("fastcifar"),
     }
 

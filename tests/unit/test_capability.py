@@ -363,3 +363,25 @@ def test_capability_9_0_keeps_the_hopper_choices(monkeypatch):
     tiling = cs.conv_tiling(256, 256, 2000 * 7 * 7, False, cs.LAUNCH, gpu.sm_count(h100))
     assert tiling.tiles_per_prog == -(-tiling.num_tiles // (1056 // tiling.n_blocks))
     assert resolve_kernels("auto", h100) == "triton" and graphs.resolve("auto", h100) == (True, "")
+
+
+# --- the install lines ----------------------------------------------------------------------------
+
+
+def test_capability_install_lines_are_the_readmes_and_pyprojects():
+    """The line the preflight names for each generation is in README's Install table, its extra is
+    in pyproject.toml, and no DALI build is a required dependency (the Volta line needs the CUDA 12
+    one, the default the CUDA 13 one: both in one install write the same files)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Install") : readme.index("## Quick start")]
+    for _, _, command in gpu.INSTALLS:
+        assert command.replace("pip", ".venv/bin/pip", 1) in table, command
+        extra = command.split("[")[1].split("]")[0]
+        assert extra in project["optional-dependencies"], extra
+    assert not [d for d in project["dependencies"] if d.startswith("nvidia-dali")]
+    volta = project["optional-dependencies"]["volta"]
+    assert any(d.startswith("torch>=2.10,<2.11") for d in volta) and any("nvidia-dali-cuda120" in d for d in volta)
+    assert gpu.install_line(V100) == ("Volta (V100)", VOLTA_LINE) and gpu.install_line((6, 1)) is None
+    assert gpu.install_line((12, 0))[1] == "pip install -e '.[dali]'"
