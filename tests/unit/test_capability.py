@@ -385,3 +385,16 @@ def test_capability_install_lines_are_the_readmes_and_pyprojects():
     assert any(d.startswith("torch>=2.10,<2.11") for d in volta) and any("nvidia-dali-cuda120" in d for d in volta)
     assert gpu.install_line(V100) == ("Volta (V100)", VOLTA_LINE) and gpu.install_line((6, 1)) is None
     assert gpu.install_line((12, 0))[1] == "pip install -e '.[dali]'"
+
+
+def test_capability_checked_before_a_model_file_goes_to_the_gpu(monkeypatch):
+    """evaluate, predict and the API load a model file onto --device cuda through one function: the
+    same preflight refuses a V100 under the cu130 torch there, before the file's contents matter."""
+    from fastcifar.models.files import network_from_weights
+
+    fake_gpus(monkeypatch, 1, V100, CU130_ARCHS)
+    with pytest.raises(ConfigError, match=r"^GPU 0 \(Tesla V100-SXM2-16GB, compute capability 7\.0\) cannot run torch"):
+        network_from_weights({}, {}, "model.safetensors", "cuda:0")
+    fake_gpus(monkeypatch, 0)
+    with pytest.raises(ConfigError, match="^--device cuda was asked for, but PyTorch sees no CUDA GPU"):
+        network_from_weights({}, {}, "model.safetensors", "cuda")
