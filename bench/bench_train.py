@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     ctx = None
     try:
-        ctx = distributed.setup(cfgs[0].device, cfgs[0].dist_timeout_s)
+        ctx = distributed.setup(cfgs[0].device, cfgs[0].dist_timeout_s, settings=cfgs[0])
         for cfg in cfgs:
             validate(cfg, ctx.world_size)
         measured = []

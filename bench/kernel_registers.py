@@ -1,12 +1,13 @@
 """Registers, spills and shared memory of every kernel variant the launchers produce at the presets'
-shapes (and odd ones), compiled for a real GPU (sm_80, sm_90) on a machine without one.
+shapes (and odd ones), compiled for a real GPU (sm_70 to sm_90) on a machine without one.
 
-    python bench/kernel_registers.py --set ci --arch 80,90   # the CI subset (tests/kernels/test_kernel_compile.py)
+    python bench/kernel_registers.py --set ci --arch 70,75,80,90   # CI's (tests/kernels/test_kernel_compile.py)
     python bench/kernel_registers.py --set full --arch 80,90 --out bench/results/kernel_registers
 
 The launchers are called on CPU tensors of the shapes below with each kernel's ``run`` replaced by
 a recorder (``fastcifar.kernels.aot``), so what is compiled is exactly what a launcher would
-launch. Needs the real compiler: run with ``TRITON_INTERPRET`` unset.
+launch on a GPU of that capability (the fused conv takes smaller tiles below sm_80). Needs the
+real compiler: run with ``TRITON_INTERPRET`` unset.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ def summary(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--set", default="ci", choices=("ci", "presets", "full"), help="which launcher calls (see calls())")
-    p.add_argument("--arch", default="80,90", help="compute capabilities, comma-separated")
+    p.add_argument("--arch", default=",".join(map(str, aot.ARCHS)), help="compute capabilities, comma-separated")
     p.add_argument("--out", default="", help="write OUT.md (table) and OUT.jsonl (one row per variant)")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
     args = p.parse_args(argv)

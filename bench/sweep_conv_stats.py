@@ -52,7 +52,7 @@ from bench.common import (
 from fastcifar.kernels import conv_stats as cs
 
 C = cs.ConvLaunch
-PROGRAMS = cs.LAUNCH.programs
+PROGRAMS = cs.LAUNCH.programs_per_sm
 # name: (output pixels per tile, output channels, input channels per K step, warps, pipeline stages);
 # "base" is the module's own LAUNCH. m256 gives the pooled variant 64-row accumulators, the least
 # Hopper's warpgroup MMA takes (the base's are 32).

@@ -60,7 +60,7 @@ def train(config: Config) -> list[TrainedRun]:
     from fastcifar.run import report
 
     signals.new_run()  # no handlers here, but the end must be unclaimed for this run's watchdog
-    ctx = distributed.setup(config.device, config.dist_timeout_s, config.dist_group)
+    ctx = distributed.setup(config.device, config.dist_timeout_s, config.dist_group, settings=config)
     try:
         results = trainer.run(config, ctx)
     except (ConfigError, DataError) as exc:  # as the command line does: the run folder says why it stopped

@@ -32,7 +32,7 @@ import time
 import torch
 
 from fastcifar import cli
-from fastcifar.core import signals
+from fastcifar.core import gpu, signals
 from fastcifar.core.config import Config, ConfigError, check_run_length, parse_command_line, validate
 from fastcifar.data import DataError, load_dataset, shard_indices
 from fastcifar.data.dali import dali_decoder, make_train_loader, resolve_loader
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
     # blocked in a collective (signals.py: a watcher thread then records the stop and ends the process)
     previous = signals.install(on_blocked=record_stop)
     try:
-        ctx = distributed.setup(cfg.device, cfg.dist_timeout_s, cfg.dist_group)
+        ctx = distributed.setup(cfg.device, cfg.dist_timeout_s, cfg.dist_group, settings=cfg)
         # The first collective, right after the group forms: ranks launched with different command
         # lines stop here, before any file is read (a checkpoint, the data).
         distributed.check_same(distributed.config_digest(cfg), "config", ctx)
@@ -234,6 +234,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     }
     if cfg.fused_conv:
         engine["conv"] = "fused with the batchnorm statistics"
+    if cfg.optimizer == "muon":  # its precision follows the GPU's compute capability (core.gpu)
+        engine["newton-schulz"] = str(gpu.newton_schulz_dtype(ctx.device)).removeprefix("torch.")
     if ctx.distributed:
         engine["comm"] = cfg.comm
     # the class names once, as "classes" (the header shows a few; log.txt and summary.json all)

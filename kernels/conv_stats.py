@@ -52,11 +52,14 @@ differ from it in the last bit now and then (the tests' tolerance), and a 2x2 wi
 values are that close may pick the other argmax: either is a correct subgradient (the normalize
 kernel's tests exempt such windows on the GPU the same way).
 
-Block sizes: 128 x 64 x 32 (M x N x K) on 8 warps, 2 stages, 1056 programs in all (8 per SM of an
-H100's 132, as a count of programs: at 70-172 registers a thread one to three fit on an SM at a
-time, so they run in waves). With one accumulator reshaped into windows, or on 4 warps, the pooled
-variant needed 255 registers a thread and spilled on sm_80 and sm_90 (ptxas, compiled on the CPU;
-bench/results/kernel_registers.md has the rows); fp32 has smaller tiles (``LAUNCH_FP32``). Nothing
+Block sizes: 128 x 64 x 32 (M x N x K) on 8 warps, 2 stages, 8 programs per SM of the device in
+all (1056 on an H100's 132 SMs, 864 on an A100's 108; ``core.gpu.sm_count``, asked once per device:
+at 70-172 registers a thread one to three fit on an SM at a time, so they run in waves). With one
+accumulator reshaped into windows, or on 4 warps, the pooled variant needed 255 registers a thread
+and spilled on sm_80 and sm_90 (ptxas, compiled on the CPU; bench/results/kernel_registers.md has
+the rows); fp32 has smaller tiles (``LAUNCH_FP32``), and so has every dtype below capability 8.0
+(``launch_for``: Volta and Turing have no mma that Triton's ``tl.dot`` uses, it becomes FMAs, and
+the 128 x 64 x 32 tiles spilled 204-612 B at 255 registers on sm_70 and sm_75). Nothing
 here is tuned on a GPU yet (issue 50): ``bench/bench_conv_stats.py`` times the kernel against cuDNN
 + the normalize block at the default preset's shapes. A likely limit to look at there: the pooled
 variant's 32-row accumulators are below the 64 rows Hopper's wgmma instructions take, so it
@@ -71,6 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastcifar.core import gpu
 from fastcifar.ops.norm_act_pool import ConvBlock
 
 from .bn_act_pool import (
@@ -91,15 +95,18 @@ class ConvLaunch(NamedTuple):
     block_k: int  # input channels per step of the K loop, at most
     warps: int
     stages: int
-    programs: int  # programs in all, over the channel blocks (each walks consecutive M tiles)
+    programs_per_sm: (
+        int  # programs in all per SM of the device, over the channel blocks (each walks consecutive M tiles)
+    )
 
 
-LAUNCH = ConvLaunch(128, 64, 32, 8, 2, 8 * 132)  # fp16 and bf16
+LAUNCH = ConvLaunch(128, 64, 32, 8, 2, 8)  # fp16 and bf16 from capability 8.0
 # fp32 (tests, --precision fp32): twice the registers per accumulated element; fp16's tiles spilled
 # (255 registers a thread on sm_80 and sm_90 in the pooled variant), and so did 64 x 64 x 16 and
 # 8-warp 64 x 32 x 16 at some shapes (4-24 bytes); these compile without spills at the default
 # preset's and the odd shapes (bench/kernel_registers.py's DEFAULT_CONVS, ODD_CONVS) on both
-LAUNCH_FP32 = ConvLaunch(64, 32, 16, 4, 1, 8 * 132)
+LAUNCH_FP32 = ConvLaunch(64, 32, 16, 4, 1, 8)
+AMPERE = (8, 0)  # from here tl.dot runs on mma tensor-core instructions; below, every dtype takes LAUNCH_FP32's tiles
 DOT_MIN = 16  # tl.dot's smallest tile side
 
 
@@ -264,8 +271,14 @@ def _check_filter(x: torch.Tensor, weight: torch.Tensor) -> int:
     return kh
 
 
-def launch_for(dtype: torch.dtype) -> ConvLaunch:
-    return LAUNCH_FP32 if dtype == torch.float32 else LAUNCH
+def launch_for(dtype: torch.dtype, device: torch.device | None = None) -> ConvLaunch:
+    """The tiles for ``dtype`` on ``device``: LAUNCH_FP32's for fp32, and for every dtype below
+    capability 8.0 (the 64 x 32 x 16 tiles compile for sm_70 and sm_75 without spills); LAUNCH's
+    otherwise, and where the capability is unknown (CPU tensors: the interpreter)."""
+    capability = gpu.capability(device) if device is not None else None
+    if dtype == torch.float32 or (capability is not None and capability < AMPERE):
+        return LAUNCH_FP32
+    return LAUNCH
 
 
 class ConvTiling(NamedTuple):
@@ -278,13 +291,16 @@ class ConvTiling(NamedTuple):
     rows_per_prog: int  # output rows a chunk covers (``Partials.rows_per_prog``)
 
 
-def conv_tiling(c_in: int, c_out: int, rows: int, pool: bool, launch: ConvLaunch) -> ConvTiling:
+def conv_tiling(
+    c_in: int, c_out: int, rows: int, pool: bool, launch: ConvLaunch, sms: int = gpu.DEFAULT_SMS
+) -> ConvTiling:
+    """The grid and tiles of one conv on a device of ``sms`` SMs."""
     block_n = max(DOT_MIN, min(launch.block_n, triton.next_power_of_2(c_out)))
     block_k = max(DOT_MIN, min(launch.block_k, triton.next_power_of_2(c_in)))
     n_blocks = triton.cdiv(c_out, block_n)
     tile_rows = launch.block_m // 4 if pool else launch.block_m
     num_tiles = triton.cdiv(rows, tile_rows)
-    tiles_per_prog = triton.cdiv(num_tiles, max(1, launch.programs // n_blocks))
+    tiles_per_prog = triton.cdiv(num_tiles, max(1, launch.programs_per_sm * sms // n_blocks))
     return ConvTiling(
         block_n,
         block_k,
@@ -315,9 +331,9 @@ def conv_stats_forward(x: torch.Tensor, weight: torch.Tensor, training: bool, po
     rows = n * ho * wo
     if training and rows < 2:
         raise ValueError(f"expected more than 1 value per channel when training, got input of shape {tuple(x.shape)}")
-    launch = launch_for(x.dtype)
-    tiling = conv_tiling(c_in, c_out, rows, pooled, launch)
     dev = x.device
+    launch = launch_for(x.dtype, dev)
+    tiling = conv_tiling(c_in, c_out, rows, pooled, launch, gpu.sm_count(dev))
     out = _empty((n, c_out, ho, wo), x.dtype, dev, channels_last=True)
     idx = _empty((n, c_out, ho, wo), torch.int8, dev, channels_last=True) if pooled else None
     partials = None

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args([*trainer_flags, "--runs", "1", "--out-dir", str(out / "logs")])
     ctx = None
     try:
-        ctx = distributed.setup(cfg.device, cfg.dist_timeout_s)
+        ctx = distributed.setup(cfg.device, cfg.dist_timeout_s, settings=cfg)
         validate(cfg, ctx.world_size)
         out.mkdir(parents=True, exist_ok=True)
         trace = out / (f"trace-rank{ctx.rank}.json" if ctx.distributed else "trace.json")

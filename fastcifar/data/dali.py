@@ -94,7 +94,8 @@ def resolve_loader(requested: str, device: torch.device | str) -> tuple[str, str
         if not ok:
             raise DaliUnavailableError(
                 f"--loader dali: NVIDIA DALI cannot be imported ({why}); "
-                f"install nvidia-dali-cuda130 or use --loader torch"
+                "install it with the extra README's Install table gives for your GPU ('.[dali]', on a V100 "
+                "'.[volta]') or use --loader torch"
             )
         return "dali", None
     choice = AUTO_LOADER[torch.device(device).type]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from fastcifar.core import atomic
+from fastcifar.core import atomic, gpu
 from fastcifar.core.config import Config, ConfigError, check_fields
 from fastcifar.core.errors import DataError
 from fastcifar.core.readfile import check_regular, why
@@ -213,6 +213,9 @@ def network_from_weights(
     from fastcifar.models.network import make_network
 
     device = torch.device(device)
+    if device.type == "cuda":  # evaluate, predict, the API: the trainer's preflight before any CUDA work (core.gpu)
+        gpu.cuda_or_cpu("cuda")
+        gpu.preflight(device.index if device.index is not None else torch.cuda.current_device())
     info = model_info(meta, source)
     try:
         model = make_network(info.config, norm_blocks("auto", device), len(info.classes))

@@ -34,7 +34,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from fastcifar.core import signals
+from fastcifar.core import gpu, signals
 from fastcifar.core.config import ConfigError
 from fastcifar.core.errors import DataError
 
@@ -62,15 +62,20 @@ class DistContext:
 SHARE_GPU = "FASTCIFAR_SHARE_GPU"
 
 
-def pick_device(requested: str, local_rank: int, own_gpus: bool = False) -> torch.device:
-    """This rank's device: GPU ``local_rank`` of those visible (torchrun: every rank of a node sees
-    all its GPUs). ``own_gpus`` (srun started this process): a rank that sees fewer GPUs than its
-    local rank + 1 sees only its own (``srun --gpus-per-task 1`` leaves one in
-    CUDA_VISIBLE_DEVICES) and takes the first."""
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+def pick_device(requested: str, local_rank: int, settings=None, own_gpus: bool = False) -> torch.device:
+    """This rank's device, after ``core.gpu``'s preflight: torch must have code for the GPU, and
+    ``settings`` (the run's Config, when given) a --loader and --compress the GPU can run. The one
+    place a device is picked, before any CUDA work. GPU ``local_rank`` of those visible (torchrun:
+    every rank of a node sees all its GPUs); ``own_gpus`` (srun started this process): a rank that
+    sees fewer GPUs than its local rank + 1 sees only its own (``srun --gpus-per-task 1`` leaves one
+    in CUDA_VISIBLE_DEVICES) and takes the first."""
+    if requested == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for, but PyTorch sees no CUDA GPU")
+    use_cuda, notice = gpu.cuda_or_cpu(requested)  # --device cuda without CUDA: refused here
+    if not use_cuda:
+        if notice and local_rank == 0:  # one line per machine, before the run says it trains on the CPU
+            print(f"fastcifar: {notice}", file=sys.stderr, flush=True)
+        return torch.device("cpu")
     count = torch.cuda.device_count()
     share = os.environ.get(SHARE_GPU, "0")
     if share not in ("0", "1"):
@@ -84,6 +89,11 @@ def pick_device(requested: str, local_rank: int, own_gpus: bool = False) -> torc
         )
     else:
         index = local_rank % count
+    gpu.preflight(
+        index,
+        loader=getattr(settings, "loader", "auto"),
+        compress=getattr(settings, "compress", "none"),
+    )
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -204,11 +214,12 @@ def slurm_environment(environ) -> dict[str, str]:
     return mapped
 
 
-def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto") -> DistContext:
+def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto", settings=None) -> DistContext:
     """Read torchrun's environment, pick this rank's device and join the process group: with several
     ranks, or also alone with ``group="always"`` (``--dist-group always``), so that one rank builds
     the gradient buckets, runs their comm stream and captures their collectives as several do.
-    A process that ``srun`` started gets torchrun's variables from Slurm's first (``slurm_environment``)."""
+    A process that ``srun`` started gets torchrun's variables from Slurm's first (``slurm_environment``).
+    ``settings``: the run's Config, whose --loader and --compress the preflight checks against the GPU."""
     slurm = slurm_environment(os.environ)
     os.environ.update(slurm)  # where init_process_group's env:// rendezvous and the logs read them
     try:
@@ -217,7 +228,7 @@ def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto") 
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError as exc:
         raise ConfigError(f"bad torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {exc}") from None
-    device = pick_device(requested_device, local_rank, own_gpus=bool(slurm))
+    device = pick_device(requested_device, local_rank, settings, own_gpus=bool(slurm))
     _data_step.done = False  # a new run: its data step is ahead (announce_stop)
     if world_size == 1 and group != "always":
         return DistContext(0, 1, 0, device, None)

@@ -143,8 +143,13 @@ def newton_schulz(g: torch.Tensor, steps: int = 3, eps: float = 1e-7, dtype: tor
 
     ``g`` is first scaled to unit Frobenius norm, so every singular value starts in (0, 1]; each
     iteration maps x -> a x + b x^3 + c x^5 on the singular values (as X X^T products on the
-    shorter side). ``dtype``: the iteration's precision (bfloat16 on CUDA: matmuls at tensor-core
-    rate; the result is an update direction, 3 significant digits suffice); default ``g``'s.
+    shorter side). ``dtype``: the iteration's precision (``core.gpu.newton_schulz_dtype``: bfloat16
+    from capability 8.0, matmuls at tensor-core rate, the result an update direction that 3
+    significant digits suffice for; float16 below); default ``g``'s. bfloat16 has fp32's range, so
+    ``g`` is cast first and scaled in it (what Ampere and Hopper run); float16's range ends at 65504,
+    which the norm of a 256 x 576 update of mean |entry| 1000 passes (256 x 2304: from 100), and the
+    cast-first fp16 result was then all zeros (tests/unit/test_capability.py), so for it the scaling
+    comes first, with the norm taken in fp32.
 
     Each iteration is three products, the scalar terms riding in two of them as ``baddbmm``'s
     beta x input (one rounding each instead of separate multiplies and adds): the default's 6
@@ -152,8 +157,12 @@ def newton_schulz(g: torch.Tensor, steps: int = 3, eps: float = 1e-7, dtype: tor
     an H100 (bench/results/visits/visit-12.md, 12d)."""
     a, b, c = NS_COEFFICIENTS
     stack = g.dim() == 3
-    x = (g if stack else g.unsqueeze(0)).to(dtype or g.dtype)
-    x = x / (torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True) + eps)
+    x = g if stack else g.unsqueeze(0)
+    if (dtype or g.dtype) == torch.float16:
+        x = (x / (torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True, dtype=torch.float32) + eps)).half()
+    else:
+        x = x.to(dtype or g.dtype)
+        x = x / (torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True) + eps)
     wide = x.shape[1] <= x.shape[2]
     if not wide:
         x = x.mT  # X X^T on the shorter side: the cheaper product

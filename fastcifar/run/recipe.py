@@ -24,6 +24,7 @@ import math
 import torch
 from torch import nn
 
+from fastcifar.core import gpu
 from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.models.network import norm_layers
 from fastcifar.run.averaging import Lookahead
@@ -61,8 +62,9 @@ def param_groups(model: nn.Module, cfg, per_rank_batch: int) -> list[dict]:
 
 def make_optimizer(model: nn.Module, cfg, per_rank_batch: int, peak: float, ctx=None):
     """``NesterovSGD`` over ``param_groups`` or, with ``--optimizer muon``, ``MuonSGD``: Muon on
-    the filters at ``muon_lr`` x (the scheduled rate / ``peak``), bfloat16 Newton-Schulz on CUDA
-    (fp32 on the CPU, where bfloat16 matmuls are slow and the tests compare ranks at fp32)."""
+    the filters at ``muon_lr`` x (the scheduled rate / ``peak``), Newton-Schulz in the device's
+    precision (``core.gpu.newton_schulz_dtype``: bfloat16 from capability 8.0, float16 below, fp32
+    on the CPU)."""
     groups = param_groups(model, cfg, per_rank_batch)
     filters = [g for g in groups if g["name"] == "filters"]
     # no weight_decay argument: every group of param_groups carries its own
@@ -83,7 +85,7 @@ def make_optimizer(model: nn.Module, cfg, per_rank_batch: int, peak: float, ctx=
         cfg.muon_lr / peak,
         momentum=cfg.muon_momentum,
         ns_steps=cfg.muon_ns_steps,
-        ns_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        ns_dtype=gpu.newton_schulz_dtype(device),
         shard=shard,
         reduce=reduce,
     )

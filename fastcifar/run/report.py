@@ -33,6 +33,7 @@ import torch
 
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import ConfigError, training_settings
+from fastcifar.core.gpu import dali_builds
 from fastcifar.core.stats import p_above
 
 TIMING_PROTOCOL = (
@@ -155,7 +156,7 @@ def versions() -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "triton": version_of("triton"),
         "numpy": version_of("numpy"),
-        "dali": version_of("nvidia-dali-cuda130"),
+        "dali": next((version_of(name) for name, _ in dali_builds()), None),  # the cuda130 or cuda120 build
         "fastcifar": version_of("fastcifar"),
     }
 
@@ -210,13 +211,16 @@ def provenance(cfg, device: torch.device) -> dict:
 
 def device_info(device: torch.device, world_size: int) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return {
+    info = {
         "type": device.type,
         "name": name,
         "world_size": world_size,
         "cpu_threads": torch.get_num_threads(),
         "host": platform.node(),
     }
+    if device.type == "cuda":  # what the dtype policy and the kernels' tiles follow (core.gpu)
+        info["capability"] = "{}.{}".format(*torch.cuda.get_device_capability(device))
+    return info
 
 
 @dataclass
@@ -460,6 +464,8 @@ class RunLog:
     def _header(self, meta: dict) -> None:
         dev = meta["device"]
         name = "" if dev["name"] in ("", dev["type"]) else f" {dev['name']}"
+        if dev.get("capability"):
+            name += f" (compute capability {dev['capability']})"
         self.line(
             f"fastcifar {meta['versions']['fastcifar'] or '(source)'} | preset {self.cfg.preset} | "
             f"{dev['type']}{name} x{dev['world_size']} | torch {meta['versions']['torch']}"

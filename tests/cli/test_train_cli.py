@@ -11,12 +11,16 @@ from conftest import one_line_error, write_official
 
 from fastcifar.core.config import DEFAULT_PRESET, Config, build_parser, from_preset, parse_args
 from fastcifar.core.stats import p_above
+from fastcifar.data.dali import dali_available
 from fastcifar.run.report import EPOCH_HEADER, TSV_COLUMNS
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("loader", ["torch", "dali"])
+@pytest.mark.parametrize(
+    "loader",
+    ["torch", pytest.param("dali", marks=pytest.mark.skipif(not dali_available()[0], reason="DALI is not installed"))],
+)
 def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path, loader):
     out = tmp_path / "runs"
     proc = run_train(["--data", learnable_data, "--out-dir", out, *SHORT, "--loader", loader])

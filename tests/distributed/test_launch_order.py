@@ -194,7 +194,7 @@ def test_main_announces_a_ranks_own_error_only(monkeypatch, tmp_path):
 
     announced = []
     ctx = DistContext(0, 2, 0, CPU, "gloo")
-    monkeypatch.setattr(distributed, "setup", lambda *a: ctx)
+    monkeypatch.setattr(distributed, "setup", lambda *a, **kw: ctx)
     monkeypatch.setattr(distributed, "check_same", lambda *a: None)
     monkeypatch.setattr(distributed, "teardown", lambda c: True)
     monkeypatch.setattr(distributed, "announce_stop", lambda c, detail: announced.append((c.rank, detail)))

@@ -72,6 +72,7 @@ def test_slurm_task_with_one_visible_gpu_takes_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(distributed.gpu, "preflight", lambda *a, **k: None)  # no real GPU to ask: tested apart
     monkeypatch.delenv(distributed.SHARE_GPU, raising=False)
     assert pick_device("auto", 5, own_gpus=True) == torch.device("cuda", 0) and chosen == [0]
     with pytest.raises(ConfigError, match="local rank 5 has no GPU"):

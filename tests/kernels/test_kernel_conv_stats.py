@@ -121,12 +121,13 @@ def test_several_tiles_per_program_fold_their_statistics(monkeypatch, pool, dtyp
     mean and M2 into its own (Chan's formula); values far from 0 (mean 300 in fp32, 30 in fp16,
     spread about 1) check the folding does not lose the variance to cancellation."""
     for name in ("LAUNCH", "LAUNCH_FP32"):
-        monkeypatch.setattr(cs, name, getattr(cs, name)._replace(programs=2))
+        monkeypatch.setattr(cs, name, getattr(cs, name)._replace(programs_per_sm=1))
+    monkeypatch.setattr(cs.gpu, "sm_count", lambda device: 2)  # 2 programs in all
     side = 13
 
     def tiling(n):
         rows = n * (side // 2 if pool else side) ** 2
-        return cs.conv_tiling(4, 6, rows, pool is not None, cs.launch_for(dtype))[3:]
+        return cs.conv_tiling(4, 6, rows, pool is not None, cs.launch_for(dtype), sms=2)[3:]
 
     # the smallest batch where both programs walk several tiles and the last walks fewer
     n = next(n for n in range(1, 100) if tiling(n)[0] % tiling(n)[1] and tiling(n)[1] > 1 and tiling(n)[2] == 2)

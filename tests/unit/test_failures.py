@@ -43,7 +43,7 @@ def fake_group(monkeypatch, device: str) -> list[dict]:
     monkeypatch.setattr(
         distributed,
         "pick_device",
-        lambda requested, local_rank, **_: torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
+        lambda requested, local_rank, *_, **__: torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
     )
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
@@ -168,7 +168,7 @@ def test_main_ends_with_the_runs_status_when_the_teardown_hangs(tmp_path):
         "from fastcifar.parallel import distributed\n"
         "distributed.TEARDOWN_TIMEOUT_S = 0.5\n"
         "ctx = distributed.DistContext(0, 2, 0, torch.device('cpu'), 'gloo')\n"
-        "train.distributed.setup = lambda device, timeout, group: ctx\n"
+        "train.distributed.setup = lambda device, timeout, group, settings=None: ctx\n"
         "train.distributed.check_same = lambda *args, **kwargs: None\n"
         "def run(cfg, ctx):\n"
         "    raise signals.Interrupted(signal.SIGTERM)\n"
@@ -266,7 +266,7 @@ def test_the_end_stays_claimed_after_restore_and_a_new_api_run_unclaims_it(monke
     assert signals.claim_ending()
     signals.restore(previous)
     assert not signals.claim_ending()  # restore leaves it claimed
-    monkeypatch.setattr(distributed, "setup", lambda *args: (_ for _ in ()).throw(RuntimeError("stop here")))
+    monkeypatch.setattr(distributed, "setup", lambda *args, **kw: (_ for _ in ()).throw(RuntimeError("stop here")))
     with pytest.raises(RuntimeError, match="stop here"):
         api.train(Config())
     assert signals.claim_ending()  # api.train began a new run: unclaimed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpus import fake_gpus
 
 from fastcifar.core.config import ConfigError
 from fastcifar.parallel.distributed import SHARE_GPU, pick_device
@@ -13,17 +14,8 @@ from fastcifar.parallel.distributed import SHARE_GPU, pick_device
 
 @pytest.fixture
 def gpus(monkeypatch):
-    """gpus(n): CUDA with n devices; returns the list of indices ``set_device`` was called with."""
-    chosen: list[int] = []
-
-    def machine(n: int) -> list[int]:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-        monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-        chosen.clear()
-        return chosen
-
-    return machine
+    """gpus(n): CUDA with n devices (H100s); returns the list of indices ``set_device`` was called with."""
+    return lambda n: fake_gpus(monkeypatch, n)
 
 
 @pytest.mark.parametrize("share", [None, "0"])
