@@ -10,6 +10,16 @@ __version__ = "0.1.0"
 if not (_Path(__file__).parent / "kernels").is_dir() and (_Path(__file__).parent.parent / "kernels").is_dir():
     __path__.append(str(_Path(__file__).parent.parent))
 
+# ``python -m fastcifar.<command>``: runpy imports this package with sys.argv[0] "-m", before the
+# command's module imports torch, whose libgomp would print its own warning about a bad
+# OMP_NUM_THREADS and go on (core.environment); the command refuses it in one line instead.
+if __import__("sys").argv[:1] == ["-m"]:
+    from fastcifar.core.environment import environment_problem as _problem
+
+    if _problem() is not None:
+        print(f"fastcifar: error: {_problem()}", file=__import__("sys").stderr)
+        raise SystemExit(2)
+
 # The Python API (fastcifar.api). Config and presets are light and imported now; the trainer,
 # evaluate and predict are modules that are also callable, imported on first use: importing
 # fastcifar.train here would make `python -m fastcifar.train` warn (runpy finds it imported).

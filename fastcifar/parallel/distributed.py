@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -183,6 +184,19 @@ def check_same(digest: str, what: str, ctx: DistContext, timeout_s: float = HAND
             f"ranks disagree on the {what}: rank(s) {', '.join(map(str, differ))} differ from "
             f"rank 0 (digest {digests[0][:12]}); launch every rank with the same settings and code"
         )
+
+
+def from_rank0(value: str, ctx: DistContext, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> str:
+    """Rank 0's ``value`` (a short string) on every rank; ``value`` itself with one rank."""
+    if not ctx.distributed:
+        return value
+    data = torch.zeros(4096, dtype=torch.uint8)
+    if ctx.is_main:
+        raw = value.encode("utf-8")[:4096]
+        data[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    data = data.to(ctx.device)
+    dist.broadcast(data, src=0, async_op=True).wait(datetime.timedelta(seconds=timeout_s))
+    return bytes(data.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")
 
 
 # How long a rank waits for the data step of the others (``load_once_per_node``):
@@ -350,12 +364,21 @@ def is_comm_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in str(exc))
 
 
+# A C++ source location in gloo's and c10d's messages, "[/pytorch/third_party/gloo/gloo/transport/tcp/
+# pair.cc:534] " or "../torch/csrc/distributed/c10d/ProcessGroupGloo.cpp:3119:": a build path, nothing for the user
+_SOURCE = re.compile(r"\[?[\w./+-]*\.(?:cc|cpp|cxx|c|h|hpp|cu)(?::\d+)*\]?:?\s*")
+
+
+def _without_sources(text: str) -> str:
+    return " ".join(_SOURCE.sub(" ", text).split())
+
+
 def failure_message(exc: BaseException, timeout_s: float) -> str:
     """One line for a collective that failed because another rank died or stalled (or, PeerStopped,
     for a wait on the store that another rank's own error ended: its words)."""
     if isinstance(exc, PeerStopped):
         return str(exc)
-    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    detail = _without_sources(str(exc).strip().splitlines()[0] if str(exc).strip() else "") or type(exc).__name__
     return (
         f"lost contact with the other ranks (one exited, was killed, or stalled past "
         f"--dist-timeout-s {timeout_s:g}): {detail[:300]}"

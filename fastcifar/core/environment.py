@@ -1,0 +1,38 @@
+"""The environment variables fastcifar's behaviour depends on, checked before torch is imported.
+
+``OMP_NUM_THREADS`` is read by libgomp when torch loads: a value it cannot parse (0, -4, abc, 1.5)
+is skipped with libgomp's own warning and the run goes on with a thread per core, which on a shared
+machine ran the README's CPU example at half speed. So the commands refuse it first, in one line of
+their own (exit 2), from ``fastcifar.cli.main`` and, for ``python -m fastcifar.<command>``, from
+the package's import (``fastcifar/__init__.py``), both before any ``import torch``. The OpenMP
+syntax is a positive whole number, or a comma-separated list of them (one per nesting level);
+empty is the same as unset.
+"""
+
+from __future__ import annotations
+
+import os
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS",)
+MAX_THREADS = 1024  # per nesting level: twice the hardware threads of a 2-socket, 128-core SMT-2 host
+
+
+def environment_problem(environ=None) -> str | None:
+    """One line saying which variable is unusable and why; None when all are fine."""
+    environ = os.environ if environ is None else environ
+    for name in THREAD_VARIABLES:
+        value = environ.get(name)
+        if value is None or not value.strip():
+            continue
+        parts = [p.strip() for p in value.strip().split(",")]
+        if not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
+            return (
+                f"{name} must be a positive whole number of threads (e.g. {name}=1), not {value!r}; "
+                f"unset it for torch's default (a thread per core)"
+            )
+        if max(int(p) for p in parts) > MAX_THREADS:
+            return (
+                f"{name}={value.strip()} asks for more than {MAX_THREADS} threads; unset it for torch's "
+                f"default (a thread per core)"
+            )
+    return None
