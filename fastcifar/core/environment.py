@@ -12,9 +12,24 @@ empty is the same as unset.
 from __future__ import annotations
 
 import os
+import sys
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS",)
 MAX_THREADS = 1024  # per nesting level: twice the hardware threads of a 2-socket, 128-core SMT-2 host
+
+
+def running_a_command() -> bool:
+    """Whether this process is one of fastcifar's commands: ``python -m fastcifar[.x]`` (runpy
+    imports the package with sys.argv[0] "-m"; ``sys.orig_argv`` names the module) or a console
+    script named ``fastcifar`` or ``fastcifar-train``. False for a program that imports the package."""
+    if sys.argv[:1] == ["-m"]:
+        argv = list(getattr(sys, "orig_argv", []))
+        for i, arg in enumerate(argv):
+            name = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:] if arg.startswith("-m") else ""
+            if name:
+                return name == "fastcifar" or name.startswith("fastcifar.")
+        return False
+    return os.path.basename(sys.argv[0] if sys.argv else "") in ("fastcifar", "fastcifar-train")
 
 
 def environment_problem(environ=None) -> str | None:

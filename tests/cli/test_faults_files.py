@@ -619,3 +619,44 @@ def test_the_run_folder_name_never_leaves_out_dir(tmp_path):
     log._close()
     (made,) = tmp_path.iterdir()
     assert made.name.endswith("-_.._x_y") and made.parent == tmp_path
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler for SIGTERM (Python installs none by default)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("module", ["fastcifar.export", "fastcifar.predict"])
+def test_a_signal_while_a_command_still_imports_is_one_line(module, sig, model_file, tmp_path):
+    """The first seconds of a command import torch; a Ctrl-C then ended in runpy's traceback. The
+    signal is sent as soon as the package has taken SIGTERM over (its import), wherever the command
+    then is: the answer is the same one line and 128 + the signal."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc to see when the handlers are in place")
+    argv = (
+        [str(model_file), "--onnx", str(tmp_path / "m.onnx")]
+        if module.endswith("export")
+        else [str(model_file), str(tmp_path)]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *argv],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not _catches_sigterm(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert one_line_error(err) == f"fastcifar: interrupted by {signal.Signals(sig).name}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
