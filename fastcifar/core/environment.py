@@ -13,9 +13,29 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS",)
 MAX_THREADS = 1024  # per nesting level: twice the hardware threads of a 2-socket, 128-core SMT-2 host
+
+
+def home_is_a_folder() -> bool:
+    home = os.environ.get("HOME", "")
+    return bool(home) and os.path.isabs(home) and os.path.isdir(home)
+
+
+def place_triton_cache(device_type: str) -> str:
+    """Triton keeps compiled kernels under ``$TRITON_HOME/.triton``, by default the home folder, and
+    makes it with ``os.makedirs``: a ``HOME`` that does not exist would be created from ``/`` down.
+    On a GPU (where Triton compiles) with such a HOME and no TRITON_HOME, this run's kernels go to a
+    fresh temporary folder instead; returns the note saying so, or ""."""
+    if device_type != "cuda" or home_is_a_folder() or os.environ.get("TRITON_HOME"):
+        return ""
+    os.environ["TRITON_HOME"] = tempfile.mkdtemp(prefix="fastcifar-triton-")
+    return (
+        f"note: HOME {os.environ.get('HOME', '')!r} is not an existing folder: Triton's kernel cache is "
+        f"{os.environ['TRITON_HOME']} for this run (set TRITON_HOME to keep it)"
+    )
 
 
 def running_a_command() -> bool:

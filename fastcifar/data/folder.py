@@ -23,6 +23,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from fastcifar.core.environment import home_is_a_folder
 from fastcifar.core.errors import DataError
 from fastcifar.core.names import check_class_names
 from fastcifar.core.readfile import read_regular, why
@@ -236,7 +237,7 @@ def default_cache_dir() -> tuple[Path | None, str]:
     if xdg and os.path.isabs(xdg) and os.path.isdir(xdg):
         return Path(xdg) / "fastcifar", ""
     home = os.environ.get("HOME", "")
-    if home and os.path.isabs(home) and os.path.isdir(home):
+    if home_is_a_folder():
         return Path(home) / ".cache" / "fastcifar", ""
     where = f"XDG_CACHE_HOME {xdg!r} and " if xdg else ""
     return None, (

@@ -660,3 +660,20 @@ def test_a_signal_while_a_command_still_imports_is_one_line(module, sig, model_f
     assert proc.returncode == 128 + sig, err[-3000:]
     assert one_line_error(err) == f"fastcifar: interrupted by {signal.Signals(sig).name}"
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_missing_home_sends_tritons_cache_to_a_temporary_folder_on_a_gpu(tmp_path, monkeypatch):
+    """Triton would ``os.makedirs`` $HOME/.triton/cache from / down; only where it compiles (CUDA)."""
+    from fastcifar.core import environment
+
+    monkeypatch.setenv("HOME", str(tmp_path / "no" / "home"))
+    monkeypatch.delenv("TRITON_HOME", raising=False)
+    assert environment.place_triton_cache("cpu") == "" and "TRITON_HOME" not in os.environ
+    note = environment.place_triton_cache("cuda")
+    folder = Path(os.environ["TRITON_HOME"])
+    assert note.startswith("note: HOME ") and str(folder) in note and folder.is_dir()
+    folder.rmdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("TRITON_HOME")
+    assert environment.place_triton_cache("cuda") == "" and "TRITON_HOME" not in os.environ
+    assert not (tmp_path / "no").exists()
