@@ -63,6 +63,8 @@ def run_command(body) -> int:
             signals.wait_for_claimant()
         _say_stopped(exc)
         return exc.exit_code
+    except BrokenPipeError:  # `... | head -1`: the reader left; quiet, as a shell's SIGPIPE'd command
+        return signals.stdout_gone()
     finally:
         signals.restore(previous)  # the caller's Ctrl-C works again (pytest, a notebook)
     return 2

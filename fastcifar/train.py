@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
         report.stop_open_logs("failed", str(exc))
         print(f"fastcifar: error: {where}{printable(str(exc))}", file=sys.stderr)  # one line, whatever it quotes
         code = 2
+    except BrokenPipeError:  # `fastcifar train ... | head`: the reader left; recorded, then quiet (141)
+        distributed.announce_stop(ctx, "rank 0's stdout was closed by its reader (broken pipe)")
+        report.stop_open_logs("failed", "stdout closed by its reader (broken pipe)")
+        code = signals.stdout_gone()
     except signals.StopRun as exc:  # interrupted (130, 143) or diverged (4): logs closed, summary written
         if not signals.claim_ending():  # a watcher thread is ending the rank: its record, its status
             signals.wait_for_claimant()

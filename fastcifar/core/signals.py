@@ -99,6 +99,24 @@ def _handler(signum, frame):
     raise Interrupted(signum)
 
 
+# ``fastcifar predict ... | head -1``: the reader is gone. A shell reports a process that SIGPIPE
+# ended as 128 + 13; Python ignores SIGPIPE and raises BrokenPipeError instead, with a traceback,
+# and again at exit when it flushes stdout. The commands end quietly with the shell's status.
+BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE
+
+
+def stdout_gone() -> int:
+    """Point stdout at /dev/null (the interpreter's last flush then has nowhere to fail) and
+    return ``BROKEN_PIPE_EXIT``."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return BROKEN_PIPE_EXIT
+
+
 def claim_ending() -> bool:
     """True for the first thread to end this process; it prints the one line, records the cause
     and picks the exit status. False for any later one: it stays silent and leaves the exit to the

@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -44,7 +45,7 @@ from fastcifar.core import atomic
 from fastcifar.core.config import Config, ConfigError, check_fields
 from fastcifar.core.errors import DataError
 from fastcifar.core.names import check_class_names
-from fastcifar.core.readfile import read_regular, why
+from fastcifar.core.readfile import open_regular, why
 
 MODEL_FORMAT = "fastcifar.model/1"
 MODEL_NAME = "model.safetensors"
@@ -177,7 +178,7 @@ def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Te
 
     path = Path(path)
     try:
-        blob = read_regular(path)  # the OS's reason (permission, a FIFO, a loop), before safetensors reads it
+        blob = _read_sized(path, what)  # the OS's reason (permission, a FIFO, a loop), before safetensors reads it
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such {what}") from None
     except OSError as exc:
@@ -200,6 +201,33 @@ def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Te
             f"changed after it was written (a damaged disk or copy, or an edit); refusing to use it"
         )
     return tensors, meta
+
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
+
+
+def _read_sized(path: Path, what: str) -> bytes:
+    """The file's bytes, read only when its size is the one its header gives (8 + header + the
+    last tensor's end): a 1 TB sparse file of zeros, or a model file with gigabytes appended, is
+    refused after reading its first bytes, not by filling the memory."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if head[:4] == b"PK\x03\x04" or not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+            return head + f.read(min(size, 1 << 16))  # too short to be one: safetensors says what is wrong
+        header = f.read(n)
+        try:
+            ends = [v["data_offsets"][1] for k, v in json.loads(header).items() if k != "__metadata__"]
+            expected = 8 + n + max(ends, default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return head + header  # not a header: safetensors says so
+        if expected != size:
+            raise CheckpointError(
+                f"{path}: not a readable {what} (its header describes {expected:,} bytes, the file has "
+                f"{size:,}: truncated, or something appended)"
+            )
+        return head + header + f.read()
 
 
 def require_digest(path, meta: dict, what: str = "model file") -> None:

@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from fastcifar.core.config import (
     training_settings,
 )
 from fastcifar.core.names import printable
-from fastcifar.core.readfile import read_regular, why
+from fastcifar.core.readfile import open_regular, why
 from fastcifar.models.files import CheckpointError, _check_shapes, host_state, write_atomic
 from fastcifar.run.component import Component
 from fastcifar.run.report import EpochRecord
@@ -147,6 +148,8 @@ def _feed(h, value) -> None:
         h.update(b"S%d:" % len(b) + b)
     elif value is None or isinstance(value, (bool, int, float)):
         h.update(f"{type(value).__name__}:{value!r};".encode())
+    elif isinstance(value, (torch.dtype, torch.device)):  # weights_only loads these too
+        h.update(f"{type(value).__name__}:{value};".encode())
     else:  # weights_only loads nothing else; a writer's mistake otherwise
         raise TypeError(f"cannot digest a {type(value).__name__}")
 
@@ -191,6 +194,20 @@ def _on_rank0(ctx, read):
     return answer
 
 
+def _read_archive(path: Path) -> bytes | None:
+    """The bytes of a torch.save zip; None when the file does not end as a zip does (its end of
+    central directory record, in the last 64 KiB + 22 bytes), read whole only when it does: a 1 TB
+    sparse file of zeros named checkpoint.pt is refused after reading that tail, not by filling
+    the memory."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - (1 << 16) - 22))
+        if b"PK\x05\x06" not in f.read():
+            return None
+        f.seek(0)
+        return f.read()
+
+
 def _load_checked(path, stale_too: bool = False) -> dict:
     """The state in the checkpoint file ``path``, its format and digest checked; CheckpointError
     (one line) otherwise. One read (``read_regular``: a FIFO or a device is refused, never waited
@@ -198,7 +215,7 @@ def _load_checked(path, stale_too: bool = False) -> dict:
     the temporaries a killed writer left beside it (also when its contents then turn out unusable)."""
     path = Path(path)
     try:
-        blob = read_regular(path)  # the OS's reason for a FIFO, a folder, no permission; never a blocking open
+        blob = _read_archive(path)  # the OS's reason for a FIFO, a folder, no permission; never a blocking open
     except FileNotFoundError:
         raise CheckpointError(f"--resume {path}: no such checkpoint file") from None
     except OSError as exc:
@@ -206,6 +223,8 @@ def _load_checked(path, stale_too: bool = False) -> dict:
         raise CheckpointError(f"--resume {path}: cannot read checkpoint: {why(exc)}{hint}") from None
     if stale_too:  # the run that wrote it was stopped, maybe by SIGKILL mid-write
         atomic.remove_stale(path.parent, (glob.escape(path.name), *RUN_FILES))
+    if blob is None:
+        raise CheckpointError(f"--resume {path}: not a readable checkpoint (not a zip archive, as torch.save writes)")
     try:
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, foreign pickle, garbage: all unusable

@@ -677,3 +677,38 @@ def test_a_missing_home_sends_tritons_cache_to_a_temporary_folder_on_a_gpu(tmp_p
     monkeypatch.delenv("TRITON_HOME")
     assert environment.place_triton_cache("cuda") == "" and "TRITON_HOME" not in os.environ
     assert not (tmp_path / "no").exists()
+
+
+def test_a_huge_sparse_file_named_as_a_model_or_checkpoint_is_refused_without_reading_it(tmp_path, images, capsys):
+    """1 TB of zeros (a sparse file: no disk used) must be refused by its first or last bytes,
+    not read into memory."""
+    cfg, _ = _state()
+    for name in ("model.safetensors", "checkpoint.pt"):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(1 << 40)
+    code, err, _ = command("predict", [tmp_path / "model.safetensors", images], capsys)
+    assert code == 2 and "not a readable model file" in one_line_error(err)
+    with pytest.raises(CheckpointError, match="not a readable checkpoint \\(not a zip archive"):
+        run_state._read_state(tmp_path / "checkpoint.pt", cfg, 1)
+
+
+def test_a_model_file_with_bytes_appended_is_refused_before_they_are_read(model_file, tmp_path, capsys):
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(model_file.read_bytes() + b"\0" * 1000)
+    code, err, _ = command("predict", [path, tmp_path], capsys)
+    assert code == 2 and "the file has" in one_line_error(err) and "something appended" in err
+
+
+def test_predict_into_a_closed_pipe_ends_quietly_with_the_shells_status(model_file, images):
+    """`fastcifar predict ... | head -1` whose reader is gone: no BrokenPipeError traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastcifar", "predict", str(model_file), str(images)],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # the reader leaves before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and err == ""
