@@ -88,6 +88,13 @@ def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto") 
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError as exc:
         raise ConfigError(f"bad torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {exc}") from None
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise ConfigError(
+            f"bad torchrun environment: RANK {rank}, LOCAL_RANK {local_rank}, WORLD_SIZE {world_size} "
+            f"(WORLD_SIZE must be positive, RANK in 0..WORLD_SIZE-1, LOCAL_RANK not negative)"
+        )
+    if world_size > 1 or "MASTER_ADDR" in os.environ:  # a group will be formed at MASTER_ADDR:MASTER_PORT
+        _check_master_port()
     device = pick_device(requested_device, local_rank)
     _data_step.done = False  # a new run: its data step is ahead (announce_stop)
     if world_size == 1 and group != "always":
@@ -98,8 +105,20 @@ def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto") 
         kwargs = {"device_id": device} if backend == "nccl" else {}
         if world_size == 1 and "MASTER_ADDR" not in os.environ:  # alone, not under torchrun: no one to meet
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        except ValueError as exc:  # torch's own check of the environment (a missing MASTER_ADDR, ...)
+            raise ConfigError(f"bad torchrun environment: {str(exc).strip().splitlines()[0]}") from None
     return DistContext(rank, world_size, local_rank, device, backend)
+
+
+def _check_master_port() -> None:
+    """MASTER_PORT as torch's rendezvous reads it, refused in one line instead of its traceback."""
+    port = os.environ.get("MASTER_PORT")
+    if port is None:
+        raise ConfigError("bad torchrun environment: MASTER_PORT is not set (torchrun sets it and MASTER_ADDR)")
+    if not (port.strip().isascii() and port.strip().isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"bad torchrun environment: MASTER_PORT must be a port number 1..65535, not {port!r}")
 
 
 # NCCL's timeout over --dist-timeout-s. The progress watchdog must see a stall first, so that the
@@ -463,7 +482,7 @@ def stop_reason(exc: BaseException) -> str:
         isinstance(exc, signals.Interrupted)
         and exc.signum == signal.SIGTERM
         and os.environ.get("TORCHELASTIC_RUN_ID")
-        and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1")  # no int(): this runs on the way out
     ):
         reason += (
             " (from torchrun, which stops every rank when one of them fails or when it is stopped "

@@ -712,3 +712,31 @@ def test_predict_into_a_closed_pipe_ends_quietly_with_the_shells_status(model_fi
     proc.stdout.close()  # the reader leaves before the first line
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and err == ""
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"MASTER_PORT": "abc"}, "MASTER_PORT must be a port number 1..65535, not 'abc'"),
+        ({"MASTER_PORT": "99999"}, "MASTER_PORT must be a port number 1..65535, not '99999'"),
+        ({"RANK": "3"}, "RANK 3, LOCAL_RANK 0, WORLD_SIZE 2"),
+        ({"WORLD_SIZE": "-2"}, "WORLD_SIZE -2 (WORLD_SIZE must be positive"),
+        ({"MASTER_ADDR": None}, "environment variable MASTER_ADDR expected, but not set"),
+    ],
+)
+def test_a_bad_torchrun_environment_is_one_line_not_torchs_traceback(changes, message, tmp_path):
+    e = {**env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    e.update({k: v for k, v in changes.items() if v is not None})
+    for k in [k for k, v in changes.items() if v is None]:
+        del e[k]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastcifar.train", "--data", str(tmp_path), *SHORT, "--dist-timeout-s", "5"],
+        cwd=ROOT,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    line = one_line_error(proc.stderr)
+    assert line.startswith("fastcifar: error: bad torchrun environment: ") and message in line, line
