@@ -714,6 +714,7 @@ def test_predict_into_a_closed_pipe_ends_quietly_with_the_shells_status(model_fi
     assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and err == ""
 
 
+@pytest.mark.slow  # five trainer start-ups, torch imported in each: 4-10 s apiece on 2 loaded cores
 @pytest.mark.parametrize(
     "changes, message",
     [
