@@ -2,11 +2,11 @@
 
 ``OMP_NUM_THREADS`` is read by libgomp when torch loads: a value it cannot parse (0, -4, abc, 1.5)
 is skipped with libgomp's own warning and the run goes on with a thread per core, which on a shared
-machine ran the README's CPU example at half speed. So the commands refuse it first, in one line of
-their own (exit 2), from ``fastcifar.cli.main`` and, for ``python -m fastcifar.<command>``, from
-the package's import (``fastcifar/__init__.py``), both before any ``import torch``. The OpenMP
-syntax is a positive whole number, or a comma-separated list of them (one per nesting level);
-empty is the same as unset.
+machine ran the README's CPU example at half speed; ``MKL_NUM_THREADS`` set to abc or -4 gave torch
+one thread on 2 cores, without a word. So the commands refuse both first, in one line of their
+own (exit 2), from ``fastcifar.cli.main`` and, for ``python -m fastcifar.<command>``, from the
+package's import (``fastcifar/__init__.py``), both before any ``import torch``. The syntax is a
+positive whole number (OpenMP also takes a comma-separated list, one per nesting level); empty is the same as unset.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import os
 import sys
 import tempfile
 
-THREAD_VARIABLES = ("OMP_NUM_THREADS",)
+# name -> whether a comma-separated list (one count per nesting level) is allowed. MKL reads its
+# own variable silently: MKL_NUM_THREADS=abc or -4 gave torch 1 thread on 2 cores, no warning.
+THREAD_VARIABLES = {"OMP_NUM_THREADS": True, "MKL_NUM_THREADS": False}
 MAX_THREADS = 1024  # per nesting level: twice the hardware threads of a 2-socket, 128-core SMT-2 host
 
 
@@ -55,11 +57,11 @@ def running_a_command() -> bool:
 def environment_problem(environ=None) -> str | None:
     """One line saying which variable is unusable and why; None when all are fine."""
     environ = os.environ if environ is None else environ
-    for name in THREAD_VARIABLES:
+    for name, lists in THREAD_VARIABLES.items():
         value = environ.get(name)
         if value is None or not value.strip():
             continue
-        parts = [p.strip() for p in value.strip().split(",")]
+        parts = [p.strip() for p in value.strip().split(",")] if lists else [value.strip()]
         if not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
             return (
                 f"{name} must be a positive whole number of threads (e.g. {name}=1), not {value!r}; "

@@ -443,6 +443,8 @@ def test_omp_num_threads_values_follow_the_openmp_syntax(value, ok):
     from fastcifar.core.environment import environment_problem
 
     assert (environment_problem({"OMP_NUM_THREADS": value}) is None) == ok
+    mkl = environment_problem({"MKL_NUM_THREADS": value})  # MKL takes no list; it falls to 1 thread silently
+    assert (mkl is None) == (ok and "," not in value) and (mkl is None or mkl.startswith("MKL_NUM_THREADS must"))
 
 
 def test_a_home_that_does_not_exist_gets_no_folders_made_the_cache_is_skipped(tmp_path, monkeypatch):
