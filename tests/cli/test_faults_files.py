@@ -126,6 +126,37 @@ def test_every_commands_model_file_argument_that_is_not_a_regular_file_is_one_li
     assert not out.exists()
 
 
+def test_a_huge_sparse_file_named_as_a_model_or_checkpoint_is_refused_without_reading_it(tmp_path, images, capsys):
+    """1 TB of zeros (a sparse file: no disk used) must be refused by its first or last bytes,
+    not read into memory."""
+    cfg, _ = _state()
+    for name in ("model.safetensors", "checkpoint.pt"):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(1 << 40)
+    code, err, _ = command("predict", [tmp_path / "model.safetensors", images], capsys)
+    assert code == 2 and "not a readable model file" in one_line_error(err)
+    with pytest.raises(CheckpointError, match="not a readable checkpoint \\(not a zip archive"):
+        run_state._read_state(tmp_path / "checkpoint.pt", cfg, 1)
+
+
+def test_a_model_file_with_bytes_appended_is_refused_before_they_are_read(model_file, tmp_path, capsys):
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(model_file.read_bytes() + b"\0" * 1000)
+    code, err, _ = command("predict", [path, tmp_path], capsys)
+    assert code == 2 and "the file has" in one_line_error(err) and "something appended" in err
+
+
+def test_export_force_never_replaces_a_device_or_a_fifo(model_file, tmp_path, capsys):
+    fifo = tmp_path / "m.onnx"
+    os.mkfifo(fifo)
+    for out, kind in ((Path("/dev/null"), "a character device"), (fifo, "a FIFO (named pipe)")):
+        code, err, _ = command("export", [model_file, "--onnx", out, "--force"], capsys)
+        assert code == 2 and one_line_error(err) == (
+            f"fastcifar: error: {out} is {kind}, not a regular file; --force replaces only a file"
+        )
+    assert Path("/dev/null").is_char_device() and fifo.is_fifo()
+
+
 # --- a file whose bytes changed but still decode: refused by its digest ---------------------------
 
 
@@ -281,6 +312,7 @@ def test_a_real_checkpoint_with_a_flipped_byte_is_refused_on_resume_in_one_line(
 
 # --- class names: refused when written and when read ------------------------------------------
 
+
 HOSTILE = [
     (("cat",) * 10, "'cat' and 'cat' name one class twice"),
     (("cat", "Cat"), "'cat' and 'Cat' name one class twice"),
@@ -366,6 +398,7 @@ def test_predict_escapes_a_file_name_that_holds_a_newline_or_a_bidi_override(mod
 
 # --- signals during export and predict: one line, 130/143, nothing left -----------------------
 
+
 # The command runs in a child with one step patched to send the signal to itself mid-way: during
 # export's write (half of the file on disk), during predict's reading of its second image.
 _SIGNAL_DURING = {
@@ -420,6 +453,62 @@ def test_export_and_predict_put_the_callers_signal_handlers_back(model_file, ima
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler for SIGTERM (Python installs none by default)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("module", ["fastcifar.export", "fastcifar.predict"])
+def test_a_signal_while_a_command_still_imports_is_one_line(module, sig, model_file, tmp_path):
+    """The first seconds of a command import torch; a Ctrl-C then ended in runpy's traceback. The
+    signal is sent as soon as the package has taken SIGTERM over (its import), wherever the command
+    then is: the answer is the same one line and 128 + the signal."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc to see when the handlers are in place")
+    argv = (
+        [str(model_file), "--onnx", str(tmp_path / "m.onnx")]
+        if module.endswith("export")
+        else [str(model_file), str(tmp_path)]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *argv],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not _catches_sigterm(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert one_line_error(err) == f"fastcifar: interrupted by {signal.Signals(sig).name}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_predict_into_a_closed_pipe_ends_quietly_with_the_shells_status(model_file, images):
+    """`fastcifar predict ... | head -1` whose reader is gone: no BrokenPipeError traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastcifar", "predict", str(model_file), str(images)],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # the reader leaves before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and err == ""
+
+
 # --- the environment ------------------------------------------------------------------------
 
 
@@ -447,6 +536,41 @@ def test_omp_num_threads_values_follow_the_openmp_syntax(value, ok):
     assert (mkl is None) == (ok and "," not in value) and (mkl is None or mkl.startswith("MKL_NUM_THREADS must"))
 
 
+def test_a_thread_count_beyond_any_machine_is_refused():
+    from fastcifar.core.environment import environment_problem
+
+    assert "asks for more than 1024 threads" in environment_problem({"OMP_NUM_THREADS": "100000"})
+
+
+@pytest.mark.slow  # five trainer start-ups, torch imported in each: 4-10 s apiece on 2 loaded cores
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"MASTER_PORT": "abc"}, "MASTER_PORT must be a port number 1..65535, not 'abc'"),
+        ({"MASTER_PORT": "99999"}, "MASTER_PORT must be a port number 1..65535, not '99999'"),
+        ({"RANK": "3"}, "RANK 3, LOCAL_RANK 0, WORLD_SIZE 2"),
+        ({"WORLD_SIZE": "-2"}, "WORLD_SIZE -2 (WORLD_SIZE must be positive"),
+        ({"MASTER_ADDR": None}, "environment variable MASTER_ADDR expected, but not set"),
+    ],
+)
+def test_a_bad_torchrun_environment_is_one_line_not_torchs_traceback(changes, message, tmp_path):
+    e = {**env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    e.update({k: v for k, v in changes.items() if v is not None})
+    for k in [k for k, v in changes.items() if v is None]:
+        del e[k]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastcifar.train", "--data", str(tmp_path), *SHORT, "--dist-timeout-s", "5"],
+        cwd=ROOT,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    line = one_line_error(proc.stderr)
+    assert line.startswith("fastcifar: error: bad torchrun environment: ") and message in line, line
+
+
 def test_a_home_that_does_not_exist_gets_no_folders_made_the_cache_is_skipped(tmp_path, monkeypatch):
     """The data's own folder not writable (a shared read-only copy), HOME a path that is not there:
     no folder is made anywhere, the images are decoded and the run goes on, with a note."""
@@ -467,6 +591,23 @@ def test_a_home_that_does_not_exist_gets_no_folders_made_the_cache_is_skipped(tm
     assert folder_module.default_cache_dir()[0] is None
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert folder_module.default_cache_dir()[0] == tmp_path / "fastcifar"
+
+
+def test_a_missing_home_sends_tritons_cache_to_a_temporary_folder_on_a_gpu(tmp_path, monkeypatch):
+    """Triton would ``os.makedirs`` $HOME/.triton/cache from / down; only where it compiles (CUDA)."""
+    from fastcifar.core import environment
+
+    monkeypatch.setenv("HOME", str(tmp_path / "no" / "home"))
+    monkeypatch.delenv("TRITON_HOME", raising=False)
+    assert environment.place_triton_cache("cpu") == "" and "TRITON_HOME" not in os.environ
+    note = environment.place_triton_cache("cuda")
+    folder = Path(os.environ["TRITON_HOME"])
+    assert note.startswith("note: HOME ") and str(folder) in note and folder.is_dir()
+    folder.rmdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("TRITON_HOME")
+    assert environment.place_triton_cache("cuda") == "" and "TRITON_HOME" not in os.environ
+    assert not (tmp_path / "no").exists()
 
 
 def test_fp16_on_the_cpu_is_refused_before_anything_is_written(tmp_path, capfd):
@@ -505,6 +646,39 @@ def test_a_checkpoints_unusable_setting_is_named_as_the_checkpoints_not_a_flag(t
         f"not this command line): momentum must lie in"
     ), line
     assert not run_dirs(out)
+
+
+@pytest.mark.parametrize("preset", ["../../escaped", "evil\npreset"])
+def test_a_checkpoints_preset_that_is_no_preset_is_refused_and_stays_one_line(preset, tmp_path, capfd):
+    """A checkpoint edited (and resealed) to carry a preset name that would name the run folder
+    outside --out-dir, or break the error line."""
+    from test_faults_input import RESUMED
+
+    from fastcifar.train import main as train_main
+
+    _, state = _state()
+    config = json.loads(state["config"])
+    config["preset"] = preset
+    state["config"] = json.dumps(config, sort_keys=True)
+    ckpt = tmp_path / "checkpoint.pt"
+    torch.save(run_state.seal(state), ckpt)
+    out = tmp_path / "deep" / "runs"
+    assert RESUMED[:2] == ["--preset", "resnet9"]  # left out: the checkpoint's preset is taken, not compared
+    code = train_main([*map(str, ["--data", tmp_path, *RESUMED[2:], "--out-dir", out, "--resume", ckpt])])
+    line = one_line_error(capfd.readouterr().err)
+    assert code == 2 and f"field config holds preset {preset!r}".replace("\n", "\\n") in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_the_run_folder_name_never_leaves_out_dir(tmp_path):
+    from fastcifar.core.config import Config
+    from fastcifar.run.report import RunLog
+
+    log = RunLog(Config(preset="../../x\ny"), str(tmp_path), True)
+    log._make_dir()
+    log._close()
+    (made,) = tmp_path.iterdir()
+    assert made.name.endswith("-_.._x_y") and made.parent == tmp_path
 
 
 def test_the_lost_contact_line_carries_no_source_paths():
@@ -571,175 +745,3 @@ def test_two_exports_to_one_new_path_at_once_one_wins_whole(model_file, tmp_path
     assert one_line_error(loser) == f"fastcifar: error: {out} exists; pass --force to overwrite it"
     onnx.checker.check_model(onnx.load(str(out)))  # whole and valid
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
-
-
-def test_export_force_never_replaces_a_device_or_a_fifo(model_file, tmp_path, capsys):
-    fifo = tmp_path / "m.onnx"
-    os.mkfifo(fifo)
-    for out, kind in ((Path("/dev/null"), "a character device"), (fifo, "a FIFO (named pipe)")):
-        code, err, _ = command("export", [model_file, "--onnx", out, "--force"], capsys)
-        assert code == 2 and one_line_error(err) == (
-            f"fastcifar: error: {out} is {kind}, not a regular file; --force replaces only a file"
-        )
-    assert Path("/dev/null").is_char_device() and fifo.is_fifo()
-
-
-def test_a_thread_count_beyond_any_machine_is_refused():
-    from fastcifar.core.environment import environment_problem
-
-    assert "asks for more than 1024 threads" in environment_problem({"OMP_NUM_THREADS": "100000"})
-
-
-@pytest.mark.parametrize("preset", ["../../escaped", "evil\npreset"])
-def test_a_checkpoints_preset_that_is_no_preset_is_refused_and_stays_one_line(preset, tmp_path, capfd):
-    """A checkpoint edited (and resealed) to carry a preset name that would name the run folder
-    outside --out-dir, or break the error line."""
-    from test_faults_input import RESUMED
-
-    from fastcifar.train import main as train_main
-
-    _, state = _state()
-    config = json.loads(state["config"])
-    config["preset"] = preset
-    state["config"] = json.dumps(config, sort_keys=True)
-    ckpt = tmp_path / "checkpoint.pt"
-    torch.save(run_state.seal(state), ckpt)
-    out = tmp_path / "deep" / "runs"
-    assert RESUMED[:2] == ["--preset", "resnet9"]  # left out: the checkpoint's preset is taken, not compared
-    code = train_main([*map(str, ["--data", tmp_path, *RESUMED[2:], "--out-dir", out, "--resume", ckpt])])
-    line = one_line_error(capfd.readouterr().err)
-    assert code == 2 and f"field config holds preset {preset!r}".replace("\n", "\\n") in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
-
-
-def test_the_run_folder_name_never_leaves_out_dir(tmp_path):
-    from fastcifar.core.config import Config
-    from fastcifar.run.report import RunLog
-
-    log = RunLog(Config(preset="../../x\ny"), str(tmp_path), True)
-    log._make_dir()
-    log._close()
-    (made,) = tmp_path.iterdir()
-    assert made.name.endswith("-_.._x_y") and made.parent == tmp_path
-
-
-def _catches_sigterm(pid: int) -> bool:
-    """Whether the process has a handler for SIGTERM (Python installs none by default)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
-    return bool(caught & (1 << (signal.SIGTERM - 1)))
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-@pytest.mark.parametrize("module", ["fastcifar.export", "fastcifar.predict"])
-def test_a_signal_while_a_command_still_imports_is_one_line(module, sig, model_file, tmp_path):
-    """The first seconds of a command import torch; a Ctrl-C then ended in runpy's traceback. The
-    signal is sent as soon as the package has taken SIGTERM over (its import), wherever the command
-    then is: the answer is the same one line and 128 + the signal."""
-    if not Path("/proc/self/status").exists():
-        pytest.skip("needs /proc to see when the handlers are in place")
-    argv = (
-        [str(model_file), "--onnx", str(tmp_path / "m.onnx")]
-        if module.endswith("export")
-        else [str(model_file), str(tmp_path)]
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *argv],
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not _catches_sigterm(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + sig, err[-3000:]
-    assert one_line_error(err) == f"fastcifar: interrupted by {signal.Signals(sig).name}"
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
-
-
-def test_a_missing_home_sends_tritons_cache_to_a_temporary_folder_on_a_gpu(tmp_path, monkeypatch):
-    """Triton would ``os.makedirs`` $HOME/.triton/cache from / down; only where it compiles (CUDA)."""
-    from fastcifar.core import environment
-
-    monkeypatch.setenv("HOME", str(tmp_path / "no" / "home"))
-    monkeypatch.delenv("TRITON_HOME", raising=False)
-    assert environment.place_triton_cache("cpu") == "" and "TRITON_HOME" not in os.environ
-    note = environment.place_triton_cache("cuda")
-    folder = Path(os.environ["TRITON_HOME"])
-    assert note.startswith("note: HOME ") and str(folder) in note and folder.is_dir()
-    folder.rmdir()
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("TRITON_HOME")
-    assert environment.place_triton_cache("cuda") == "" and "TRITON_HOME" not in os.environ
-    assert not (tmp_path / "no").exists()
-
-
-def test_a_huge_sparse_file_named_as_a_model_or_checkpoint_is_refused_without_reading_it(tmp_path, images, capsys):
-    """1 TB of zeros (a sparse file: no disk used) must be refused by its first or last bytes,
-    not read into memory."""
-    cfg, _ = _state()
-    for name in ("model.safetensors", "checkpoint.pt"):
-        with open(tmp_path / name, "wb") as f:
-            f.truncate(1 << 40)
-    code, err, _ = command("predict", [tmp_path / "model.safetensors", images], capsys)
-    assert code == 2 and "not a readable model file" in one_line_error(err)
-    with pytest.raises(CheckpointError, match="not a readable checkpoint \\(not a zip archive"):
-        run_state._read_state(tmp_path / "checkpoint.pt", cfg, 1)
-
-
-def test_a_model_file_with_bytes_appended_is_refused_before_they_are_read(model_file, tmp_path, capsys):
-    path = tmp_path / "m.safetensors"
-    path.write_bytes(model_file.read_bytes() + b"\0" * 1000)
-    code, err, _ = command("predict", [path, tmp_path], capsys)
-    assert code == 2 and "the file has" in one_line_error(err) and "something appended" in err
-
-
-def test_predict_into_a_closed_pipe_ends_quietly_with_the_shells_status(model_file, images):
-    """`fastcifar predict ... | head -1` whose reader is gone: no BrokenPipeError traceback."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fastcifar", "predict", str(model_file), str(images)],
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    proc.stdout.close()  # the reader leaves before the first line
-    err = proc.stderr.read()
-    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and err == ""
-
-
-@pytest.mark.slow  # five trainer start-ups, torch imported in each: 4-10 s apiece on 2 loaded cores
-@pytest.mark.parametrize(
-    "changes, message",
-    [
-        ({"MASTER_PORT": "abc"}, "MASTER_PORT must be a port number 1..65535, not 'abc'"),
-        ({"MASTER_PORT": "99999"}, "MASTER_PORT must be a port number 1..65535, not '99999'"),
-        ({"RANK": "3"}, "RANK 3, LOCAL_RANK 0, WORLD_SIZE 2"),
-        ({"WORLD_SIZE": "-2"}, "WORLD_SIZE -2 (WORLD_SIZE must be positive"),
-        ({"MASTER_ADDR": None}, "environment variable MASTER_ADDR expected, but not set"),
-    ],
-)
-def test_a_bad_torchrun_environment_is_one_line_not_torchs_traceback(changes, message, tmp_path):
-    e = {**env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    e.update({k: v for k, v in changes.items() if v is not None})
-    for k in [k for k, v in changes.items() if v is None]:
-        del e[k]
-    proc = subprocess.run(
-        [sys.executable, "-m", "fastcifar.train", "--data", str(tmp_path), *SHORT, "--dist-timeout-s", "5"],
-        cwd=ROOT,
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    line = one_line_error(proc.stderr)
-    assert line.startswith("fastcifar: error: bad torchrun environment: ") and message in line, line
