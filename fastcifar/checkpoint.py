@@ -65,7 +65,11 @@ def inspect_lines(path: str | Path) -> list[str]:
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.checkpoint") -> int:
     parser = OneLineParser(
-        prog=prog, description="Inspect sparse diffs, or restore a model from a base file and a chain of them."
+        prog=prog,
+        description=(
+            "Inspect sparse diffs, restore a model from a base file and a chain of them, or seal an older "
+            "model file (written before digests) with one."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
     ins = sub.add_parser(

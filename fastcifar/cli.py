@@ -86,7 +86,10 @@ COMMANDS = {
     "train": ("fastcifar.train", "train a network on CIFAR (default: {default}), on one device or under torchrun"),
     "evaluate": ("fastcifar.evaluate", "test accuracy, overall and per class, of a saved model"),
     "predict": ("fastcifar.predict", "top classes, with probabilities, of your own images"),
-    "checkpoint": ("fastcifar.checkpoint", "inspect sparse diffs, or restore a model file from a chain of them"),
+    "checkpoint": (
+        "fastcifar.checkpoint",
+        "inspect sparse diffs, restore a model file from a chain of them, or seal an older model file",
+    ),
     "export": ("fastcifar.export", "write a saved model as an ONNX file (for onnxruntime and others)"),
 }
 
