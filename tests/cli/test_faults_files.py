@@ -425,17 +425,31 @@ _SIGNAL_DURING = {
         "    return real(path)\n"
         "p.read_image = read\n"
     ),
+    "evaluate": (  # in the middle of the test set's forward passes
+        "import fastcifar.evaluate as e\n"
+        "real = e.logits_of\n"
+        "def logits(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), SIG)\n"
+        "    time.sleep(5)\n"
+        "    return real(*args, **kwargs)\n"
+        "e.logits_of = logits\n"
+    ),
 }
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-@pytest.mark.parametrize("name", ["export", "predict"])
+@pytest.mark.parametrize("name", ["export", "predict", "evaluate"])
 def test_a_signal_during_export_or_predict_is_one_line_and_leaves_nothing(name, sig, model_file, images, tmp_path):
     if name == "export":
         pytest.importorskip("onnx", reason="onnx is not installed (pip install -e '.[onnx]')")
     out = tmp_path / "out"
     out.mkdir()
-    argv = [str(model_file), "--onnx", str(out / "m.onnx")] if name == "export" else [str(model_file), str(images)]
+    data, _ = write_official(tmp_path / "data") if name == "evaluate" else (None, None)
+    argv = {
+        "export": [str(model_file), "--onnx", str(out / "m.onnx")],
+        "predict": [str(model_file), str(images)],
+        "evaluate": [str(model_file), "--data", str(data), "--cache-dir", str(out)],
+    }[name]
     script = (
         f"import os, sys, time\nSIG = {int(sig)}\n"
         + _SIGNAL_DURING[name]
