@@ -115,8 +115,8 @@ def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto") 
 def _check_master_port() -> None:
     """MASTER_PORT as torch's rendezvous reads it, refused in one line instead of its traceback."""
     port = os.environ.get("MASTER_PORT")
-    if port is None:
-        raise ConfigError("bad torchrun environment: MASTER_PORT is not set (torchrun sets it and MASTER_ADDR)")
+    if port is None:  # torch's rendezvous says so itself (a ValueError: one line, in setup)
+        return
     if not (port.strip().isascii() and port.strip().isdigit() and 1 <= int(port) <= 65535):
         raise ConfigError(f"bad torchrun environment: MASTER_PORT must be a port number 1..65535, not {port!r}")
 
