@@ -10,6 +10,22 @@ __version__ = "0.1.0"
 if not (_Path(__file__).parent / "kernels").is_dir() and (_Path(__file__).parent.parent / "kernels").is_dir():
     __path__.append(str(_Path(__file__).parent.parent))
 
+# A command (``python -m fastcifar...``, or the ``fastcifar`` / ``fastcifar-train`` scripts) imports
+# this package first, seconds before its module has imported torch and its main runs: a bad
+# OMP_NUM_THREADS is refused now, before libgomp prints its own warning and goes on
+# (core.environment), and a Ctrl-C or SIGTERM meanwhile is one line, not an import's traceback
+# (core.signals.install_early). A program that merely imports fastcifar is left alone.
+from fastcifar.core.environment import running_a_command as _running_a_command  # noqa: E402
+
+if _running_a_command():
+    from fastcifar.core import signals as _signals
+    from fastcifar.core.environment import environment_problem as _problem
+
+    _signals.install_early()
+    if _problem() is not None:
+        print(f"fastcifar: error: {_problem()}", file=__import__("sys").stderr)
+        raise SystemExit(2)
+
 # The Python API (fastcifar.api). Config and presets are light and imported now; the trainer,
 # evaluate and predict are modules that are also callable, imported on first use: importing
 # fastcifar.train here would make `python -m fastcifar.train` warn (runpy finds it imported).

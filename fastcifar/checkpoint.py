@@ -2,11 +2,14 @@
 
     python -m fastcifar.checkpoint inspect RUN_DIR/sparse/run1/*.safetensors
     python -m fastcifar.checkpoint restore BASE DIFF [DIFF ...] --out model.safetensors [--data PATH]
+    python -m fastcifar.checkpoint seal OLD.safetensors --out NEW.safetensors
 
 A run with ``--sparse-checkpoints`` writes a base model file and one sparse diff per epoch
 (``fastcifar.run.sparse.diffs``). ``restore`` writes the model file of the last diff's epoch; with
 ``--data`` it also evaluates it on the test set as the trainer does (its TTA, on the CPU) and
-prints the accuracy.
+prints the accuracy. ``seal`` writes a copy of a model file written before model files carried a
+digest (``fastcifar.models.files``), with one: the files are refused without it, and sealing says
+the user vouches for the bytes as they are. Its contents are checked as every load checks them.
 """
 
 from __future__ import annotations
@@ -18,8 +21,18 @@ import torch
 
 from fastcifar.cli import run_command
 from fastcifar.core.config import OneLineParser
+from fastcifar.core.names import printable
 from fastcifar.evaluate import evaluate
-from fastcifar.models.files import MODEL_FORMAT, model_info, network_from_weights, read_safetensors, save_weights
+from fastcifar.models.files import (
+    DIGEST_KEY,
+    MODEL_FORMAT,
+    CheckpointError,
+    model_info,
+    network_from_weights,
+    read_safetensors,
+    save_weights,
+    write_safetensors,
+)
 from fastcifar.run.sparse import diffs
 
 
@@ -35,22 +48,28 @@ def inspect_lines(path: str | Path) -> list[str]:
     size = Path(path).stat().st_size
     if meta.get("format") == MODEL_FORMAT:
         n = sum(t.numel() for t in tensors.values())
-        return [f"{path}: model file, {len(tensors)} tensors, {n:,} values, {size:,} bytes"]
-    lines = [
-        f"{path}: sparse diff, epoch {meta.get('epoch')}, parent {meta.get('parent')}, "
-        f"test_acc {meta.get('test_acc')}, {size:,} bytes"
+        return [f"{printable(str(path))}: model file, {len(tensors)} tensors, {n:,} values, {size:,} bytes"]
+    lines = [  # the metadata's text escaped: a control character in it cannot reach the terminal
+        printable(
+            f"{path}: sparse diff, epoch {meta.get('epoch')}, parent {meta.get('parent')}, "
+            f"test_acc {meta.get('test_acc')}, {size:,} bytes"
+        )
     ]
     for key, t in tensors.items():
         if key.endswith("/idx"):
-            lines.append(f"  {key[len('param/') : -len('/idx')]}: {t.numel():,} entries")
+            lines.append(printable(f"  {key[len('param/') : -len('/idx')]}: {t.numel():,} entries"))
         elif key.startswith("buffer/"):
-            lines.append(f"  {key[len('buffer/') :]}: dense {tuple(t.shape)}")
+            lines.append(printable(f"  {key[len('buffer/') :]}: dense {tuple(t.shape)}"))
     return lines
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.checkpoint") -> int:
     parser = OneLineParser(
-        prog=prog, description="Inspect sparse diffs, or restore a model from a base file and a chain of them."
+        prog=prog,
+        description=(
+            "Inspect sparse diffs, restore a model from a base file and a chain of them, or seal an older "
+            "model file (written before digests) with one."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
     ins = sub.add_parser(
@@ -68,6 +87,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.checkpo
     res.add_argument("diffs", nargs="*", help="the diffs to apply, in epoch order")
     res.add_argument("--out", default="", help="model file to write (the base's format); empty: none")
     res.add_argument("--data", default="", help="evaluate the restored model on this data's test set")
+    sea = sub.add_parser(
+        "seal",
+        help="a copy of an older model file, with the digest loads require",
+        description=(
+            "A copy of a model file written before model files carried a digest, with one (model "
+            "files without it are refused). Seal only a file you trust as it is: the digest then "
+            "vouches for its bytes."
+        ),
+    )
+    sea.add_argument("file", help="the model file without a digest")
+    sea.add_argument("--out", required=True, help="the model file to write (not overwritten)")
     args = parser.parse_args(argv)
     return run_command(lambda: _run(args))
 
@@ -77,6 +107,8 @@ def _run(args) -> int:
         for f in args.files:
             print("\n".join(inspect_lines(f)))
         return 0
+    if args.command == "seal":
+        return _seal(args.file, args.out)
     state, meta = diffs.restore(args.base, args.diffs)
     if args.out:
         if Path(args.out).exists():
@@ -86,10 +118,22 @@ def _run(args) -> int:
         if args.diffs:  # the last diff's epoch is the model written
             recorded = read_safetensors(args.diffs[-1], "sparse diff")[1].get("test_acc")
             test_acc = float(recorded) if recorded else None
-        save_weights(args.out, state, info.config, info.classes, test_acc, info.mean, info.std)
+        save_weights(args.out, state, info.config, info.classes, test_acc, info.mean, info.std, replace=False)
         print(f"wrote {args.out}")
     if args.data:
         print(f"test_acc {evaluate_state(state, meta, args.data):.4f}")
+    return 0
+
+
+def _seal(path: str, out: str) -> int:
+    tensors, meta = read_safetensors(path)  # a digest it does carry is checked here
+    if meta.get("format") != MODEL_FORMAT:
+        raise CheckpointError(f"{path}: not a fastcifar model file (format {meta.get('format')!r})")
+    if DIGEST_KEY in meta:
+        raise CheckpointError(f"{path}: carries a digest already (and it matches): nothing to do")
+    network_from_weights(tensors, meta, path)  # every check a load makes, before vouching for it
+    write_safetensors(out, tensors, meta, replace=False)
+    print(f"wrote {out}: {path}'s contents, with their digest")
     return 0
 
 

@@ -23,6 +23,7 @@ import sys
 import types
 
 from fastcifar.core.errors import ConfigError, DataError
+from fastcifar.core.names import printable
 
 
 class CallableModule(types.ModuleType):
@@ -38,15 +39,39 @@ class CallableModule(types.ModuleType):
 
 
 def run_command(body) -> int:
-    """Run a command line's ``body`` (evaluate, predict): its bad input is one line on stderr and
-    exit 2, as the trainer's is."""
+    """Run a command line's ``body`` (evaluate, predict, export, checkpoint) as the trainer runs its
+    own: bad input is one line on stderr and exit 2; SIGINT or SIGTERM is one line and exit 130 or
+    143 (``core.signals``: finally blocks run, so ``write_atomic`` removes its temporary, and no
+    KeyboardInterrupt traceback), also when the main thread is blocked in C++ (the signal watcher
+    then prints the line and ends the process)."""
+    from fastcifar.core import signals
+    from fastcifar.core.environment import environment_problem
+
+    previous = signals.install(on_blocked=_say_stopped)
     try:
+        if environment_problem() is not None:  # also when called as python -m's module or from a script
+            raise ConfigError(environment_problem())
         return body()
     except (ConfigError, DataError) as exc:  # a CheckpointError is a DataError
-        print(f"fastcifar: error: {exc}", file=sys.stderr)
+        # printable: a message may quote a file's text (a name, a setting); it stays one line
+        print(f"fastcifar: error: {printable(str(exc))}", file=sys.stderr)
     except RuntimeError as exc:  # e.g. --device cuda without one
-        print(f"fastcifar: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"fastcifar: error: {printable(first)}", file=sys.stderr)
+    except signals.StopRun as exc:
+        if not signals.claim_ending():  # the watcher is ending the process: its line, its status
+            signals.wait_for_claimant()
+        _say_stopped(exc)
+        return exc.exit_code
+    except BrokenPipeError:  # `... | head -1`: the reader left; quiet, as a shell's SIGPIPE'd command
+        return signals.stdout_gone()
+    finally:
+        signals.restore(previous)  # the caller's Ctrl-C works again (pytest, a notebook)
     return 2
+
+
+def _say_stopped(exc: BaseException) -> None:
+    print(f"fastcifar: {exc}", file=sys.stderr, flush=True)
 
 
 def make_callable(module_name: str, function) -> None:
@@ -61,7 +86,10 @@ COMMANDS = {
     "train": ("fastcifar.train", "train a network on CIFAR (default: {default}), on one device or under torchrun"),
     "evaluate": ("fastcifar.evaluate", "test accuracy, overall and per class, of a saved model"),
     "predict": ("fastcifar.predict", "top classes, with probabilities, of your own images"),
-    "checkpoint": ("fastcifar.checkpoint", "inspect sparse diffs, or restore a model file from a chain of them"),
+    "checkpoint": (
+        "fastcifar.checkpoint",
+        "inspect sparse diffs, restore a model file from a chain of them, or seal an older model file",
+    ),
     "export": ("fastcifar.export", "write a saved model as an ONNX file (for onnxruntime and others)"),
 }
 
@@ -110,5 +138,23 @@ def main(argv: list[str] | None = None, prog: str = "fastcifar") -> int:
             file=sys.stderr,
         )
         return 2
-    module = importlib.import_module(COMMANDS[name][0])  # by name: the commands import this module
-    return module.main(rest, prog=f"{prog} {name}")
+    from fastcifar.core import signals
+    from fastcifar.core.environment import environment_problem
+
+    problem = environment_problem()  # before the command imports torch (its libgomp reads OMP_NUM_THREADS)
+    if problem is not None:
+        print(f"fastcifar: error: {problem}", file=sys.stderr)
+        return 2
+    # from here, not from the command's own main: importing torch takes seconds, and a Ctrl-C then
+    # would end in a KeyboardInterrupt traceback; the command installs its own on top
+    previous = signals.install(on_blocked=_say_stopped)
+    try:
+        module = importlib.import_module(COMMANDS[name][0])  # by name: the commands import this module
+        return module.main(rest, prog=f"{prog} {name}")
+    except signals.StopRun as exc:
+        if not signals.claim_ending():
+            signals.wait_for_claimant()
+        _say_stopped(exc)
+        return exc.exit_code
+    finally:
+        signals.restore(previous)

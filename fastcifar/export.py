@@ -34,6 +34,7 @@ import torch
 from fastcifar.cli import run_command
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import ConfigError, OneLineParser
+from fastcifar.core.readfile import kind
 from fastcifar.data import DataError
 from fastcifar.models.files import load_model
 
@@ -121,6 +122,8 @@ def export(model_path, out, *, opset: int = DEFAULT_OPSET, force: bool = False, 
         raise ConfigError(f"{out} is a folder; --onnx takes a file name, e.g. {out / 'model.onnx'}")
     if out.exists() and not force:
         raise ConfigError(f"{out} exists; pass --force to overwrite it")
+    if out.exists() and not out.is_file():  # --force renames over it: never over /dev/null or a FIFO
+        raise ConfigError(f"{out} is {kind(out.stat().st_mode)}, not a regular file; --force replaces only a file")
     net, info = load_model(model_path, "cpu")
     try:
         blob = onnx_bytes(net, info.mean, info.std, opset)
@@ -137,7 +140,9 @@ def export(model_path, out, *, opset: int = DEFAULT_OPSET, force: bool = False, 
     if not out.parent.is_dir():  # a typo in the path would quietly make folders
         raise ConfigError(f"{out.parent}: no such folder (make it first)")
     try:
-        write_atomic(out, blob)
+        write_atomic(out, blob, replace=force)  # without --force, a file made meanwhile (another export) is kept
+    except FileExistsError:
+        raise ConfigError(f"{out} exists; pass --force to overwrite it") from None
     except OSError as exc:
         raise DataError(f"cannot write {out}: {exc.strerror or type(exc).__name__}") from None
     cfg = info.config

@@ -28,6 +28,7 @@ from PIL import Image, UnidentifiedImageError
 from fastcifar.api import resolve_model
 from fastcifar.cli import make_callable, run_command
 from fastcifar.core.config import CHOICES, ConfigError, OneLineParser
+from fastcifar.core.names import printable
 from fastcifar.core.readfile import read_regular, why
 from fastcifar.data import DataError
 from fastcifar.data.folder import IMAGE_SUFFIXES, bomb_warnings_as_errors, open_image
@@ -62,6 +63,7 @@ def read_image(path: Path) -> tuple[np.ndarray, tuple | None]:
     refused, not waited on); DataError for an image too large to decode, refused by its header."""
     raw = read_regular(path)
     with bomb_warnings_as_errors(), open_image(io.BytesIO(raw), str(path)) as img:
+        img.seek(0)  # an animated GIF or a multi-page TIFF: its first frame
         img = img.convert("RGB")
         size = img.size
         if size != (SIZE, SIZE):
@@ -100,10 +102,10 @@ def predict(
                 error = ""
             if error:
                 results.append(Prediction(str(path), error=error))
-                warn(f"{path}: {error}")
+                warn(f"{printable(str(path))}: {printable(error)}")
                 continue
             if resized:
-                warn(f"note: {path}: resized from {resized[0]}x{resized[1]} to 32x32")
+                warn(f"note: {printable(str(path))}: resized from {resized[0]}x{resized[1]} to 32x32")
             results.append(Prediction(str(path), resized_from=resized))
             arrays.append(array)
     readable = [r for r in results if not r.error]
@@ -140,7 +142,7 @@ def _report(args) -> int:
     warn = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     results = predict(args.model, args.images, top=args.top, tta=args.tta, device=args.device, warn=warn)
     if not results:
-        raise DataError(f"no image files in {' '.join(args.images)}")
+        raise DataError(f"no image files in {printable(' '.join(args.images))}")
     if args.json:
         print(
             json.dumps(
@@ -156,7 +158,8 @@ def _report(args) -> int:
     else:
         for r in results:
             if not r.error:
-                print(f"{r.path}: " + ", ".join(f"{c} {p:.3f}" for c, p in r.top))
+                # a file name may hold a newline or a bidi override: escaped, one line per image
+                print(f"{printable(r.path)}: " + ", ".join(f"{printable(c)} {p:.3f}" for c, p in r.top))
     return 1 if any(r.error for r in results) else 0
 
 

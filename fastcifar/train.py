@@ -34,6 +34,8 @@ import torch
 from fastcifar import cli
 from fastcifar.core import gpu, signals
 from fastcifar.core.config import Config, ConfigError, check_run_length, parse_command_line, validate
+from fastcifar.core.environment import environment_problem, place_triton_cache
+from fastcifar.core.names import printable
 from fastcifar.data import DataError, load_dataset, shard_indices
 from fastcifar.data.dali import dali_decoder, make_train_loader, resolve_loader
 from fastcifar.data.dataset import for_run
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
     # blocked in a collective (signals.py: a watcher thread then records the stop and ends the process)
     previous = signals.install(on_blocked=record_stop)
     try:
+        if environment_problem() is not None:  # fastcifar-train: torch (and libgomp) loaded already, still refused
+            raise ConfigError(environment_problem())
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s, cfg.dist_group, settings=cfg)
         # The first collective, right after the group forms: ranks launched with different command
         # lines stop here, before any file is read (a checkpoint, the data).
@@ -75,8 +79,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
         if not isinstance(exc, distributed.PeerDataError):  # a peer's own failure: it told the others
             distributed.announce_stop(ctx, str(exc))  # ranks waiting for this one's data stop waiting
         report.stop_open_logs("failed", str(exc))
-        print(f"fastcifar: error: {where}{exc}", file=sys.stderr)
+        print(f"fastcifar: error: {where}{printable(str(exc))}", file=sys.stderr)  # one line, whatever it quotes
         code = 2
+    except BrokenPipeError:  # `fastcifar train ... | head`: the reader left; recorded, then quiet (141)
+        distributed.announce_stop(ctx, "rank 0's stdout was closed by its reader (broken pipe)")
+        report.stop_open_logs("failed", "stdout closed by its reader (broken pipe)")
+        code = signals.stdout_gone()
     except signals.StopRun as exc:  # interrupted (130, 143) or diverged (4): logs closed, summary written
         if not signals.claim_ending():  # a watcher thread is ending the rank: its record, its status
             signals.wait_for_claimant()
@@ -132,6 +140,12 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     use_graphs, graphs_note = graphs.resolve(
         cfg.cuda_graphs, ctx.device, capture_blocker(cfg, ctx.world_size, ctx.distributed)
     )
+    if cfg.precision == "fp16" and ctx.device.type == "cpu":  # issue 70: no epoch in 300 s, fp32's took 50-80 s
+        raise ConfigError(
+            "--precision fp16 on the CPU runs half precision in software, many times slower than fp32 "
+            "(the README's CPU example finished no epoch in 300 s, fp32 took 50-80 s): use --precision fp32 "
+            "or auto (fp32 on the CPU), or --device cuda"
+        )
     resume = state.load_state(cfg.resume, cfg, ctx) if cfg.resume else None  # refused before any write
     log = RunLog(cfg, cfg.out_dir, enabled=ctx.is_main)  # checks --out-dir; the folder comes at log.start
     progress = Progress.for_rank(ctx.is_main, cfg.quiet)
@@ -146,6 +160,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     for note in (
         report.cpu_note(cfg, ctx.device),
         report.cpu_threads_note(ctx.device),
+        place_triton_cache(ctx.device.type),  # a HOME that does not exist: never made from / down
         notice,
         graphs_note,
         profiling.graphs_note(cfg.nvtx, use_graphs),
@@ -253,6 +268,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
             "classes": list(data.classes),
         }
     )
+    log.follow(distributed.from_rank0(str(log.dir or ""), ctx), ctx.rank)  # a killed rank 0 still gets a summary
 
     for note in notes:
         log.line(note)

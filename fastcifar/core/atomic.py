@@ -11,6 +11,7 @@ resume (``run.state``) for the whole folder of the checkpoint it reads.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import glob
 import os
@@ -60,10 +61,12 @@ def _write_file(tmp: str | Path, blob: bytes) -> None:
         os.fsync(f.fileno())  # on disk before the rename makes it the target
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> Path:
+def write_atomic(path: str | Path, data: str | bytes, replace: bool = True) -> Path:
     """``data`` into a temporary file beside ``path``, fsynced, then renamed to it and the folder
     fsynced: a crash, a signal or a full disk mid-write leaves the previous file whole (and no
-    temporary behind, SIGKILL aside)."""
+    temporary behind, SIGKILL aside). ``replace=False``: FileExistsError when ``path`` exists, also
+    when another process made it a moment ago (two ``export``s to one new path: one wins, the other
+    is told), decided by the kernel's link (``_publish``), not by an earlier look."""
     path = Path(path)
     blob = data.encode("utf-8") if isinstance(data, str) else data
     remove_stale(path.parent, glob.escape(path.name))  # what a killed writer of this file left
@@ -72,7 +75,10 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644))
         _write_file(tmp, blob)
         os.chmod(tmp, 0o644)  # whatever the umask: as readable as the run's other files
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _publish(tmp, path)
     finally:
         try:
             os.unlink(tmp)  # still there: the write failed or was interrupted
@@ -80,6 +86,20 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
             pass
     fsync_dir(path.parent)
     return path
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """``tmp`` as ``path`` unless ``path`` exists (FileExistsError): a hard link is created only
+    where no name is, atomically. A file system without hard links (FAT, some network mounts) gets
+    a look and a rename, which two writers in the same instant could both pass."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None  # named: the target, not tmp
+    except OSError:
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+        os.replace(tmp, path)
 
 
 def _alive(pid: int) -> bool:

@@ -50,6 +50,12 @@ def _open_regular(path: str | Path) -> int:
         raise
 
 
+def open_regular(path: str | Path):
+    """The regular file ``path`` opened for reading (a binary file object); OSError
+    (``NotRegularFile`` for a FIFO, a device, a folder) otherwise."""
+    return os.fdopen(_open_regular(path), "rb")
+
+
 def check_regular(path: str | Path) -> None:
     """Raise the OSError a read of ``path`` would meet (missing, unreadable, not a regular file)."""
     os.close(_open_regular(path))

@@ -67,6 +67,29 @@ _ending = threading.Lock()
 _watcher: _Watcher | None = None
 
 
+def _early(signum, frame):
+    """Before a command's ``main`` installs ``_handler``: the process is still importing (torch
+    takes seconds), has written nothing, and the import cannot be unwound without runpy's
+    traceback, so the one line and the exit status come at once."""
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            os.write(2, f"fastcifar: interrupted by {signal.Signals(signum).name}\n".encode())
+        except OSError:
+            pass
+    os._exit(128 + signum)
+
+
+def install_early() -> None:
+    """For ``python -m fastcifar...`` and the console scripts, from the package's import: SIGINT
+    and SIGTERM end the process with one line until ``install`` takes over (a no-op outside the
+    main thread, and for a signal the parent set to be ignored, as ``nohup`` does)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in HANDLED:
+        if signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL):
+            signal.signal(sig, _early)
+
+
 def _handler(signum, frame):
     global _stopping
     if _stopping:
@@ -74,6 +97,24 @@ def _handler(signum, frame):
     _stopping = True
     _handled.set()
     raise Interrupted(signum)
+
+
+# ``fastcifar predict ... | head -1``: the reader is gone. A shell reports a process that SIGPIPE
+# ended as 128 + 13; Python ignores SIGPIPE and raises BrokenPipeError instead, with a traceback,
+# and again at exit when it flushes stdout. The commands end quietly with the shell's status.
+BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE
+
+
+def stdout_gone() -> int:
+    """Point stdout at /dev/null (the interpreter's last flush then has nowhere to fail) and
+    return ``BROKEN_PIPE_EXIT``."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return BROKEN_PIPE_EXIT
 
 
 def claim_ending() -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastcifar.core.errors import DataError
+from fastcifar.core.names import check_class_names
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 IMAGE_SHAPE = (32, 32, 3)
@@ -22,7 +23,9 @@ class Dataset:
     source: str  # what was read, for logs and summaries
 
     def validate(self) -> Dataset:
-        """Check shapes, dtypes and label range; raise DataError naming what is wrong."""
+        """Check shapes, dtypes, label range and class names (``core.names``); raise DataError
+        naming what is wrong."""
+        check_class_names(self.classes, f"{self.source}: class names", DataError)
         for split in ("train", "test"):
             images = getattr(self, f"{split}_images")
             labels = getattr(self, f"{split}_labels")

@@ -23,12 +23,15 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from fastcifar.core.environment import home_is_a_folder
 from fastcifar.core.errors import DataError
+from fastcifar.core.names import check_class_names
 from fastcifar.core.readfile import read_regular, why
 from fastcifar.data.dataset import IMAGE_SHAPE, Dataset
 
 SPLITS = ("train", "test")
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm"}
+# what PIL reads without plug-ins; a GIF or a multi-page TIFF gives its first frame
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff", ".gif"}
 CACHE_VERSION = 1  # bump when the decoded form changes, so stale caches are not read
 
 
@@ -60,6 +63,8 @@ def _split_files(entries: list[tuple[PurePosixPath, object]], source: str):
             f"{source}: class folders of train/ and test/ differ "
             f"(only in train: {only_train or 'none'}; only in test: {only_test or 'none'})"
         )
+    # before any image is decoded: the folder names become the model file's class names
+    check_class_names(train_classes, f"{source}: class folders under train/", DataError)
     return tree, tuple(train_classes)
 
 
@@ -222,8 +227,23 @@ def read_folder_archive(
 # The cache of decoded arrays
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastcifar"
+def default_cache_dir() -> tuple[Path | None, str]:
+    """The user cache folder for decoded arrays, ``$XDG_CACHE_HOME/fastcifar`` or
+    ``$HOME/.cache/fastcifar``, and "" ; or None and a note saying why there is none. Only
+    ``fastcifar`` (and ``.cache`` in an existing home) is ever created: a ``HOME`` that does not
+    exist (a service account's ``/nonexistent``) once had four folders made from ``/`` down. A
+    relative ``XDG_CACHE_HOME`` is ignored, as the XDG spec says."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if xdg and os.path.isabs(xdg) and os.path.isdir(xdg):
+        return Path(xdg) / "fastcifar", ""
+    home = os.environ.get("HOME", "")
+    if home_is_a_folder():
+        return Path(home) / ".cache" / "fastcifar", ""
+    where = f"XDG_CACHE_HOME {xdg!r} and " if xdg else ""
+    return None, (
+        f"note: no decode cache: {where}HOME {home!r} is not an existing folder, and the data's folder is "
+        f"not writable; the images are decoded again next time (--cache-dir FOLDER keeps them)"
+    )
 
 
 def decoder_name(decode: BatchDecoder | None) -> str:
@@ -245,15 +265,17 @@ def source_fingerprint(source: Path, decoder: str = "pil") -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def cache_path(source: Path, cache_dir: Path | None, decoder: str = "pil") -> Path:
+def cache_path(source: Path, cache_dir: Path | None, decoder: str = "pil") -> tuple[Path | None, str]:
     """Where the decoded arrays of ``source`` (decoded by ``decoder``) are cached: ``cache_dir``,
-    else next to the data if that folder is writable, else the user cache folder."""
+    else next to the data if that folder is writable, else the user cache folder; with "" or, when
+    there is no place for them (``default_cache_dir``), None and a note."""
     name = f"{source.name}.fastcifar-{source_fingerprint(source, decoder)}.npz"
     if cache_dir is not None:
-        return cache_dir / name
+        return cache_dir / name, ""
     if os.access(source.parent, os.W_OK):
-        return source.parent / f".{name}"
-    return default_cache_dir() / name
+        return source.parent / f".{name}", ""
+    folder, note = default_cache_dir()
+    return (folder / name if folder is not None else None), note
 
 
 def load_cache(path: Path, source: str) -> Dataset | None:

@@ -11,6 +11,9 @@ and runs no code when read. Its string metadata makes the file self-sufficient:
     test_acc    str(float): the run's final test accuracy in %, with the config's TTA; "" when the
                 file was written before any evaluation (a sparse-diff base)
     torch       the torch version that wrote it
+    sha256      the file's digest (``digest``): the SHA-256 of the header (as canonical JSON, this
+                key left out) followed by the tensor bytes, so a changed byte anywhere, a weight or
+                a class name, is refused on every load (one line, exit 2) though it still decodes
 
 ``save_model`` / ``load_model`` (and their halves ``save_weights``, ``read_model_file``,
 ``network_from_weights``) are the only writer and reader: the trainer, ``evaluate``, ``predict``,
@@ -18,14 +21,21 @@ the API and the sparse diffs' base and restored files all use them.
 
 
 Written to a temporary file in the target's folder and renamed over it (``core.atomic``), so a
-crash mid-write leaves the previous file whole. Training checkpoints: ``fastcifar.run.state``.
+crash mid-write leaves the previous file whole, with its digest in the same write. A file without
+a digest (written before digests, or with the key removed) is refused: nothing tells a changed
+byte from the original; ``python -m fastcifar.checkpoint seal OLD --out NEW`` writes a copy with
+one for a file the user vouches for. Sparse diffs carry the same digest. Training checkpoints:
+``fastcifar.run.state``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import os
+import struct
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -34,24 +44,30 @@ import torch
 from fastcifar.core import atomic, gpu
 from fastcifar.core.config import Config, ConfigError, check_fields
 from fastcifar.core.errors import DataError
-from fastcifar.core.readfile import check_regular, why
+from fastcifar.core.names import check_class_names
+from fastcifar.core.readfile import open_regular, why
 
 MODEL_FORMAT = "fastcifar.model/1"
 MODEL_NAME = "model.safetensors"
+DIGEST_KEY = "sha256"  # the metadata key of a safetensors file's digest (``digest``)
 
 
 class CheckpointError(DataError):
     """A model or checkpoint file that cannot be used: one line, exit 2."""
 
 
-def write_atomic(path: str | Path, blob: str | bytes) -> Path:
+def write_atomic(path: str | Path, blob: str | bytes, replace: bool = True) -> Path:
     """``atomic.write_atomic`` for a model, state or sparse-record file (bytes or text). The content
     is built in memory first, so a full disk surfaces here as an OSError: one line
     (CheckpointError), exit 2."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return atomic.write_atomic(path, blob)
+        return atomic.write_atomic(path, blob, replace)
+    except FileExistsError as exc:
+        if not replace and exc.filename == str(path):  # write_atomic's own refusal, not mkdir's
+            raise CheckpointError(f"{path} exists; not overwriting it") from None
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or type(exc).__name__}") from None
     except OSError as exc:
         raise CheckpointError(f"cannot write {path}: {exc.strerror or type(exc).__name__}") from None
 
@@ -93,11 +109,12 @@ def host_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
 
 
-def save_weights(path, tensors: dict, cfg: Config, classes, test_acc: float | None, mean, std) -> Path:
+def save_weights(
+    path, tensors: dict, cfg: Config, classes, test_acc: float | None, mean, std, replace: bool = True
+) -> Path:
     """``save_model`` for a state dict already on the host (contiguous CPU tensors): the sparse
     diffs' base and restored files (fastcifar.run.sparse.diffs) are model files written here too."""
-    from safetensors.torch import save
-
+    check_class_names(list(classes), f"{path}: not written: class names", CheckpointError)
     metadata = {
         "format": MODEL_FORMAT,
         "config": json.dumps(dataclasses.asdict(cfg)),
@@ -107,7 +124,42 @@ def save_weights(path, tensors: dict, cfg: Config, classes, test_acc: float | No
         "test_acc": "" if test_acc is None else str(float(test_acc)),
         "torch": str(torch.__version__),
     }
-    return write_atomic(path, save(tensors, metadata=metadata))
+    return write_safetensors(path, tensors, metadata, replace)
+
+
+def digest(blob: bytes) -> str | None:
+    """The digest of a safetensors file's bytes: SHA-256 over its header as canonical JSON (sorted
+    keys, no spaces; the ``sha256`` metadata key left out, since it holds the result) and then its
+    tensor bytes, in file order. None when ``blob`` has no readable header (safetensors then says
+    what is wrong). Canonical JSON, not the header's own bytes: safetensors pads the header, and
+    adding the key changes its length but neither the tensors' offsets nor their bytes."""
+    if len(blob) < 8:
+        return None
+    (n,) = struct.unpack("<Q", blob[:8])
+    if n > len(blob) - 8:
+        return None
+    try:
+        header = json.loads(blob[8 : 8 + n])
+    except ValueError:
+        return None
+    if not isinstance(header, dict):
+        return None
+    meta = header.get("__metadata__")
+    if isinstance(meta, dict):
+        header["__metadata__"] = {k: v for k, v in meta.items() if k != DIGEST_KEY}
+    h = hashlib.sha256(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    h.update(memoryview(blob)[8 + n :])
+    return h.hexdigest()
+
+
+def write_safetensors(path, tensors: dict, metadata: dict[str, str], replace: bool = True) -> Path:
+    """``tensors`` and ``metadata`` as a safetensors file at ``path``, atomically, with its digest
+    in the metadata (the one write makes file and digest appear together)."""
+    from safetensors.torch import save
+
+    metadata = {k: v for k, v in metadata.items() if k != DIGEST_KEY}
+    sealed = {**metadata, DIGEST_KEY: digest(save(tensors, metadata=metadata))}
+    return write_atomic(path, save(tensors, metadata=sealed), replace)
 
 
 def load_model(path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelInfo]:
@@ -119,35 +171,79 @@ def load_model(path, device: str | torch.device = "cpu") -> tuple[torch.nn.Modul
 
 def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors (on the CPU) and string metadata of a safetensors file (``what``, for the
-    error), in one read."""
-    from safetensors import safe_open
+    error), in one read: the bytes checked against the digest are the bytes decoded. A digest that
+    does not match is refused (one line); a file without one is the caller's to judge
+    (``require_digest``)."""
+    from safetensors.torch import load
 
     path = Path(path)
     try:
-        check_regular(path)  # the OS's reason (permission, a FIFO, a loop), before safetensors reads it
+        blob = _read_sized(path, what)  # the OS's reason (permission, a FIFO, a loop), before safetensors reads it
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such {what}") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read {what}: {why(exc)}") from None
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+        tensors = load(blob)
+        (n,) = struct.unpack("<Q", blob[:8])
+        meta = json.loads(blob[8 : 8 + n]).get("__metadata__") or {}
     except Exception as exc:  # safetensors reports a damaged header or short file in several types
-        if _is_torch_archive(path):
+        if blob[:4] == b"PK\x03\x04":  # a torch.save zip
             raise CheckpointError(
                 f"{path}: a training checkpoint (for --resume), not a {what}; the run's "
                 f"model is {path.with_name(MODEL_NAME)}"
             ) from None
-        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {one_line(str(exc))})") from None
+    recorded = meta.get(DIGEST_KEY)
+    if recorded is not None and recorded != digest(blob):
+        raise CheckpointError(
+            f"{path}: its contents do not match the digest written with them (sha256): the file "
+            f"changed after it was written (a damaged disk or copy, or an edit); refusing to use it"
+        )
+    return tensors, meta
 
 
-def _is_torch_archive(path: Path) -> bool:
-    """A torch.save zip (checkpoint.pt), by its first bytes."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"PK\x03\x04"
-    except OSError:
-        return False
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
+
+
+def _read_sized(path: Path, what: str) -> bytes:
+    """The file's bytes, read only when its size is the one its header gives (8 + header + the
+    last tensor's end): a 1 TB sparse file of zeros, or a model file with gigabytes appended, is
+    refused after reading its first bytes, not by filling the memory."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if head[:4] == b"PK\x03\x04" or not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+            return head + f.read(min(size, 1 << 16))  # too short to be one: safetensors says what is wrong
+        header = f.read(n)
+        try:
+            ends = [v["data_offsets"][1] for k, v in json.loads(header).items() if k != "__metadata__"]
+            expected = 8 + n + max(ends, default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return head + header  # not a header: safetensors says so
+        if expected != size:
+            raise CheckpointError(
+                f"{path}: not a readable {what} (its header describes {expected:,} bytes, the file has "
+                f"{size:,}: truncated, or something appended)"
+            )
+        return head + header + f.read()
+
+
+def require_digest(path, meta: dict, what: str = "model file") -> None:
+    """Refuse a file with no digest: nothing would tell a changed byte from the original."""
+    if DIGEST_KEY not in meta:
+        raise CheckpointError(
+            f"{path}: this {what} carries no digest (written before fastcifar recorded one, or "
+            f"edited), so a changed byte could not be told; if you trust it, "
+            f"python -m fastcifar.checkpoint seal {path} --out NEW.safetensors writes a copy with one"
+        )
+
+
+def one_line(text: str) -> str:
+    """The first non-empty line of ``text``, at most 200 characters: an error quoted in a one-line message."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[0] if lines else "")[:200]
 
 
 def read_model_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -156,6 +252,7 @@ def read_model_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise CheckpointError(
             f"{path}: not a fastcifar model file (format {meta.get('format')!r}, expected {MODEL_FORMAT!r})"
         )
+    require_digest(path, meta)
     return tensors, meta
 
 
@@ -189,6 +286,7 @@ def model_info(meta: dict[str, str], source: str) -> ModelInfo:
             f"{source}: unusable metadata: classes must be 1..{MAX_CLASSES} names, "
             f"not {len(info.classes)} of types {sorted({type(c).__name__ for c in info.classes})}"
         )
+    check_class_names(info.classes, f"{source}: unusable metadata: classes", CheckpointError)
     for name in ("mean", "std"):
         values = getattr(info, name)
         numbers_ok = len(values) == 3 and all(

@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -228,6 +229,13 @@ def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto", 
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError as exc:
         raise ConfigError(f"bad torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {exc}") from None
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise ConfigError(
+            f"bad torchrun environment: RANK {rank}, LOCAL_RANK {local_rank}, WORLD_SIZE {world_size} "
+            f"(WORLD_SIZE must be positive, RANK in 0..WORLD_SIZE-1, LOCAL_RANK not negative)"
+        )
+    if world_size > 1 or "MASTER_ADDR" in os.environ:  # a group will be formed at MASTER_ADDR:MASTER_PORT
+        _check_master_port()
     device = pick_device(requested_device, local_rank, settings, own_gpus=bool(slurm))
     _data_step.done = False  # a new run: its data step is ahead (announce_stop)
     if world_size == 1 and group != "always":
@@ -238,8 +246,20 @@ def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto", 
         kwargs = {"device_id": device} if backend == "nccl" else {}
         if world_size == 1 and "MASTER_ADDR" not in os.environ:  # alone, not under torchrun: no one to meet
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        except ValueError as exc:  # torch's own check of the environment (a missing MASTER_ADDR, ...)
+            raise ConfigError(f"bad torchrun environment: {str(exc).strip().splitlines()[0]}") from None
     return DistContext(rank, world_size, local_rank, device, backend)
+
+
+def _check_master_port() -> None:
+    """MASTER_PORT as torch's rendezvous reads it, refused in one line instead of its traceback."""
+    port = os.environ.get("MASTER_PORT")
+    if port is None:  # torch's rendezvous says so itself (a ValueError: one line, in setup)
+        return
+    if not (port.strip().isascii() and port.strip().isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"bad torchrun environment: MASTER_PORT must be a port number 1..65535, not {port!r}")
 
 
 # NCCL's timeout over --dist-timeout-s. The progress watchdog must see a stall first, so that the
@@ -324,6 +344,19 @@ def check_same(digest: str, what: str, ctx: DistContext, timeout_s: float = HAND
             f"ranks disagree on the {what}: rank(s) {', '.join(map(str, differ))} differ from "
             f"rank 0 (digest {digests[0][:12]}); launch every rank with the same settings and code"
         )
+
+
+def from_rank0(value: str, ctx: DistContext, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> str:
+    """Rank 0's ``value`` (a short string) on every rank; ``value`` itself with one rank."""
+    if not ctx.distributed:
+        return value
+    data = torch.zeros(4096, dtype=torch.uint8)
+    if ctx.is_main:
+        raw = value.encode("utf-8")[:4096]
+        data[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    data = data.to(ctx.device)
+    dist.broadcast(data, src=0, async_op=True).wait(datetime.timedelta(seconds=timeout_s))
+    return bytes(data.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")
 
 
 # How long a rank waits for the data step of the others (``load_once_per_node``):
@@ -491,12 +524,21 @@ def is_comm_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in str(exc))
 
 
+# A C++ source location in gloo's and c10d's messages, "[/pytorch/third_party/gloo/gloo/transport/tcp/
+# pair.cc:534] " or "../torch/csrc/distributed/c10d/ProcessGroupGloo.cpp:3119:": a build path, nothing for the user
+_SOURCE = re.compile(r"\[?[\w./+-]*\.(?:cc|cpp|cxx|c|h|hpp|cu)(?::\d+)*\]?:?\s*")
+
+
+def _without_sources(text: str) -> str:
+    return " ".join(_SOURCE.sub(" ", text).split())
+
+
 def failure_message(exc: BaseException, timeout_s: float) -> str:
     """One line for a collective that failed because another rank died or stalled (or, PeerStopped,
     for a wait on the store that another rank's own error ended: its words)."""
     if isinstance(exc, PeerStopped):
         return str(exc)
-    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    detail = _without_sources(str(exc).strip().splitlines()[0] if str(exc).strip() else "") or type(exc).__name__
     return (
         f"lost contact with the other ranks (one exited, was killed, or stalled past "
         f"--dist-timeout-s {timeout_s:g}): {detail[:300]}"
@@ -581,7 +623,7 @@ def stop_reason(exc: BaseException) -> str:
         isinstance(exc, signals.Interrupted)
         and exc.signum == signal.SIGTERM
         and os.environ.get("TORCHELASTIC_RUN_ID")
-        and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1")  # no int(): this runs on the way out
     ):
         reason += (
             " (from torchrun, which stops every rank when one of them fails or when it is stopped "

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import re
 import stat
 import statistics
 import subprocess
@@ -376,7 +377,9 @@ def stop_open_logs(status: str, reason: str) -> None:
 
 
 class RunLog:
-    """Rank 0's record of one invocation. ``enabled=False`` makes every call a no-op."""
+    """Rank 0's record of one invocation. ``enabled=False`` makes every call a no-op, but for
+    ``follow``: another rank that knows rank 0's run folder leaves a summary.json there when it
+    stops early and rank 0 has written none (rank 0 was killed)."""
 
     def __init__(self, cfg, out_root: str, enabled: bool, stream=None):
         # sys.stdout as it is now, not as it was at import: a caller (pytest's capture) may have replaced it since
@@ -390,6 +393,8 @@ class RunLog:
         self._epochs: list[EpochRecord] = []  # the current run's, for a summary of a stopped run
         self._epochs_logged = 0  # a resumed run's first logged epoch is past 1: it gets the header
         self.names = epoch_names(cfg)  # --val-split: val_* columns and fields
+        self.rank0_dir: Path | None = None  # another rank's: rank 0's run folder (``follow``)
+        self.rank = 0
         if enabled:
             check_out_dir(out_root)
 
@@ -413,7 +418,9 @@ class RunLog:
 
     def _make_dir(self) -> None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        base = Path(self.out_root) / f"{stamp}-{self.cfg.preset}"
+        # the preset's name as a file name: a checkpoint's or the API's could hold "/" or "..", or a newline
+        label = re.sub(r"[^A-Za-z0-9_.-]", "_", str(self.cfg.preset)).strip(".") or "run"
+        base = Path(self.out_root) / f"{stamp}-{label}"
         self.dir, n = base, 1
         while self.dir.exists():  # two invocations in one second get two folders
             n += 1
@@ -460,6 +467,30 @@ class RunLog:
             except OSError:
                 pass
         self._log = self._tsv = self.dir = None
+
+    def follow(self, rank0_dir: str, rank: int) -> None:
+        """Another rank (``rank``) learns rank 0's run folder: when it stops early (``stop``: its lost
+        contact, torchrun's SIGTERM) and the folder has no summary.json, it writes one, so a
+        killed rank 0 still leaves a summary with the status and the reason. Never over rank 0's:
+        rank 0 replaces a survivor's, a survivor never replaces one (``write_atomic`` without replace)."""
+        if self.enabled or not rank0_dir:
+            return
+        self.rank0_dir, self.rank = Path(rank0_dir), rank
+        _OPEN.append(self)
+
+    def _survivor_summary(self, status: str, reason: str) -> None:
+        doc = self._summary_doc(
+            [],
+            None,
+            status,
+            stopped=reason,
+            written_by=f"rank {self.rank}: rank 0 left no summary (it was gone); its log.txt has its last epochs",
+        )
+        try:
+            if self.rank0_dir.is_dir() and not (self.rank0_dir / "summary.json").exists():
+                write_atomic(self.rank0_dir / "summary.json", to_json(doc), replace=False)
+        except OSError:  # rank 0 or another survivor wrote it meanwhile, or the folder is not reachable
+            pass
 
     def _header(self, meta: dict) -> None:
         dev = meta["device"]
@@ -557,6 +588,7 @@ class RunLog:
     def finish(self, results: list[RunResult]) -> dict:
         summary = summarize(results, self.cfg.target_acc)
         if not self.enabled:
+            self._close()  # a follower: the run finished, nothing to stand in for
             return summary
         self.line(summary_table(summary))
         self._write_summary(self._summary_doc(results, summary, "finished"))
@@ -567,7 +599,12 @@ class RunLog:
     def stop(self, status: str, reason: str) -> None:
         """End a started log early: the reason as the last line of log.txt, and a summary.json
         with ``status`` (e.g. "diverged", "interrupted", "failed"), the finished runs and the
-        epochs of the unfinished one. Never raises: the caller is already on its way out."""
+        epochs of the unfinished one. Never raises: the caller is already on its way out. Another
+        rank that follows rank 0's folder writes its own summary there, if rank 0 left none."""
+        if not self.enabled and self in _OPEN:
+            self._survivor_summary(status, reason)
+            self._close()
+            return
         if not self.enabled or self._log is None or self not in _OPEN:
             return
         try:

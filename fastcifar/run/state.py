@@ -9,16 +9,24 @@ batches) are gathered to rank 0, which writes one file; every rank reads it and 
 entry. A torch pickle read with ``weights_only=True``: tensors and plain containers only.
 
 Written to a temporary file beside the target and renamed over it (``core.atomic``), so a crash
-mid-write leaves the previous checkpoint whole.
+mid-write leaves the previous checkpoint whole. The file carries its own digest, ``sha256``: the
+SHA-256 of everything else it holds (``state_digest``: every value in order, each tensor's dtype,
+shape and bytes), written in the same file, so the one rename makes both appear together. Every
+read (``--resume``'s settings, then the state) checks it: ``torch.load`` does not check the zip's
+CRCs, and a tensor overwritten with finite values would otherwise be trusted. A checkpoint without
+a digest (written before fastcifar recorded one, or edited) is refused: checkpoints live as long as
+a stopped run, and nothing could tell a changed byte.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import io
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -26,14 +34,23 @@ import numpy as np
 import torch
 
 from fastcifar.core import atomic
-from fastcifar.core.config import TRAJECTORY_FREE_FIELDS, Config, training_settings
-from fastcifar.core.readfile import check_regular, why
+from fastcifar.core.config import (
+    PRESETS,
+    TRAJECTORY_FREE_FIELDS,
+    Config,
+    ConfigError,
+    check_fields,
+    training_settings,
+)
+from fastcifar.core.names import printable
+from fastcifar.core.readfile import open_regular, why
 from fastcifar.models.files import CheckpointError, _check_shapes, host_state, write_atomic
 from fastcifar.run.component import Component
 from fastcifar.run.report import EpochRecord
 
 STATE_FORMAT = "fastcifar.state/1"
 STATE_NAME = "checkpoint.pt"
+DIGEST_KEY = "sha256"  # the state's own digest (state_digest), beside the fields it covers
 # What a checkpoint holds (save_state); a file without one of them is refused by name.
 STATE_KEYS = (
     "format",
@@ -107,8 +124,46 @@ def save_state(path, *, cfg: Config, ctx, epochs_done: int, model, opt, schedule
         "torch": str(torch.__version__),
     }
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save(seal(state), buffer)
     write_atomic(path, buffer.getvalue())
+
+
+def _feed(h, value) -> None:
+    """``value`` into the hash ``h``, tagged by type so that 1, 1.0, "1" and [1] differ."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu").contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        h.update(b"D%d" % len(value))
+        for k, v in value.items():  # in order: torch.load keeps a dict's order, and so does this
+            _feed(h, k)
+            _feed(h, v)
+    elif isinstance(value, (list, tuple)):
+        h.update(b"%s%d" % (b"L" if isinstance(value, list) else b"U", len(value)))
+        for v in value:
+            _feed(h, v)
+    elif isinstance(value, str):
+        b = value.encode("utf-8", "surrogatepass")
+        h.update(b"S%d:" % len(b) + b)
+    elif value is None or isinstance(value, (bool, int, float)):
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+    elif isinstance(value, (torch.dtype, torch.device)):  # weights_only loads these too
+        h.update(f"{type(value).__name__}:{value};".encode())
+    else:  # weights_only loads nothing else; a writer's mistake otherwise
+        raise TypeError(f"cannot digest a {type(value).__name__}")
+
+
+def state_digest(state: dict) -> str:
+    """SHA-256 of a training state's every field but the digest itself, values in order."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in state.items() if k != DIGEST_KEY})
+    return h.hexdigest()
+
+
+def seal(state: dict) -> dict:
+    """``state`` with its digest (``state_digest``) under ``DIGEST_KEY``."""
+    return {**{k: v for k, v in state.items() if k != DIGEST_KEY}, DIGEST_KEY: state_digest(state)}
 
 
 def load_state(path, cfg: Config, ctx) -> dict:
@@ -139,23 +194,63 @@ def _on_rank0(ctx, read):
     return answer
 
 
-def _read_state(path, cfg: Config, world_size: int) -> dict:
+def _read_archive(path: Path) -> bytes | None:
+    """The bytes of a torch.save zip; None when the file does not end as a zip does (its end of
+    central directory record, in the last 64 KiB + 22 bytes), read whole only when it does: a 1 TB
+    sparse file of zeros named checkpoint.pt is refused after reading that tail, not by filling
+    the memory."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - (1 << 16) - 22))
+        if b"PK\x05\x06" not in f.read():
+            return None
+        f.seek(0)
+        return f.read()
+
+
+def _load_checked(path, stale_too: bool = False) -> dict:
+    """The state in the checkpoint file ``path``, its format and digest checked; CheckpointError
+    (one line) otherwise. One read (``read_regular``: a FIFO or a device is refused, never waited
+    on), and the bytes digested are the bytes loaded. ``stale_too``: once the file is read, clear
+    the temporaries a killed writer left beside it (also when its contents then turn out unusable)."""
     path = Path(path)
     try:
-        check_regular(path)  # the OS's reason for a FIFO, a folder, no permission; never a blocking open
+        blob = _read_archive(path)  # the OS's reason for a FIFO, a folder, no permission; never a blocking open
     except FileNotFoundError:
         raise CheckpointError(f"--resume {path}: no such checkpoint file") from None
     except OSError as exc:
         hint = f" (did you mean {path / STATE_NAME}?)" if path.is_dir() else ""
         raise CheckpointError(f"--resume {path}: cannot read checkpoint: {why(exc)}{hint}") from None
-    # the run that wrote it was stopped, maybe by SIGKILL mid-write: clear its stale temporaries
-    atomic.remove_stale(path.parent, (glob.escape(path.name), *RUN_FILES))
+    if stale_too:  # the run that wrote it was stopped, maybe by SIGKILL mid-write
+        atomic.remove_stale(path.parent, (glob.escape(path.name), *RUN_FILES))
+    if blob is None:
+        raise CheckpointError(f"--resume {path}: not a readable checkpoint (not a zip archive, as torch.save writes)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, foreign pickle, garbage: all unusable
         raise CheckpointError(f"--resume {path}: not a readable checkpoint ({_gist(exc)})") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise CheckpointError(f"--resume {path}: not a fastcifar training checkpoint (expected {STATE_FORMAT})")
+    if DIGEST_KEY not in state:
+        raise CheckpointError(
+            f"--resume {path}: this checkpoint carries no digest (written before fastcifar recorded "
+            f"one, or edited), so a changed byte could not be told; start the run afresh"
+        )
+    try:
+        same = state[DIGEST_KEY] == state_digest(state)
+    except TypeError:
+        same = False
+    if not same:
+        raise CheckpointError(
+            f"--resume {path}: its contents do not match the digest written with them (sha256): the "
+            f"file changed after it was written (a damaged disk or copy, or an edit); refusing to resume from it"
+        )
+    return state
+
+
+def _read_state(path, cfg: Config, world_size: int) -> dict:
+    path = Path(path)
+    state = _load_checked(path, stale_too=True)
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise CheckpointError(f"--resume {path}: field {missing[0]} is missing")
@@ -294,9 +389,10 @@ def resume_settings(cfg: Config, given: dict, ctx=None) -> Config:
 def _resume_settings(cfg: Config, given: dict) -> Config:
     path = Path(cfg.resume)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        saved = json.loads(state["config"])
-    except Exception:  # missing, unreadable, foreign: load_state says which, in one line
+        saved = json.loads(_load_checked(path)["config"])
+        if not isinstance(saved, dict):
+            return cfg
+    except (CheckpointError, KeyError, TypeError, ValueError):  # load_state says what is wrong, in one line
         return cfg
     saved = {**_new_field_defaults(saved), **saved}
     known = {f.name: f for f in dataclasses.fields(Config)}
@@ -309,8 +405,25 @@ def _resume_settings(cfg: Config, given: dict) -> Config:
                 f"--resume {path}: written with {flag} {shown}, this run has {mine} (given on "
                 f"the command line; leave it out to continue with the checkpoint's)"
             )
-    settings = {k: (tuple(v) if isinstance(known[k].default, tuple) else v) for k, v in saved.items() if k in known}
-    return dataclasses.replace(cfg, **settings)
+    settings = {
+        k: (tuple(v) if isinstance(known[k].default, tuple) and isinstance(v, list) else v)
+        for k, v in saved.items()
+        if k in known
+    }
+    resumed = dataclasses.replace(cfg, **settings)
+    if resumed.preset not in PRESETS:  # the command line takes only these; it names the run's folder
+        raise CheckpointError(
+            f"--resume {path}: field config holds preset {printable(repr(resumed.preset)[:60])}, not one of "
+            f"{', '.join(PRESETS)} (from the checkpoint, not this command line)"
+        )
+    try:  # a value the user never typed is named as the checkpoint's, not as a flag of this command line
+        check_fields(resumed)
+    except ConfigError as exc:
+        raise CheckpointError(
+            f"--resume {path}: field config holds an unusable setting (from the checkpoint, not this "
+            f"command line): {str(exc).removeprefix('--')}"
+        ) from None
+    return resumed
 
 
 def restore(state: dict, *, ctx, model, opt, schedule, hooks, loader, source: str = "checkpoint") -> tuple[int, list]:

@@ -19,10 +19,11 @@ from fastcifar.core import atomic
 from fastcifar.core.config import from_preset
 from fastcifar.evaluate import evaluate
 from fastcifar.evaluate import main as evaluate_main
-from fastcifar.models.files import CheckpointError, load_model, save_model
+from fastcifar.models.files import CheckpointError, load_model, save_model, write_safetensors
 from fastcifar.models.network import make_network
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.predict import main as predict_main
+from fastcifar.run.state import seal
 from fastcifar.train import main as train_main
 
 # The `fast` preset (whitening, lookahead, frozen BN scales, bias freeze after epoch 2) made tiny.
@@ -174,7 +175,7 @@ def _bad_model_file(kind, tmp_path):
         tensors = {k: v.contiguous() for k, v in other.state_dict().items()}
         tensors["fc.weight"] = torch.zeros(11, 99)
         with safe_open(str(good), framework="pt") as f:
-            save_file(tensors, str(bad), metadata=f.metadata())
+            write_safetensors(bad, tensors, f.metadata())  # digest and all: the shapes are what is refused
     return bad
 
 
@@ -544,7 +545,7 @@ def test_a_checkpoint_of_other_precision_is_refused_by_name(trained, tmp_path, c
     state = torch.load(trained["dir"] / "checkpoint.pt", weights_only=True)
     state["model"] = {k: v.half() if v.is_floating_point() else v for k, v in state["model"].items()}
     other = tmp_path / "fp16.pt"
-    torch.save(state, other)
+    torch.save(seal(state), other)  # digest and all: the precision is what is refused
     argv = ["--data", trained["data"], "--out-dir", tmp_path / "runs", *FAST_TINY, "--resume", other]
     assert train_main([str(a) for a in argv]) == 2
     assert "written with torch.float16 weights" in one_line_error(capsys.readouterr().err)

@@ -159,6 +159,13 @@ def _state(cfg, epochs_done=2, steps=4):
     }
 
 
+def seal(state):
+    """A state with a digest of its (edited) contents, as a hostile editor could write it."""
+    from fastcifar.run.state import seal as _seal
+
+    return _seal(state)
+
+
 def _set(state, field, value):
     if field.startswith("loader."):
         state["ranks"][0]["loader"][field.split(".")[1]] = value
@@ -206,10 +213,10 @@ def test_tampered_checkpoint_fields_are_refused_by_name(field, value, message, t
 
     cfg = parse_args(RESUMED)
     good = tmp_path / "good.pt"
-    torch.save(_state(cfg), good)
+    torch.save(seal(_state(cfg)), good)
     assert _read_state(good, cfg, 1)["epochs_done"] == 2  # the untampered file passes
     bad = tmp_path / "checkpoint.pt"
-    torch.save(_set(_state(cfg), field, value), bad)
+    torch.save(seal(_set(_state(cfg), field, value)), bad)  # edited, digest and all: the field checks
     with pytest.raises(CheckpointError) as err:
         _read_state(bad, cfg, 1)
     assert str(err.value) == f"--resume {bad}: {message}" or str(err.value).startswith(f"--resume {bad}: {message}")
@@ -220,7 +227,7 @@ def test_tampered_checkpoint_is_one_line_and_writes_nothing(epochs_done, tmp_pat
     from fastcifar.core.config import parse_args
 
     path = tmp_path / "checkpoint.pt"
-    torch.save(_set(_state(parse_args(RESUMED)), "epochs_done", epochs_done), path)
+    torch.save(seal(_set(_state(parse_args(RESUMED)), "epochs_done", epochs_done)), path)
     folder, _ = write_official(tmp_path / "d")
     code, line = _train_cli(["--data", folder, *RESUMED, "--resume", path], tmp_path, capfd)
     assert code == 2 and line.startswith(f"fastcifar: error: --resume {path}: field epochs_done is {epochs_done}")
@@ -232,9 +239,8 @@ def test_tampered_checkpoint_is_one_line_and_writes_nothing(epochs_done, tmp_pat
 def _model_file(tmp_path, meta_changes=None, tensor_changes=None, name="m.safetensors"):
     """A legitimate model file of a tiny FastNet, then its metadata or tensors changed."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
-    from fastcifar.models.files import save_model
+    from fastcifar.models.files import save_model, write_safetensors
     from fastcifar.models.network import make_network
     from fastcifar.ops.norm_act_pool import NormActPool
 
@@ -255,7 +261,7 @@ def _model_file(tmp_path, meta_changes=None, tensor_changes=None, name="m.safete
         meta[key] = change(meta[key]) if callable(change) else change
     for key, change in (tensor_changes or {}).items():
         tensors[key] = change(tensors[key])
-    save_file(tensors, str(tmp_path / name), metadata=meta)
+    write_safetensors(tmp_path / name, tensors, meta)  # with a fresh digest: the checks behind it are tested
     return tmp_path / name
 
 

@@ -456,6 +456,24 @@ def test_a_rank_that_dies_or_stalls_ends_the_others_within_the_timeout(learnable
 
 
 @pytest.mark.slow
+def test_a_killed_rank_0_still_leaves_a_summary_written_by_a_survivor(learnable_data, tmp_path):
+    """issue 70: rank 0 alone wrote summary.json, so a SIGKILLed rank 0 left its run folder without
+    one. Rank 1 knows the folder (rank 0 sends it after making it) and writes one on its way out."""
+    procs = start_long_training(learnable_data, tmp_path)
+    procs[0].send_signal(signal.SIGKILL)
+    try:  # a guard against a hang, not a timing assertion
+        code = procs[1].wait(timeout=DIST_TIMEOUT_S + SLACK_S)
+    finally:
+        wait_all(procs, timeout=30)
+    assert code == 3, read(tmp_path, "stderr1")[-2000:]
+    assert one_line_error(read(tmp_path, "stderr1")).startswith("fastcifar: error: [rank 1] lost contact")
+    summary = summary_of(tmp_path / "runs")
+    assert summary["status"] == "failed" and summary["stopped"].startswith("lost contact with the other ranks")
+    assert summary["written_by"].startswith("rank 1: rank 0 left no summary") and summary["results"] == []
+    assert summary["config"]["epochs"] == 200
+
+
+@pytest.mark.slow
 def test_a_rank_that_never_joins_ends_the_others_within_the_timeout(learnable_data, tmp_path):
     port = free_port()
     argv = trainer(learnable_data, tmp_path / "runs", lambda r: ["--dist-timeout-s", "5"])(0)

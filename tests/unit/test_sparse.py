@@ -250,7 +250,7 @@ def test_diff_round_trip_is_bit_exact(tmp_path):
     from fastcifar.run.sparse import diffs
 
     cfg, model = tiny()
-    writer = diffs.DiffWriter(tmp_path, model, cfg, ["c"] * 10, (0.0,) * 3, (1.0,) * 3)
+    writer = diffs.DiffWriter(tmp_path, model, cfg, [f"c{i}" for i in range(10)], (0.0,) * 3, (1.0,) * 3)
     writer.start()
     states = []
     g = torch.Generator().manual_seed(0)

@@ -19,15 +19,15 @@ import hashlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 
 from fastcifar.models.files import (
     CheckpointError,
     host_state,
     read_model_file,
     read_safetensors,
+    require_digest,
     save_weights,
-    write_atomic,
+    write_safetensors,
 )
 
 DIFF_FORMAT = "fastcifar.sparse_diff/1"
@@ -102,7 +102,7 @@ class DiffWriter:
             "parent_sha256": sha256(self.parent),
             "test_acc": str(test_acc),
         }
-        size = write_atomic(path, save(tensors, metadata=meta)).stat().st_size
+        size = write_safetensors(path, tensors, meta).stat().st_size  # with its digest, as model files
         entries = sum(t.numel() for k, t in tensors.items() if k.endswith("/idx"))
         self.records.append(
             {
@@ -132,6 +132,7 @@ def restore(base: str | Path, diffs: list[str | Path]) -> tuple[dict[str, torch.
         tensors, dmeta = read_safetensors(d, "sparse diff")
         if dmeta.get("format") != DIFF_FORMAT:
             raise ChainError(f"{d}: not a sparse diff (format {dmeta.get('format')!r})")
+        require_digest(d, dmeta, "sparse diff")
         if dmeta.get("parent_sha256") != sha256(parent):
             raise ChainError(
                 f"{d}: its parent is {dmeta.get('parent')!r} (epoch chain broken or out of "

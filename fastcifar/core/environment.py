@@ -1,0 +1,75 @@
+"""The environment variables fastcifar's behaviour depends on, checked before torch is imported.
+
+``OMP_NUM_THREADS`` is read by libgomp when torch loads: a value it cannot parse (0, -4, abc, 1.5)
+is skipped with libgomp's own warning and the run goes on with a thread per core, which on a shared
+machine ran the README's CPU example at half speed; ``MKL_NUM_THREADS`` set to abc or -4 gave torch
+one thread on 2 cores, without a word. So the commands refuse both first, in one line of their
+own (exit 2), from ``fastcifar.cli.main`` and, for ``python -m fastcifar.<command>``, from the
+package's import (``fastcifar/__init__.py``), both before any ``import torch``. The syntax is a
+positive whole number (OpenMP also takes a comma-separated list, one per nesting level); empty is the same as unset.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+# name -> whether a comma-separated list (one count per nesting level) is allowed. MKL reads its
+# own variable silently: MKL_NUM_THREADS=abc or -4 gave torch 1 thread on 2 cores, no warning.
+THREAD_VARIABLES = {"OMP_NUM_THREADS": True, "MKL_NUM_THREADS": False}
+MAX_THREADS = 1024  # per nesting level: twice the hardware threads of a 2-socket, 128-core SMT-2 host
+
+
+def home_is_a_folder() -> bool:
+    home = os.environ.get("HOME", "")
+    return bool(home) and os.path.isabs(home) and os.path.isdir(home)
+
+
+def place_triton_cache(device_type: str) -> str:
+    """Triton keeps compiled kernels under ``$TRITON_HOME/.triton``, by default the home folder, and
+    makes it with ``os.makedirs``: a ``HOME`` that does not exist would be created from ``/`` down.
+    On a GPU (where Triton compiles) with such a HOME and no TRITON_HOME, this run's kernels go to a
+    fresh temporary folder instead; returns the note saying so, or ""."""
+    if device_type != "cuda" or home_is_a_folder() or os.environ.get("TRITON_HOME"):
+        return ""
+    os.environ["TRITON_HOME"] = tempfile.mkdtemp(prefix="fastcifar-triton-")
+    return (
+        f"note: HOME {os.environ.get('HOME', '')!r} is not an existing folder: Triton's kernel cache is "
+        f"{os.environ['TRITON_HOME']} for this run (set TRITON_HOME to keep it)"
+    )
+
+
+def running_a_command() -> bool:
+    """Whether this process is one of fastcifar's commands: ``python -m fastcifar[.x]`` (runpy
+    imports the package with sys.argv[0] "-m"; ``sys.orig_argv`` names the module) or a console
+    script named ``fastcifar`` or ``fastcifar-train``. False for a program that imports the package."""
+    if sys.argv[:1] == ["-m"]:
+        argv = list(getattr(sys, "orig_argv", []))
+        for i, arg in enumerate(argv):
+            name = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:] if arg.startswith("-m") else ""
+            if name:
+                return name == "fastcifar" or name.startswith("fastcifar.")
+        return False
+    return os.path.basename(sys.argv[0] if sys.argv else "") in ("fastcifar", "fastcifar-train")
+
+
+def environment_problem(environ=None) -> str | None:
+    """One line saying which variable is unusable and why; None when all are fine."""
+    environ = os.environ if environ is None else environ
+    for name, lists in THREAD_VARIABLES.items():
+        value = environ.get(name)
+        if value is None or not value.strip():
+            continue
+        parts = [p.strip() for p in value.strip().split(",")] if lists else [value.strip()]
+        if not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
+            return (
+                f"{name} must be a positive whole number of threads (e.g. {name}=1), not {value!r}; "
+                f"unset it for torch's default (a thread per core)"
+            )
+        if max(int(p) for p in parts) > MAX_THREADS:
+            return (
+                f"{name}={value.strip()} asks for more than {MAX_THREADS} threads; unset it for torch's "
+                f"default (a thread per core)"
+            )
+    return None
