@@ -93,6 +93,14 @@ def sort_by_label(images: np.ndarray, labels: np.ndarray):
     return images[order], labels[order]
 
 
+def pytest_report_header(config):
+    """The versions the suite runs with, one line at the top of every run (CI's log among them):
+    scripts/versions.py, read from the packages' metadata."""
+    from scripts.versions import line
+
+    return line()
+
+
 def pytest_collection_modifyitems(config, items):
     """The ``cuda`` marker's promise (pyproject.toml: "skipped without one"), kept here once: a test
     or parameter marked ``cuda`` is skipped on a machine without a GPU, such as CI's."""

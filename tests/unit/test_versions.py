@@ -1,0 +1,78 @@
+"""The installed torch, torchvision and Triton against the combinations this project has met.
+
+A combination known to break fails, in one line; one merely not met yet is skipped with one line
+naming it (pytest's -ra summary shows it), so a new release is seen without failing the suite.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (torch, torchvision, triton) public versions, and what ran with them (device, date).
+KNOWN_GOOD = {
+    ("2.14.1", "0.29.1", "3.8.0"): "the whole suite, 2-core CPU, 2026-11-26; the GPU visits (H100)",
+    ("2.14.1", "0.29.1", "3.9.0"): "the Triton tests (scripts/check_triton.sh), 2-core CPU, 2026-12-03",
+    ("2.14.1", "0.29.1", "3.6.0"): "the Triton tests with numpy 2.3.5 (not 2.4: triton_numpy_break), 2026-12-03",
+}
+
+
+def installed(name: str) -> str | None:
+    try:
+        return Version(metadata.version(name)).public  # 2.14.1+cpu and 2.14.1+cu130 are one release
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def torchvision_mismatch(torch_version: str, torchvision_version: str) -> str | None:
+    """Why the pair cannot work, or None. torchvision's compiled operators are built against one torch
+    release: torchvision 0.N+15 pairs with torch 2.N (torchvision's compatibility table, 2.0/0.15
+    through 2.14/0.29); beside another torch its import fails ("operator torchvision::nms does not exist")."""
+    t, v = Version(torch_version), Version(torchvision_version)
+    if t.major == 2 and v.major == 0 and v.minor != t.minor + 15:
+        return f"torchvision {torchvision_version} is built for torch 2.{v.minor - 15}, not torch {torch_version}"
+    return None
+
+
+def triton_numpy_break(triton_version: str, numpy_version: str) -> str | None:
+    """Why the kernel tests cannot run, or None. Triton 3.6's interpreter turns a one-element array into
+    a Python int (a loop bound: ``range(start, tl.minimum(...))``), which numpy 2.4 refuses ("only
+    0-dimensional arrays can be converted to Python scalars": 223 kernel tests failed; with numpy 2.3.5
+    they pass). Triton 3.8's does not (3.7 was not tried: not on this machine's index)."""
+    if Version(triton_version) < Version("3.7") and Version(numpy_version) >= Version("2.4"):
+        return f"Triton {triton_version}'s interpreter (the kernel tests) fails with numpy {numpy_version}: numpy<2.4"
+    return None
+
+
+def test_the_pairing_rule():
+    assert torchvision_mismatch("2.14.1", "0.29.1") is None
+    assert torchvision_mismatch("2.4.0", "0.19.1") is None
+    assert "built for torch 2.14" in torchvision_mismatch("2.15.0", "0.29.1")
+    assert triton_numpy_break("3.8.0", "2.4.6") is None and triton_numpy_break("3.6.0", "2.3.5") is None
+    assert "numpy<2.4" in triton_numpy_break("3.6.0", "2.4.0")
+
+
+def test_the_constraints_file_is_a_known_good_combination():
+    pins = {}
+    for line in (ROOT / "constraints" / "known-good.txt").read_text().splitlines():
+        name, sep, version = line.split("#")[0].strip().partition("==")
+        if sep:
+            pins[name] = version
+    assert (pins["torch"], pins["torchvision"], pins["triton"]) in KNOWN_GOOD
+
+
+def test_installed_versions_are_known_good():
+    torch_v, vision_v, triton_v = installed("torch"), installed("torchvision"), installed("triton")
+    combo = f"torch {torch_v}, torchvision {vision_v}, triton {triton_v}"
+    numpy_v = installed("numpy")
+    why = (torchvision_mismatch(torch_v, vision_v) if torch_v and vision_v else None) or (
+        triton_numpy_break(triton_v, numpy_v) if triton_v and numpy_v else None
+    )
+    assert why is None, f"{combo}: known to break: {why} (pip install -c constraints/known-good.txt)"
+    if (torch_v, vision_v, triton_v) not in KNOWN_GOOD:
+        pytest.skip(f"{combo}: not a combination this project has met (constraints/known-good.txt lists one)")
