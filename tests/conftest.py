@@ -144,8 +144,8 @@ def learnable_data(tmp_path):
 
 @pytest.fixture
 def http_folder(tmp_path):
-    """Serve a folder over HTTP on localhost (the download goes through torchvision's
-    ``download_url``, which needs a server's Content-Length); yields (folder, base URL)."""
+    """Serve a folder over HTTP on localhost (the download's stand-in for the network); yields
+    (folder, base URL)."""
     import functools
     import http.server
     import threading
