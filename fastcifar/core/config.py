@@ -783,7 +783,7 @@ def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argpa
     )
     groups["basic"].add_argument(
         "--config",
-        default=None,
+        default=argparse.SUPPRESS,  # no "(default: None)" in --help; parse_command_line reads it first
         metavar="FILE",
         help=f"a run folder's {CONFIG_FILE}: its settings are the defaults (the options given override them), "
         "so one command repeats a run",
@@ -899,7 +899,7 @@ def parse_command_line(
         except ConfigError as exc:
             build_parser(base, prog).error(str(exc))
     args = vars(build_parser(base, prog).parse_args(argv))
-    args.pop("config")
+    args.pop("config", None)
     preset = args.pop("preset")
     # no abbreviations (allow_abbrev=False), so the flag is given exactly as --warmup-epochs[=V]
     if not _given(argv, "--warmup-epochs"):
