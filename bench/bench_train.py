@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fastcifar.core import optional
 from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, parse_args, validate
 from fastcifar.data import DataError
 from fastcifar.parallel import distributed
@@ -124,6 +125,11 @@ def plot(rows: list[dict], path: Path, target: float) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install 'fastcifar[plot]'); the data is in the rows"
+    except Exception as exc:  # installed and broken (a RuntimeError or OSError of its build): a notice too
+        return (
+            f"plot skipped: matplotlib cannot be imported ({optional.reason(exc)}; "
+            "pip install --force-reinstall matplotlib); the data is in the rows"
+        )
     fig, (ax_runs, ax_epochs) = plt.subplots(1, 2, figsize=(12, 4.5))
     for k, row in enumerate(rows):
         colour = f"C{k}"

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from fastcifar.cli import run_command
+from fastcifar.core import optional
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import ConfigError, OneLineParser
 from fastcifar.core.readfile import kind
@@ -53,6 +54,7 @@ def max_opset() -> int:
 
 
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
+ONNX_FIX = "pip install onnx onnxruntime (or pip install -e '.[onnx]' in the checkout)"
 CHECK_TOLERANCE = 1e-4  # onnxruntime against PyTorch after the export: max |difference| / max(1, max |logit|)
 
 
@@ -72,12 +74,7 @@ class Normalized(torch.nn.Module):
 def onnx_bytes(net: torch.nn.Module, mean, std, opset: int = DEFAULT_OPSET) -> bytes:
     """The ONNX file of ``net`` (fp32, on the CPU, in eval mode) behind the normalization ``mean``,
     ``std`` (0..255 units), with a free batch axis."""
-    try:
-        import onnx  # noqa: F401  # the TorchScript exporter writes its protobuf with it
-    except ImportError:
-        raise ConfigError(
-            "export needs the onnx package: pip install onnx (or pip install -e '.[onnx]' in the checkout)"
-        ) from None
+    optional.load("onnx", ONNX_FIX, "export")  # the TorchScript exporter writes its protobuf with it
     model = Normalized(net.float().cpu().eval(), mean, std).eval()
     example = torch.rand(2, 3, 32, 32) * 255
     buffer = io.BytesIO()
@@ -98,11 +95,11 @@ def onnx_bytes(net: torch.nn.Module, mean, std, opset: int = DEFAULT_OPSET) -> b
 
 def check_with_onnxruntime(blob: bytes, net: torch.nn.Module, mean, std) -> float | None:
     """Max |logit difference| of onnxruntime on ``blob`` against ``net`` on 5 random images, over
-    max(1, the largest |logit|); None when onnxruntime is not installed."""
-    try:
-        import onnxruntime
-    except ImportError:
+    max(1, the largest |logit|); None when onnxruntime is not installed (one line when it is and
+    cannot be imported)."""
+    if not optional.installed("onnxruntime"):
         return None
+    onnxruntime = optional.load("onnxruntime", ONNX_FIX, "the export's check")
     images = torch.rand(5, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 255
     session = onnxruntime.InferenceSession(blob, providers=["CPUExecutionProvider"])
     got = torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: images.numpy()})[0])

@@ -51,7 +51,7 @@ from fastcifar.run.progress import Progress, chunked_decoder
 from fastcifar.run.report import EpochRecord, RunLog, RunResult, device_info, process_start_time, provenance, versions
 from fastcifar.run.schedule import DeviceSchedule, epoch_lengths, lr_schedule
 from fastcifar.run.sparse.run import SparseRun
-from fastcifar.run.step import evaluate, make_step, synchronize
+from fastcifar.run.step import evaluate, make_step, synchronize, timed
 
 PROCESS_START = process_start_time()
 
@@ -156,6 +156,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         distributed.apply_test_determinism()  # test only: FASTCIFAR_TEST_DETERMINISTIC (gpu_visit.sh nccl2)
 
     kernels = resolve_kernels(cfg.kernels, ctx.device, cfg.fused_conv)  # refused before anything is written
+    components.check(cfg)  # an option's library that cannot be imported (--tensorboard): one line, nothing written
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
     for note in (
         report.cpu_note(cfg, ctx.device),
@@ -348,6 +349,7 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     with session.progress.stage(f"run {run}: warm-up" + (" and graph capture" if session.use_graphs else "")):
         train_step.warm_up_and_capture(cfg.warmup_steps)
         hooks.warm_up(cfg.warmup_steps)  # the step after the whitening bias freezes; cuSOLVER's first load
+    step_s = timed(train_step, ctx.device)  # one more step, for the run's estimate; undone by the restore below
     model.load_state_dict(initial)
     opt.reset_state()
     schedule.reset()
@@ -355,11 +357,16 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     model.eval()
     eval_step.batch.load(*next(iter(session.eval_set)))
     eval_step.prepare()
+    eval_s = timed(eval_step, ctx.device)  # one evaluation batch, for the estimate
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
     run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step, watchdog)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
+    # the run's first line: what it will take in all, from the step and evaluation batch timed above
+    todo, eval_batches = lengths[start_epoch:], len(session.eval_set)
+    result.estimated_time = report.estimate(time.perf_counter() - set_up, todo, step_s, eval_batches, eval_s)
+    log.line(report.estimate_line(run, result.estimated_time, todo, step_s, eval_batches, eval_s))
     total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
     for epoch in range(start_epoch, len(lengths)):
         epoch_steps = lengths[epoch]
@@ -387,7 +394,9 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
 
         t1 = time.perf_counter()
         distributed.average_buffers(model.buffers(), ctx.world_size)
-        test_loss, test_acc = evaluate(model, eval_step, session.eval_set, ctx)  # --val-split: held-out images
+        test_loss, test_acc = evaluate(  # --val-split: held-out images
+            model, eval_step, session.eval_set, ctx, session.progress, f"run {run} epoch {epoch + 1} evaluation"
+        )
         n_train = epoch_steps * per_rank_batch * ctx.world_size
         train_loss, train_correct = distributed.all_sum(
             [train_step.loss_sum.item(), float(train_step.correct.item())], ctx, ctx.device
@@ -412,6 +421,7 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     result.wall_time = time.time() - PROCESS_START
     result.model, result.classes = model, tuple(session.classes)
     run_parts.finish(result)  # the test set after --val-split, the whitening bias trainable again, the model file, ...
+    result.run_time = time.perf_counter() - set_up  # the last line of the run gives it (log.run_done)
     model.zero_grad(set_to_none=True)
     return result
 

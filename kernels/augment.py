@@ -89,14 +89,17 @@ def _augment_kernel(
     used_j = j < S * C
     row = dy + oh
     col = dx + tl.where(flip != 0, S - 1 - ow, ow)
-    row_ok = (oh < S) & (row >= 0) & (row < Hp)
+    # the image's bounds compared as a vector of its rows, not as one scalar joined to the mask: the
+    # interpreter splats a scalar boolean into an int64 array, so the joined mask became int32, which
+    # Triton 3.8's interpreted load took and 3.9's refuses ("mask has unsupported dtype")
+    img_rows = tl.zeros([ROWS], tl.int64) + img
+    row_ok = (oh < S) & (row >= 0) & (row < Hp) & (img_rows >= 0) & (img_rows < num_images)
     col_ok = used_j & (col >= 0) & (col < Wp)
     m = tl.load(mean_ptr + c, mask=used_j, other=0.0)
     r = tl.math.div_rn(tl.full([LANES], 1.0, tl.float32), tl.load(std_ptr + c, mask=used_j, other=1.0))
     hole = (((oh >= cy) & (oh < cy + cutout))[:, None]) & (((ow >= cx) & (ow < cx + cutout))[None, :])
-    img_ok = (img >= 0) & (img < num_images)
     src = data_ptr + img * Hp * Wp * C + ((row * Wp * C)[:, None] + (col * C + c)[None, :])
-    v = tl.load(src, mask=(row_ok[:, None] & col_ok[None, :]) & img_ok, other=0).to(tl.float32)
+    v = tl.load(src, mask=row_ok[:, None] & col_ok[None, :], other=0).to(tl.float32)
     y = (v - m[None, :]) * r[None, :]  # times the IEEE reciprocal, as the reference (and DALI)
     if JITTER:  # launched without fp fusion: an fma of the line above with this add would round once, not twice
         y = (y + tl.load(shift_ptr + b)) * tl.load(scale_ptr + b)

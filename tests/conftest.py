@@ -93,6 +93,14 @@ def sort_by_label(images: np.ndarray, labels: np.ndarray):
     return images[order], labels[order]
 
 
+def pytest_report_header(config):
+    """The versions the suite runs with, one line at the top of every run (CI's log among them):
+    scripts/versions.py, read from the packages' metadata."""
+    from scripts.versions import line
+
+    return line()
+
+
 def pytest_collection_modifyitems(config, items):
     """The ``cuda`` marker's promise (pyproject.toml: "skipped without one"), kept here once: a test
     or parameter marked ``cuda`` is skipped on a machine without a GPU, such as CI's."""
@@ -136,8 +144,8 @@ def learnable_data(tmp_path):
 
 @pytest.fixture
 def http_folder(tmp_path):
-    """Serve a folder over HTTP on localhost (the download goes through torchvision's
-    ``download_url``, which needs a server's Content-Length); yields (folder, base URL)."""
+    """Serve a folder over HTTP on localhost (the download's stand-in for the network); yields
+    (folder, base URL)."""
     import functools
     import http.server
     import threading

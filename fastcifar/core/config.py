@@ -132,6 +132,7 @@ class Config:
     target_acc: float = 94.0  # test accuracy (%, 0..100) a run must reach to count as reached
     out_dir: str = "runs"  # each invocation writes its logs to a new folder in here
     quiet: bool = False  # no progress bars (they show only on rank 0 and only when stderr is a terminal)
+    tensorboard: bool = False  # TensorBoard event files in the run folder's tensorboard/ (per epoch: loss, accuracy, rates, step time; the settings); needs pip install tensorboard
     # --- checkpoints (fastcifar.checkpoint) ---
     save_model: bool = True  # write the final, evaluated weights to the run folder (model.safetensors), off the clock
     checkpoint_every: int = 0  # epochs between training-state checkpoints (run folder's checkpoint.pt); 0 = none
@@ -293,6 +294,7 @@ TRAJECTORY_FREE_FIELDS = (
     "target_acc",
     "eval_batch_size",
     "quiet",
+    "tensorboard",
 )
 
 
@@ -753,6 +755,13 @@ def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argpa
     groups["basic"].add_argument(
         "--preset", default=base.preset, choices=list(PRESETS), help="named recipe that sets the defaults below"
     )
+    groups["basic"].add_argument(
+        "--config",
+        default=argparse.SUPPRESS,  # no "(default: None)" in --help; parse_command_line reads it first
+        metavar="FILE",
+        help=f"a run folder's {CONFIG_FILE}: its settings are the defaults (the options given override them), "
+        "so one command repeats a run",
+    )
     for title, sections in HELP_GROUPS:
         group = parser.add_argument_group(title)
         for section in sections:
@@ -784,6 +793,59 @@ def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argpa
     return parser
 
 
+CONFIG_FILE = "config.json"  # every run folder's settings (run.report writes it); `--config FILE` reads one back
+
+
+def config_file_text(cfg: Config) -> str:
+    """What a run folder's config.json holds: every setting, as JSON."""
+    return json.dumps(dataclasses.asdict(cfg), indent=2) + "\n"
+
+
+def _typed(where: str, name: str, annotation: str, value):
+    """``value`` of the JSON file as the field's type (a list as a tuple), or ConfigError."""
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+    }.get(annotation)
+    if ok is None:  # a tuple of ints (widths)
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        value = tuple(value) if ok else value
+    if not ok:
+        raise ConfigError(f"{where}: {name} must be {annotation.split('[')[0]}, not {json.dumps(value)}")
+    return value
+
+
+def read_config_file(path: str) -> Config:
+    """The settings of a run folder's config.json (``--config FILE``), or ConfigError in one line: a
+    file that cannot be read, is not JSON, or holds an unknown setting or a value of the wrong type.
+    A setting it lacks (added since it was written) is its preset's; ``resume`` is not read back
+    (the repeated run starts fresh, as ``--resume`` given beside it says otherwise)."""
+    from fastcifar.core.readfile import read_regular, why
+
+    where = f"--config {path}"
+    try:
+        doc = json.loads(read_regular(path))
+    except OSError as exc:
+        raise ConfigError(f"{where}: {why(exc)}") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(f"{where}: not a JSON file of settings ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: not a JSON object of settings (a run folder's {CONFIG_FILE})")
+    known = {f.name: f for f in fields(Config)}
+    unknown = sorted(set(doc) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown setting {unknown[0]!r} (the settings are the options' names, as in --help)"
+        )
+    preset = doc.get("preset", DEFAULT_PRESET)
+    if preset not in PRESETS:
+        raise ConfigError(f"{where}: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    values = {k: _typed(where, k, str(known[k].type), v) for k, v in doc.items() if k != "resume"}
+    return dataclasses.replace(from_preset(preset), **values)
+
+
 def parse_args(argv: list[str] | None = None, prog: str = "python -m fastcifar.train") -> Config:
     return parse_command_line(argv, prog)[0]
 
@@ -796,21 +858,40 @@ def parse_command_line(
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset", default=DEFAULT_PRESET)
+    pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.preset not in PRESETS:
         build_parser(Config(), prog).error(f"unknown preset {known.preset!r}; choose from {', '.join(PRESETS)}")
-    args = vars(build_parser(from_preset(known.preset), prog).parse_args(argv))
+    base = from_preset(known.preset)
+    if known.config is not None:  # a saved run's settings are the defaults; the flags given still override them
+        if _given(argv, "--preset"):
+            build_parser(base, prog).error(
+                "--config holds its preset and settings: give --preset or --config, not both"
+            )
+        try:
+            base = read_config_file(known.config)
+        except ConfigError as exc:
+            build_parser(base, prog).error(str(exc))
+    args = vars(build_parser(base, prog).parse_args(argv))
+    args.pop("config", None)
     preset = args.pop("preset")
     # no abbreviations (allow_abbrev=False), so the flag is given exactly as --warmup-epochs[=V]
-    if not any(a == "--warmup-epochs" or a.startswith("--warmup-epochs=") for a in argv):
-        del args["warmup_epochs"]  # from_preset scales the preset's warm-up with a changed --epochs
-    cfg = from_preset(preset, **args)
+    if not _given(argv, "--warmup-epochs"):
+        del args["warmup_epochs"]  # a changed --epochs scales the warm-up (the preset's, or the file's)
+        if known.config is not None and args["epochs"] != base.epochs:
+            args["warmup_epochs"] = base.warmup_epochs * args["epochs"] / base.epochs
+    cfg = from_preset(preset, **args) if known.config is None else dataclasses.replace(base, **args)
     # A second parse with no defaults: only what the command line names (argparse's own trick).
-    quiet = build_parser(from_preset(known.preset), prog)
+    quiet = build_parser(base, prog)
     for action in quiet._actions:
         action.default = argparse.SUPPRESS
     given = vars(quiet.parse_args(argv))
+    given.pop("config", None)
     return cfg, {k: (getattr(cfg, k) if k != "preset" else preset) for k in given}
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 RECIPE_FREE_FIELDS = ("seed", "runs")  # which seeds, and how many: the same recipe either way

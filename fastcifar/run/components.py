@@ -4,7 +4,8 @@
 run, in the order the trainer calls them at each point. The order matters where two act at the
 same point: after a step the recipe's lookahead syncs before local SGD merges, the profiler window
 counts the step, and the watchdog hears last; after an epoch's evaluation a sparse diff is written,
-the guard may stop the run, a checkpoint is saved, then the watchdog hears.
+the epoch goes to TensorBoard (--tensorboard), the guard may stop the run, a checkpoint is saved,
+then the watchdog hears.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from fastcifar.models import files
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
 from fastcifar.parallel import compress, distributed
 from fastcifar.parallel.sync import GradientSync
-from fastcifar.run import profiling, report
+from fastcifar.run import profiling, report, tensorboard
 from fastcifar.run.component import Component, Components
 from fastcifar.run.guard import LossGuard
 from fastcifar.run.progress import Progress
 from fastcifar.run.report import RunLog
+from fastcifar.run.schedule import epoch_lengths
 from fastcifar.run.sparse.run import SparseRun
 from fastcifar.run.state import Checkpoints
 from fastcifar.run.step import evaluate
@@ -118,12 +120,18 @@ class FinalTest(Component):
 
     def finish(self, result) -> None:
         s = self.session
-        _, acc = evaluate(self.model, self.eval_step, s.test_set, s.ctx)
+        _, acc = evaluate(self.model, self.eval_step, s.test_set, s.ctx, s.progress, f"run {self.run} test set")
         result.val_acc, result.test_acc = result.test_acc, acc
         s.log.line(
             f"run {self.run}: the test set, evaluated once after the last epoch: test_acc {acc:.2f}% "
             f"(last val_acc {result.val_acc:.2f}%)"
         )
+
+
+def check(cfg: Config) -> None:
+    """The options whose library must import (--tensorboard), refused in one line before anything
+    is read or written."""
+    tensorboard.check(cfg)
 
 
 def for_run(
@@ -142,6 +150,10 @@ def for_run(
     cfg, log = session.cfg, session.log
     members: list[Component] = [parts["hooks"], sparse]  # built after warm-up: the window may start at 0
     members.append(profiling.StepWindow(cfg.profile_steps if run == 1 else ""))  # nsys range, profiler steps
+    if cfg.tensorboard and log.dir is not None and run:  # rank 0; before the guard: a diverged epoch is shown too
+        images_per_step = session.train_loader.batch_size * session.ctx.world_size
+        lengths = epoch_lengths(cfg.epochs, len(session.train_loader))
+        members.append(tensorboard.TensorBoard(cfg, log.dir, run, images_per_step, lengths, log.names))
     members.append(LossGuard(num_classes=len(session.classes)))  # NaN or exploded loss ends the run
     members.append(
         Checkpoints(cfg, log, parts, epochs, session.resume if run else None, cfg.checkpoint_every if run else 0)

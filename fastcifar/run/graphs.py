@@ -146,6 +146,10 @@ class _BatchStep:
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         self.batch.load(images, labels)
+        self.replay()
+
+    def replay(self) -> None:
+        """Run on the batch already loaded."""
         if self.graph is not None:
             self.graph.replay()
         else:

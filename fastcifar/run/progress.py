@@ -1,4 +1,4 @@
-"""Progress bars for the long stretches (decoding, warm-up and capture, each epoch's steps).
+"""Progress bars for the long stretches (decoding, warm-up and capture, each epoch's steps and evaluation).
 
 Only rank 0 draws, only on a terminal (stderr is a TTY) and not with --quiet: logs, pipes and
 CI output stay exactly the fixed-width lines of ``fastcifar.run.report``. Bars go to stderr and
@@ -25,15 +25,15 @@ class Progress:
     def for_rank(cls, is_main: bool, quiet: bool) -> Progress:
         return cls(is_main and not quiet)
 
-    def steps(self, iterable: Iterable, total: int, desc: str) -> Iterable:
-        """``iterable`` itself when off; else the same items under a bar of ``total`` steps."""
+    def steps(self, iterable: Iterable, total: int, desc: str, unit: str = "step") -> Iterable:
+        """``iterable`` itself when off; else the same items under a bar of ``total`` steps (``unit``s)."""
         if not self.enabled:
             return iterable
         return tqdm(
             iterable,
             total=total,
             desc=desc,
-            unit="step",
+            unit=unit,
             leave=False,
             file=self.stream,
             dynamic_ncols=True,

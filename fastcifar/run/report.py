@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from fastcifar.core.atomic import write_atomic
-from fastcifar.core.config import ConfigError, training_settings
+from fastcifar.core.config import CONFIG_FILE, ConfigError, config_file_text, training_settings
 from fastcifar.core.gpu import dali_builds
 from fastcifar.core.stats import p_above
 
@@ -50,8 +50,8 @@ TIMING_PROTOCOL = (
 
 EPOCH_HEADER = (
     f"{'run':>4} {'epoch':>5} {'lr':>8} {'train_loss':>10} {'train_acc':>9} "
-    f"{'test_acc':>8} {'epoch_s':>8} {'train_s':>8}"
-)
+    f"{'test_acc':>8} {'epoch_s':>8} {'train_s':>8} {'eval_s':>7}"
+)  # eval_s last: a reader of the first eight columns by position reads what it read before
 TSV_COLUMNS = (
     "run",
     "epoch",
@@ -125,6 +125,27 @@ def cpu_threads_note(device: torch.device) -> str:
     return (
         f"note: load average {load:.1f} on {cores} cores: other work is running, and torch uses {threads} "
         f"threads; OMP_NUM_THREADS=1 is usually much faster on a shared machine (README, CPU runs)"
+    )
+
+
+def estimate(set_up: float, lengths: list[int], step_s: float, eval_batches: int, eval_s: float) -> float:
+    """Seconds a run will take in all: ``set_up`` spent, then each epoch's steps at ``step_s`` and its
+    evaluation's batches at ``eval_s`` (one of each, timed after the warm-up)."""
+    return set_up + sum(lengths) * step_s + len(lengths) * eval_batches * eval_s
+
+
+def about(seconds: float) -> str:
+    """A duration as an estimate is worth saying: 1.6 s, 25 s, 12 min."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    return f"{seconds:.0f} s" if seconds < 600 else f"{seconds / 60:.0f} min"
+
+
+def estimate_line(run: int, total: float, lengths: list[int], step_s: float, eval_batches: int, eval_s: float) -> str:
+    epochs = f"{len(lengths)} epochs of {lengths[0]} steps" if len(set(lengths)) == 1 else f"{sum(lengths)} steps"
+    return (
+        f"run {run}: about {about(total)} in all: {epochs} at {step_s:.3g} s and {eval_batches} evaluation "
+        f"batch{'es' if eval_batches != 1 else ''} an epoch at {eval_s:.3g} s (one of each timed after the warm-up)"
     )
 
 
@@ -255,6 +276,10 @@ class RunResult:
     classes: tuple = ()  # class names, in label order (the data's)
     model_path: str = ""  # where its model file was written ("" = not written)
     val_acc: float | None = None  # --val-split: the last epoch's accuracy on the held-out images
+    # s, what a user waits for: from the run's set-up to its end (evaluations, checkpoints, model file
+    # included), and its estimate before the first epoch (``estimate``); 0: not measured
+    run_time: float = 0.0
+    estimated_time: float = 0.0
     model: object = field(default=None, repr=False, compare=False)  # the trained network, in memory (not logged)
 
 
@@ -449,6 +474,11 @@ class RunLog:
         try:
             self._make_dir()
             self._header(meta)
+            # the settings, for `train --config` to repeat the run: written whole (atomic) before the first epoch
+            try:
+                write_atomic(self.dir / CONFIG_FILE, config_file_text(self.cfg))
+            except OSError as exc:
+                raise OutputError(f"cannot write {self.dir / CONFIG_FILE}: {_why(exc)}") from None
         except (OutputError, OSError):  # e.g. a full disk: no run folder of empty logs left behind
             self._discard()
             raise
@@ -457,7 +487,7 @@ class RunLog:
         """Remove what a failed ``start`` created: its open files, their files and the folder."""
         self._close()
         if self.dir is not None:
-            for name in ("log.txt", "timing_log.tsv"):
+            for name in ("log.txt", "timing_log.tsv", CONFIG_FILE):
                 try:
                     (self.dir / name).unlink()
                 except OSError:
@@ -535,7 +565,7 @@ class RunLog:
         self._epochs_logged += 1
         self.line(
             f"{r.run:>4} {r.epoch:>5} {r.lr:>8.4f} {r.train_loss:>10.4f} {r.train_acc:>9.2f} "
-            f"{r.test_acc:>8.2f} {r.train_time:>8.2f} {r.total_train_time:>8.2f}"
+            f"{r.test_acc:>8.2f} {r.train_time:>8.2f} {r.total_train_time:>8.2f} {r.test_time:>7.2f}"
         )
 
     def run_done(self, res: RunResult, target_acc: float) -> None:
@@ -554,6 +584,13 @@ class RunLog:
             f"run {res.run}: test_acc {res.test_acc:.2f}% {train} {wall} setup {res.setup_time:.2f} s "
             f"({target_note(self.cfg, res.test_acc, target_acc)})"
         )
+        if res.run_time:
+            evaluation = sum(r.test_time for r in here)
+            self.line(
+                f"run {res.run}: took {res.run_time:.1f} s in all (setup {res.setup_time:.1f} s, training "
+                f"{sum(r.train_time for r in here):.1f} s, evaluation {evaluation:.1f} s; estimated "
+                f"{res.estimated_time:.1f} s)"
+            )
 
     def _summary_doc(self, results: list[RunResult], summary: dict | None, status: str, **extra) -> dict:
         return {

@@ -489,10 +489,7 @@ class Checkpoints(Component):
 
     def epoch_done(self, epoch: int, record) -> None:
         if self.every and (epoch + 1) % self.every == 0 and epoch + 1 < self.epochs:
-            save_state(
-                self.log.dir and self.log.dir / STATE_NAME,
-                cfg=self.cfg,
-                epochs_done=epoch + 1,
-                records=self.result.epochs,
-                **self.parts,
-            )
+            path = self.log.dir and self.log.dir / STATE_NAME
+            save_state(path, cfg=self.cfg, epochs_done=epoch + 1, records=self.result.epochs, **self.parts)
+            if path:  # rank 0, which wrote it
+                self.log.line(f"checkpoint: {path} (after epoch {epoch + 1})")

@@ -4,13 +4,15 @@ same one."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
 from fastcifar.data.loader import EvalSet
 from fastcifar.parallel import distributed
 from fastcifar.run import profiling
-from fastcifar.run.graphs import EvalStep
+from fastcifar.run.graphs import EvalStep, TrainStep
 from fastcifar.run.optim import NesterovSGD
 from fastcifar.run.schedule import DeviceSchedule
 
@@ -59,16 +61,32 @@ def make_step(
     return step
 
 
-def evaluate(model, eval_step: EvalStep, test_set: EvalSet, ctx) -> tuple[float, float]:
-    """Test loss and accuracy (%) over all ranks' slices of the test set."""
+def evaluate(model, eval_step: EvalStep, test_set: EvalSet, ctx, progress=None, desc="") -> tuple[float, float]:
+    """Test loss and accuracy (%) over all ranks' slices of the test set; under a bar of ``progress``
+    (``run.progress.Progress``, drawn on rank 0's terminal only) when given."""
     model.eval()
     eval_step.reset()
-    for images, labels in test_set:
+    batches = progress.steps(test_set, len(test_set), desc, unit="batch") if progress is not None else test_set
+    for images, labels in batches:
         eval_step(images, labels)
     total_loss, total_correct, count = distributed.all_sum(
         [eval_step.loss_sum.item(), float(eval_step.correct.item()), float(len(test_set.labels))], ctx, ctx.device
     )
     return total_loss / count, 100.0 * total_correct / count
+
+
+def timed(step: TrainStep | EvalStep, device: torch.device) -> float:
+    """Seconds ``step`` takes once more on the batch it holds (after its warm-up or capture: what
+    the run's estimate starts from). Off the clock; the caller restores what the step changed (a
+    training step's weights, statistics, momentum and schedule: the warm-up's restore), and the
+    step's sums are reset here."""
+    synchronize(device)
+    start = time.perf_counter()
+    step.replay()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    step.reset()
+    return seconds
 
 
 def synchronize(device: torch.device) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -154,13 +155,12 @@ def test_the_logs_lr_column_is_explained_with_its_peak(trained):
 
 @pytest.fixture
 def offline(monkeypatch):
-    """torchvision's fetch fails as it does without a network."""
-    import torchvision.datasets.utils as tv_utils
+    """The fetch fails as it does without a network."""
 
-    def fail(url, root, filename=None, md5=None, **kwargs):
+    def fail(url, *args, **kwargs):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
-    monkeypatch.setattr(tv_utils, "download_url", fail)
+    monkeypatch.setattr(urllib.request, "urlopen", fail)
 
 
 TINY = ["--preset", "resnet9", "--device", "cpu", "--widths", "8,8,16,16", "--epochs", "1", "--quiet"]
@@ -260,13 +260,33 @@ def test_export_refuses_an_existing_file_unless_force(trained, tmp_path, capsys)
     assert out.read_bytes() != b"mine" and sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
 
 
-@pytest.mark.parametrize("case", ["no onnx", "opset 5", "opset 99", "a folder", "not a model"])
+def break_import(name: str, where: Path, monkeypatch) -> None:
+    """``import name`` raises as a build for another torch does (RuntimeError), from now on."""
+    (where / name).mkdir(parents=True)
+    (where / name / "__init__.py").write_text(f'raise RuntimeError("operator {name}::op does not exist")\n')
+    monkeypatch.syspath_prepend(str(where))
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        monkeypatch.delitem(sys.modules, module)
+
+
+@pytest.mark.parametrize(
+    "case", ["no onnx", "broken onnx", "broken onnxruntime", "opset 5", "opset 99", "a folder", "not a model"]
+)
 def test_export_errors_are_one_line_and_write_nothing(case, trained, tmp_path, capsys, monkeypatch):
     model, _, _ = trained
     argv = [str(model), "--onnx", str(tmp_path / "out" / "m.onnx")]
     if case == "no onnx":
         monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
-        message = "export needs the onnx package: pip install onnx"
+        message = "export needs the onnx package, which cannot be imported (not installed): pip install onnx"
+    elif case.startswith("broken"):  # installed, and its import fails (issue 71)
+        name = case.split()[1]
+        if name == "onnxruntime":
+            pytest.importorskip("onnx", reason="onnx is not installed (pip install 'fastcifar[onnx]')")
+        break_import(name, tmp_path.parent / f"{tmp_path.name}-fake", monkeypatch)
+        message = (
+            f"needs the {name} package, which cannot be imported (RuntimeError: operator {name}::op does not "
+            "exist): pip install onnx onnxruntime"
+        )
     elif case.startswith("opset"):  # 99: refused before the exporter, which would print its whole graph
         argv += ["--opset", case.split()[1]]
         message = f"--opset must lie in 11..{export.max_opset()}, not {case.split()[1]}"

@@ -42,7 +42,7 @@ def test_short_cpu_run_learns_and_reports(learnable_data, tmp_path, loader):
     # stdout: the header, one fixed-width line per epoch, a final line
     lines = proc.stdout.splitlines()
     assert EPOCH_HEADER in lines
-    epoch_lines = [ln for ln in lines if ln.startswith("   1 ") and len(ln.split()) == 8]
+    epoch_lines = [ln for ln in lines if ln.startswith("   1 ") and len(ln.split()) == 9]
     assert [int(ln.split()[1]) for ln in epoch_lines] == [1, 2, 3, 4]
     assert any(ln.startswith("run 1: test_acc") for ln in lines)
 

@@ -106,6 +106,21 @@ def test_module_with_device_constants():
     )
 
 
+def test_index_past_the_data_set_reads_nothing():
+    """An index outside the data set (-1, or its length) reads no byte: the image is that of an
+    all-zero image (the masked load's ``other``), the in-range images of the batch are unchanged. The
+    image's bounds are part of the load's mask (a mask that Triton 3.9's interpreter refused, issue 71)."""
+    data = _data(6, 4, "reflect", seed=4)
+    index = torch.tensor([2, -1, 6, 5], device=DEVICE)
+    params = _params(4, 4, 8, seed=6)
+    got = augment(data, params, 8, dtype=torch.float32, index=index)
+    inside = torch.tensor([0, 3])
+    want = augment_indexed_reference(data, params, 8, index=index.clamp(0, 5))
+    assert_close(got[inside], want[inside], 0.0, "augment: the in-range images")
+    zeros = augment_indexed_reference(torch.zeros_like(data), params, 8, index=index.clamp(0, 5))
+    assert_close(got[1:3], zeros[1:3], 0.0, "augment: an index past the data set reads as an all-zero image")
+
+
 @pytest.mark.parametrize("size, channels, pad", [(12, 1, 2), (20, 2, 3), (8, 4, 0), (40, 3, 2)])
 def test_other_sides_and_channel_counts(size, channels, pad, monkeypatch):
     """A program per image (or per block of its rows) over its rows and each row's pixels x channels,

@@ -1,0 +1,62 @@
+"""``--tensorboard``: each run's epochs as TensorBoard event files, a component of the run.
+
+Rank 0 writes ``tensorboard/run<N>/`` in the run folder (``tensorboard --logdir runs`` then shows
+every run of every invocation side by side): per epoch, after its evaluation and off the clock, the
+train and test (or --val-split validation) loss and accuracy, the learning rate (the log's lr
+column), the training rate in images a second, the mean step time and the epoch's training and
+evaluation times; at the start, the settings as text. torch's ``SummaryWriter`` writes the files;
+it needs the ``tensorboard`` package (``pip install -e '.[tensorboard]'``), which ``check`` asks
+for before anything is read or written.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastcifar.core import optional
+from fastcifar.core.config import Config, config_file_text
+from fastcifar.run.component import Component
+
+FIX = "pip install tensorboard (or pip install -e '.[tensorboard]' in the checkout), or leave out --tensorboard"
+
+
+def check(cfg: Config) -> None:
+    """With --tensorboard, a tensorboard that cannot be imported is one line, exit 2, before the run starts."""
+    if cfg.tensorboard:
+        optional.load("tensorboard", FIX, "--tensorboard")
+        optional.load("torch.utils.tensorboard", FIX, "--tensorboard")  # torch's check of its version
+
+
+class TensorBoard(Component):
+    """Run ``run``'s epochs into ``folder`` (rank 0's run folder / tensorboard / run<N>)."""
+
+    def __init__(self, cfg: Config, folder, run: int, images_per_step: int, steps: list[int], names: dict):
+        SummaryWriter = optional.load("torch.utils.tensorboard", FIX, "--tensorboard").SummaryWriter
+        self.writer = SummaryWriter(log_dir=str(folder / "tensorboard" / f"run{run}"))
+        self.cfg, self.images_per_step, self.steps = cfg, images_per_step, steps
+        self.evaluated = "val" if names else "test"  # --val-split: the epochs' evaluation is on held-out images
+
+    def start(self, result) -> None:
+        # markdown: a code block keeps the JSON's lines
+        self.writer.add_text("settings", "```\n" + config_file_text(self.cfg) + "```", 0)
+        self.writer.add_text("seed", json.dumps(result.seed), 0)
+
+    def epoch_done(self, epoch: int, record) -> None:
+        step, steps = record.epoch, self.steps[epoch]
+        scalars = {
+            "loss/train": record.train_loss,
+            f"loss/{self.evaluated}": record.test_loss,
+            "accuracy/train": record.train_acc,
+            f"accuracy/{self.evaluated}": record.test_acc,
+            "lr": record.lr,
+            "rate/images_per_s": steps * self.images_per_step / max(record.train_time, 1e-9),
+            "time/step_s": record.train_time / steps,
+            "time/epoch_train_s": record.train_time,
+            "time/epoch_eval_s": record.test_time,
+        }
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()  # a stopped run keeps every finished epoch, as timing_log.tsv does
+
+    def finish(self, result) -> None:
+        self.writer.close()
