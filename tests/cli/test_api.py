@@ -25,6 +25,7 @@ def python(code: str, cwd, timeout=300) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # runs the README's example training twice
 def test_readme_example_runs_and_train_is_callable_before_and_after_import(tmp_path):
     """The README's example, in a fresh interpreter: its fastcifar.train(cfg) comes before anything
     imported the trainer module; after ``import fastcifar.train`` the attribute is that module and
@@ -53,6 +54,7 @@ print("EXAMPLE OK")
 
 
 @pytest.mark.parametrize("module", ["fastcifar.train", "fastcifar.evaluate", "fastcifar.predict", "fastcifar.export"])
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_python_m_help_prints_no_warning(module):
     proc = subprocess.run(
         [sys.executable, "-m", module, "--help"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
@@ -153,6 +155,7 @@ def test_a_cuda_network_of_triton_blocks_evaluates_on_the_cpu():
     assert same is net
 
 
+@pytest.mark.slow  # trains until the run diverges
 def test_an_api_run_that_diverges_closes_its_log_as_the_cli_does(learnable_data, tmp_path):
     """Diverged is a BaseException: train() must still close the run's log with its status, or a
     later failure in the same process would write into this run's summary."""

@@ -211,6 +211,7 @@ def _tensors(path):
 
 
 @pytest.mark.parametrize("which", ["trained", "trained_default"])
+@pytest.mark.slow  # trains three runs (whole, interrupted, resumed)
 def test_resume_is_bit_identical_to_the_uninterrupted_run(which, request, tmp_path):
     """`fast` (lookahead, SGD) and the default preset (Muon's momentum on the filters)."""
     trained = request.getfixturevalue(which)
@@ -400,6 +401,7 @@ distributed.teardown(ctx)
 # --- evaluate and predict -----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_evaluate_reproduces_the_recorded_accuracy(trained, capsys):
     model_file = trained["dir"] / "model.safetensors"
     recorded = trained["summary"]["results"][0]["test_acc"]
@@ -419,6 +421,7 @@ def test_evaluate_reproduces_the_recorded_accuracy(trained, capsys):
     assert evaluate(str(model_file), str(trained["data"]), tta=0).tta == 0
 
 
+@pytest.mark.slow  # trains, then evaluates with TTA
 def test_evaluate_reproduces_an_accuracy_recorded_with_a_tta_share(tmp_path):
     """--tta-share 0.3: the trainer gives the views to 30% of each padded evaluation batch's real
     rows (128 + 128 + 44 of 300 test images), evaluate to 30% of each unpadded batch: the same rows."""
@@ -457,6 +460,7 @@ def test_evaluate_reproduces_an_accuracy_recorded_with_a_tta_share(tmp_path):
     assert evaluate((net, everyone), str(data)).accuracy != pytest.approx(recorded, abs=1e-9)  # the share mattered
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_predict_folder_with_a_corrupt_file(trained, tmp_path, capsys):
     model_file = trained["dir"] / "model.safetensors"
     images, labels = trained["test"]
@@ -488,6 +492,7 @@ def test_predict_folder_with_a_corrupt_file(trained, tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"{folder / '0.png'}: {CLASSES[expected[0]]} ")
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_full_disk_at_the_model_file_is_one_line(learnable_data, tmp_path):
     """RLIMIT_FSIZE fails writes past 16 KiB (EFBIG), as a full disk would: the logs fit, the
     model file (~100 KiB) does not; one line, exit 2, no temporary file left."""
@@ -539,6 +544,7 @@ def test_resume_accepts_other_display_and_path_settings_only():
     assert _training_config(base) != _training_config(from_preset("resnet9", lr=0.5))
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_a_checkpoint_of_other_precision_is_refused_by_name(trained, tmp_path, capsys):
     """--precision auto is fp32 on a CPU and fp16 on a GPU: the same flags, other weights. The
     refusal names the precision, not an optimizer state that does not fit."""

@@ -107,6 +107,7 @@ def test_cifar100_hostile_meta_is_refused(tmp_path):
         load_dataset(folder, log=quiet)
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_download_set_cifar100(tmp_path, http_folder, monkeypatch):
     folder, names, _ = write_cifar100(tmp_path / "src")
     served, url = http_folder
@@ -120,6 +121,7 @@ def test_download_set_cifar100(tmp_path, http_folder, monkeypatch):
     assert (tmp_path / "dl" / "cifar-100-python.tar.gz").is_file() and ds.classes == tuple(names)
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_cifar100_trains_a_100_class_net(tmp_path, capfd):
     folder, names, _ = write_cifar100(tmp_path / "d")
     out = tmp_path / "runs"
@@ -166,6 +168,7 @@ def write_folder(root, train_classes, test_classes, per_class=(6, 2)):
     return root
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_eleven_class_folders_train_an_eleven_class_net(tmp_path, capfd):
     classes = [f"kind{k:02d}" for k in range(11)]  # label 10 exists: a 10-output net would fail on it
     data = write_folder(tmp_path / "imgs", classes, classes)

@@ -92,6 +92,7 @@ def test_console_scripts_and_extras_in_pyproject():
     assert not any(d.startswith("onnx") for d in project["dependencies"]), "training must not need onnx"
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_python_m_fastcifar_is_the_same_command():
     def run(*args):
         return subprocess.run(
@@ -136,6 +137,7 @@ def test_train_help_is_grouped_basic_options_first():
     assert "lr column" in text and "27.136 x 2000 / 512 = 106)" in " ".join(text.split())
 
 
+@pytest.mark.slow  # trains a run to read its log
 def test_the_logs_lr_column_is_explained_with_its_peak(trained):
     _, stdout, _ = trained
     cfg = from_preset("fast")  # FAST_SHORT: batch 100, --lr the preset's
@@ -345,6 +347,7 @@ def test_every_commands_usage_errors_are_one_line(command, argv, capsys):
     assert line.startswith("fastcifar: error: ") and line.endswith(f"(see fastcifar {command} --help)")
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_checkpoint_every_past_the_last_epoch_says_none_is_written(trained, tmp_path):
     _, _, data = trained
     out = tmp_path / "runs"

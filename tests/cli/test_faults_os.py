@@ -186,6 +186,7 @@ def test_an_image_of_another_size_is_refused_by_its_header(tmp_path, recwarn, si
     assert not [w for w in recwarn if "DecompressionBomb" in type(w.message).__name__]
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_train_refuses_a_decompression_bomb_in_one_line(tmp_path):
     root, _ = write_image_folder(tmp_path / "imgs", n_train=20, n_test=10)
     bad = one_image(root, "test")
@@ -340,6 +341,7 @@ def test_data_that_is_a_device_is_not_called_missing(tmp_path):
         load_dataset(loop, log=quiet)
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_train_with_an_unreadable_batch_enforced_is_one_line(tmp_path):
     """The real thing, without monkeypatching: permissions enforced, the batch is mode 000."""
     prefix = without_permission_override()
@@ -385,6 +387,7 @@ def test_out_dir_inside_a_folder_it_may_not_enter_is_one_line(tmp_path, monkeypa
         report.check_out_dir(locked / "runs")
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_out_dir_inside_a_folder_it_may_not_enter_enforced(tmp_path):
     prefix = without_permission_override()
     locked = tmp_path / "locked"
@@ -557,6 +560,7 @@ def test_a_fresh_runs_line_is_unchanged(tmp_path):
     )
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_a_truncated_jpeg_gives_no_raw_dali_line(tmp_path):
     from fastcifar.data import dali as dl
 
@@ -587,6 +591,7 @@ def test_a_truncated_jpeg_gives_no_raw_dali_line(tmp_path):
 # Item 9: a rank that ends itself for a stalled peer records why
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_the_watchdog_records_the_cause_in_log_and_summary_before_it_ends_the_rank(tmp_path):
     """The main thread is blocked (here: asleep), so only the watchdog can end the rank; log.txt and
     summary.json must say why (status "failed"), not be left without a summary."""
@@ -614,6 +619,7 @@ def test_the_watchdog_records_the_cause_in_log_and_summary_before_it_ends_the_ra
     assert (run_dir / "log.txt").read_text().splitlines()[-1].startswith("stopped (failed): lost contact")
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_the_watchdog_ends_the_rank_even_when_recording_hangs():
     code = (
         "import time, torch\n"

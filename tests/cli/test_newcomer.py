@@ -73,6 +73,7 @@ def test_parse_command_line_names_only_the_options_given():
     assert parse_command_line(["--preset", "fast"])[1] == {"preset": "fast"}
 
 
+@pytest.mark.slow  # trains a run twice
 def test_resume_alone_finishes_as_the_uninterrupted_run(data, uninterrupted, tmp_path):
     out = tmp_path / "runs"
     proc = run_train(["--data", data, "--out-dir", out, "--resume", uninterrupted["dir"] / "checkpoint.pt"])
@@ -136,6 +137,7 @@ def test_val_split_logs_and_summary_name_the_set(uninterrupted):
     assert "val_acc" in tsv and "test_acc" not in tsv
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_no_val_split_is_todays_log(data, tmp_path):
     out = tmp_path / "runs"
     proc = run_train(["--data", data, "--out-dir", out, *TINY, "--epochs", "1"])
@@ -202,6 +204,7 @@ def test_val_split_must_not_be_negative(capsys):
 # --- item 4: the full preset on a CPU --------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_cpu_warning_before_a_full_preset_on_the_cpu(tmp_path):
     assert "takes hours" in report.cpu_note(from_preset(DEFAULT_PRESET), torch.device("cpu"))
     assert report.cpu_note(from_preset(DEFAULT_PRESET, subset=5000), torch.device("cpu")) == ""
@@ -255,6 +258,7 @@ def test_busy_cpu_gets_advice_only_when_omp_num_threads_is_unset(monkeypatch):
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_cpu_threads_bench_smoke_writes_nothing(data):
     import subprocess
     import sys

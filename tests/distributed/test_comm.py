@@ -204,6 +204,7 @@ def two_rank_results(two_rank_dir):
 
 
 @pytest.mark.parametrize("case", BUCKET_CASES)
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_two_ranks_match_one_process_over_the_global_batch(two_rank_results, case):
     mb = BUCKET_CASES[case]
     ref = reference_params()
@@ -255,6 +256,7 @@ def test_last_bucket_launches_inside_backward_on_two_gloo_ranks(two_rank_results
         assert ("whiten.bias" in {n for _, ns in plan for n in ns}) is not frozen
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_different_model_shapes_fail_on_every_rank(tmp_path):
     procs = start_ranks(lambda r: [sys.executable, str(WORKER), "shapes"], tmp_path)
     assert wait_all(procs, timeout=120) == [2, 2]

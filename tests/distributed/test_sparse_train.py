@@ -95,6 +95,7 @@ def test_sparse_settings_that_cannot_work_are_refused(overrides, world, needle):
         validate(from_preset("resnet9", **overrides), world)
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_bad_sparse_flag_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "runs"
     proc = run_train(["--data", tmp_path, "--out-dir", out, *SHORT, "--sparse-checkpoints"])

@@ -317,6 +317,7 @@ def table_steps(out: Path, stage: str) -> list[str]:
     ][1:]
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_screen_stage_runs_the_default_then_each_variant_and_reports_them_together(tmp_path):
     """Issues 45 and 50: the default preset, then each variant in SCREEN (its flags added), 10 runs
     each from seed 0, and the race's report over all of them into official.jsonl."""
@@ -390,6 +391,7 @@ def test_screen_stage_runs_the_default_then_each_variant_and_reports_them_togeth
         ("--preset=fast", "variant '--preset=fast' refused: the stage sets --preset itself"),
     ],
 )
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_screen_stage_refuses_a_bad_variant_before_any_run(tmp_path, variants, message):
     proc, out = visit(tmp_path, "screen", SCREEN=variants)
     assert proc.returncode == 1
@@ -578,6 +580,7 @@ def test_emulated_report_files_one_row_per_preset_and_rank_count(tmp_path):
 # --- export_tensors: our images where the public script's loader reads them ----------------------
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_export_tensors_writes_what_the_public_loader_reads(tmp_path):
     import numpy as np
     import torch
@@ -609,6 +612,7 @@ def test_export_tensors_writes_what_the_public_loader_reads(tmp_path):
     assert not list((tmp_path / "cifar10").glob("*.tmp"))
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_export_tensors_refuses_bad_input_in_one_line(tmp_path):
     proc = subprocess.run(
         [

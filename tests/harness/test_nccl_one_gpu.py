@@ -120,6 +120,7 @@ def test_the_stage_runs_two_ranks_through_the_wrapper_then_compares_and_kills(tm
         assert part in checks, checks
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_the_wrapper_gives_each_rank_under_torchrun_its_own_nccl_host_and_the_shared_gpu(tmp_path):
     """torchrun --no-python runs `bash scripts/rank_env.sh COMMAND` per rank; COMMAND sees the rank's
     environment (here it prints it)."""

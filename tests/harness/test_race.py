@@ -307,6 +307,7 @@ def test_report_screens_variants_of_a_preset_beside_it(tmp_path):
     )
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_report_without_fastcifar_runs_fails_but_files_the_public_scripts(tmp_path):
     work = tmp_path / "work"
     work.mkdir()

@@ -123,6 +123,7 @@ RESNET9_BLOCKS = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("block", RESNET9_BLOCKS, ids=lambda b: f"c{b[0]}-{b[1]}x{b[1]}-{b[2]}")
+@pytest.mark.slow  # every ResNet-9 block shape under the Triton interpreter
 def test_resnet9_shapes(block, dtype):
     c, hw, pool = block
     _compare((2, c, hw, hw), dtype, "relu", pool, seed=c + hw)
@@ -330,6 +331,7 @@ def _train(model, batches):
     return losses
 
 
+@pytest.mark.slow  # trains ResNet-9 steps under the Triton interpreter and in torch
 def test_resnet9_trains_like_torch_path():
     """ResNet9(norm=TritonNormActPool) from NormActPool's init: same first-step gradients (fp32, every
     parameter), then the same loss curve over 4 SGD steps. The curve tolerance is looser (1e-3) than

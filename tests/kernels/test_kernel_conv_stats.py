@@ -265,6 +265,7 @@ def test_which_blocks_fuse():
     assert not fusable(torch.nn.Conv2d(3, 8, 3, padding=1))
 
 
+@pytest.mark.slow  # the default network's steps with the fused conv under the interpreter
 def test_fused_default_preset_steps_like_the_unfused_one(monkeypatch):
     """The trainer's own path: ``build_model`` with ``--fused-conv`` and the step it trains with
     (``make_step``, the default preset's Muon), against the same without: three steps on the same

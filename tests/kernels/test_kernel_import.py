@@ -56,6 +56,7 @@ def test_import_graph_helper_sees_relative_and_absolute_imports(tmp_path):
     assert {"fastcifar.models.blocks", "kernels.x", "fastcifar.kernels.checks"} <= _imports(f)
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_importing_kernels_does_not_load_the_model():
     code = (
         "import sys, fastcifar.kernels.bn_act_pool, fastcifar.kernels.augment, fastcifar.kernels.cutout;"
@@ -115,6 +116,7 @@ def test_wheel_installs_kernels_under_fastcifar(tmp_path):
     assert "fastcifar = fastcifar.cli:main" in scripts and "fastcifar-train = fastcifar.train:main" in scripts
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_triton_kernels_on_cpu_leave_no_triton_interpret_behind():
     """norm_factory("triton") and the Triton loader without a GPU: kernels interpreted, a forward
     runs on CPU tensors, and TRITON_INTERPRET is not left set (it used to leak into every later

@@ -88,6 +88,7 @@ triton_on_cpu = pytest.mark.skipif(
 
 @triton_on_cpu
 @pytest.mark.parametrize("preset", ["fast", "fast-muon"])
+@pytest.mark.slow  # torch.compile (inductor) of a whole step
 def test_compiled_step_equals_eager_step(preset):
     """Three steps of the trainer's step function, the Triton kernel as a custom op, compiled whole
     (fullgraph: no break at the kernels) vs the eager Triton model: same losses, same weights."""

@@ -151,6 +151,7 @@ def test_failed_decode_leaves_no_cache(tmp_path):
 
 
 @pytest.mark.skipif(not SHARED_JPEG.is_file(), reason="the JPEG copy of CIFAR-10 (cifar10-jpeg.tar.gz) is not present")
+@pytest.mark.slow  # decodes the shared 60,000-image JPEG archive
 def test_shared_jpeg_archive_loads_as_is(tmp_path):
     ds = load_dataset(SHARED_JPEG, cache_dir=tmp_path / "cache", log=quiet)
     assert ds.train_images.shape == (50000, 32, 32, 3) and ds.test_images.shape == (10000, 32, 32, 3)

@@ -148,6 +148,7 @@ def test_emulated_ranks_batchnorm_keeps_each_ranks_statistics(momentum):
         block.train()(torch.randn(4, 6, 8, 8))
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_emulated_ranks_steps_equal_ranks_averaging_their_gradients():
     """Three steps of the default preset (FastNet, Muon on the filters, Nesterov SGD on the rest,
     weight decay) in the trainer's step, emulated over 3 ranks, against 3 ranks simulated here:

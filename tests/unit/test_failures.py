@@ -230,6 +230,7 @@ def test_a_sigterm_whose_clean_up_hangs_still_ends_the_process(tmp_path):
     assert took < 30
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_a_sigterm_the_main_thread_handles_in_time_is_left_to_it(tmp_path):
     """The usual case: the handler runs, the main thread records and finishes, ``restore`` stops
     the watcher, which must neither record nor end the process."""
@@ -273,6 +274,7 @@ def test_the_end_stays_claimed_after_restore_and_a_new_api_run_unclaims_it(monke
     signals.new_run()
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_a_forked_child_does_not_signal_through_the_parents_wakeup_pipe(tmp_path):
     """A child forked without exec (a worker) inherits the wakeup fd; stopping it with SIGTERM must
     not reach the parent's watcher, which would end a healthy parent with 143."""

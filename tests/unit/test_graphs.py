@@ -94,6 +94,7 @@ def tiny_model():
     return ResNet9(widths=(4, 8, 8, 8)).to(memory_format=torch.channels_last)
 
 
+@pytest.mark.slow  # over 2 s on 2 cores
 def test_eager_train_step_accumulates_metrics():
     model = tiny_model()
     calls = []

@@ -282,6 +282,7 @@ def test_default_preset_names_itself_where_muon_cannot_go():
         validate(from_preset(checkpoint_every=2, compress="topk"), world_size=2)
 
 
+@pytest.mark.slow  # trains the Muon preset
 def test_fast_muon_preset_learns_on_the_cpu(tmp_path, learnable_data):
     cfg = tiny_muon(
         data=str(learnable_data),

@@ -248,6 +248,7 @@ def test_resume_past_the_freeze_freezes_at_its_first_epoch():
     assert not model.whiten.bias.requires_grad and step.selected == [RunHooks.WHITEN_BIAS_FROZEN]
 
 
+@pytest.mark.slow  # trains the default network both ways
 def test_ending_backward_at_the_whitening_conv_changes_no_weight(learnable_data, tmp_path, monkeypatch):
     """The run with the whitening conv out of backward after the freeze ends with the same bits in
     every weight and statistic as one that still backpropagates into it (the frozen bias took no

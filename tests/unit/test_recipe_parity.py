@@ -213,6 +213,7 @@ def test_whitening_is_the_eigendecomposition_of_the_uncentred_second_moment():
     assert (centred.weight - want.float()).abs().max() > 0.1, "the centred option differs on off-centre data"
 
 
+@pytest.mark.slow  # trains the fast preset against the published recipe step by step
 def test_fast_training_equals_the_published_recipe(tmp_path, learnable_data):
     """The whole trainer (warm-up and restore, whitening, bias freeze, schedule, lookahead from
     epoch 3 with its epoch-end resets, a fractional last epoch, TTA evaluation) on the `fast`

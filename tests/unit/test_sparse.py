@@ -53,6 +53,7 @@ def loop_scores(model, x, y, variant):
 
 
 @pytest.mark.parametrize("variant", CHOICES["mask_score"])
+@pytest.mark.slow  # a per-sample backward loop as the reference
 def test_fisher_scores_match_a_per_sample_loop(variant):
     _, model = tiny()
     x, y = batch()
