@@ -92,7 +92,6 @@ def test_console_scripts_and_extras_in_pyproject():
     assert not any(d.startswith("onnx") for d in project["dependencies"]), "training must not need onnx"
 
 
-@pytest.mark.slow  # over 2 s on 2 cores
 def test_python_m_fastcifar_is_the_same_command():
     def run(*args):
         return subprocess.run(
