@@ -81,7 +81,7 @@ def pick_device(requested: str, local_rank: int, settings=None, own_gpus: bool =
     share = os.environ.get(SHARE_GPU, "0")
     if share not in ("0", "1"):
         raise ConfigError(f"{SHARE_GPU} must be 0 or 1 (1: ranks share the GPUs, for testing only), not {share!r}")
-    if own_gpus and local_rank >= count:
+    if own_gpus and count == 1 and local_rank >= count:  # srun --gpus-per-task 1: its own GPU, the only one
         index = 0
     elif share == "0" and local_rank >= count:
         raise ConfigError(
@@ -177,16 +177,20 @@ def slurm_environment(environ) -> dict[str, str]:
     SLURM_STEP_NUM_TASKS: a Python started there stays one process). RANK = SLURM_PROCID,
     LOCAL_RANK = SLURM_LOCALID, WORLD_SIZE = the step's task count; MASTER_ADDR as exported, else
     127.0.0.1 on one node, else the step's first node (block distribution, Slurm's default and the
-    only one accepted, puts task 0 there); MASTER_PORT as exported, else ``SLURM_PORT_BASE`` + the job id mod
-    ``SLURM_PORT_SPAN``."""
+    only one accepted where a node runs several tasks, puts task 0 there); MASTER_PORT as exported, else
+    ``SLURM_PORT_BASE`` + (the job id + the step id) mod ``SLURM_PORT_SPAN``."""
     if "RANK" in environ or "WORLD_SIZE" in environ:
         return {}
     if "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
         return {}
     # one node's tasks must be numbered contiguously, as torchrun numbers them: the data is read once
-    # per node by rank - local rank's task (load_once_per_node), and task 0's node is the first
+    # per node by rank - local rank's task (load_once_per_node), and task 0's node is the first. With
+    # no more tasks than nodes (one task, or one a node) every layout is that; srun then often sets
+    # SLURM_DISTRIBUTION=cyclic itself, although no --distribution was given
     layout = environ.get("SLURM_DISTRIBUTION", "block").split(":")[0]
-    if layout not in ("block", ""):
+    nodes = environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1"))
+    one_a_node = nodes.isdigit() and int(environ["SLURM_STEP_NUM_TASKS"]) <= int(nodes)
+    if layout not in ("block", "") and not one_a_node:
         raise ConfigError(
             f"srun --distribution {environ['SLURM_DISTRIBUTION']}: fastcifar needs each node's tasks numbered "
             "one after another (block, srun's default)"
@@ -197,7 +201,6 @@ def slurm_environment(environ) -> dict[str, str]:
         "WORLD_SIZE": environ["SLURM_STEP_NUM_TASKS"],
     }
     if "MASTER_ADDR" not in environ:
-        nodes = environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1"))
         nodelist = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
         if nodes == "1":
             mapped["MASTER_ADDR"] = "127.0.0.1"
@@ -211,7 +214,9 @@ def slurm_environment(environ) -> dict[str, str]:
         job = environ["SLURM_JOB_ID"].split("_")[0]  # an array task's id reads JOB_TASK in some tools
         if not job.isdigit():
             raise ConfigError(f"SLURM_JOB_ID {environ['SLURM_JOB_ID']!r} is not a number: export MASTER_PORT")
-        mapped["MASTER_PORT"] = str(SLURM_PORT_BASE + int(job) % SLURM_PORT_SPAN)
+        step = environ.get("SLURM_STEP_ID", "0")  # two steps of one job at once: two rendezvous
+        step = int(step) if step.isdigit() else 0
+        mapped["MASTER_PORT"] = str(SLURM_PORT_BASE + (int(job) + step) % SLURM_PORT_SPAN)
     return mapped
 
 

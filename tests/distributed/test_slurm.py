@@ -46,6 +46,12 @@ def test_slurm_task_maps_to_torchruns_variables():
     assert slurm_environment(dict(TASK, SLURM_DISTRIBUTION="block:cyclic"))["RANK"] == "1"
     with pytest.raises(ConfigError, match="--distribution cyclic: fastcifar needs each node's tasks numbered"):
         slurm_environment(dict(TASK, SLURM_DISTRIBUTION="cyclic"))
+    # no more tasks than nodes: any layout numbers a node's tasks one after another (srun sets cyclic itself)
+    alone = dict(TASK, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_STEP_NUM_TASKS="1", SLURM_DISTRIBUTION="cyclic")
+    assert slurm_environment(alone)["WORLD_SIZE"] == "1"
+    assert slurm_environment(dict(two_nodes, SLURM_LOCALID="0", SLURM_DISTRIBUTION="cyclic"))["RANK"] == "1"
+    # a second step of the job at the same time gets another port
+    assert slurm_environment(dict(TASK, SLURM_STEP_ID="1"))["MASTER_PORT"] != slurm_environment(TASK)["MASTER_PORT"]
     with pytest.raises(ConfigError, match="export MASTER_ADDR"):
         slurm_environment({k: v for k, v in two_nodes.items() if k != "SLURM_STEP_NODELIST"})
 
@@ -75,6 +81,9 @@ def test_slurm_task_with_one_visible_gpu_takes_it(monkeypatch):
     monkeypatch.setattr(distributed.gpu, "preflight", lambda *a, **k: None)  # no real GPU to ask: tested apart
     monkeypatch.delenv(distributed.SHARE_GPU, raising=False)
     assert pick_device("auto", 5, own_gpus=True) == torch.device("cuda", 0) and chosen == [0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # more tasks on a node than its GPUs: no sharing
+    with pytest.raises(ConfigError, match="local rank 5 has no GPU"):
+        pick_device("auto", 5, own_gpus=True)
     with pytest.raises(ConfigError, match="local rank 5 has no GPU"):
         pick_device("auto", 5)
 
