@@ -77,7 +77,10 @@ def runs_on(entry: str, capability: tuple[int, int]) -> bool:
 
 
 def arch_list() -> list[str]:
-    """torch's arch list (``torch.cuda.get_arch_list()``: sm_75, sm_80, ..., maybe compute_XY)."""
+    """torch's arch list (``torch.cuda.get_arch_list()``: sm_75, sm_80, ..., maybe compute_XY); empty
+    under a ROCm build, whose gfx names say nothing about NVIDIA compute capabilities (no check then)."""
+    if torch.version.hip:
+        return []
     return list(torch.cuda.get_arch_list())
 
 

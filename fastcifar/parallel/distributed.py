@@ -587,8 +587,11 @@ class ProgressWatchdog:
         enabled: bool,
         stream=sys.stderr,
         on_stall: Callable[[str], None] | None = None,
+        grace_s: float = 0.0,
     ):
         self.timeout_s, self.ctx, self.stream, self.on_stall = timeout_s, ctx, stream, on_stall
+        # until settle(): the start-up bound, at least grace_s (see Watchdog in run/components.py)
+        self.bound = max(timeout_s, grace_s)
         self.last = time.monotonic()
         self._stop = threading.Event()
         self._thread = None
@@ -599,13 +602,19 @@ class ProgressWatchdog:
     def beat(self) -> None:
         self.last = time.monotonic()
 
+    def settle(self) -> None:
+        """Start-up is over: from now on ``timeout_s`` without a beat ends the rank."""
+        self.bound = self.timeout_s
+        self.beat()
+
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
-            idle = time.monotonic() - self.last
-            if idle > self.timeout_s:
+            idle, bound = time.monotonic() - self.last, self.bound
+            if idle > bound:
+                past = f"--dist-timeout-s {self.timeout_s:g}" if bound == self.timeout_s else f"start-up's {bound:g} s"
                 reason = (
                     f"lost contact with the other ranks (no training progress for {idle:.0f} s, past "
-                    f"--dist-timeout-s {self.timeout_s:g}: a peer stalled or died)"
+                    f"{past}: a peer stalled or died)"
                 )
                 if not report_failure(f"fastcifar: error: [rank {self.ctx.rank}] {reason}", self.stream):
                     return  # another thread saw it first and is ending the rank (its line, its record)

@@ -59,14 +59,27 @@ class Watchdog(Component):
     left to the handshake's 60 s or NCCL's timeout, whose aborted communicator then fails the next
     capture with a CUDA error (a traceback, exit 1), not exit 3 and one line. The warm-up steps beat
     it (``make_step``'s ``beat``), so only one step, or the gap between two beats, longer than
-    --dist-timeout-s ends a rank, as it would end the step's own collective anyway."""
+    --dist-timeout-s ends a rank, as it would end the step's own collective anyway. Until the run's
+    start (after warm-up, capture and the timed step and evaluation batch) the bound is at least
+    ``START_UP_GRACE_S``: the first steps compile kernels (Triton's first launches, --compile's
+    inductor) on every rank at once, minutes with cold caches, while no rank waits on another; a small
+    --dist-timeout-s (10 s in the kill test) would end healthy ranks there."""
+
+    START_UP_GRACE_S = 300.0  # the default --dist-timeout-s: a larger one is kept as it is
 
     def __init__(self, session: Session):
         cfg, ctx = session.cfg, session.ctx
         # a stall ends the rank from the watchdog's thread: log.txt and summary.json say why first
         self.dog = distributed.ProgressWatchdog(
-            cfg.dist_timeout_s, ctx, enabled=ctx.distributed, on_stall=lambda why: report.stop_open_logs("failed", why)
+            cfg.dist_timeout_s,
+            ctx,
+            enabled=ctx.distributed,
+            on_stall=lambda why: report.stop_open_logs("failed", why),
+            grace_s=self.START_UP_GRACE_S,
         )
+
+    def start(self, result) -> None:
+        self.dog.settle()
 
     def after_step(self) -> None:
         self.dog.beat()

@@ -84,6 +84,16 @@ def test_capability_with_code_in_the_arch_list_passes_the_preflight(monkeypatch,
     assert pick_device("cuda", 3, Config()) == torch.device("cuda", 3) and chosen == [3]
 
 
+def test_capability_check_leaves_a_rocm_build_alone(monkeypatch):
+    """A ROCm torch lists gfx targets, not sm_XY: the arch check cannot judge it and must not refuse."""
+    chosen = fake_gpus(monkeypatch, 2, (9, 0), ["gfx90a", "gfx942"])
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    assert pick_device("cuda", 1, Config()) == torch.device("cuda", 1) and chosen == [1]
+    monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.raises(ConfigError, match="cannot run"):  # the same list read as a CUDA build's: refused
+        pick_device("cuda", 1, Config())
+
+
 def test_capability_7_0_under_the_cu130_torch_picks_no_device(monkeypatch):
     chosen = fake_gpus(monkeypatch, 8, V100, CU130_ARCHS)
     with pytest.raises(ConfigError, match=r"GPU 5 \(Tesla V100-SXM2-16GB, compute capability 7\.0\) cannot run"):

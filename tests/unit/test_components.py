@@ -144,3 +144,20 @@ def test_start_takes_a_resumes_epoch():
             return 3
 
     assert Components([Component(), Resume(), Component()]).start(None) == 3
+
+
+@pytest.mark.parametrize("timeout_s, before", [(10.0, 300.0), (900.0, 900.0)])
+def test_watchdog_gives_start_up_its_grace_then_watches_at_dist_timeout(timeout_s, before):
+    """Warm-up compiles kernels on every rank at once (minutes with cold caches): until the run's start
+    the bound is at least START_UP_GRACE_S, so a small --dist-timeout-s ends no healthy rank there;
+    from the run's start on, --dist-timeout-s as given."""
+    import types
+
+    import torch
+
+    cfg = parse_args(["--dist-timeout-s", str(timeout_s)])
+    ctx = distributed.DistContext(0, 1, 0, torch.device("cpu"), None)  # one rank: no thread to start
+    with components.Watchdog(types.SimpleNamespace(cfg=cfg, ctx=ctx)) as watchdog:
+        assert watchdog.dog.bound == before
+        assert watchdog.start(None) is None  # no answer: the run's start epoch is the others'
+        assert watchdog.dog.bound == timeout_s
