@@ -219,12 +219,14 @@ class GradBuckets:
         """Make the plan of the parameters flagged in ``key`` current: each one's ``.grad`` its view
         in that plan's buckets, each other one's its own tensor outside every bucket (what it held
         is copied over, so a switch between steps keeps the gradients)."""
+        # a switch copies gradients and repoints .grad: inside a capture it would be recorded and
+        # replayed, so every switch, to a new plan or a known one, belongs to an eager step
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the trainable parameters changed inside a CUDA graph capture: the gradient "
+                "buckets are planned in the eager steps before it (warm up the variant first)"
+            )
         if key not in self._plans:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "the trainable parameters changed inside a CUDA graph capture: the gradient "
-                    "buckets are planned in the eager steps before it (warm up the variant first)"
-                )
             trainable = [p for p, on in zip(self.all_params, key, strict=True) if on]
             self._plans[key] = _Plan(plan_buckets(trainable, *self._caps))
         plan = self._plans[key]

@@ -612,6 +612,21 @@ def test_last_bucket_launches_during_backward_and_leaves_the_frozen_bias_out():
     assert {p: p.grad.data_ptr() for p in buckets.params} == before and bias in before
 
 
+def test_last_bucket_plans_switch_only_outside_a_capture(monkeypatch):
+    """A switch of bucket plans copies gradients and repoints .grad: inside a CUDA graph capture it
+    would be recorded and replayed, so it is refused there, for a plan made before as for a new one."""
+    cfg, model = default_preset_model()
+    buckets = GradBuckets(model.parameters(), cfg.bucket_mb, communicate=False)
+    model.whiten.bias.requires_grad_(False)
+    buckets.begin()  # eager: the frozen plan is made and current
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    buckets.begin()  # nothing changed since the last step: nothing to refuse
+    model.whiten.bias.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="changed inside a CUDA graph capture"):
+        buckets.begin()  # back to the first plan, which exists, but inside a capture
+
+
 # ---------------------------------------------------------------------------------------------
 # A rank lost before the first epoch (issue 73): the progress watchdog starts with the run, so it
 # also covers the model handshake, the warm-up steps and graph capture.
