@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from cli import ROOT, run_dirs, run_train
+from cli import ROOT, TINY, run_dirs, run_train
 from conftest import make_images, one_line_error, write_official
 from safetensors import safe_open
 
@@ -18,28 +18,6 @@ from fastcifar.data import DataError
 from fastcifar.data.dataset import Dataset, for_run
 from fastcifar.run import report
 from fastcifar.train import main as train_main
-
-# a tiny ResNet-9 on 200 training images: a few seconds on one thread
-TINY = [
-    "--preset",
-    "resnet9",
-    "--device",
-    "cpu",
-    "--widths",
-    "8,16,32,64",
-    "--batch-size",
-    "50",
-    "--epochs",
-    "3",
-    "--warmup-epochs",
-    "1",
-    "--warmup-steps",
-    "1",
-    "--eval-batch-size",
-    "200",
-    "--loader",
-    "torch",
-]
 
 
 def _tensors(path):

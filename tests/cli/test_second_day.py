@@ -14,34 +14,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-from cli import ROOT, env, free_port, run_dirs
+from cli import ROOT, TINY, env, free_port, run_dirs
 from conftest import one_line_error, write_official
 from safetensors import safe_open
 
 from fastcifar.core.config import CONFIG_FILE, config_file_text, from_preset, parse_command_line, read_config_file
 from fastcifar.run.report import EPOCH_HEADER
-
-# a tiny ResNet-9 on 200 training images: a few seconds on one thread
-TINY = [
-    "--preset",
-    "resnet9",
-    "--device",
-    "cpu",
-    "--widths",
-    "8,16,32,64",
-    "--batch-size",
-    "50",
-    "--epochs",
-    "3",
-    "--warmup-epochs",
-    "1",
-    "--warmup-steps",
-    "1",
-    "--eval-batch-size",
-    "200",
-    "--loader",
-    "torch",
-]
 
 
 @pytest.fixture(scope="module")

@@ -88,3 +88,26 @@ def run_dirs(out: Path) -> list[Path]:
 def summary_of(out: Path) -> dict:
     (run_dir,) = run_dirs(out)
     return json.loads((run_dir / "summary.json").read_text())
+
+
+# a tiny ResNet-9 on 200 training images: a few seconds on one thread
+TINY = [
+    "--preset",
+    "resnet9",
+    "--device",
+    "cpu",
+    "--widths",
+    "8,16,32,64",
+    "--batch-size",
+    "50",
+    "--epochs",
+    "3",
+    "--warmup-epochs",
+    "1",
+    "--warmup-steps",
+    "1",
+    "--eval-batch-size",
+    "200",
+    "--loader",
+    "torch",
+]
