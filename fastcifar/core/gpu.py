@@ -209,8 +209,14 @@ def standing_in(capability: tuple[int, int]):
 def capability(device: torch.device) -> tuple[int, int] | None:
     """The compute capability of a CUDA ``device``; for another device the one ``standing_in`` gives, or None."""
     if device.type == "cuda":
-        return tuple(torch.cuda.get_device_capability(device))
+        return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
     return _stand_in[-1] if _stand_in else None
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    # asked once per device: the fused conv's launcher reads it on every eager forward
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 def newton_schulz_dtype(device: torch.device) -> torch.dtype:

@@ -37,4 +37,5 @@ def fake_gpus(monkeypatch, n: int, capability=(9, 0), archs=CU130_ARCHS, sms: in
     monkeypatch.setattr(gpu, "driver_gpus", lambda timeout_s=gpu.NVIDIA_SMI_TIMEOUT_S: list(driver))
     # a fresh cache of SM counts for the mocked machine, the real one back afterwards
     monkeypatch.setattr(gpu, "_cuda_sms", functools.cache(gpu._cuda_sms.__wrapped__))
+    monkeypatch.setattr(gpu, "_cuda_capability", functools.cache(gpu._cuda_capability.__wrapped__))
     return chosen
