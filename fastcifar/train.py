@@ -51,7 +51,7 @@ from fastcifar.run.progress import Progress, chunked_decoder
 from fastcifar.run.report import EpochRecord, RunLog, RunResult, device_info, process_start_time, provenance, versions
 from fastcifar.run.schedule import DeviceSchedule, epoch_lengths, lr_schedule
 from fastcifar.run.sparse.run import SparseRun
-from fastcifar.run.step import evaluate, make_step, synchronize, timed
+from fastcifar.run.step import evaluate, make_step, synchronize, timed, timed_eval
 
 PROCESS_START = process_start_time()
 
@@ -358,13 +358,13 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     model.eval()
     eval_step.batch.load(*next(iter(session.eval_set)))
     eval_step.prepare()
-    eval_s = timed(eval_step, ctx.device)  # one evaluation batch, for the estimate
+    eval_s = timed_eval(eval_step, ctx.device)  # an evaluation batch, or a slice of it scaled, for the estimate
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
     run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step, watchdog)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
-    # the run's first line: what it will take in all, from the step and evaluation batch timed above
+    # the run's first line: what it will take in all, from the step and evaluation timed above
     todo, eval_batches = lengths[start_epoch:], len(session.eval_set)
     result.estimated_time = report.estimate(time.perf_counter() - set_up, todo, step_s, eval_batches, eval_s)
     log.line(report.estimate_line(run, result.estimated_time, todo, step_s, eval_batches, eval_s))

@@ -130,7 +130,7 @@ def cpu_threads_note(device: torch.device) -> str:
 
 def estimate(set_up: float, lengths: list[int], step_s: float, eval_batches: int, eval_s: float) -> float:
     """Seconds a run will take in all: ``set_up`` spent, then each epoch's steps at ``step_s`` and its
-    evaluation's batches at ``eval_s`` (one of each, timed after the warm-up)."""
+    evaluation's batches at ``eval_s`` (each timed after the warm-up: run.step.timed, timed_eval)."""
     return set_up + sum(lengths) * step_s + len(lengths) * eval_batches * eval_s
 
 
@@ -145,7 +145,7 @@ def estimate_line(run: int, total: float, lengths: list[int], step_s: float, eva
     epochs = f"{len(lengths)} epochs of {lengths[0]} steps" if len(set(lengths)) == 1 else f"{sum(lengths)} steps"
     return (
         f"run {run}: about {about(total)} in all: {epochs} at {step_s:.3g} s and {eval_batches} evaluation "
-        f"batch{'es' if eval_batches != 1 else ''} an epoch at {eval_s:.3g} s (one of each timed after the warm-up)"
+        f"batch{'es' if eval_batches != 1 else ''} an epoch at {eval_s:.3g} s (timed after the warm-up)"
     )
 
 
