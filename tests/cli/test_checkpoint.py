@@ -302,7 +302,7 @@ def test_default_presets_checkpoint_holds_muons_momentum(trained_default):
     assert all(b.abs().sum() > 0 for b in buffers), "two epochs of momentum, not the zeroed start"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two gloo ranks train, stop at a checkpoint and resume
 def test_two_ranks_checkpoint_and_resume(tmp_path, capsys):
     """gloo, 2 ranks: each rank resumes its own shard, RNGs and lookahead copy; the result is the
     uninterrupted 2-rank run's, bit for bit."""

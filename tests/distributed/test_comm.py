@@ -442,7 +442,7 @@ def start_long_training(learnable_data, tmp_path, extra=()) -> list[subprocess.P
     return procs
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two ranks, one lost: the other waits out its timeout
 @pytest.mark.parametrize("how", ["killed", "stalled"])
 def test_a_rank_that_dies_or_stalls_ends_the_others_within_the_timeout(learnable_data, tmp_path, how):
     procs = start_long_training(learnable_data, tmp_path)
@@ -487,7 +487,7 @@ def test_a_rank_that_never_joins_ends_the_others_within_the_timeout(learnable_da
     assert line.startswith("fastcifar: error: [rank 0] lost contact with the other ranks") and "1/2" in line, line
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two torchrun ranks train twice (buckets, then DDP)
 def test_two_ranks_bucketed_learns_and_reproduces_ddp_under_torchrun(learnable_data, tmp_path):
     epochs, stdout = {}, {}
     for comm in ("bucketed", "ddp"):
@@ -634,7 +634,7 @@ def test_last_bucket_plans_switch_only_outside_a_capture(monkeypatch):
 LOSE = Path(__file__).resolve().parents[1] / "helpers" / "lose_rank.py"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two ranks, one lost in start-up: the other waits out its timeout
 @pytest.mark.parametrize("how", ["stalled-at-handshake", "killed-in-warm-up"])
 def test_a_rank_lost_before_first_epoch_ends_the_other_in_one_line(learnable_data, tmp_path, how):
     """Rank 1 is lost before its first epoch; rank 0 ends with one line, exit 3 and the record

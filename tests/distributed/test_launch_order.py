@@ -322,7 +322,7 @@ def epochs_of(out: Path) -> list[tuple]:
     return [(e["train_loss"], e["train_acc"], e["test_loss"], e["test_acc"]) for e in s["results"][0]["epochs"]]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two launchers of two ranks, then one of two, each training
 def test_two_nodes_equal_one_node_of_two_and_fetch_once_per_node(tmp_path):
     folder, _ = write_official(tmp_path / "src", per_batch=200, n_test=400)
     archive = tar_folder(folder, tmp_path / "official.tar.gz", "cifar-10-batches-py")

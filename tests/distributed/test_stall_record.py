@@ -13,7 +13,7 @@ from cli import run_dirs
 from conftest import one_line_error
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two ranks, one stalled: rank 0 waits out its timeout
 def test_two_ranks_a_stalled_peer_leaves_the_cause_in_rank_0s_log_and_summary(learnable_data, tmp_path):
     """Two gloo ranks on the CPU (tests/distributed/test_comm.py's launch); rank 1 stops (SIGSTOP) mid-training.
     Rank 0 ends with exit 3 and one line, by gloo's timeout or by the watchdog, whichever sees it

@@ -12,7 +12,7 @@ import pytest
 import torch
 from cli import ROOT, bench_results, env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a subprocess
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import sys
 import pytest
 from cli import ROOT, env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # trains presets end to end through the benchmark
 
 TINY = [
     "--device",

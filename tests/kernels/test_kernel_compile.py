@@ -46,7 +46,7 @@ def rows():
     return json.loads(lines[-1]), out
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # compiles every variant of the ci set for four GPU generations
 def test_every_variant_compiles_to_a_cubin_for_every_arch(rows):
     rows, out = rows
     failed = [f"{r['arch']} {r['variant']} ({r['from']}): {r['error']}" for r in aot.problems(rows)[0]]
