@@ -91,14 +91,21 @@ def test_resume_from_a_fifo_is_refused_at_once_not_waited_on(tmp_path):
     assert not run_dirs(out)
 
 
+# The commands that read a model file, with their arguments ({f}: the file, {d}: data, {img}: an image,
+# {out}: an output path)
+MODEL_READERS = [
+    ("evaluate", ["{f}", "--data", "{d}"]),
+    ("predict", ["{f}", "{img}"]),
+    ("export", ["{f}", "--onnx", "{out}"]),
+    ("checkpoint", ["inspect", "{f}"]),
+]
+
+
 @pytest.mark.parametrize("what", ["fifo", "folder", "device"])
 @pytest.mark.parametrize(
     "name, argv",
     [
-        ("evaluate", ["{f}", "--data", "{d}"]),
-        ("predict", ["{f}", "{img}"]),
-        ("export", ["{f}", "--onnx", "{out}"]),
-        ("checkpoint", ["inspect", "{f}"]),
+        *MODEL_READERS,
         ("checkpoint", ["restore", "{f}", "--out", "{out}"]),
         ("checkpoint", ["seal", "{f}", "--out", "{out}"]),
     ],
@@ -191,15 +198,7 @@ def _flip_in_largest_zip_member(path: Path) -> None:
         f.write(bytes([byte ^ 1]))
 
 
-@pytest.mark.parametrize(
-    "name, argv",
-    [
-        ("evaluate", ["{f}", "--data", "{d}"]),
-        ("predict", ["{f}", "{img}"]),
-        ("export", ["{f}", "--onnx", "{out}"]),
-        ("checkpoint", ["inspect", "{f}"]),
-    ],
-)
+@pytest.mark.parametrize("name, argv", MODEL_READERS)
 def test_a_model_file_with_one_flipped_byte_is_refused_by_every_command(name, argv, tmp_path, images, capsys):
     path = _model(tmp_path / "model.safetensors")
     _flip_in_largest_tensor(path)
