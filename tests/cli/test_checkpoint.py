@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from cli import run_dirs, run_train
+from cli import run_dirs, run_train, torchrun
 from conftest import CLASSES, batch_bytes, make_images, one_line_error
 from PIL import Image
 from safetensors import safe_open
@@ -307,24 +307,14 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, capsys):
     """gloo, 2 ranks: each rank resumes its own shard, RNGs and lookahead copy; the result is the
     uninterrupted 2-rank run's, bit for bit."""
     data, _ = write_noisy_official(tmp_path / "data", n_train=800, n_test=200)
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "fastcifar.train",
-    ]
     args = ["--data", data, *FAST_TINY, "--epochs", "2", "--whiten-bias-epochs", "1"]
-    full = run_train([*args, "--out-dir", tmp_path / "a", "--checkpoint-every", "1"], launcher=torchrun, timeout=600)
+    full = run_train([*args, "--out-dir", tmp_path / "a", "--checkpoint-every", "1"], launcher=torchrun(), timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
     (dir_a,) = run_dirs(tmp_path / "a")
     state = torch.load(dir_a / "checkpoint.pt", weights_only=True)
     assert state["world_size"] == 2 and len(state["ranks"]) == 2
     resumed = run_train(
-        [*args, "--out-dir", tmp_path / "b", "--resume", dir_a / "checkpoint.pt"], launcher=torchrun, timeout=600
+        [*args, "--out-dir", tmp_path / "b", "--resume", dir_a / "checkpoint.pt"], launcher=torchrun(), timeout=600
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (dir_b,) = run_dirs(tmp_path / "b")
@@ -340,12 +330,12 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, capsys):
     script.write_text(LOAD_STATE_RANKS)
     good = run_train(
         [dir_a / "checkpoint.pt", *args],
-        launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        launcher=torchrun(str(script)),
     )
     assert good.returncode == 0 and good.stdout.count("epochs_done 1") == 2, good.stdout + good.stderr[-3000:]
     bad = run_train(
         [dir_a / "checkpoint.pt", *args, "--label-smoothing", "0.1"],
-        launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        launcher=torchrun(str(script)),
     )
     assert bad.returncode == 0 and bad.stdout.count("refused: --resume") == 2, bad.stdout + bad.stderr[-3000:]
     assert "written with --label-smoothing 0.2" in bad.stdout
@@ -354,7 +344,7 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, capsys):
     script.write_text(RESUME_SETTINGS_RANKS)
     alone = run_train(
         [dir_a / "checkpoint.pt", "--data", data],
-        launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        launcher=torchrun(str(script)),
     )
     want = f"settings epochs=2 widths={state_widths(dir_a)} whiten_bias_epochs=1"
     assert alone.returncode == 0 and alone.stdout.count(want) == 2, alone.stdout + alone.stderr[-3000:]

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from cli import ROOT, TINY, run_dirs, run_train
+from cli import ROOT, TINY, run_dirs, run_train, torchrun
 from conftest import make_images, one_line_error, write_official
 from safetensors import safe_open
 
@@ -271,24 +271,13 @@ def test_cpu_threads_bench_smoke_writes_nothing(data):
 def test_val_split_on_two_ranks_reports_the_test_set_figure(data, tmp_path, capsys):
     """gloo, 2 ranks: the same held-out images on both (taken before sharding), each rank evaluates
     its slice; the run's final test_acc is the whole test set's, as `evaluate` finds it again."""
-    import sys
 
     from fastcifar.evaluate import main as evaluate_main
 
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "fastcifar.train",
-    ]
     out = tmp_path / "runs"
     proc = run_train(
         ["--data", data, "--out-dir", out, *TINY, "--batch-size", "40", "--epochs", "1", "--val-split", "40"],
-        launcher=torchrun,
+        launcher=torchrun(),
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli import ROOT, SHORT, free_port, run_dirs, run_train, summary_of
+from cli import ROOT, SHORT, free_port, run_dirs, run_train, summary_of, torchrun
 from comm_worker import TINY16, SmallNet, make_model, reference_params
 from conftest import one_line_error
 
@@ -25,16 +25,6 @@ from fastcifar.models.network import build_model
 from fastcifar.parallel.comm import LAST_BUCKET_BYTES, GradBuckets, plan_buckets
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "comm_worker.py"
-TORCHRUN = [
-    sys.executable,
-    "-m",
-    "torch.distributed.run",
-    "--standalone",
-    "--nproc_per_node",
-    "2",
-    "-m",
-    "fastcifar.train",
-]
 DIST_TIMEOUT_S = 10  # the trainer's --dist-timeout-s in the failure tests
 SLACK_S = 60  # start-up (two torch imports on 2 shared cores) plus exit, on top of the timeout
 MB = 2**20
@@ -506,7 +496,7 @@ def test_two_ranks_bucketed_learns_and_reproduces_ddp_under_torchrun(learnable_d
                 "--bucket-mb",
                 "0.05",
             ],
-            launcher=TORCHRUN,
+            launcher=torchrun(),
             timeout=600,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]

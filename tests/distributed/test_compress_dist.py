@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli import SHORT, run_train, summary_of
+from cli import SHORT, run_train, summary_of, torchrun
 from compress_worker import BOTH, EXACT, LEARN
 from test_comm import start_ranks, wait_all
 
@@ -190,16 +190,7 @@ def test_a_short_training_run_learns_with_each_method(two):
 
 def test_trainer_two_ranks_alexnet_with_topk_logs_bytes(learnable_data, tmp_path):
     out = tmp_path / "runs"
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "fastcifar.train",
-    ]
+    launcher = torchrun()
     args = [
         "--data",
         learnable_data,

@@ -5,26 +5,15 @@ from __future__ import annotations
 import sys
 
 import pytest
-from cli import SHORT, run_dirs, run_train, summary_of
+from cli import SHORT, run_dirs, run_train, summary_of, torchrun
 
 pytestmark = pytest.mark.slow
-
-TORCHRUN = [
-    sys.executable,
-    "-m",
-    "torch.distributed.run",
-    "--standalone",
-    "--nproc_per_node",
-    "2",
-    "-m",
-    "fastcifar.train",
-]
 
 
 def test_two_ranks_ddp_learns_and_only_rank0_reports(learnable_data, tmp_path):
     out = tmp_path / "runs"
     proc = run_train(
-        ["--data", learnable_data, "--out-dir", out, *SHORT, "--comm", "ddp"], launcher=TORCHRUN, timeout=600
+        ["--data", learnable_data, "--out-dir", out, *SHORT, "--comm", "ddp"], launcher=torchrun(), timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(run_dirs(out)) == 1, "only rank 0 writes files"
@@ -38,7 +27,7 @@ def test_two_ranks_ddp_learns_and_only_rank0_reports(learnable_data, tmp_path):
 def test_batch_that_does_not_divide_fails_on_every_rank(learnable_data, tmp_path):
     proc = run_train(
         ["--data", learnable_data, "--out-dir", tmp_path / "runs", *SHORT, "--batch-size", "101"],
-        launcher=TORCHRUN,
+        launcher=torchrun(),
         timeout=300,
     )
     assert proc.returncode != 0

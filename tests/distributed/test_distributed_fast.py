@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import textwrap
 
 import pytest
-from cli import FAST_SHORT, run_dirs, run_train, summary_of
+from cli import FAST_SHORT, run_dirs, run_train, summary_of, torchrun
 
 pytestmark = pytest.mark.slow
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 CHECK = textwrap.dedent("""
     import sys
@@ -54,7 +52,7 @@ CHECK = textwrap.dedent("""
 def test_whitening_weights_are_the_same_on_every_rank(tmp_path):
     script = tmp_path / "check.py"
     script.write_text(CHECK)
-    proc = run_train([], launcher=[*TORCHRUN, str(script)], timeout=300)
+    proc = run_train([], launcher=torchrun(str(script)), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
 
@@ -63,7 +61,7 @@ def test_two_ranks_fast_preset_learns(learnable_data, tmp_path):
     out = tmp_path / "runs"
     proc = run_train(
         ["--data", learnable_data, "--out-dir", out, *FAST_SHORT, "--epochs", "2", "--warmup-epochs", "0.5"],
-        launcher=[*TORCHRUN, "-m", "fastcifar.train"],
+        launcher=torchrun(),
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,28 +16,17 @@ the comparison fails at the first epoch's losses (tried, 2026-11-26)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli import run_dirs, run_train
+from cli import run_dirs, run_train, torchrun
 from conftest import write_official
 
 from fastcifar.core.config import DEFAULT_PRESET
 
 pytestmark = pytest.mark.slow
 
-TORCHRUN = [
-    sys.executable,
-    "-m",
-    "torch.distributed.run",
-    "--standalone",
-    "--nproc_per_node",
-    "2",
-    "-m",
-    "fastcifar.train",
-]
 RECIPE = [
     "--preset",
     DEFAULT_PRESET,
@@ -115,7 +104,7 @@ def _farthest(a: dict, b: dict) -> tuple[float, str]:
 
 
 def test_emulated_ranks_equal_two_gloo_ranks(data, plain, tmp_path):
-    proc = run_train(["--data", data, "--out-dir", tmp_path / "gloo", *RECIPE], launcher=TORCHRUN, timeout=600)
+    proc = run_train(["--data", data, "--out-dir", tmp_path / "gloo", *RECIPE], launcher=torchrun(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     gloo, gloo_weights = _outcome(tmp_path / "gloo")
     assert gloo["device"]["world_size"] == 2 and gloo["per_rank_batch"] == 100

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from cli import ROOT, env, run_dirs, summary_of
+from cli import ROOT, env, run_dirs, summary_of, torchrun
 from conftest import write_official
 from safetensors.torch import load_file
 
@@ -44,8 +44,7 @@ def test_two_ranks_fed_rank_0s_data_equal_one_process_bit_for_bit(tmp_path):
     e = dict(env(), **{distributed.RANK0_DATA: "2"})
     common = [*ARGS, "--data", str(data)]
     runs = {
-        "two": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        + ["-m", "fastcifar.train", *common, "--whiten-images", "200", "--out-dir", str(tmp_path / "two")],
+        "two": [*torchrun(), *common, "--whiten-images", "200", "--out-dir", str(tmp_path / "two")],
         # rank 0's 100 whitening images, as the 2 ranks' all-reduced sums over 2 x the same 100
         "one": [sys.executable, "-m", "fastcifar.train", *common, "--whiten-images", "100"]
         + ["--out-dir", str(tmp_path / "one")],

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from cli import ROOT, SHORT, env, free_port, summary_of
+from cli import ROOT, SHORT, env, free_port, summary_of, torchrun
 from conftest import write_official
 
 from fastcifar.core.config import ConfigError
@@ -93,8 +93,7 @@ def test_two_slurm_tasks_equal_one_torchrun_launcher_of_two(tmp_path):
     data, _ = write_official(tmp_path / "data", per_batch=200, n_test=400)
     args = [*SHORT, "--epochs", "1", "--subset", "800", "--loader", "torch", "--quiet", "--data", str(data)]
     one = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        + ["-m", "fastcifar.train", *args, "--out-dir", str(tmp_path / "torchrun")],
+        [*torchrun(), *args, "--out-dir", str(tmp_path / "torchrun")],
         cwd=ROOT,
         env=env(),
         capture_output=True,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli import ROOT, SHORT, run_dirs, run_train, summary_of
+from cli import ROOT, SHORT, run_dirs, run_train, summary_of, torchrun
 from conftest import one_line_error
 
 from fastcifar import checkpoint as checkpoint_cmd
@@ -16,7 +15,6 @@ from fastcifar.core.config import ConfigError, from_preset, validate
 from fastcifar.models.files import read_safetensors
 from fastcifar.run.sparse import diffs
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 SPARSE = [
     "--sparse-mask",
     "fisher",
@@ -106,7 +104,7 @@ def test_bad_sparse_flag_is_one_line_and_writes_nothing(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_local_sgd_with_one_step_and_a_full_mask_is_data_parallel():
     proc = run_train(
-        [], launcher=[*TORCHRUN, str(ROOT / "tests" / "helpers" / "sparse_worker.py"), "equivalence", "disjoint"]
+        [], launcher=torchrun(str(ROOT / "tests" / "helpers" / "sparse_worker.py"), "equivalence", "disjoint")
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
@@ -117,12 +115,9 @@ def test_two_ranks_local_sgd_with_one_step_and_a_full_mask_is_data_parallel():
 def test_two_ranks_keep_equal_weights_when_a_grad_only_mask_changes():
     proc = run_train(
         [],
-        launcher=[
-            *TORCHRUN,
-            str(ROOT / "tests" / "helpers" / "sparse_worker.py"),
-            "grad_mask_change",
-            "grad_mask_change_disjoint",
-        ],
+        launcher=torchrun(
+            str(ROOT / "tests" / "helpers" / "sparse_worker.py"), "grad_mask_change", "grad_mask_change_disjoint"
+        ),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
@@ -152,7 +147,7 @@ def test_two_ranks_sparse_local_sgd_through_the_trainer(learnable_data, tmp_path
             "--mask-layout",
             "disjoint",
         ],
-        launcher=[*TORCHRUN, "-m", "fastcifar.train"],
+        launcher=torchrun(),
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

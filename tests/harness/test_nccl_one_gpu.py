@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from cli import torchrun
 from test_gpu_visit import ROOT, report, visit, write_run
 
 # A stand-in for one rank of the trainer: rank 1 listens on MASTER_PORT and waits to be killed;
@@ -129,20 +130,7 @@ def test_the_wrapper_gives_each_rank_under_torchrun_its_own_nccl_host_and_the_sh
         "'NCCL_IB_DISABLE', 'NCCL_SOCKET_IFNAME', 'NCCL_DEBUG')))"
     )
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "--no-python",
-            "bash",
-            "scripts/rank_env.sh",
-            sys.executable,
-            "-c",
-            show,
-        ],
+        torchrun("--no-python", "bash", "scripts/rank_env.sh", sys.executable, "-c", show),
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -62,6 +62,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(*entry: str) -> list[str]:
+    """torchrun of this interpreter's torch on one machine (--standalone: c10d on a free local port),
+    starting two processes of `entry`: a script and its arguments, or by default the trainer."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    return [*launcher, *(entry or ("-m", "fastcifar.train"))]
+
+
 def env() -> dict:
     e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     e.pop("WORLD_SIZE", None)

@@ -3,12 +3,11 @@ step against a plain reference, a short CPU run that learns, and 2 ranks equal t
 
 from __future__ import annotations
 
-import sys
 import textwrap
 
 import pytest
 import torch
-from cli import run_train
+from cli import run_train, torchrun
 
 from fastcifar import train as trainer
 from fastcifar.core.config import DEFAULT_PRESET, ConfigError, from_preset, validate
@@ -357,7 +356,7 @@ TWO_RANKS = textwrap.dedent("""
 def test_two_ranks_equal_one_rank(tmp_path):
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    launcher = torchrun(str(script))
     proc = run_train([], launcher=launcher, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
