@@ -225,6 +225,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def versions(row: dict) -> str:
+    """What a measured row ran: torch, Triton, the driver or CUDA where the row has it, and the commit."""
+    system = f"driver {row['driver']}" if "driver" in row else f"CUDA {row['cuda']}"
+    return f"torch {row['torch']}, Triton {row['triton']}, {system}, commit {row['commit']}"
+
+
 def build() -> str:
     from fastcifar.parallel.comm import plan_buckets
     from fastcifar.run.schedule import epoch_lengths
@@ -284,16 +290,16 @@ def build() -> str:
         f"--bucket-mb {cfg.bucket_mb:g}). {steps} steps a run ({cfg.epochs:g} epochs of {50_000 // cfg.batch_size}), "
         f"the whitening bias frozen after {freeze_steps}.",
         f"- The per-rank step, **measured**: {step['step_ms']:.3f} ms, {step['device']}, {step['date'][:10]}, "
-        f"bench/results/step.jsonl line {step_line}: rank 0 of a fake {step['world_size']}-rank group "
-        f"(collectives complete at once, no data moves), {step['batch']} images, graphs on, "
-        f"{step['buckets']} buckets (the plan before issue 73). Its traced kernels: convs {convs:.3f} ms, "
+        f"{versions(step)}, bench/results/step.jsonl line {step_line}: rank 0 of a fake "
+        f"{step['world_size']}-rank group (collectives complete at once, no data moves), {step['batch']} images, "
+        f"graphs on, {step['buckets']} buckets (the plan before issue 73). Its traced kernels: convs {convs:.3f} ms, "
         f"other {rest:.3f} ms, of which the optimizer {step['optimizer_ms']:.3f} ms and Muon's "
         f"Newton-Schulz (bfloat16 and nvjet GEMM kernels) {ns_ms:.3f} ms.",
         f"- One H100 over the whole batch, **measured**: {one['step_ms']:.3f} ms at {one['batch']} images "
-        f"({one['date'][:10]}, step.jsonl line {one_line}); with the row above, {per_image * 1e3:.2f} us per "
-        "image, the line the 16-rank step is read from.",
+        f"({one['date'][:10]}, {versions(one)}, step.jsonl line {one_line}); with the row above, "
+        f"{per_image * 1e3:.2f} us per image, the line the 16-rank step is read from.",
         f"- One default run on one H100, **measured**: train clock {run['train_clock_mean_s']:.3f} s mean over "
-        f"{run['runs']} runs (bench/results/official.jsonl line {run_line}, {run['call']}), "
+        f"{run['runs']} runs (bench/results/official.jsonl line {run_line}, {run['call']}, {versions(run)}), "
         f"{in_run:.3f} x {steps} bench steps: a run is {in_run:.3f} x its steps' bench time. Predicted runs "
         "below apply the same factor to the predicted step (whitening init and epoch ends not modelled apart).",
         f"- Backward, **modelled**: {BACKWARD_SHARE:.2f} of the step less the optimizer and Newton-Schulz "
