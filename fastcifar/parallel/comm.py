@@ -102,23 +102,22 @@ def plan_buckets(params, bucket_bytes: int, last_bytes: int | None = None) -> li
     # what is left over lands in the first bucket, which overlaps the most backward. (Filled from
     # the start, as until issue 73, the default preset's last bucket was its largest: 1.58 MB of
     # 3.95, the first block, blocks.1 and the whitening bias, all sent after backward.)
-    open_by_dtype: dict[torch.dtype, list] = {}  # dtype -> [members, bytes used, cap]
+    # dtype -> its open bucket: [members, bytes used, cap, position in backward order of its last member]
+    open_by_dtype: dict[torch.dtype, list] = {}
     closed: list[tuple[int, list]] = []  # (position in backward order of the last member, members)
-    last_position: dict[int, int] = {}  # id of a bucket's members list -> its last member's position
-    for position in range(len(params) - 1, -1, -1):  # backward order is reversed registration order
-        p = params[len(params) - 1 - position]
+    for i, p in enumerate(params):
+        position = len(params) - 1 - i  # backward order is reversed registration order
         nbytes = _span(p) * p.element_size()
         current = open_by_dtype.get(p.dtype)
         if current and current[1] + nbytes > current[2]:
-            closed.append((last_position[id(current[0])], current[0]))
+            closed.append((current[3], current[0]))
             current = None
         if current is None:
-            cap = bucket_bytes if any(dtype == p.dtype for dtype in open_by_dtype) else last_bytes
-            current = open_by_dtype[p.dtype] = [[], 0, cap]
-            last_position[id(current[0])] = position  # the first member taken is the last to arrive
+            cap = bucket_bytes if p.dtype in open_by_dtype else last_bytes  # a dtype's first bucket arrives last
+            current = open_by_dtype[p.dtype] = [[], 0, cap, position]  # the first member taken arrives last
         current[0].insert(0, p)  # members in backward order
         current[1] += nbytes
-    closed += [(last_position[id(members)], members) for members, _, _ in open_by_dtype.values()]
+    closed += [(last, members) for members, _, _, last in open_by_dtype.values()]
     closed.sort(key=lambda item: item[0])
 
     align = {}
@@ -149,11 +148,11 @@ class SumThenDivide:
 
 
 class _Plan:
-    """One trainable set's buckets, with each parameter's gradient view (``ptr``: its address,
-    which ``_on_grad`` checks) and bucket."""
+    """One trainable set's buckets (``key``: which of ``GradBuckets.all_params`` require grad), with
+    each parameter's gradient view (``ptr``: its address, which ``_on_grad`` checks) and bucket."""
 
-    def __init__(self, buckets: list[Bucket]):
-        self.buckets = buckets
+    def __init__(self, key: tuple, buckets: list[Bucket]):
+        self.key, self.buckets = key, buckets
         self.params = [p for b in buckets for p in b.params]
         self.views, self.ptr, self.bucket_of = {}, {}, {}
         device = self.params[0].device
@@ -204,7 +203,6 @@ class GradBuckets:
         self._next = 0  # index of the next bucket to launch
         self._plans: dict[tuple, _Plan] = {}  # which of all_params require grad -> their plan
         self._loose: dict = {}  # a parameter -> its gradient while it is frozen (in no bucket)
-        self._key: tuple = ()
         self._use(tuple(True for _ in self.all_params))
         self.device = self.params[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -228,7 +226,7 @@ class GradBuckets:
             )
         if key not in self._plans:
             trainable = [p for p, on in zip(self.all_params, key, strict=True) if on]
-            self._plans[key] = _Plan(plan_buckets(trainable, *self._caps))
+            self._plans[key] = _Plan(key, plan_buckets(trainable, *self._caps))
         plan = self._plans[key]
         for p in self.all_params:
             target = plan.views.get(p)
@@ -239,7 +237,17 @@ class GradBuckets:
             if p.grad is not None and p.grad.data_ptr() != target.data_ptr():
                 target.copy_(p.grad)
             p.grad = target
-        self.buckets, self.params, self._plan, self._key = plan.buckets, plan.params, plan, key
+        self._plan = plan
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The current plan's buckets, in launch order."""
+        return self._plan.buckets
+
+    @property
+    def params(self) -> list:
+        """The current plan's parameters (those that require grad), bucket by bucket."""
+        return self._plan.params
 
     def begin(self) -> None:
         """Before each step's forward: when the set of parameters that require grad changed since
@@ -251,7 +259,7 @@ class GradBuckets:
         if self.compression is not None:
             return
         key = tuple(p.requires_grad for p in self.all_params)
-        if key != self._key:
+        if key != self._plan.key:
             self._use(key)
 
     def __len__(self) -> int:
