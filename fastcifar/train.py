@@ -361,7 +361,7 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     eval_s = timed_eval(eval_step, ctx.device)  # an evaluation batch, or a slice of it scaled, for the estimate
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
-    run_parts = components.for_run(session, run, parts, sync, sparse, len(lengths), eval_step, watchdog)
+    run_parts = components.for_run(session, run, parts, sync, sparse, lengths, eval_step, watchdog)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
     # the run's first line: what it will take in all, from the step and evaluation timed above

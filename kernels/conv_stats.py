@@ -95,9 +95,8 @@ class ConvLaunch(NamedTuple):
     block_k: int  # input channels per step of the K loop, at most
     warps: int
     stages: int
-    programs_per_sm: (
-        int  # programs in all per SM of the device, over the channel blocks (each walks consecutive M tiles)
-    )
+    # programs in all per SM of the device, over the channel blocks (each walks consecutive M tiles)
+    programs_per_sm: int
 
 
 LAUNCH = ConvLaunch(128, 64, 32, 8, 2, 8)  # fp16 and bf16 from capability 8.0

@@ -103,7 +103,7 @@ def _torch_build() -> str:
 
 def describe(index: int) -> tuple[str, tuple[int, int]]:
     """("GPU 0 (Tesla V100-SXM2-16GB, compute capability 7.0)", (7, 0))."""
-    capability = tuple(torch.cuda.get_device_capability(index))
+    capability = _cuda_capability(index)
     name = torch.cuda.get_device_name(index)
     return f"GPU {index} ({name}, compute capability {capability[0]}.{capability[1]})", capability
 

@@ -25,7 +25,6 @@ from fastcifar.run.component import Component, Components
 from fastcifar.run.guard import LossGuard
 from fastcifar.run.progress import Progress
 from fastcifar.run.report import RunLog
-from fastcifar.run.schedule import epoch_lengths
 from fastcifar.run.sparse.run import SparseRun
 from fastcifar.run.state import Checkpoints
 from fastcifar.run.step import evaluate
@@ -153,28 +152,27 @@ def for_run(
     parts: dict,
     sync: GradientSync,
     sparse: SparseRun,
-    epochs: int,
-    eval_step=None,
-    watchdog: Watchdog | None = None,
+    lengths: list[int],
+    eval_step,
+    watchdog: Watchdog,
 ) -> Components:
     """The components of run ``run`` (0: an unlogged warm-up run, which saves and resumes nothing).
-    ``parts``: the run's objects a training state covers (run.state); ``watchdog``: the run's, started
-    before its warm-up (a new one when None)."""
+    ``parts``: the run's objects a training state covers (run.state); ``lengths``: steps per epoch;
+    ``watchdog``: the run's, started before its warm-up."""
     cfg, log = session.cfg, session.log
     members: list[Component] = [parts["hooks"], sparse]  # built after warm-up: the window may start at 0
     members.append(profiling.StepWindow(cfg.profile_steps if run == 1 else ""))  # nsys range, profiler steps
     if cfg.tensorboard and log.dir is not None and run:  # rank 0; before the guard: a diverged epoch is shown too
         images_per_step = session.train_loader.batch_size * session.ctx.world_size
-        lengths = epoch_lengths(cfg.epochs, len(session.train_loader))
         members.append(tensorboard.TensorBoard(cfg, log.dir, run, images_per_step, lengths, log.names))
     members.append(LossGuard(num_classes=len(session.classes)))  # NaN or exploded loss ends the run
     members.append(
-        Checkpoints(cfg, log, parts, epochs, session.resume if run else None, cfg.checkpoint_every if run else 0)
+        Checkpoints(cfg, log, parts, len(lengths), session.resume if run else None, cfg.checkpoint_every if run else 0)
     )
     members.append(SyncCleanup(sync, log, run))
     if session.eval_set is not session.test_set:  # --val-split
         members.append(FinalTest(session, parts["model"], eval_step, run))
-    members.append(watchdog or Watchdog(session))  # last to hear of each step; closed before the model file is written
+    members.append(watchdog)  # last to hear of each step; closed before the model file is written
     if cfg.save_model and log.dir is not None:  # rank 0 alone, no collective: a slow disk ends no rank
         members.append(ModelFile(session, run))
     return Components(members)

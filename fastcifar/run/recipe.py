@@ -117,7 +117,7 @@ class RunHooks(Component):
         input-gradient conv (27 GFLOP per 1024 images in `fast`), the GELU's backward and the bias's
         reduction drop out of the step (332 of `fast`'s 476 steps); the weights come out the same,
         as the frozen bias took no step anyway. Not under DDP, which fails a step in which a
-        parameter gets no gradient (the bucketed all-reduce sends that bucket in ``finish``), nor
+        parameter gets no gradient (the gradient buckets switch to a plan without the frozen bias), nor
         with ``--sparse-mask``, whose masks cover the parameters that trained at the start: a Fisher
         recompute after the freeze would score one parameter fewer."""
         cfg = self.cfg

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from fastcifar.core import gpu
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import CONFIG_FILE, ConfigError, config_file_text, training_settings
 from fastcifar.core.gpu import dali_builds
@@ -241,7 +242,7 @@ def device_info(device: torch.device, world_size: int) -> dict:
         "host": platform.node(),
     }
     if device.type == "cuda":  # what the dtype policy and the kernels' tiles follow (core.gpu)
-        info["capability"] = "{}.{}".format(*torch.cuda.get_device_capability(device))
+        info["capability"] = "{}.{}".format(*gpu.capability(device))
     return info
 
 

@@ -133,7 +133,7 @@ def _feed(h, value) -> None:
     if isinstance(value, torch.Tensor):
         t = value.detach().to("cpu").contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's bytes, not a copy of them
     elif isinstance(value, dict):
         h.update(b"D%d" % len(value))
         for k, v in value.items():  # in order: torch.load keeps a dict's order, and so does this
