@@ -27,26 +27,19 @@ import pytest
 import torch
 from cli import ROOT, SHORT, env, run_dirs
 from conftest import one_line_error, write_image_folder, write_official
+from models import RESUMED, TINY_WIDTHS, tiny_model_file, training_state
 from PIL import Image
 
 from fastcifar.core.config import from_preset, parse_args
-from fastcifar.models.files import CheckpointError, digest, save_model, write_safetensors
+from fastcifar.models.files import CheckpointError, digest, write_safetensors
 from fastcifar.models.network import make_network
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.run import state as run_state
 
-CLASSES10 = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-
-
-def _model(path: Path, classes=CLASSES10) -> Path:
-    torch.manual_seed(0)
-    cfg = from_preset("fast", widths=(8, 16, 16))
-    return save_model(path, make_network(cfg, NormActPool, len(classes)), cfg, classes, 50.0, (125.0,) * 3, (60.0,) * 3)
-
 
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory) -> Path:
-    return _model(tmp_path_factory.mktemp("model") / "model.safetensors")
+    return tiny_model_file(tmp_path_factory.mktemp("model") / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +193,7 @@ def _flip_in_largest_zip_member(path: Path) -> None:
 
 @pytest.mark.parametrize("name, argv", MODEL_READERS)
 def test_a_model_file_with_one_flipped_byte_is_refused_by_every_command(name, argv, tmp_path, images, capsys):
-    path = _model(tmp_path / "model.safetensors")
+    path = tiny_model_file(tmp_path / "model.safetensors")
     _flip_in_largest_tensor(path)
     tensors = __import__("safetensors.torch", fromlist=["load_file"]).load_file(path)
     assert all(bool(torch.isfinite(t).all()) for t in tensors.values()), "it still decodes, every value finite"
@@ -216,7 +209,7 @@ def test_a_model_file_with_one_flipped_byte_is_refused_by_every_command(name, ar
 
 
 def test_a_flipped_byte_in_a_class_name_is_refused_too(tmp_path, capsys):
-    path = _model(tmp_path / "model.safetensors")
+    path = tiny_model_file(tmp_path / "model.safetensors")
     blob = path.read_bytes()
     i = blob.index(b"automobile")
     path.write_bytes(blob[:i] + b"Automobile" + blob[i + 10 :])  # same length: the header still parses
@@ -257,10 +250,8 @@ def test_a_model_file_without_a_digest_is_refused_and_seal_writes_one(model_file
 
 
 def _state():
-    from test_faults_input import RESUMED, _state
-
     cfg = parse_args(RESUMED)
-    state = _state(cfg)
+    state = training_state(cfg)
     state["model"] = {"w": torch.linspace(-1, 1, 2000)}  # 8,000 bytes: the largest storage (the RNG state: 5,056)
     return cfg, state
 
@@ -331,7 +322,7 @@ HOSTILE = [
 @pytest.mark.parametrize("names, message", HOSTILE)
 def test_hostile_class_names_are_refused_when_saved(names, message, tmp_path):
     with pytest.raises(CheckpointError, match="not written: class names: .*" + re.escape(message)):
-        _model(tmp_path / "m.safetensors", names)
+        tiny_model_file(tmp_path / "m.safetensors", names)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -347,7 +338,7 @@ def test_hostile_class_names_in_a_model_file_are_refused_when_read(
 
     with safe_open(str(model_file), framework="pt") as f:
         meta = f.metadata()
-    cfg = from_preset("fast", widths=(8, 16, 16))
+    cfg = from_preset("fast", widths=TINY_WIDTHS)  # model_file's network
     tensors = host_state(make_network(cfg, NormActPool, len(names)))  # a last layer of len(names) classes
     path = write_safetensors(tmp_path / "m.safetensors", tensors, {**meta, "classes": json.dumps(list(names))})
     argv = {
@@ -364,7 +355,7 @@ def test_hostile_class_names_in_a_model_file_are_refused_when_read(
 
 def test_decent_class_names_of_any_script_are_taken(tmp_path, images, capsys):
     names = ("chat", "Ünïcode straße", "t-shirt", "猫", "<i>markup", "x" * 100)
-    path = _model(tmp_path / "m.safetensors", names)
+    path = tiny_model_file(tmp_path / "m.safetensors", names)
     code, err, out = command("predict", [path, images, "--top", "6"], capsys)
     assert code == 0 and all(n in out for n in names)
 
@@ -640,8 +631,6 @@ def test_fp16_on_the_cpu_is_refused_before_anything_is_written(tmp_path, capfd):
 
 
 def test_a_checkpoints_unusable_setting_is_named_as_the_checkpoints_not_a_flag(tmp_path, capfd):
-    from test_faults_input import RESUMED
-
     from fastcifar.train import main as train_main
 
     cfg, state = _state()
@@ -665,8 +654,6 @@ def test_a_checkpoints_unusable_setting_is_named_as_the_checkpoints_not_a_flag(t
 def test_a_checkpoints_preset_that_is_no_preset_is_refused_and_stays_one_line(preset, tmp_path, capfd):
     """A checkpoint edited (and resealed) to carry a preset name that would name the run folder
     outside --out-dir, or break the error line."""
-    from test_faults_input import RESUMED
-
     from fastcifar.train import main as train_main
 
     _, state = _state()

@@ -17,9 +17,11 @@ import pytest
 import torch
 from cli import SHORT, run_dirs
 from conftest import one_line_error, write_official
+from models import RESUMED, tiny_model_file, training_state
 
 from fastcifar.core.config import CHOICES, PRESETS, RANGES, Config, ConfigError, from_preset, validate
 from fastcifar.core.errors import DataError
+from fastcifar.run.state import seal
 from fastcifar.train import main as train_main
 
 
@@ -109,61 +111,7 @@ def test_triton_kernels_without_a_gpu_are_refused_unless_asked_for(tmp_path, cap
 
 
 # --- item 3: a tampered training checkpoint: every field checked against the run ----------------
-
-RESUMED = [*SHORT, "--epochs", "3"]  # resnet9, 3 epochs: a checkpoint after epoch 2 has one left
-
-
-def _state(cfg, epochs_done=2, steps=4):
-    """A training checkpoint as save_state writes it after ``epochs_done`` epochs of ``steps``
-    steps (weights of a stand-in: the checks here come before any model is built)."""
-    from fastcifar.core.config import training_settings as _training_config
-    from fastcifar.run.state import STATE_FORMAT
-
-    records = [
-        {
-            "run": 1,
-            "epoch": e + 1,
-            "lr": 0.1,
-            "train_time": 1.0,
-            "train_loss": 2.0,
-            "train_acc": 20.0,
-            "test_time": 0.5,
-            "test_loss": 2.1,
-            "test_acc": 19.0,
-            "total_train_time": e + 1.0,
-        }
-        for e in range(epochs_done)
-    ]
-    rank = {
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "cuda": [],
-            "numpy": (torch.zeros(624, dtype=torch.int64), 0, 0, 0.0),
-            "python": None,
-        },
-        "hooks": {"lookahead": None},
-        "loader": {"seed": cfg.seed, "epoch": epochs_done - 1},
-    }
-    return {
-        "format": STATE_FORMAT,
-        "config": json.dumps(_training_config(cfg), sort_keys=True),
-        "world_size": 1,
-        "epochs_done": epochs_done,
-        "steps_per_epoch": steps,
-        "model": {"w": torch.zeros(3)},
-        "optimizer": {},
-        "schedule_step": epochs_done * steps,
-        "records": records,
-        "ranks": [rank],
-        "torch": str(torch.__version__),
-    }
-
-
-def seal(state):
-    """A state with a digest of its (edited) contents, as a hostile editor could write it."""
-    from fastcifar.run.state import seal as _seal
-
-    return _seal(state)
+# (tests/helpers/models.py: RESUMED's run and its checkpoint, training_state; each edit resealed)
 
 
 def _set(state, field, value):
@@ -213,10 +161,10 @@ def test_tampered_checkpoint_fields_are_refused_by_name(field, value, message, t
 
     cfg = parse_args(RESUMED)
     good = tmp_path / "good.pt"
-    torch.save(seal(_state(cfg)), good)
+    torch.save(seal(training_state(cfg)), good)
     assert _read_state(good, cfg, 1)["epochs_done"] == 2  # the untampered file passes
     bad = tmp_path / "checkpoint.pt"
-    torch.save(seal(_set(_state(cfg), field, value)), bad)  # edited, digest and all: the field checks
+    torch.save(seal(_set(training_state(cfg), field, value)), bad)  # edited, digest and all: the field checks
     with pytest.raises(CheckpointError) as err:
         _read_state(bad, cfg, 1)
     assert str(err.value) == f"--resume {bad}: {message}" or str(err.value).startswith(f"--resume {bad}: {message}")
@@ -227,7 +175,7 @@ def test_tampered_checkpoint_is_one_line_and_writes_nothing(epochs_done, tmp_pat
     from fastcifar.core.config import parse_args
 
     path = tmp_path / "checkpoint.pt"
-    torch.save(seal(_set(_state(parse_args(RESUMED)), "epochs_done", epochs_done)), path)
+    torch.save(seal(_set(training_state(parse_args(RESUMED)), "epochs_done", epochs_done)), path)
     folder, _ = write_official(tmp_path / "d")
     code, line = _train_cli(["--data", folder, *RESUMED, "--resume", path], tmp_path, capfd)
     assert code == 2 and line.startswith(f"fastcifar: error: --resume {path}: field epochs_done is {epochs_done}")
@@ -240,20 +188,13 @@ def _model_file(tmp_path, meta_changes=None, tensor_changes=None, name="m.safete
     """A legitimate model file of a tiny FastNet, then its metadata or tensors changed."""
     from safetensors import safe_open
 
-    from fastcifar.models.files import save_model, write_safetensors
-    from fastcifar.models.network import make_network
-    from fastcifar.ops.norm_act_pool import NormActPool
+    from fastcifar.models.files import write_safetensors
 
-    torch.manual_seed(0)
-    cfg = from_preset("fast", widths=(8, 16, 16))
-    path = save_model(
+    path = tiny_model_file(
         tmp_path / "good.safetensors",
-        make_network(cfg, NormActPool, 10),
-        cfg,
         [f"c{i}" for i in range(10)],
-        50.0,
-        (125.0, 123.0, 114.0),
-        (63.0, 62.0, 66.0),
+        mean=(125.0, 123.0, 114.0),
+        std=(63.0, 62.0, 66.0),
     )
     with safe_open(str(path), framework="pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from cli import ROOT, SHORT, env, run_dirs, run_train
 from conftest import one_line_error, write_image_folder, write_official
+from models import tiny_model_file
 from PIL import Image
 
 from fastcifar.core import atomic, signals
@@ -201,20 +202,7 @@ def test_train_refuses_a_decompression_bomb_in_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
-    import torch
-
-    from fastcifar.core.config import from_preset
-    from fastcifar.models.files import save_model
-    from fastcifar.models.network import make_network
-    from fastcifar.ops.norm_act_pool import NormActPool
-
-    torch.manual_seed(0)
-    cfg = from_preset("fast", widths=(8, 16, 16))
-    model = make_network(cfg, NormActPool, 10)
-    classes = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-    return save_model(
-        tmp_path_factory.mktemp("model") / "model.safetensors", model, cfg, classes, 50.0, (125.0,) * 3, (60.0,) * 3
-    )
+    return tiny_model_file(tmp_path_factory.mktemp("model") / "model.safetensors")
 
 
 def predict(args, capsys):
