@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli import ROOT, SHORT, env, run_dirs
+from cli import ROOT, SHORT, env, run_dirs, run_train
 from conftest import one_line_error, write_image_folder, write_official
 from models import RESUMED, TINY_WIDTHS, tiny_model_file, training_state
 from PIL import Image
@@ -61,13 +61,6 @@ def command(name: str, argv, capsys) -> tuple[int, str, str]:
     return code, out.err, out.out
 
 
-def _subprocess(args, extra_env=None, timeout=120) -> subprocess.CompletedProcess:
-    e = {**env(), **(extra_env or {})}
-    return subprocess.run(
-        [sys.executable, *map(str, args)], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout
-    )
-
-
 # --- a file that is not what its name says: refused at once, in one line -----------------------
 
 
@@ -76,7 +69,7 @@ def test_resume_from_a_fifo_is_refused_at_once_not_waited_on(tmp_path):
     fifo = tmp_path / "checkpoint.pt"
     os.mkfifo(fifo)
     out = tmp_path / "runs"
-    proc = _subprocess(["-m", "fastcifar.train", "--data", tmp_path, *SHORT, "--out-dir", out, "--resume", fifo])
+    proc = run_train(["--data", tmp_path, *SHORT, "--out-dir", out, "--resume", fifo], timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert one_line_error(proc.stderr) == (
         f"fastcifar: error: --resume {fifo}: cannot read checkpoint: a FIFO (named pipe), not a regular file"
@@ -285,7 +278,7 @@ def test_a_real_checkpoint_with_a_flipped_byte_is_refused_on_resume_in_one_line(
     ckpt = tmp_path / "copy.pt"
     ckpt.write_bytes((run_dir / "checkpoint.pt").read_bytes())
     _flip_in_largest_zip_member(ckpt)
-    proc = _subprocess(["-m", "fastcifar.train", *args, "--out-dir", tmp_path / "b", "--resume", ckpt])
+    proc = run_train([*args, "--out-dir", tmp_path / "b", "--resume", ckpt], timeout=120)
     assert proc.returncode == 2
     assert "its contents do not match the digest" in one_line_error(proc.stderr)
     assert not run_dirs(tmp_path / "b")
@@ -439,7 +432,7 @@ def test_a_signal_during_export_or_predict_is_one_line_and_leaves_nothing(name, 
         + _SIGNAL_DURING[name]
         + f"from fastcifar import cli\nsys.exit(cli.main({[name, *argv]!r}))\n"
     )
-    proc = _subprocess(["-c", script])
+    proc = run_train(["-c", script], timeout=120, launcher=[sys.executable])
     assert proc.returncode == 128 + sig, proc.stderr[-3000:]
     assert one_line_error(proc.stderr) == f"fastcifar: interrupted by {signal.Signals(sig).name}"
     assert list(out.iterdir()) == [], "no .tmp, no half-written file"
@@ -515,7 +508,7 @@ def test_predict_into_a_closed_pipe_ends_quietly_with_the_shells_status(model_fi
     "how", [["-m", "fastcifar.train", "--data", "nowhere"], ["-m", "fastcifar", "predict", "m", "x"]]
 )
 def test_a_bad_omp_num_threads_is_one_line_of_fastcifars_own(value, how):
-    proc = _subprocess(how, {"OMP_NUM_THREADS": value}, timeout=60)
+    proc = run_train(how, timeout=60, launcher=[sys.executable], extra_env={"OMP_NUM_THREADS": value})
     assert proc.returncode == 2
     assert one_line_error(proc.stderr) == (
         f"fastcifar: error: OMP_NUM_THREADS must be a positive whole number of threads (e.g. "

@@ -83,9 +83,12 @@ def bench_results() -> dict[str, bytes]:
     return {str(p.relative_to(results)): p.read_bytes() for p in sorted(results.rglob("*")) if p.is_file()}
 
 
-def run_train(args, timeout=300, launcher=None) -> subprocess.CompletedProcess:
+def run_train(args, timeout=300, launcher=None, extra_env=None) -> subprocess.CompletedProcess:
+    """``launcher`` (by default the trainer: python -m fastcifar.train) with ``args``, from the
+    repository root, in env() with ``extra_env`` on top; its output captured."""
     cmd = (launcher or [sys.executable, "-m", "fastcifar.train"]) + [str(a) for a in args]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    e = {**env(), **(extra_env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
 def run_dirs(out: Path) -> list[Path]:
