@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from broken_imports import break_import
 from cli import FAST_SHORT, ROOT, env
 from conftest import make_images, one_line_error, write_official
 
@@ -261,15 +262,6 @@ def test_export_refuses_an_existing_file_unless_force(trained, tmp_path, capsys)
     assert out.read_bytes() != b"mine" and sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
 
 
-def break_import(name: str, where: Path, monkeypatch) -> None:
-    """``import name`` raises as a build for another torch does (RuntimeError), from now on."""
-    (where / name).mkdir(parents=True)
-    (where / name / "__init__.py").write_text(f'raise RuntimeError("operator {name}::op does not exist")\n')
-    monkeypatch.syspath_prepend(str(where))
-    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-        monkeypatch.delitem(sys.modules, module)
-
-
 @pytest.mark.parametrize(
     "case", ["no onnx", "broken onnx", "broken onnxruntime", "opset 5", "opset 99", "a folder", "not a model"]
 )
@@ -283,7 +275,9 @@ def test_export_errors_are_one_line_and_write_nothing(case, trained, tmp_path, c
         name = case.split()[1]
         if name == "onnxruntime":
             pytest.importorskip("onnx", reason="onnx is not installed (pip install 'fastcifar[onnx]')")
-        break_import(name, tmp_path.parent / f"{tmp_path.name}-fake", monkeypatch)
+        break_import(
+            name, tmp_path.parent / f"{tmp_path.name}-fake", f"operator {name}::op does not exist", monkeypatch
+        )
         message = (
             f"needs the {name} package, which cannot be imported (RuntimeError: operator {name}::op does not "
             "exist): pip install onnx onnxruntime"

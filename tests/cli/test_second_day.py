@@ -7,13 +7,13 @@ import csv
 import dataclasses
 import io
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from broken_imports import broken_import_env
 from cli import ROOT, TINY, env, free_port, run_dirs
 from conftest import one_line_error, write_official
 from safetensors import safe_open
@@ -38,19 +38,14 @@ def run(args, environment=None, timeout=300) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def broken_torchvision(tmp_path):
-    """The environment of a torchvision built for another torch: its import raises what that one
-    raises (issue 71: a CPU install beside a torchvision of the wrong build)."""
-    fake = tmp_path / "fake" / "torchvision"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
-    e = env()
-    e["PYTHONPATH"] = os.pathsep.join([str(fake.parent), str(ROOT)])
-    return e
+    """The environment (its variables on top of env()) of a torchvision built for another torch: its
+    import raises what that one raises (issue 71: a CPU install beside a torchvision of the wrong build)."""
+    return broken_import_env("torchvision", tmp_path / "fake", "operator torchvision::nms does not exist")
 
 
 @pytest.mark.slow
 def test_a_torchvision_that_cannot_be_imported_ends_no_command(broken_torchvision, data, tmp_path):
-    e = broken_torchvision
+    e = {**env(), **broken_torchvision}
     proc = subprocess.run([sys.executable, "-c", "import torchvision"], env=e, capture_output=True, text=True)
     assert "operator torchvision::nms does not exist" in proc.stderr, "the fake breaks the import"
     # --download with the network refused (a proxy on a closed port): the download's own one line, exit 2

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from broken_imports import break_import
 from cli import ROOT, env
 
 pytestmark = pytest.mark.slow  # trains presets end to end through the benchmark
@@ -98,12 +99,7 @@ def test_without_matplotlib_the_plot_is_a_notice(monkeypatch, tmp_path):
 def test_a_broken_matplotlib_is_a_notice_too(monkeypatch, tmp_path):
     """Installed and failing to import (as a build for another numpy does): the same notice, the reason in it."""
     bench = load_bench()
-    fake = tmp_path / "fake" / "matplotlib"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text('raise RuntimeError("module compiled against another ABI")\n')
-    monkeypatch.syspath_prepend(str(fake.parent))
-    for module in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, module)
+    break_import("matplotlib", tmp_path / "fake", "module compiled against another ABI", monkeypatch)
     note = bench.plot([{"runs": []}], tmp_path / "p.png", 94.0)
     assert note.startswith("plot skipped: matplotlib cannot be imported (RuntimeError: module compiled against")
     assert "\n" not in note and not (tmp_path / "p.png").exists()
