@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from broken_imports import broken_import_env
-from cli import ROOT, TINY, env, free_port, run_dirs
+from cli import TINY, env, free_port, run_dirs, run_train
 from conftest import one_line_error, write_official
 from safetensors import safe_open
 
@@ -28,9 +28,7 @@ def data(tmp_path_factory):
     return folder
 
 
-def run(args, environment=None, timeout=300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "fastcifar", *[str(a) for a in args]]
-    return subprocess.run(cmd, cwd=ROOT, env=environment or env(), capture_output=True, text=True, timeout=timeout)
+FASTCIFAR = [sys.executable, "-m", "fastcifar"]  # the command users type: run_train's launcher here
 
 
 # --- a library that cannot be imported ---------------------------------------------------------
@@ -45,21 +43,25 @@ def broken_torchvision(tmp_path):
 
 @pytest.mark.slow
 def test_a_torchvision_that_cannot_be_imported_ends_no_command(broken_torchvision, data, tmp_path):
-    e = {**env(), **broken_torchvision}
-    proc = subprocess.run([sys.executable, "-c", "import torchvision"], env=e, capture_output=True, text=True)
+    broken = broken_torchvision
+    proc = subprocess.run(
+        [sys.executable, "-c", "import torchvision"], env={**env(), **broken}, capture_output=True, text=True
+    )
     assert "operator torchvision::nms does not exist" in proc.stderr, "the fake breaks the import"
     # --download with the network refused (a proxy on a closed port): the download's own one line, exit 2
     closed = f"http://127.0.0.1:{free_port()}"
-    offline = dict(e, https_proxy=closed, HTTPS_PROXY=closed, no_proxy="", NO_PROXY="")
-    proc = run(["train", "--data", tmp_path / "dl", "--download", "--out-dir", tmp_path / "runs", *TINY], offline)
+    offline = dict(broken, https_proxy=closed, HTTPS_PROXY=closed, no_proxy="", NO_PROXY="")
+    args = ["train", "--data", tmp_path / "dl", "--download", "--out-dir", tmp_path / "runs", *TINY]
+    proc = run_train(args, launcher=FASTCIFAR, extra_env=offline)
     assert proc.returncode == 2, proc.stderr
     line = one_line_error(proc.stderr)
     assert line.startswith("fastcifar: error: download of https://") and "by hand" in line
     # no module of the package imports torchvision, and a run trains and evaluates without it
-    proc = run(["train", "--data", data, "--out-dir", tmp_path / "runs", *TINY, "--epochs", "1"], e)
+    args = ["train", "--data", data, "--out-dir", tmp_path / "runs", *TINY, "--epochs", "1"]
+    proc = run_train(args, launcher=FASTCIFAR, extra_env=broken)
     assert proc.returncode == 0, proc.stderr
     (run_dir,) = run_dirs(tmp_path / "runs")
-    proc = run(["evaluate", run_dir / "model.safetensors", "--data", data], e)
+    proc = run_train(["evaluate", run_dir / "model.safetensors", "--data", data], launcher=FASTCIFAR, extra_env=broken)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -70,7 +72,7 @@ def test_a_torchvision_that_cannot_be_imported_ends_no_command(broken_torchvisio
 def first(data, tmp_path_factory):
     """One 3-epoch run with a checkpoint after every epoch: its console and its folder."""
     out = tmp_path_factory.mktemp("runs")
-    proc = run(["train", "--data", data, "--out-dir", out, *TINY, "--checkpoint-every", "1"])
+    proc = run_train(["train", "--data", data, "--out-dir", out, *TINY, "--checkpoint-every", "1"], launcher=FASTCIFAR)
     assert proc.returncode == 0, proc.stderr
     (run_dir,) = run_dirs(out)
     return proc.stdout.splitlines(), run_dir
@@ -132,7 +134,7 @@ def test_config_repeats_the_run(first, tmp_path):
     _, run_dir = first
     saved = json.loads((run_dir / CONFIG_FILE).read_text())
     assert saved["epochs"] == 3 and saved["checkpoint_every"] == 1 and saved["widths"] == [8, 16, 32, 64]
-    proc = run(["train", "--config", run_dir / CONFIG_FILE, "--out-dir", tmp_path / "again"])
+    proc = run_train(["train", "--config", run_dir / CONFIG_FILE, "--out-dir", tmp_path / "again"], launcher=FASTCIFAR)
     assert proc.returncode == 0, proc.stderr
     (again,) = run_dirs(tmp_path / "again")
     first_acc, again_acc = (
@@ -190,7 +192,8 @@ def test_tensorboard_events_read_back(data, tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'fastcifar[tensorboard]')")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    proc = run(["train", "--data", data, "--out-dir", tmp_path, *TINY, "--epochs", "2", "--tensorboard"])
+    args = ["train", "--data", data, "--out-dir", tmp_path, *TINY, "--epochs", "2", "--tensorboard"]
+    proc = run_train(args, launcher=FASTCIFAR)
     assert proc.returncode == 0, proc.stderr
     (run_dir,) = run_dirs(tmp_path)
     (epochs,) = [r["epochs"] for r in json.loads((run_dir / "summary.json").read_text())["results"]]
