@@ -3,7 +3,6 @@ so a change to the trainer's API cannot silently break them."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import sys
 import pytest
 import torch
 from cli import ROOT, bench_results, env
+from script_modules import load_script
 
 pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a subprocess
 
@@ -85,14 +85,6 @@ def _tables(stdout):
     return tables
 
 
-def _load_bench(name: str):
-    """bench/NAME.py as a module (bench/ is scripts, not a package the tests import)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bn_act_pool_bench_on_cpu_labels_its_timing():
     """On the CPU there are no CUDA graphs: every row says its figures are eager launches
     ("launch"), with launch_ms beside them; torch.compile (--compile, when a C++ compiler is here)
@@ -129,7 +121,7 @@ def test_bn_act_pool_bench_times_the_blocks_it_is_given(capsys):
     default preset's, 18-23); an index past the list is one line and exit 2."""
     from fastcifar.core.config import from_preset
 
-    bench = _load_bench("bench_bn_act_pool")
+    bench = load_script("bench/bench_bn_act_pool.py")
     assert bench.parse_args([]).blocks == list(range(len(bench.BLOCKS)))
     chosen = [bench.BLOCKS[i] for i in bench.parse_args(["--blocks", "18", "19", "20", "21", "22", "23"]).blocks]
     default = from_preset()
@@ -146,7 +138,7 @@ def test_bn_act_pool_directions_take_gradients_without_accumulating():
 
     from fastcifar.ops.norm_act_pool import NormActPool
 
-    bench = _load_bench("bench_bn_act_pool")
+    bench = load_script("bench/bench_bn_act_pool.py")
     bench.SMOKE = True  # as --smoke sets it: CPU timing (perf_counter), not do_bench
     norm = NormActPool(8, act="relu", pool="after")
     x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last).requires_grad_()
@@ -166,7 +158,7 @@ def test_bn_act_pool_compile_settings_scoped():
     import torch._dynamo.config
     import torch._functorch.config
 
-    bench = _load_bench("bench_bn_act_pool")
+    bench = load_script("bench/bench_bn_act_pool.py")
     dynamo, functorch = torch._dynamo.config, torch._functorch.config
     before = (dynamo.error_on_recompile, getattr(functorch, "donated_buffer", None))
     with bench.compile_settings(False):
@@ -183,7 +175,7 @@ def test_bn_act_pool_graph_rows(monkeypatch, capture_fails):
     """With graphs (CUDA), median, percentiles, GB/s and % copy are the graph replays' and launch_ms
     the eager figure; an impl that cannot be captured gets the error in its rows, no GB/s. The
     capture itself needs CUDA: a stand-in returns fixed figures (or raises) here."""
-    bench = _load_bench("bench_bn_act_pool")
+    bench = load_script("bench/bench_bn_act_pool.py")
     bench.SMOKE = True  # the eager launch_ms by perf_counter, as --smoke times it
     all_impls = bench.block_impls
     monkeypatch.setattr(bench, "block_impls", lambda *a: {"eager": all_impls(*a)["eager"]})  # no interpreter
@@ -213,7 +205,7 @@ def test_bn_act_pool_graph_rows(monkeypatch, capture_fails):
 def test_bn_act_pool_records_each_block_as_it_finishes(monkeypatch):
     """The kernels stage may be cut off at its time limit: each block's rows reach ``record`` as soon
     as that block is measured, not all at the end."""
-    bench = _load_bench("bench_bn_act_pool")
+    bench = load_script("bench/bench_bn_act_pool.py")
     bench.SMOKE = True
     all_impls = bench.block_impls
     monkeypatch.setattr(bench, "block_impls", lambda *a: {"eager": all_impls(*a)["eager"]})  # no interpreter
@@ -236,7 +228,7 @@ def test_sweep_settings_reach_every_pool_place_and_base_restores_the_table():
     every pool place, "base" is the module's own per-place table, and it must come back after."""
     from fastcifar.kernels import bn_act_pool as bn
 
-    sweep = _load_bench("sweep_bn_act_pool")
+    sweep = load_script("bench/sweep_bn_act_pool.py")
     table = dict(bn.LAUNCH)
     try:
         sweep.apply(sweep.SETTINGS["w2"])
@@ -269,7 +261,7 @@ def test_kernel_bytes_names_every_streaming_kernel_the_launchers_run(pool, monke
     ones = lambda: torch.ones(24)  # noqa: E731
     y, saved = bap.bn_act_pool_forward(x, ones(), ones(), ones(), ones(), True, 0.1, 1e-5, "relu", pool)
     bap.bn_act_pool_backward(torch.empty_like(y), saved, ones(), ones(), x.shape, True, "relu", pool)
-    bench = _load_bench("bench_bn_act_pool")
+    bench = load_script("bench/bench_bn_act_pool.py")
     per_kernel = bench.kernel_bytes(4, 24, 6, 6, pool)
     assert set(per_kernel) == set(launched) - {"_stats_finalize_kernel", "_bwd_finalize_kernel"}
     assert len(launched) == 6
@@ -279,7 +271,7 @@ def test_kernel_bytes_names_every_streaming_kernel_the_launchers_run(pool, monke
 
 
 def test_per_kernel_rows_rate_the_streaming_kernels_against_copy():
-    sweep = _load_bench("sweep_bn_act_pool")
+    sweep = load_script("bench/sweep_bn_act_pool.py")
     block = (2, 8, 6, "relu", None)
     full = 2 * 8 * 6 * 6 * 2  # bytes of one fp16 map
     rows = sweep.kernel_rows(block, "base", {"_apply_kernel": 2.0, "_stats_finalize_kernel": 1.5}, 100.0)
@@ -298,7 +290,7 @@ def test_per_kernel_rows_rate_the_streaming_kernels_against_copy():
 def test_conv_sweep_never_names_a_wrong_setting_best(monkeypatch):
     """A setting whose output is off is an error cell in its row, not a time, so never the best; the
     module's launch setting is restored after every setting, also one that fails."""
-    sweep = _load_bench("sweep_conv_stats")
+    sweep = load_script("bench/sweep_conv_stats.py")
     base = sweep.cs.LAUNCH
     real = sweep.cs.conv_stats_forward
 

@@ -3,26 +3,19 @@ and its --preset form (the default preset's FastNet, the trainer's optimizer) on
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
 import pytest
 from cli import ROOT, bench_results, env
+from script_modules import load_script
 
 from fastcifar.core.config import DEFAULT_PRESET
 
 
-def load_bench_step():
-    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "bench" / "bench_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def bench_step():
-    return load_bench_step()
+    return load_script("bench/bench_step.py")
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import sys
 import pytest
 from broken_imports import break_import
 from cli import ROOT, env
+from script_modules import load_script
 
 pytestmark = pytest.mark.slow  # trains presets end to end through the benchmark
 
@@ -29,13 +29,6 @@ TINY = [
     "--target-acc",
     "50",
 ]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "bench_train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_two_presets_side_by_side(learnable_data, tmp_path):
@@ -90,7 +83,7 @@ def test_two_presets_side_by_side(learnable_data, tmp_path):
 
 
 def test_without_matplotlib_the_plot_is_a_notice(monkeypatch, tmp_path):
-    bench = load_bench()
+    bench = load_script("bench/bench_train.py")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     note = bench.plot([{"runs": []}], tmp_path / "p.png", 94.0)
     assert note.startswith("plot skipped: matplotlib is not installed") and not (tmp_path / "p.png").exists()
@@ -98,7 +91,7 @@ def test_without_matplotlib_the_plot_is_a_notice(monkeypatch, tmp_path):
 
 def test_a_broken_matplotlib_is_a_notice_too(monkeypatch, tmp_path):
     """Installed and failing to import (as a build for another numpy does): the same notice, the reason in it."""
-    bench = load_bench()
+    bench = load_script("bench/bench_train.py")
     break_import("matplotlib", tmp_path / "fake", "module compiled against another ABI", monkeypatch)
     note = bench.plot([{"runs": []}], tmp_path / "p.png", 94.0)
     assert note.startswith("plot skipped: matplotlib cannot be imported (RuntimeError: module compiled against")

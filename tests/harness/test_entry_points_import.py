@@ -2,12 +2,12 @@
 runs are slow (a renamed module, such as fastcifar.dist -> fastcifar.parallel, breaks them at import,
 and only their slow smoke tests would say so otherwise)."""
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([*ROOT.glob("bench/*.py"), *ROOT.glob("scripts/*.py")])
@@ -19,11 +19,8 @@ def test_entry_point_imports(path, monkeypatch):
     # run as a script, its folder is first on sys.path (gpu_visit_report imports race beside it); undone after
     monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])
     before = dict(os.environ)
-    spec = importlib.util.spec_from_file_location(f"_entry_{path.parent.name}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)  # each script's work sits under `if __name__ == "__main__"`
+    try:  # each script's work sits under `if __name__ == "__main__"`; its dataclasses look it up in sys.modules
+        module = load_script(path, f"_entry_{path.parent.name}_{path.stem}", monkeypatch=monkeypatch)
     finally:
         os.environ.clear()
         os.environ.update(before)

@@ -3,20 +3,14 @@ script makes from today's plan and rows (rerun it after changing either)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 from cli import ROOT
+from script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def model():
-    spec = importlib.util.spec_from_file_location("model_allreduce", ROOT / "bench" / "model_allreduce.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/model_allreduce.py", register=True)  # its dataclasses look their module up there
 
 
 def test_model_ring_time_and_exposure_arithmetic(model):

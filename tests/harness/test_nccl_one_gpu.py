@@ -9,13 +9,13 @@ whether NCCL accepts the ranks, and how its socket transport behaves when a peer
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 from cli import torchrun
+from script_modules import load_script
 from test_gpu_visit import ROOT, report, visit, write_run
 
 # A stand-in for one rank of the trainer: rank 1 listens on MASTER_PORT and waits to be killed;
@@ -50,13 +50,6 @@ if mode == "keep":
     sys.exit(3)
 sys.exit(0)
 """
-
-
-def load_kill_rank():
-    spec = importlib.util.spec_from_file_location("kill_rank", ROOT / "scripts" / "kill_rank.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def dry_lines(proc) -> list[str]:
@@ -216,7 +209,7 @@ def test_kill_rank_stopped_by_a_step_limit_takes_its_ranks_with_it(tmp_path):
 
 
 def test_kill_rank_fails_a_survivor_past_the_bound_or_still_running(tmp_path):
-    kill_rank = load_kill_rank()
+    kill_rank = load_script("scripts/kill_rank.py")
     (tmp_path / "rank0.err").write_text("fastcifar: error: [rank 0] lost contact with the other ranks (x)\n")
     (tmp_path / "rank2.err").write_text("")
     ok, survivors = kill_rank.verdict({0: (3, 20.5)}, tmp_path, bound_s=21.0, slack_s=5.0)

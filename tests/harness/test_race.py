@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import math
 import shutil
@@ -17,15 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 from fastcifar.core.stats import t_sf
 from fastcifar.run.report import EpochRecord, RunResult
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = Path(__file__).parent / "race_logs"
-spec = importlib.util.spec_from_file_location("race", ROOT / "scripts" / "race.py")
-race = sys.modules["race"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
-spec.loader.exec_module(race)
+race = load_script("scripts/race.py", register=True)  # its dataclasses look their module up in sys.modules
 
 ENV = {"device": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "torch": "2.11.0+cu130", "triton": "3.6.0"}
 
