@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli import ROOT, SHORT, env, run_dirs, run_train
+from cli import ROOT, SHORT, env, epochs_of, run_dirs, run_train
 from conftest import one_line_error, write_image_folder, write_official
 
 from fastcifar import train
@@ -415,9 +415,7 @@ def test_a_short_run_gives_the_same_metrics_with_either_loader(small_data, tmp_p
         assert any(ln.startswith("config: {") for ln in (run_dir / "log.txt").read_text().splitlines())
         doc = _strict((run_dir / "summary.json").read_text())
         assert doc["engine"]["loader"] == loader and doc["status"] == "finished"
-        runs[loader] = [
-            (e["train_loss"], e["train_acc"], e["test_loss"], e["test_acc"]) for e in doc["results"][0]["epochs"]
-        ]
+        runs[loader] = epochs_of(doc)
     assert runs["torch"] == runs["dali"]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli import ROOT, SHORT, free_port, run_dirs, run_train, summary_of, torchrun
+from cli import ROOT, SHORT, epochs_of, free_port, run_dirs, run_train, summary_of, torchrun
 from comm_worker import TINY16, SmallNet, make_model, reference_params
 from conftest import one_line_error
 
@@ -504,7 +504,7 @@ def test_two_ranks_bucketed_learns_and_reproduces_ddp_under_torchrun(learnable_d
         stdout[comm] = proc.stdout
         s = summary_of(out)
         assert s["config"]["comm"] == comm and s["device"]["world_size"] == 2
-        epochs[comm] = [(e["train_loss"], e["test_loss"], e["test_acc"]) for e in s["results"][0]["epochs"]]
+        epochs[comm] = epochs_of(s, ("train_loss", "test_loss", "test_acc"))
     assert "gradient buckets" in stdout["bucketed"] and "gradient buckets" not in stdout["ddp"]
     assert epochs["bucketed"][-1][2] > 60.0, epochs
     # Both divide by 2 before a two-term sum (exact in binary) from the same weights and batches:

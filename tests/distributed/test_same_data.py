@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from cli import ROOT, env, run_dirs, summary_of, torchrun
+from cli import ROOT, env, epochs_of, run_dirs, summary_of, torchrun
 from conftest import write_official
 from safetensors.torch import load_file
 
@@ -55,7 +55,7 @@ def test_two_ranks_fed_rank_0s_data_equal_one_process_bit_for_bit(tmp_path):
     two, one = summary_of(tmp_path / "two"), summary_of(tmp_path / "one")
     assert two["device"]["world_size"] == 2 and one["device"]["world_size"] == 1
     assert two["per_rank_batch"] == one["per_rank_batch"] == 50
-    exact = [[(e["train_loss"], e["train_acc"], e["test_acc"]) for e in s["results"][0]["epochs"]] for s in (two, one)]
+    exact = [epochs_of(s, ("train_loss", "train_acc", "test_acc")) for s in (two, one)]
     assert exact[0] == exact[1], exact
     two_w, one_w = (load_file(run_dirs(tmp_path / n)[0] / "model.safetensors") for n in ("two", "one"))
     assert two_w.keys() == one_w.keys()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from cli import ROOT, SHORT, env, free_port, summary_of, torchrun
+from cli import ROOT, SHORT, env, epochs_of, free_port, summary_of, torchrun
 from conftest import write_official
 
 from fastcifar.core.config import ConfigError
@@ -123,9 +123,9 @@ def test_two_slurm_tasks_equal_one_torchrun_launcher_of_two(tmp_path):
                 t.kill()
                 t.communicate()
 
-    def epochs(out):
+    epochs = []
+    for out in (tmp_path / "srun", tmp_path / "torchrun"):
         s = summary_of(out)
         assert s["device"]["world_size"] == 2 and s["per_rank_batch"] == 50
-        return [(e["train_loss"], e["train_acc"], e["test_loss"], e["test_acc"]) for e in s["results"][0]["epochs"]]
-
-    assert epochs(tmp_path / "srun") == epochs(tmp_path / "torchrun")
+        epochs.append(epochs_of(s))
+    assert epochs[0] == epochs[1]

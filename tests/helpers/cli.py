@@ -100,6 +100,15 @@ def summary_of(out: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+EPOCH_FIGURES = ("train_loss", "train_acc", "test_loss", "test_acc")
+
+
+def epochs_of(summary: dict, figures=EPOCH_FIGURES) -> list[tuple]:
+    """A summary.json's first run, epoch by epoch: one tuple of ``figures`` each (what two runs
+    that must train alike compare)."""
+    return [tuple(e[f] for f in figures) for e in summary["results"][0]["epochs"]]
+
+
 # a tiny ResNet-9 on 200 training images: a few seconds on one thread
 TINY = [
     "--preset",
