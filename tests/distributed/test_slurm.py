@@ -10,6 +10,7 @@ import pytest
 import torch
 from cli import ROOT, SHORT, env, epochs_of, free_port, summary_of, torchrun
 from conftest import write_official
+from gpus import fake_gpus
 
 from fastcifar.core.config import ConfigError
 from fastcifar.parallel import distributed
@@ -74,11 +75,7 @@ def test_slurm_first_host_of_a_node_list(nodelist, first, monkeypatch):
 def test_slurm_task_with_one_visible_gpu_takes_it(monkeypatch):
     """srun --gpus-per-task 1: local rank 5 sees one GPU, its own, and takes cuda:0; under torchrun
     (every rank sees the node's GPUs) local rank 5 with one GPU visible is refused."""
-    chosen = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    monkeypatch.setattr(distributed.gpu, "preflight", lambda *a, **k: None)  # no real GPU to ask: tested apart
+    chosen = fake_gpus(monkeypatch, 1)  # an H100 torch has code for: the preflight passes
     monkeypatch.delenv(distributed.SHARE_GPU, raising=False)
     assert pick_device("auto", 5, own_gpus=True) == torch.device("cuda", 0) and chosen == [0]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # more tasks on a node than its GPUs: no sharing
