@@ -76,6 +76,14 @@ def env() -> dict:
     return e
 
 
+def env_without_interpreter(**changes: str) -> dict[str, str]:
+    """This process's environment without TRITON_INTERPRET (tests/conftest.py sets it on a machine
+    without a GPU), with ``changes``: for a subprocess whose Triton must not be the interpreter."""
+    e = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    e.update(changes)
+    return e
+
+
 def bench_results() -> dict[str, bytes]:
     """Every file in bench/results/ with its content: a benchmark's CPU form must leave it as it
     was, and an appended row changes no file name."""

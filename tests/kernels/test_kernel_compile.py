@@ -14,12 +14,12 @@ sm_70 and sm_75 alone 30 s of it: 2026-12-03, Triton 3.8.0); the parsing and ref
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli import env_without_interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,8 +31,7 @@ from fastcifar.core.config import DEFAULT_PRESET  # noqa: E402
 
 @pytest.fixture(scope="module")
 def rows():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
+    env = env_without_interpreter(PYTHONPATH=str(ROOT))
     out = subprocess.run(
         [sys.executable, "bench/kernel_registers.py", "--set", "ci", "--arch", "70,75,80,90", "--json"],
         cwd=ROOT,
@@ -118,8 +117,7 @@ ptx = triton.compile(ASTSource(v.fn, v.signature, v.constexprs, v.attrs), target
 print(len(re.findall(r"\\b(?:div|rem)\\.[su]64", ptx)), len(re.findall(r"\\bld\\.global", ptx)),
       len(re.findall(r"\\bfma\\.", ptx)))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
+    env = env_without_interpreter(PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     divisions, loads, fmas = (int(v) for v in out.stdout.split())

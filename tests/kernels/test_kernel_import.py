@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from cli import env_without_interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_FILES = sorted((ROOT / "kernels").glob("*.py"))
@@ -132,8 +133,7 @@ y = norm(x)
 from fastcifar.kernels.checks import interpreted
 print(tuple(y.shape), interpreted(), "TRITON_INTERPRET" in os.environ)
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
+    env = env_without_interpreter(PYTHONPATH=str(ROOT))
     env["CUDA_VISIBLE_DEVICES"] = ""  # the machine without a GPU this is about (CI's), also on one with
     env["FASTCIFAR_ALLOW_INTERPRETER"] = "1"  # resolve_kernels refuses the interpreter unless asked for
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
@@ -154,8 +154,7 @@ except RuntimeError as e:
 else:
     print("loaded")
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
+    env = env_without_interpreter(PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("refused:") and "triton was imported before its interpreter" in out.stdout, out.stdout

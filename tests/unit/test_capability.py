@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli import env_without_interpreter
 from gpus import CU130_ARCHS, TORCH_2_10_ARCHS, fake_gpus
 
 from fastcifar import train as trainer
@@ -52,8 +53,9 @@ def test_capability_7_0_under_the_cu130_torch_is_one_line_and_exit_2(tmp_path):
             """
         )
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), FAKE_GPU=json.dumps([V100, CU130_ARCHS]))
+    env = env_without_interpreter(
+        PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), FAKE_GPU=json.dumps([V100, CU130_ARCHS])
+    )
     for device in ("auto", "cuda"):
         proc = subprocess.run(
             [sys.executable, "-m", "fastcifar", "train", "--data", str(tmp_path / "data"), "--device", device]
