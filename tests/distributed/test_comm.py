@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from cli import ROOT, SHORT, epochs_of, free_port, run_dirs, run_train, summary_of, torchrun
-from comm_worker import TINY16, SmallNet, make_model, reference_params
+from comm_worker import TINY16, SmallNet, default_preset_model, make_model, reference_params, step_trace
 from conftest import one_line_error
 
-from fastcifar.core.config import DEFAULT_PRESET, Config, from_preset
+from fastcifar.core.config import Config
 from fastcifar.models.network import build_model
 from fastcifar.parallel.comm import LAST_BUCKET_BYTES, GradBuckets, plan_buckets
 
@@ -541,12 +541,6 @@ def test_apple8_launcher_spells_out_the_seed_recipe():
 # no bucket, on the default preset's own network (the GPU layout: fp16 weights, fp32 batchnorm).
 
 
-def default_preset_model():
-    cfg = from_preset(DEFAULT_PRESET)
-    torch.manual_seed(0)
-    return cfg, build_model(cfg, torch.device("cpu"), torch.float16)
-
-
 def test_last_bucket_of_the_default_preset_is_its_small_first_layers():
     cfg, model = default_preset_model()
     names = {p: n for n, p in model.named_parameters()}
@@ -564,14 +558,6 @@ def test_last_bucket_of_the_default_preset_is_its_small_first_layers():
     assert max(sizes) <= cfg.bucket_mb * MB and sum(sizes) < 4.0e6, sizes  # 3.95 MB of fp16 + 4.6 KB of fp32
 
 
-def _step_trace(model, buckets, trace, x):
-    trace.clear()
-    buckets.begin()
-    model(x).float().sum().backward()
-    buckets.finish()
-    return [(kind, i) for kind, i in trace]
-
-
 def test_last_bucket_launches_during_backward_and_leaves_the_frozen_bias_out():
     """The trace of two steps on the default preset's network: with the whitening bias trainable
     its bucket launches from the bias's own gradient; once it is frozen (as run.recipe freezes it,
@@ -584,7 +570,7 @@ def test_last_bucket_launches_during_backward_and_leaves_the_frozen_bias_out():
     before = {p: p.grad.data_ptr() for p in buckets.params}  # the first plan's views
     for frozen in (False, True):
         model.whiten.bias.requires_grad_(not frozen)
-        events = _step_trace(model, buckets, trace, x)
+        events = step_trace(model, buckets, trace, x)
         grads = [i for kind, i in events if kind == "grad"]
         assert ("whiten.bias" in grads) is not frozen
         launched = [i for kind, i in events[: events.index(("finish", None))] if kind == "launch"]
@@ -598,7 +584,7 @@ def test_last_bucket_launches_during_backward_and_leaves_the_frozen_bias_out():
         b.flat.data_ptr() <= bias.grad.data_ptr() < b.flat.data_ptr() + b.numel * 2 for b in buckets.buckets
     ), "the frozen bias's gradient lives outside every bucket"
     model.whiten.bias.requires_grad_(True)  # thawed: back to the first plan, its views unchanged
-    _step_trace(model, buckets, trace, x)
+    step_trace(model, buckets, trace, x)
     assert {p: p.grad.data_ptr() for p in buckets.params} == before and bias in before
 
 

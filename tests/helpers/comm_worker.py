@@ -99,13 +99,29 @@ def train(out: Path, bucket_sizes: list[float], ctx) -> None:
     torch.save(results, out / f"rank{ctx.rank}.pt")
 
 
-def default_preset_trace(ctx) -> dict:
-    """The default preset's network in the GPU's layout (fp16 weights, fp32 batchnorm shifts), its
-    own bucket plan, all-reduced on gloo: one step's trace with the whitening bias trainable, one
-    with it frozen (issue 73: the last bucket small, the frozen bias in none)."""
+def default_preset_model():
+    """The default preset's config and network (seed 0) in the GPU's layout: fp16 weights, fp32
+    batchnorm shifts."""
     cfg = from_preset(DEFAULT_PRESET)
     torch.manual_seed(0)
-    model = build_model(cfg, torch.device("cpu"), torch.float16)
+    return cfg, build_model(cfg, torch.device("cpu"), torch.float16)
+
+
+def step_trace(model, buckets, trace, x) -> list:
+    """One forward and backward of ``model`` on ``x`` through ``buckets``: the events ``trace``
+    (the list GradBuckets was given) received, from begin() to finish()."""
+    trace.clear()
+    buckets.begin()
+    model(x).float().sum().backward()
+    buckets.finish()
+    return [(kind, i) for kind, i in trace]
+
+
+def default_preset_trace(ctx) -> dict:
+    """The default preset's network, its own bucket plan, all-reduced on gloo: one step's trace
+    with the whitening bias trainable, one with it frozen (issue 73: the last bucket small, the
+    frozen bias in none)."""
+    cfg, model = default_preset_model()
     names = {p: n for n, p in model.named_parameters()}
     trace: list = []
     buckets = GradBuckets(model.parameters(), cfg.bucket_mb, names=names, trace=trace)
@@ -114,12 +130,8 @@ def default_preset_trace(ctx) -> dict:
     steps, plans = [], []
     for frozen in (False, True):
         model.whiten.bias.requires_grad_(not frozen)
-        trace.clear()
-        buckets.begin()
-        model(x).float().sum().backward()
-        buckets.finish()
+        steps.append(step_trace(model, buckets, trace, x))
         buckets.zero_grad()
-        steps.append(list(trace))
         plans.append([(b.numel * b.flat.element_size(), [names[p] for p in b.params]) for b in buckets.buckets])
     buckets.remove()
     return {"steps": steps, "plans": plans}
