@@ -34,7 +34,7 @@ import torch
 from fastcifar import cli
 from fastcifar.core import gpu, signals
 from fastcifar.core.config import Config, ConfigError, check_run_length, parse_command_line, validate
-from fastcifar.core.environment import environment_problem, place_triton_cache
+from fastcifar.core.environment import environment_problem
 from fastcifar.core.names import printable
 from fastcifar.data import DataError, load_dataset, shard_indices
 from fastcifar.data.dali import dali_decoder, make_train_loader, resolve_loader
@@ -162,7 +162,6 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     for note in (
         report.cpu_note(cfg, ctx.device),
         report.cpu_threads_note(ctx.device),
-        place_triton_cache(ctx.device.type),  # a HOME that does not exist: never made from / down
         notice,
         graphs_note,
         profiling.graphs_note(cfg.nvtx, use_graphs),

@@ -1,10 +1,11 @@
 """What this machine's NVIDIA GPU can run, asked before any CUDA work (issue 69), and the choices
 that follow from its compute capability.
 
-The preflight (``cuda_or_cpu`` and ``preflight``, both called by ``parallel.distributed.pick_device``,
-the one place a device is picked) turns the failures a user would otherwise meet as a traceback at
-the first kernel launch into one line that names the GPU, its capability, the installed torch and
-the install line of README's Install table that fixes it:
+The preflight (``cuda_or_cpu``, then ``before_cuda_work``) runs wherever a GPU is taken: in
+``parallel.distributed.pick_device`` (the trainer) and ``models.files.network_from_weights``
+(evaluate, predict, the API), both through ``before_cuda_work``. It turns the failures a user would
+otherwise meet as a traceback at the first kernel launch into one line that names the GPU, its
+capability, the installed torch and the install line of README's Install table that fixes it:
 
 * torch built for none of the device's architectures: a pip torch for CUDA 13 (2.11 and newer) is
   built for sm_75 ... sm_120, so on a V100 (7.0) its first kernel raises "no kernel image is
@@ -31,6 +32,7 @@ import subprocess
 
 import torch
 
+from fastcifar.core.environment import place_triton_cache
 from fastcifar.core.errors import ConfigError
 
 # README's Install table, one line per GPU generation: (lowest capability, generation, command).
@@ -176,6 +178,15 @@ def preflight(index: int, loader: str = "auto", compress: str = "none") -> None:
         raise ConfigError(
             f"--compress bf16: {what} has no bf16 arithmetic (it arrives with capability 8.0); use --compress fp16"
         )
+
+
+def before_cuda_work(index: int, loader: str = "auto", compress: str = "none") -> str:
+    """The one step every path to GPU ``index`` takes before any CUDA work: the ``preflight``
+    (ConfigError, one line), then Triton's kernel cache kept off a HOME that does not exist
+    (``environment.place_triton_cache``: the fused kernels compile on any CUDA device). Returns
+    that note, or "": the caller says it where its other notes go."""
+    preflight(index, loader, compress)
+    return place_triton_cache("cuda")
 
 
 def dali_builds() -> list[tuple[str, int]]:

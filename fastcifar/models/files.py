@@ -36,6 +36,7 @@ import json
 import math
 import os
 import struct
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -313,7 +314,9 @@ def network_from_weights(
     device = torch.device(device)
     if device.type == "cuda":  # evaluate, predict, the API: the trainer's preflight before any CUDA work (core.gpu)
         gpu.cuda_or_cpu("cuda")
-        gpu.preflight(device.index if device.index is not None else torch.cuda.current_device())
+        note = gpu.before_cuda_work(device.index if device.index is not None else torch.cuda.current_device())
+        if note:
+            print(f"fastcifar: {note}", file=sys.stderr, flush=True)
     info = model_info(meta, source)
     try:
         model = make_network(info.config, norm_blocks("auto", device), len(info.classes))

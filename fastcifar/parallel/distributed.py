@@ -64,12 +64,13 @@ SHARE_GPU = "FASTCIFAR_SHARE_GPU"
 
 
 def pick_device(requested: str, local_rank: int, settings=None, own_gpus: bool = False) -> torch.device:
-    """This rank's device, after ``core.gpu``'s preflight: torch must have code for the GPU, and
-    ``settings`` (the run's Config, when given) a --loader and --compress the GPU can run. The one
-    place a device is picked, before any CUDA work. GPU ``local_rank`` of those visible (torchrun:
-    every rank of a node sees all its GPUs); ``own_gpus`` (srun started this process): a rank that
-    sees fewer GPUs than its local rank + 1 sees only its own (``srun --gpus-per-task 1`` leaves one
-    in CUDA_VISIBLE_DEVICES) and takes the first."""
+    """This rank's device, after ``core.gpu.before_cuda_work``: torch must have code for the GPU,
+    ``settings`` (the run's Config, when given) a --loader and --compress the GPU can run, and
+    Triton's cache a folder that exists. The one place a training device is picked, before any
+    CUDA work. GPU ``local_rank`` of those visible (torchrun: every rank of a node sees all its
+    GPUs); ``own_gpus`` (srun started this process): a rank that sees fewer GPUs than its local
+    rank + 1 sees only its own (``srun --gpus-per-task 1`` leaves one in CUDA_VISIBLE_DEVICES) and
+    takes the first."""
     if requested == "cpu":
         return torch.device("cpu")
     use_cuda, notice = gpu.cuda_or_cpu(requested)  # --device cuda without CUDA: refused here
@@ -90,11 +91,13 @@ def pick_device(requested: str, local_rank: int, settings=None, own_gpus: bool =
         )
     else:
         index = local_rank % count
-    gpu.preflight(
+    note = gpu.before_cuda_work(
         index,
         loader=getattr(settings, "loader", "auto"),
         compress=getattr(settings, "compress", "none"),
     )
+    if note and local_rank == 0:  # as the CPU notice above: one line per machine
+        print(f"fastcifar: {note}", file=sys.stderr, flush=True)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 

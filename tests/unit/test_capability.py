@@ -410,3 +410,25 @@ def test_capability_checked_before_a_model_file_goes_to_the_gpu(monkeypatch):
     fake_gpus(monkeypatch, 0)
     with pytest.raises(ConfigError, match="^--device cuda was asked for, but PyTorch sees no CUDA GPU"):
         network_from_weights({}, {}, "model.safetensors", "cuda")
+
+
+def test_a_missing_home_keeps_tritons_cache_off_it_wherever_a_gpu_is_taken(tmp_path, monkeypatch, capsys):
+    """Triton compiles on any CUDA device, and would make $HOME/.triton from / down: the trainer's
+    device (pick_device) and a model file loaded onto a GPU (evaluate, predict, the API) both send
+    its cache to a temporary folder and say so on stderr."""
+    from fastcifar.models.files import CheckpointError, network_from_weights
+
+    fake_gpus(monkeypatch, 1)
+    monkeypatch.setenv("HOME", str(tmp_path / "no" / "home"))
+    monkeypatch.setenv("TRITON_HOME", "")  # empty is unset; the test's own value comes back afterwards
+    assert pick_device("cuda", 0) == torch.device("cuda", 0)
+    folders = [os.environ["TRITON_HOME"]]
+    monkeypatch.setenv("TRITON_HOME", "")
+    with pytest.raises(CheckpointError, match="unusable metadata"):  # the empty file, after the GPU's checks
+        network_from_weights({}, {}, "model.safetensors", "cuda:0")
+    folders.append(os.environ["TRITON_HOME"])
+    err = capsys.readouterr().err
+    for folder in folders:
+        assert folder and Path(folder).is_dir() and f"Triton's kernel cache is {folder} for this run" in err
+        Path(folder).rmdir()
+    assert not (tmp_path / "no").exists()
