@@ -66,3 +66,13 @@ def read_regular(path: str | Path) -> bytes:
     folder) otherwise."""
     with os.fdopen(_open_regular(path), "rb") as f:
         return f.read()
+
+
+def hash_file(path: str | Path, h) -> str:
+    """``h`` (a hashlib object) fed the bytes of the regular file ``path`` a block at a time, so a
+    170 MB archive is never whole in memory; its hex digest. ``hashlib.file_digest`` does this
+    from Python 3.11, and 3.10 is supported."""
+    with open_regular(path) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -21,7 +21,6 @@ import shutil
 import sys
 import tarfile
 import tempfile
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fastcifar.core.errors import DataError
-from fastcifar.core.readfile import check_regular, read_regular, why
+from fastcifar.core.readfile import check_regular, hash_file, read_regular, why
 from fastcifar.data.dataset import CIFAR10_CLASSES, Dataset
 
 
@@ -281,15 +280,11 @@ def download(root: Path, progress=print, spec: OfficialSet = CIFAR10) -> Path:
 
 
 FETCH_TIMEOUT_S = 60  # a connection silent this long fails the download (one line), rather than hang the run
-FETCH_BLOCK = 1 << 20  # bytes read, hashed and written at a time
+FETCH_BLOCK = 1 << 20  # bytes read and written at a time
 
 
 def md5_of(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)  # an integrity check against the published sum, not security
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(FETCH_BLOCK), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return hash_file(path, hashlib.md5(usedforsecurity=False))  # an integrity check against the published sum
 
 
 def _get(url: str, dest: Path) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fastcifar.core.readfile import hash_file
 from fastcifar.models.files import (
     CheckpointError,
     host_state,
@@ -34,11 +35,7 @@ DIFF_FORMAT = "fastcifar.sparse_diff/1"
 
 
 def sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return hash_file(path, hashlib.sha256())
 
 
 def make_diff(
