@@ -128,12 +128,27 @@ def save_weights(
     return write_safetensors(path, tensors, metadata, replace)
 
 
-def digest(blob: bytes) -> str | None:
+def digest(blob: bytes, header: dict | None = None) -> str | None:
     """The digest of a safetensors file's bytes: SHA-256 over its header as canonical JSON (sorted
     keys, no spaces; the ``sha256`` metadata key left out, since it holds the result) and then its
     tensor bytes, in file order. None when ``blob`` has no readable header (safetensors then says
     what is wrong). Canonical JSON, not the header's own bytes: safetensors pads the header, and
-    adding the key changes its length but neither the tensors' offsets nor their bytes."""
+    adding the key changes its length but neither the tensors' offsets nor their bytes.
+    ``header``: the blob's header as a reader parsed it already (``_read_sized``), not parsed again."""
+    header = _header(blob) if header is None else header
+    if header is None:
+        return None
+    (n,) = struct.unpack("<Q", blob[:8])
+    meta = header.get("__metadata__")
+    if isinstance(meta, dict):  # a copy: the caller's header keeps its digest
+        header = {**header, "__metadata__": {k: v for k, v in meta.items() if k != DIGEST_KEY}}
+    h = hashlib.sha256(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    h.update(memoryview(blob)[8 + n :])
+    return h.hexdigest()
+
+
+def _header(blob: bytes) -> dict | None:
+    """The JSON header of a safetensors file's bytes; None when there is no readable one."""
     if len(blob) < 8:
         return None
     (n,) = struct.unpack("<Q", blob[:8])
@@ -143,14 +158,7 @@ def digest(blob: bytes) -> str | None:
         header = json.loads(blob[8 : 8 + n])
     except ValueError:
         return None
-    if not isinstance(header, dict):
-        return None
-    meta = header.get("__metadata__")
-    if isinstance(meta, dict):
-        header["__metadata__"] = {k: v for k, v in meta.items() if k != DIGEST_KEY}
-    h = hashlib.sha256(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
-    h.update(memoryview(blob)[8 + n :])
-    return h.hexdigest()
+    return header if isinstance(header, dict) else None
 
 
 def write_safetensors(path, tensors: dict, metadata: dict[str, str], replace: bool = True) -> Path:
@@ -179,15 +187,17 @@ def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Te
 
     path = Path(path)
     try:
-        blob = _read_sized(path, what)  # the OS's reason (permission, a FIFO, a loop), before safetensors reads it
+        # the OS's reason (permission, a FIFO, a loop), before safetensors reads it; the header parsed once
+        blob, header = _read_sized(path, what)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such {what}") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read {what}: {why(exc)}") from None
     try:
         tensors = load(blob)
-        (n,) = struct.unpack("<Q", blob[:8])
-        meta = json.loads(blob[8 : 8 + n]).get("__metadata__") or {}
+        if header is None:  # _read_sized found none where safetensors did: not a file to trust
+            raise ValueError("no readable header")
+        meta = header.get("__metadata__") or {}
     except Exception as exc:  # safetensors reports a damaged header or short file in several types
         if blob[:4] == b"PK\x03\x04":  # a torch.save zip
             raise CheckpointError(
@@ -196,7 +206,7 @@ def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Te
             ) from None
         raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {one_line(str(exc))})") from None
     recorded = meta.get(DIGEST_KEY)
-    if recorded is not None and recorded != digest(blob):
+    if recorded is not None and recorded != digest(blob, header):
         raise CheckpointError(
             f"{path}: its contents do not match the digest written with them (sha256): the file "
             f"changed after it was written (a damaged disk or copy, or an edit); refusing to use it"
@@ -207,28 +217,30 @@ def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Te
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
 
 
-def _read_sized(path: Path, what: str) -> bytes:
-    """The file's bytes, read only when its size is the one its header gives (8 + header + the
-    last tensor's end): a 1 TB sparse file of zeros, or a model file with gigabytes appended, is
-    refused after reading its first bytes, not by filling the memory."""
+def _read_sized(path: Path, what: str) -> tuple[bytes, dict | None]:
+    """The file's bytes and its parsed header, read only when its size is the one the header
+    gives (8 + header + the last tensor's end): a 1 TB sparse file of zeros, or a model file with
+    gigabytes appended, is refused after reading its first bytes, not by filling the memory. The
+    header is None (and the bytes only its start) when it is not one: safetensors says what is wrong."""
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if head[:4] == b"PK\x03\x04" or not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
-            return head + f.read(min(size, 1 << 16))  # too short to be one: safetensors says what is wrong
-        header = f.read(n)
+            return head + f.read(min(size, 1 << 16)), None  # too short to be one
+        text = f.read(n)
         try:
-            ends = [v["data_offsets"][1] for k, v in json.loads(header).items() if k != "__metadata__"]
+            header = json.loads(text)
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
             expected = 8 + n + max(ends, default=0)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return head + header  # not a header: safetensors says so
+            return head + text, None  # not a header
         if expected != size:
             raise CheckpointError(
                 f"{path}: not a readable {what} (its header describes {expected:,} bytes, the file has "
                 f"{size:,}: truncated, or something appended)"
             )
-        return head + header + f.read()
+        return head + text + f.read(), header
 
 
 def require_digest(path, meta: dict, what: str = "model file") -> None:
