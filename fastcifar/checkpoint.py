@@ -126,9 +126,7 @@ def _run(args) -> int:
 
 
 def _seal(path: str, out: str) -> int:
-    tensors, meta = read_safetensors(path)  # a digest it does carry is checked here
-    if meta.get("format") != MODEL_FORMAT:
-        raise CheckpointError(f"{path}: not a fastcifar model file (format {meta.get('format')!r})")
+    tensors, meta = read_safetensors(path, fmt=MODEL_FORMAT)  # a digest it does carry is checked here
     if DIGEST_KEY in meta:
         raise CheckpointError(f"{path}: carries a digest already (and it matches): nothing to do")
     network_from_weights(tensors, meta, path)  # every check a load makes, before vouching for it

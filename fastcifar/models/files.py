@@ -178,11 +178,14 @@ def load_model(path, device: str | torch.device = "cpu") -> tuple[torch.nn.Modul
     return network_from_weights(tensors, meta, str(path), device)
 
 
-def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_safetensors(
+    path, what: str = "model file", fmt: str | None = None, digest_required: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors (on the CPU) and string metadata of a safetensors file (``what``, for the
     error), in one read: the bytes checked against the digest are the bytes decoded. A digest that
-    does not match is refused (one line); a file without one is the caller's to judge
-    (``require_digest``)."""
+    does not match is refused (one line); so is a file whose metadata does not name the format
+    ``fmt`` (when given), and with ``digest_required`` one without a digest (``require_digest``);
+    without it, a missing digest is the caller's to judge."""
     from safetensors.torch import load
 
     path = Path(path)
@@ -211,6 +214,10 @@ def read_safetensors(path, what: str = "model file") -> tuple[dict[str, torch.Te
             f"{path}: its contents do not match the digest written with them (sha256): the file "
             f"changed after it was written (a damaged disk or copy, or an edit); refusing to use it"
         )
+    if fmt is not None and meta.get("format") != fmt:
+        raise CheckpointError(f"{path}: not a fastcifar {what} (format {meta.get('format')!r}, expected {fmt!r})")
+    if digest_required:
+        require_digest(path, meta, what)
     return tensors, meta
 
 
@@ -260,13 +267,7 @@ def one_line(text: str) -> str:
 
 
 def read_model_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    tensors, meta = read_safetensors(path)
-    if meta.get("format") != MODEL_FORMAT:
-        raise CheckpointError(
-            f"{path}: not a fastcifar model file (format {meta.get('format')!r}, expected {MODEL_FORMAT!r})"
-        )
-    require_digest(path, meta)
-    return tensors, meta
+    return read_safetensors(path, "model file", MODEL_FORMAT, digest_required=True)
 
 
 MAX_CLASSES = 10000  # classes a model file may name: their count sizes the last layer

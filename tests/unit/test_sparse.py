@@ -247,11 +247,13 @@ def test_sparse_record_is_written_atomically_and_a_write_failure_is_a_checkpoint
         run.finish()
 
 
-def test_diff_round_trip_is_bit_exact(tmp_path):
+def _chain(folder):
+    """A base file and two diffs (epochs 1 and 2, test_acc 10 and 20) of a tiny network, and the
+    state after each epoch."""
     from fastcifar.run.sparse import diffs
 
     cfg, model = tiny()
-    writer = diffs.DiffWriter(tmp_path, model, cfg, [f"c{i}" for i in range(10)], (0.0,) * 3, (1.0,) * 3)
+    writer = diffs.DiffWriter(folder, model, cfg, [f"c{i}" for i in range(10)], (0.0,) * 3, (1.0,) * 3)
     writer.start()
     states = []
     g = torch.Generator().manual_seed(0)
@@ -265,9 +267,41 @@ def test_diff_round_trip_is_bit_exact(tmp_path):
                     b.add_(1.0)
             writer.epoch(epoch, 10.0 * epoch)
             states.append(diffs.host_state(model))
-    base = tmp_path / "base.safetensors"
+    return writer, folder / "base.safetensors", [folder / f"epoch{i:03d}.safetensors" for i in (1, 2)], states
+
+
+def test_diff_round_trip_is_bit_exact(tmp_path):
+    from fastcifar.run.sparse import diffs
+
+    writer, base, epochs, states = _chain(tmp_path)
     for e in (1, 2):
-        got, _ = diffs.restore(base, [tmp_path / f"epoch{i:03d}.safetensors" for i in range(1, e + 1)])
+        got, _ = diffs.restore(base, epochs[:e])
         assert got.keys() == states[e - 1].keys()
         assert all(torch.equal(got[k], states[e - 1][k]) for k in got), f"epoch {e}"
     assert writer.records[1]["bytes"] < 0.5 * writer.dense_bytes
+
+
+def test_a_chain_with_a_file_of_the_wrong_kind_or_without_a_digest_is_refused(tmp_path, capsys):
+    """The base must be a model file, each diff a sparse diff, and both carry a digest: one reader
+    (read_safetensors' fmt and digest_required) checks all three for restore, load and seal."""
+    from safetensors.torch import load_file, save_file
+
+    from fastcifar.checkpoint import main as checkpoint_main
+    from fastcifar.models.files import CheckpointError, read_safetensors
+    from fastcifar.run.sparse import diffs
+
+    _, base, epochs, _ = _chain(tmp_path)
+    with pytest.raises(CheckpointError, match=r"not a fastcifar sparse diff \(format 'fastcifar.model/1', expected"):
+        diffs.restore(base, [base])
+    with pytest.raises(CheckpointError, match=r"not a fastcifar model file \(format 'fastcifar.sparse_diff/1'"):
+        diffs.restore(epochs[0], [])
+    with pytest.raises(diffs.ChainError, match="chain broken"):
+        diffs.restore(base, [epochs[1]])
+    unsealed = tmp_path / "unsealed.safetensors"
+    meta = {k: v for k, v in read_safetensors(epochs[0], "sparse diff")[1].items() if k != "sha256"}
+    save_file(load_file(epochs[0]), unsealed, metadata=meta)
+    with pytest.raises(CheckpointError, match="this sparse diff carries no digest"):
+        diffs.restore(base, [unsealed])
+    assert checkpoint_main(["seal", str(epochs[0]), "--out", str(tmp_path / "sealed.safetensors")]) == 2
+    assert f"{epochs[0]}: not a fastcifar model file (format 'fastcifar.sparse_diff/1'" in capsys.readouterr().err
+    assert not (tmp_path / "sealed.safetensors").exists()

@@ -26,7 +26,6 @@ from fastcifar.models.files import (
     host_state,
     read_model_file,
     read_safetensors,
-    require_digest,
     save_weights,
     write_safetensors,
 )
@@ -118,7 +117,9 @@ class DiffWriter:
 
 
 class ChainError(CheckpointError):
-    """A diff chain that does not restore: a file out of order, missing, or not a diff."""
+    """A diff chain that does not restore: a diff that does not follow the file before it (out of
+    order, or one missing between them). A file that cannot be read, or is not a diff, is a
+    CheckpointError as for any safetensors file (``read_safetensors``)."""
 
 
 def restore(base: str | Path, diffs: list[str | Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -126,10 +127,7 @@ def restore(base: str | Path, diffs: list[str | Path]) -> tuple[dict[str, torch.
     state, meta = read_model_file(base)
     parent = Path(base)
     for d in diffs:
-        tensors, dmeta = read_safetensors(d, "sparse diff")
-        if dmeta.get("format") != DIFF_FORMAT:
-            raise ChainError(f"{d}: not a sparse diff (format {dmeta.get('format')!r})")
-        require_digest(d, dmeta, "sparse diff")
+        tensors, dmeta = read_safetensors(d, "sparse diff", DIFF_FORMAT, digest_required=True)
         if dmeta.get("parent_sha256") != sha256(parent):
             raise ChainError(
                 f"{d}: its parent is {dmeta.get('parent')!r} (epoch chain broken or out of "
