@@ -109,16 +109,12 @@ def _run(args) -> int:
         return 0
     if args.command == "seal":
         return _seal(args.file, args.out)
-    state, meta = diffs.restore(args.base, args.diffs)
+    state, meta = diffs.restore(args.base, args.diffs)  # meta: the restored model's (the last diff's test_acc)
     if args.out:
         if Path(args.out).exists():
             raise diffs.ChainError(f"{args.out} exists; not overwriting it")
         info = model_info(meta, args.base)
-        test_acc = info.test_acc
-        if args.diffs:  # the last diff's epoch is the model written
-            recorded = read_safetensors(args.diffs[-1], "sparse diff")[1].get("test_acc")
-            test_acc = float(recorded) if recorded else None
-        save_weights(args.out, state, info.config, info.classes, test_acc, info.mean, info.std, replace=False)
+        save_weights(args.out, state, info.config, info.classes, info.test_acc, info.mean, info.std, replace=False)
         print(f"wrote {args.out}")
     if args.data:
         print(f"test_acc {evaluate_state(state, meta, args.data):.4f}")

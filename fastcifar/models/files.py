@@ -186,6 +186,20 @@ def read_safetensors(
     does not match is refused (one line); so is a file whose metadata does not name the format
     ``fmt`` (when given), and with ``digest_required`` one without a digest (``require_digest``);
     without it, a missing digest is the caller's to judge."""
+    tensors, meta, _ = _read(path, what, fmt, digest_required)
+    return tensors, meta
+
+
+def read_with_sha256(path, what: str, fmt: str) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    """``read_safetensors`` of a file in a sparse-diff chain (format ``fmt``, digest required), and
+    the SHA-256 of its bytes, by which the next diff names it as its parent: hashed from the bytes
+    this read holds, not read from the disk again."""
+    tensors, meta, blob = _read(path, what, fmt, digest_required=True)
+    return tensors, meta, hashlib.sha256(blob).hexdigest()
+
+
+def _read(path, what: str, fmt: str | None, digest_required: bool) -> tuple[dict, dict[str, str], bytes]:
+    """``read_safetensors``, with the bytes it read."""
     from safetensors.torch import load
 
     path = Path(path)
@@ -218,7 +232,7 @@ def read_safetensors(
         raise CheckpointError(f"{path}: not a fastcifar {what} (format {meta.get('format')!r}, expected {fmt!r})")
     if digest_required:
         require_digest(path, meta, what)
-    return tensors, meta
+    return tensors, meta, blob
 
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,3 +306,37 @@ def test_a_chain_with_a_file_of_the_wrong_kind_or_without_a_digest_is_refused(tm
     assert checkpoint_main(["seal", str(epochs[0]), "--out", str(tmp_path / "sealed.safetensors")]) == 2
     assert f"{epochs[0]}: not a fastcifar model file (format 'fastcifar.sparse_diff/1'" in capsys.readouterr().err
     assert not (tmp_path / "sealed.safetensors").exists()
+
+
+def test_restoring_a_chain_reads_each_file_once_and_gives_the_last_epochs_accuracy(tmp_path, monkeypatch, capsys):
+    """restore hashes each parent from the bytes it read (no second read of the base or a diff),
+    and hands back the restored model's metadata: the checkpoint command writes the last diff's
+    test_acc without reading that diff again."""
+    from fastcifar.checkpoint import main as checkpoint_main
+    from fastcifar.core import readfile
+    from fastcifar.models import files
+    from fastcifar.models.files import load_model
+    from fastcifar.run.sparse import diffs
+
+    _, base, epochs, states = _chain(tmp_path)
+    opened = []
+
+    def counted(real):
+        def open_regular(path):
+            opened.append(Path(path).name)
+            return real(path)
+
+        return open_regular
+
+    monkeypatch.setattr(files, "open_regular", counted(files.open_regular))
+    monkeypatch.setattr(readfile, "open_regular", counted(readfile.open_regular))  # hash_file's
+    state, meta = diffs.restore(base, epochs)
+    assert opened == ["base.safetensors", "epoch001.safetensors", "epoch002.safetensors"]
+    assert all(torch.equal(state[k], states[1][k]) for k in states[1])
+    assert float(meta["test_acc"]) == 20.0 and "sha256" not in meta  # not the base's "", nor its digest
+    assert diffs.restore(base, [])[1]["test_acc"] == ""
+    opened.clear()
+    out = tmp_path / "restored.safetensors"
+    assert checkpoint_main(["restore", str(base), *map(str, epochs), "--out", str(out)]) == 0
+    assert opened == ["base.safetensors", "epoch001.safetensors", "epoch002.safetensors"]
+    assert capsys.readouterr().out == f"wrote {out}\n" and load_model(out)[1].test_acc == 20.0

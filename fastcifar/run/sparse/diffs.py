@@ -22,10 +22,11 @@ import torch
 
 from fastcifar.core.readfile import hash_file
 from fastcifar.models.files import (
+    DIGEST_KEY,
+    MODEL_FORMAT,
     CheckpointError,
     host_state,
-    read_model_file,
-    read_safetensors,
+    read_with_sha256,
     save_weights,
     write_safetensors,
 )
@@ -123,16 +124,20 @@ class ChainError(CheckpointError):
 
 
 def restore(base: str | Path, diffs: list[str | Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The state dict after the last of ``diffs`` (in order), and the base file's metadata."""
-    state, meta = read_model_file(base)
+    """The state dict after the last of ``diffs`` (in order), and the metadata of the model it is:
+    the base file's, with the test_acc of the last diff's epoch (the base's "" without diffs) and
+    without the base's digest (not these weights'). Each file is read once: the SHA-256 a diff
+    names its parent by is taken from the bytes the parent's read holds."""
+    state, meta, parent_sha256 = read_with_sha256(base, "model file", MODEL_FORMAT)
     parent = Path(base)
     for d in diffs:
-        tensors, dmeta = read_safetensors(d, "sparse diff", DIFF_FORMAT, digest_required=True)
-        if dmeta.get("parent_sha256") != sha256(parent):
+        tensors, dmeta, sha256_of_d = read_with_sha256(d, "sparse diff", DIFF_FORMAT)
+        if dmeta.get("parent_sha256") != parent_sha256:
             raise ChainError(
                 f"{d}: its parent is {dmeta.get('parent')!r} (epoch chain broken or out of "
                 f"order): it does not follow {parent.name}"
             )
         apply_diff(state, tensors)
-        parent = Path(d)
-    return state, meta
+        meta = {**meta, "test_acc": dmeta.get("test_acc", "")}
+        parent, parent_sha256 = Path(d), sha256_of_d
+    return state, {k: v for k, v in meta.items() if k != DIGEST_KEY}
