@@ -109,10 +109,11 @@ def _run(args) -> int:
         return 0
     if args.command == "seal":
         return _seal(args.file, args.out)
+    # before the chain is read, which can take long; save_weights refuses it too, without a race
+    if args.out and Path(args.out).exists():
+        raise CheckpointError(f"{args.out} exists; not overwriting it")
     state, meta = diffs.restore(args.base, args.diffs)  # meta: the restored model's (the last diff's test_acc)
     if args.out:
-        if Path(args.out).exists():
-            raise diffs.ChainError(f"{args.out} exists; not overwriting it")
         info = model_info(meta, args.base)
         save_weights(args.out, state, info.config, info.classes, info.test_acc, info.mean, info.std, replace=False)
         print(f"wrote {args.out}")

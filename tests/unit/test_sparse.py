@@ -340,3 +340,13 @@ def test_restoring_a_chain_reads_each_file_once_and_gives_the_last_epochs_accura
     assert checkpoint_main(["restore", str(base), *map(str, epochs), "--out", str(out)]) == 0
     assert opened == ["base.safetensors", "epoch001.safetensors", "epoch002.safetensors"]
     assert capsys.readouterr().out == f"wrote {out}\n" and load_model(out)[1].test_acc == 20.0
+
+
+def test_restore_refuses_an_existing_out_before_reading_the_chain(tmp_path, capsys):
+    from fastcifar.checkpoint import main as checkpoint_main
+
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"mine")
+    assert checkpoint_main(["restore", str(tmp_path / "no-base.safetensors"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"fastcifar: error: {out} exists; not overwriting it\n"
+    assert out.read_bytes() == b"mine"
