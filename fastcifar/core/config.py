@@ -453,9 +453,14 @@ def from_preset(name: str = DEFAULT_PRESET, **overrides) -> Config:
     a ``warmup_epochs`` keeps the peak at the same fraction of the run."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    base = dataclasses.replace(Config(), preset=name, **PRESETS[name])
+    return _overridden(dataclasses.replace(Config(), preset=name, **PRESETS[name]), overrides)
+
+
+def _overridden(base: Config, overrides: dict) -> Config:
+    """``base`` with ``overrides``; a changed ``epochs`` without a ``warmup_epochs`` scales base's
+    warm-up with it, so the peak stays at the same fraction of the run (a preset's, a config file's)."""
     if "epochs" in overrides and "warmup_epochs" not in overrides and overrides["epochs"] != base.epochs:
-        overrides["warmup_epochs"] = base.warmup_epochs * overrides["epochs"] / base.epochs
+        overrides = {**overrides, "warmup_epochs": base.warmup_epochs * overrides["epochs"] / base.epochs}
     return dataclasses.replace(base, **overrides)
 
 
@@ -878,9 +883,7 @@ def parse_command_line(
     # no abbreviations (allow_abbrev=False), so the flag is given exactly as --warmup-epochs[=V]
     if not _given(argv, "--warmup-epochs"):
         del args["warmup_epochs"]  # a changed --epochs scales the warm-up (the preset's, or the file's)
-        if known.config is not None and args["epochs"] != base.epochs:
-            args["warmup_epochs"] = base.warmup_epochs * args["epochs"] / base.epochs
-    cfg = from_preset(preset, **args) if known.config is None else dataclasses.replace(base, **args)
+    cfg = _overridden(base, args)  # base: the preset's settings (known.preset is preset) or the file's
     # A second parse with no defaults: only what the command line names (argparse's own trick).
     quiet = build_parser(base, prog)
     for action in quiet._actions:
