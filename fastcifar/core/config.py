@@ -424,27 +424,36 @@ def _range_error(name: str, value, low, high, brackets: str) -> ConfigError:
     return ConfigError(f"--{_flag(name)} {phrase}, not {value}")
 
 
+def _whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # True is an int to Python
+
+
+# A field's annotation (a string here: __future__) -> whether a value has that type, and the words
+# for it. Shared by a Config's check (``_check_types``) and a config file's (``_typed``).
+_FIELD_TYPES = {
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (_whole, "a whole number"),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "tuple": (lambda v: isinstance(v, (tuple, list)) and all(map(_whole, v)), "a list of whole numbers"),
+}
+
+
+def _field_type(name: str, annotation: str):
+    """``_FIELD_TYPES``' entry for ``annotation`` ("tuple[int, ...]" is "tuple")."""
+    try:
+        return _FIELD_TYPES[annotation.split("[")[0]]
+    except KeyError:
+        raise AssertionError(f"Config.{name}: no type check for {annotation!r}") from None  # a new field's type
+
+
 def _check_types(cfg: Config) -> None:
     """Each field holds its default's type (an API Config, a model file's metadata): a string
     where a number belongs would otherwise fail later with a traceback."""
     for f in fields(Config):
-        value, kind = getattr(cfg, f.name), f.type  # the annotation, a string here (__future__)
-        if kind == "bool":
-            ok, what = isinstance(value, bool), "true or false"
-        elif kind == "int":
-            ok, what = isinstance(value, numbers.Integral) and not isinstance(value, bool), "a whole number"
-        elif kind == "float":
-            ok, what = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
-        elif kind == "str":
-            ok, what = isinstance(value, str), "a string"
-        elif kind == "tuple":
-            ok = isinstance(value, (tuple, list)) and all(
-                isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value
-            )
-            what = "a list of whole numbers"
-        else:
-            raise AssertionError(f"Config.{f.name}: no type check for {kind!r}")  # a new field's type
-        if not ok:
+        value = getattr(cfg, f.name)
+        ok, what = _field_type(f.name, str(f.type))
+        if not ok(value):
             raise ConfigError(f"--{_flag(f.name)} must be {what}, not {value!r}")
 
 
@@ -808,18 +817,10 @@ def config_file_text(cfg: Config) -> str:
 
 def _typed(where: str, name: str, annotation: str, value):
     """``value`` of the JSON file as the field's type (a list as a tuple), or ConfigError."""
-    ok = {
-        "bool": isinstance(value, bool),
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "str": isinstance(value, str),
-    }.get(annotation)
-    if ok is None:  # a tuple of ints (widths)
-        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-        value = tuple(value) if ok else value
-    if not ok:
+    ok, _ = _field_type(name, annotation)
+    if not ok(value):
         raise ConfigError(f"{where}: {name} must be {annotation.split('[')[0]}, not {json.dumps(value)}")
-    return value
+    return tuple(value) if isinstance(value, list) else value
 
 
 def read_config_file(path: str) -> Config:
