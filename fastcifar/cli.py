@@ -22,7 +22,7 @@ import importlib
 import sys
 import types
 
-from fastcifar.core.errors import ConfigError, DataError
+from fastcifar.core.errors import ConfigError, DataError, first_line
 from fastcifar.core.names import printable
 
 
@@ -56,8 +56,7 @@ def run_command(body) -> int:
         # printable: a message may quote a file's text (a name, a setting); it stays one line
         print(f"fastcifar: error: {printable(str(exc))}", file=sys.stderr)
     except RuntimeError as exc:  # e.g. --device cuda without one
-        first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"fastcifar: error: {printable(first)}", file=sys.stderr)
+        print(f"fastcifar: error: {printable(first_line(str(exc)) or type(exc).__name__)}", file=sys.stderr)
     except signals.StopRun as exc:
         if not signals.claim_ending():  # the watcher is ending the process: its line, its status
             signals.wait_for_claimant()

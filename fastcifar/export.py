@@ -35,6 +35,7 @@ from fastcifar.cli import run_command
 from fastcifar.core import optional
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import ConfigError, OneLineParser
+from fastcifar.core.errors import first_line
 from fastcifar.core.readfile import kind
 from fastcifar.data import DataError
 from fastcifar.models.files import load_model
@@ -127,7 +128,9 @@ def export(model_path, out, *, opset: int = DEFAULT_OPSET, force: bool = False, 
     except ConfigError:
         raise
     except Exception as exc:  # an opset the exporter lacks, an op it cannot write
-        raise ConfigError(f"ONNX export failed at opset {opset}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(
+            f"ONNX export failed at opset {opset}: {first_line(str(exc)) or type(exc).__name__}"
+        ) from None
     diff = check_with_onnxruntime(blob, net, info.mean, info.std)
     if diff is not None and not diff <= CHECK_TOLERANCE:
         raise DataError(

@@ -7,3 +7,9 @@ class ConfigError(Exception):
 
 class DataError(Exception):
     """Input data that cannot be used: missing, of unknown layout, corrupt, or inconsistent."""
+
+
+def first_line(text: str) -> str:
+    """The first line of ``text`` with anything on it, stripped; "" when none has. An error quoted
+    in a one-line message: its first line is often empty (a message that starts with a newline)."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")

@@ -12,13 +12,13 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-from fastcifar.core.errors import ConfigError
+from fastcifar.core.errors import ConfigError, first_line
 
 
 def reason(exc: BaseException) -> str:
     """The failure in one line: its type and the first line of its message."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    first = first_line(str(exc))
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def load(module: str, fix: str, needed_for: str) -> ModuleType:

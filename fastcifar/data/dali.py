@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from fastcifar.core import optional
 from fastcifar.core.config import CHOICES, ConfigError
 from fastcifar.data import shard_indices
 from fastcifar.data.loader import (
@@ -75,8 +76,7 @@ def dali_available() -> tuple[bool, str]:
         import nvidia.dali.fn  # noqa: F401
         import nvidia.dali.plugin.pytorch  # noqa: F401
     except Exception as exc:  # ImportError, or OSError/RuntimeError from a broken libdali
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return False, f"{type(exc).__name__}: {first}"
+        return False, optional.reason(exc)
     return True, f"DALI {dali.__version__}"
 
 

@@ -44,7 +44,7 @@ import torch
 
 from fastcifar.core import atomic, gpu
 from fastcifar.core.config import Config, ConfigError, check_fields
-from fastcifar.core.errors import DataError
+from fastcifar.core.errors import DataError, first_line
 from fastcifar.core.names import check_class_names
 from fastcifar.core.readfile import open_regular, why
 
@@ -221,7 +221,9 @@ def _read(path, what: str, fmt: str | None, digest_required: bool) -> tuple[dict
                 f"{path}: a training checkpoint (for --resume), not a {what}; the run's "
                 f"model is {path.with_name(MODEL_NAME)}"
             ) from None
-        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {one_line(str(exc))})") from None
+        raise CheckpointError(
+            f"{path}: not a readable {what} ({type(exc).__name__}: {first_line(str(exc))[:200]})"
+        ) from None
     recorded = meta.get(DIGEST_KEY)
     if recorded is not None and recorded != digest(blob, header):
         raise CheckpointError(
@@ -272,12 +274,6 @@ def require_digest(path, meta: dict, what: str = "model file") -> None:
             f"edited), so a changed byte could not be told; if you trust it, "
             f"python -m fastcifar.checkpoint seal {path} --out NEW.safetensors writes a copy with one"
         )
-
-
-def one_line(text: str) -> str:
-    """The first non-empty line of ``text``, at most 200 characters: an error quoted in a one-line message."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return (lines[0] if lines else "")[:200]
 
 
 def read_model_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

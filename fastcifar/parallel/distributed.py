@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from fastcifar.core import gpu, signals
 from fastcifar.core.config import ConfigError
-from fastcifar.core.errors import DataError
+from fastcifar.core.errors import DataError, first_line
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,7 @@ def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto", 
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         except ValueError as exc:  # torch's own check of the environment (a missing MASTER_ADDR, ...)
-            raise ConfigError(f"bad torchrun environment: {str(exc).strip().splitlines()[0]}") from None
+            raise ConfigError(f"bad torchrun environment: {first_line(str(exc)) or type(exc).__name__}") from None
     return DistContext(rank, world_size, local_rank, device, backend)
 
 
@@ -435,7 +435,7 @@ def announce_stop(ctx: DistContext | None, detail: str) -> None:
     their waits by itself."""
     if ctx is None or not ctx.distributed or _data_step.done:  # after its data step no one waits on the store
         return
-    first = detail.strip().splitlines()[0] if detail.strip() else "no message"
+    first = first_line(detail) or "no message"
     try:
         _store().set(_stopped_key(), json.dumps([ctx.rank, first[:300]]))
     except Exception:
@@ -504,7 +504,7 @@ def load_once_per_node(load: Callable[[bool], T], ctx: DistContext, doing: str, 
     except (PeerDataError, PeerStopped):  # another rank's failure: it told the others itself
         raise
     except BaseException as exc:  # this rank's own failure: the others stop waiting for it
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        detail = first_line(str(exc)) or type(exc).__name__
         try:
             store.set(failed, json.dumps([ctx.rank, ctx.local_rank, detail]))
         except Exception:  # the store is gone too: the others' wait runs out and says so
@@ -546,7 +546,7 @@ def failure_message(exc: BaseException, timeout_s: float) -> str:
     for a wait on the store that another rank's own error ended: its words)."""
     if isinstance(exc, PeerStopped):
         return str(exc)
-    detail = _without_sources(str(exc).strip().splitlines()[0] if str(exc).strip() else "") or type(exc).__name__
+    detail = _without_sources(first_line(str(exc))) or type(exc).__name__
     return (
         f"lost contact with the other ranks (one exited, was killed, or stalled past "
         f"--dist-timeout-s {timeout_s:g}): {detail[:300]}"

@@ -80,6 +80,27 @@ def test_a_commands_error_through_the_dispatcher_is_one_line(tmp_path, capsys):
     assert one_line_error(capsys.readouterr().err).startswith("fastcifar: error: ")
 
 
+@pytest.mark.parametrize(
+    "message, line",
+    [
+        ("\nCUDA error: out of memory\nCompile with `TORCH_USE_CUDA_DSA`", "CUDA error: out of memory"),
+        ("  \n\t\n  no kernel image  \n", "no kernel image"),
+        ("\n \n", "RuntimeError"),  # no words at all: the error's type
+    ],
+)
+def test_an_error_is_its_first_line_with_words_in_it(message, line, capsys):
+    """A message that starts with a newline (CUDA's do) printed as "fastcifar: error: " and
+    nothing else: the first line with something on it is quoted (core.errors.first_line)."""
+    from fastcifar.core.errors import first_line
+
+    def body():
+        raise RuntimeError(message)
+
+    assert first_line(message) == ("" if line == "RuntimeError" else line)
+    assert cli.run_command(body) == 2
+    assert capsys.readouterr().err == f"fastcifar: error: {line}\n"
+
+
 def test_console_scripts_and_extras_in_pyproject():
     import tomllib
 
