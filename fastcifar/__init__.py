@@ -22,8 +22,9 @@ if _running_a_command():
     from fastcifar.core.environment import environment_problem as _problem
 
     _signals.install_early()
-    if _problem() is not None:
-        print(f"fastcifar: error: {_problem()}", file=__import__("sys").stderr)
+    _problem_text = _problem()
+    if _problem_text is not None:
+        print(f"fastcifar: error: {_problem_text}", file=__import__("sys").stderr)
         raise SystemExit(2)
 
 # The Python API (fastcifar.api). Config and presets are light and imported now; the trainer,

@@ -49,8 +49,9 @@ def run_command(body) -> int:
 
     previous = signals.install(on_blocked=_say_stopped)
     try:
-        if environment_problem() is not None:  # also when called as python -m's module or from a script
-            raise ConfigError(environment_problem())
+        problem = environment_problem()  # also when called as python -m's module or from a script
+        if problem is not None:
+            raise ConfigError(problem)
         return body()
     except (ConfigError, DataError) as exc:  # a CheckpointError is a DataError
         # printable: a message may quote a file's text (a name, a setting); it stays one line
@@ -58,10 +59,7 @@ def run_command(body) -> int:
     except RuntimeError as exc:  # e.g. --device cuda without one
         print(f"fastcifar: error: {printable(first_line(str(exc)) or type(exc).__name__)}", file=sys.stderr)
     except signals.StopRun as exc:
-        if not signals.claim_ending():  # the watcher is ending the process: its line, its status
-            signals.wait_for_claimant()
-        _say_stopped(exc)
-        return exc.exit_code
+        return signals.end_run(exc, _say_stopped)
     except BrokenPipeError:  # `... | head -1`: the reader left; quiet, as a shell's SIGPIPE'd command
         return signals.stdout_gone()
     finally:
@@ -151,9 +149,6 @@ def main(argv: list[str] | None = None, prog: str = "fastcifar") -> int:
         module = importlib.import_module(COMMANDS[name][0])  # by name: the commands import this module
         return module.main(rest, prog=f"{prog} {name}")
     except signals.StopRun as exc:
-        if not signals.claim_ending():
-            signals.wait_for_claimant()
-        _say_stopped(exc)
-        return exc.exit_code
+        return signals.end_run(exc, _say_stopped)
     finally:
         signals.restore(previous)

@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
     # blocked in a collective (signals.py: a watcher thread then records the stop and ends the process)
     previous = signals.install(on_blocked=record_stop)
     try:
-        if environment_problem() is not None:  # fastcifar-train: torch (and libgomp) loaded already, still refused
-            raise ConfigError(environment_problem())
+        problem = environment_problem()  # fastcifar-train: torch (and libgomp) loaded already, still refused
+        if problem is not None:
+            raise ConfigError(problem)
         ctx = distributed.setup(cfg.device, cfg.dist_timeout_s, cfg.dist_group, settings=cfg)
         # The first collective, right after the group forms: ranks launched with different command
         # lines stop here, before any file is read (a checkpoint, the data).
@@ -86,10 +87,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
         report.stop_open_logs("failed", "stdout closed by its reader (broken pipe)")
         code = signals.stdout_gone()
     except signals.StopRun as exc:  # interrupted (130, 143) or diverged (4): logs closed, summary written
-        if not signals.claim_ending():  # a watcher thread is ending the rank: its record, its status
-            signals.wait_for_claimant()
-        record_stop(exc)
-        code = exc.exit_code
+        code = signals.end_run(exc, record_stop)
     except RuntimeError as exc:
         if not distributed.is_comm_failure(exc):
             distributed.announce_stop(ctx, f"{type(exc).__name__}: {exc}")

@@ -130,6 +130,16 @@ def wait_for_claimant() -> None:
     time.sleep(RECORD_TIMEOUT_S + 5.0)
 
 
+def end_run(exc: StopRun, say: Callable[[StopRun], None]) -> int:
+    """The main thread's end of what ``exc`` stopped: ``say(exc)`` (its one line, the trainer's
+    record too) and its exit status. When a watcher thread claimed the end first, it speaks and ends
+    the process: wait for that (``wait_for_claimant``), and say it here only should it not."""
+    if not claim_ending():
+        wait_for_claimant()
+    say(exc)
+    return exc.exit_code
+
+
 def exit_now(code: int, exc: BaseException | None = None) -> None:
     """End the process at once with ``code`` (no finally blocks, no interpreter shut-down, which can
     block on the same stuck collective): what is buffered on stdout and stderr is written first, and
