@@ -62,14 +62,14 @@ def _cached(
     """``read(source, decode)``, through a cache keyed by the source and by the decoder; the cache
     is written only when ``write``."""
     target, note = cache_path(source, cache_dir, decoder_name(decode))
-    ds = load_cache(target, str(source)) if target is not None else None
-    if ds is not None:
-        return ds
-    if target is None:
+    if target is None:  # no place for a cache: ``note`` says why
         if write:
             log(note)
         log(f"decoding {source}")
         return read(source, decode)
+    ds = load_cache(target, str(source))
+    if ds is not None:
+        return ds
     log(f"decoding {source} once (cache: {target})")
     ds = read(source, decode)
     if not write:
