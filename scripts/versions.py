@@ -8,9 +8,13 @@ Read from the installed packages' metadata, nothing imported: it prints also whe
 from __future__ import annotations
 
 import platform
+import re
 from importlib import metadata
 
-PACKAGES = ("torch", "torchvision", "triton", "numpy", "nvidia-dali-cuda130")
+PACKAGES = ("torch", "torchvision", "triton", "numpy")
+# DALI is one distribution per CUDA major: nvidia-dali-cuda130 (the dali extra), nvidia-dali-cuda120
+# (the volta extra). The line names whichever is installed, both when two are (gpu.preflight refuses that).
+DALI_BUILD = re.compile(r"nvidia-dali-cuda\d+")
 
 
 def version_of(name: str) -> str:
@@ -20,9 +24,15 @@ def version_of(name: str) -> str:
         return "absent"
 
 
+def dali_builds() -> list[str]:
+    names = {(dist.metadata["Name"] or "").lower().replace("_", "-") for dist in metadata.distributions()}
+    return sorted(name for name in names if DALI_BUILD.fullmatch(name))
+
+
 def line() -> str:
+    dali = [f"{name} {version_of(name)}" for name in dali_builds()] or ["nvidia-dali absent"]
     return "versions: " + ", ".join(
-        [f"python {platform.python_version()}"] + [f"{p} {version_of(p)}" for p in PACKAGES]
+        [f"python {platform.python_version()}"] + [f"{p} {version_of(p)}" for p in PACKAGES] + dali
     )
 
 

@@ -86,3 +86,32 @@ def test_installed_versions_are_known_good():
     assert why is None, f"{combo}: known to break: {why} (pip install -c constraints/cpu.txt)"
     if not known(torch_v, vision_v, triton_v):  # without torchvision: a known torch and Triton suffice
         pytest.skip(f"{combo}: not a combination this project has met (constraints/*.txt list two)")
+
+
+@pytest.mark.parametrize(
+    "dali, shown",
+    [
+        ({"nvidia-dali-cuda130": "2.4.0"}, "nvidia-dali-cuda130 2.4.0"),
+        ({"nvidia_dali_cuda120": "2.4.0"}, "nvidia-dali-cuda120 2.4.0"),  # the volta extra's build
+        ({}, "nvidia-dali absent"),
+    ],
+)
+def test_the_versions_line_names_the_dali_build_installed(dali, shown, monkeypatch):
+    """scripts/versions.py named nvidia-dali-cuda130 alone: "absent" under the volta extra's cuda120."""
+    from types import SimpleNamespace
+
+    from scripts import versions
+
+    installed = {"torch": "2.10.0", "numpy": "2.3.5", **{k.replace("_", "-"): v for k, v in dali.items()}}
+
+    def version(name):
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    dists = [SimpleNamespace(metadata={"Name": name}) for name in ["torch", "numpy", *dali]]
+    fake = SimpleNamespace(
+        distributions=lambda: dists, version=version, PackageNotFoundError=metadata.PackageNotFoundError
+    )
+    monkeypatch.setattr(versions, "metadata", fake)
+    assert versions.line().endswith(f"torch 2.10.0, torchvision absent, triton absent, numpy 2.3.5, {shown}")
