@@ -234,10 +234,27 @@ def same_data(root: Path, first: dict) -> tuple[bool, str]:
     from safetensors.torch import load_file  # the GPU machine has the trainer's packages
 
     x, y = load_file(files[0][0]), load_file(files[1][0])
-    differ = [k for k in x if k not in y or not bool((x[k] == y[k]).all()) or x[k].dtype != y[k].dtype]
-    if differ or x.keys() != y.keys():
-        return False, f"the weights differ: {', '.join(differ[:5]) or 'their tensor names'}"
+    differ = unequal_tensors(x, y)
+    if differ:
+        return False, f"the weights differ: {', '.join(differ[:5])}"
     return True, f"per-epoch figures and all {len(x)} weight tensors equal to the bit"
+
+
+def unequal_tensors(x: dict, y: dict) -> list[str]:
+    """The names of the tensors of ``x`` and ``y`` that are not the same bit for bit: in one only,
+    of another dtype or shape, or holding other values. torch.equal, not ``(a == b).all()``, which
+    broadcasts: a [1] tensor passed for a [64] one holding its value."""
+    import torch
+
+    return sorted(
+        k
+        for k in x.keys() | y.keys()
+        if k not in x
+        or k not in y
+        or x[k].dtype != y[k].dtype
+        or x[k].shape != y[k].shape
+        or not torch.equal(x[k], y[k])
+    )
 
 
 def exit_time(root: Path, ended: Path | None) -> float | None:

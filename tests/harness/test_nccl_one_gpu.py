@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from cli import torchrun
 from script_modules import load_script
 from test_gpu_visit import ROOT, report, visit, write_run
@@ -372,3 +373,32 @@ def test_report_records_nccls_refusal_when_two_ranks_on_one_gpu_are_refused(tmp_
     proc, rows = nccl2_report(tmp_path, runs, "Traceback ...\n", kill_json(tmp_path / "kill"))
     assert proc.returncode == 1 and rows[-5]["ok"] is False
     assert "left no summary.json and NCCL said nothing (see nccl2-ranks.log)" in rows[-5]["message"]
+
+
+@pytest.mark.parametrize(
+    "other, ok",
+    [
+        (torch.ones(4), True),
+        (torch.ones(1), False),  # (x == y).all() broadcast it against the [4] tensor: "equal to the bit"
+        (torch.ones(2, 2), False),
+        (torch.ones(4, dtype=torch.float16), False),
+        (torch.tensor([1.0, 1.0, 1.0, 2.0]), False),
+    ],
+)
+def test_same_data_holds_the_model_files_to_shape_dtype_and_values(other, ok, tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as a script: race.py beside it
+    report_module = importlib.import_module("gpu_visit_report")
+    epochs = [{"train_loss": 2.0, "train_acc": 50.0, "test_acc": 60.0}]
+    first = {
+        report_module.SAME: {"_device": {"world_size": 2}, "_engine": {"comm": "bucketed"}, "epochs": epochs},
+        report_module.SAME1: {"_device": {"world_size": 1}, "_engine": {}, "epochs": epochs},
+    }
+    for name, tensors in ((report_module.SAME, {"w": torch.ones(4)}), (report_module.SAME1, {"w": other})):
+        (tmp_path / name / "run").mkdir(parents=True)
+        save_file(tensors, str(tmp_path / name / "run" / "model.safetensors"))
+    passed, message = report_module.same_data(tmp_path, first)
+    assert passed is ok and message == (
+        "per-epoch figures and all 1 weight tensors equal to the bit" if ok else "the weights differ: w"
+    )
