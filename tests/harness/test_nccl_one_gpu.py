@@ -389,7 +389,7 @@ def test_same_data_holds_the_model_files_to_shape_dtype_and_values(other, ok, tm
     from safetensors.torch import save_file
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as a script: race.py beside it
-    report_module = importlib.import_module("gpu_visit_report")
+    report_module = load_script("scripts/gpu_visit_report.py", monkeypatch=monkeypatch)
     epochs = [{"train_loss": 2.0, "train_acc": 50.0, "test_acc": 60.0}]
     first = {
         report_module.SAME: {"_device": {"world_size": 2}, "_engine": {"comm": "bucketed"}, "epochs": epochs},
