@@ -739,46 +739,27 @@ def normalize_partials(
 
     y = _empty((n, c, ho, wo), src.dtype, dev, channels_last=True)
     out_rows = n * ho * wo
-    if pool == "after":
-        _apply_kernel[(triton.cdiv(out_rows, pblock_r), c_blocks)](
-            src,
-            y,
-            mean,
-            rstd,
-            weight,
-            bias,
-            out_rows,
-            c,
-            h,
-            w,
-            ho,
-            wo,
-            ACT=ACT_IDS[act],
-            POOL_AFTER=True,
-            BLOCK_R=pblock_r,
-            BLOCK_C=block_c,
-            num_warps=warps,
-        )
-    else:
-        _apply_kernel[(triton.cdiv(out_rows, block_r), c_blocks)](
-            src,
-            y,
-            mean,
-            rstd,
-            weight,
-            bias,
-            out_rows,
-            c,
-            h,
-            w,
-            ho,
-            wo,
-            ACT=ACT_IDS[act],
-            POOL_AFTER=False,
-            BLOCK_R=block_r,
-            BLOCK_C=block_c,
-            num_warps=warps,
-        )
+    pool_after = pool == "after"  # the 2x2-window kernel, with its own rows per tile
+    rows = pblock_r if pool_after else block_r
+    _apply_kernel[(triton.cdiv(out_rows, rows), c_blocks)](
+        src,
+        y,
+        mean,
+        rstd,
+        weight,
+        bias,
+        out_rows,
+        c,
+        h,
+        w,
+        ho,
+        wo,
+        ACT=ACT_IDS[act],
+        POOL_AFTER=pool_after,
+        BLOCK_R=rows,
+        BLOCK_C=block_c,
+        num_warps=warps,
+    )
     return y, (src, idx, mean, rstd)
 
 
