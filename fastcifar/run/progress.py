@@ -29,31 +29,16 @@ class Progress:
         """``iterable`` itself when off; else the same items under a bar of ``total`` steps (``unit``s)."""
         if not self.enabled:
             return iterable
-        return tqdm(
-            iterable,
-            total=total,
-            desc=desc,
-            unit=unit,
-            leave=False,
-            file=self.stream,
-            dynamic_ncols=True,
-            mininterval=0.1,
-        )
+        return self._bar(iterable, total=total, desc=desc, unit=unit)
 
     def counter(self, total: int, desc: str, unit: str = "img"):
         """A bar to ``update(n)`` by hand, or an object whose ``update`` does nothing; close it."""
         if not self.enabled:
             return _Silent()
-        return tqdm(
-            total=total,
-            desc=desc,
-            unit=unit,
-            leave=False,
-            file=self.stream,
-            dynamic_ncols=True,
-            mininterval=0.1,
-            unit_scale=True,
-        )
+        return self._bar(total=total, desc=desc, unit=unit, unit_scale=True)
+
+    def _bar(self, iterable=None, **kw) -> tqdm:
+        return tqdm(iterable, leave=False, file=self.stream, dynamic_ncols=True, mininterval=0.1, **kw)
 
     @contextlib.contextmanager
     def stage(self, desc: str) -> Iterator[None]:
