@@ -23,6 +23,20 @@ def params(b, dy=4, dx=4, flip=0, cy=0, cx=0):
     return AugmentParams(full(dy), full(dx), full(flip), full(cy), full(cx))
 
 
+def torch_loader(images, labels, shard, batch_size, steps, **settings):
+    """A TorchLoader with these tests' usual settings (pad 4 by reflection, cutout 8, flips, fp32 on
+    the CPU), each overridable."""
+    usual = {
+        "pad": 4,
+        "pad_mode": "reflect",
+        "cutout": 8,
+        "flip": True,
+        "dtype": torch.float32,
+        "device": torch.device("cpu"),
+    }
+    return TorchLoader(images, labels, shard, batch_size, steps, **(usual | settings))
+
+
 @pytest.fixture
 def images():
     return torch.randint(0, 256, (4, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -136,20 +150,8 @@ def test_a_jittering_loader_gives_the_reference_of_its_epochs_draws():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def make(kernels, **jitter):
-        return TorchLoader(
-            images,
-            np.arange(12),
-            np.arange(12),
-            4,
-            3,
-            pad=2,
-            pad_mode="reflect",
-            cutout=4,
-            flip=True,
-            dtype=torch.float32,
-            device=device,
-            kernels=kernels,
-            **jitter,
+        return torch_loader(
+            images, np.arange(12), np.arange(12), 4, 3, pad=2, cutout=4, device=device, kernels=kernels, **jitter
         )
 
     loader = make("torch", brightness=0.3, contrast=0.2)
@@ -189,19 +191,7 @@ def test_loader_epochs_shapes_and_shuffles():
     images = rng.integers(0, 256, (50, 32, 32, 3), dtype=np.uint8)
     labels = np.arange(50) % 10
     shard = np.arange(0, 50, 2)
-    loader = TorchLoader(
-        images,
-        labels,
-        shard,
-        batch_size=8,
-        steps_per_epoch=3,
-        pad=4,
-        pad_mode="reflect",
-        cutout=8,
-        flip=True,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    loader = torch_loader(images, labels, shard, batch_size=8, steps=3)
     loader.set_epoch(0, 0)
     first = list(loader)
     assert len(first) == 3 and all(x.shape == (8, 3, 32, 32) and y.shape == (8,) for x, y in first)
@@ -228,19 +218,7 @@ def test_an_epoch_prepared_ahead_is_the_epoch_drawn_at_its_start(device):
     images = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
 
     def make():
-        return TorchLoader(
-            images,
-            np.arange(40) % 10,
-            np.arange(40),
-            8,
-            4,
-            pad=4,
-            pad_mode="reflect",
-            cutout=8,
-            flip=True,
-            dtype=torch.float32,
-            device=torch.device(device),
-        )
+        return torch_loader(images, np.arange(40) % 10, np.arange(40), 8, 4, device=torch.device(device))
 
     drawn_then, ahead = make(), make()
     drawn_then.set_epoch(5, 2)
@@ -267,18 +245,8 @@ def test_preparing_an_epoch_does_not_wait_for_the_gpu_and_survives_pinned_reuse(
     its copy ran would corrupt it). Not a test of pinning itself: at this size (196 KB) a copy from
     pageable memory returned early too (H100, driver 580, 2026-11-22)."""
     images = np.random.default_rng(2).integers(0, 256, (4096, 32, 32, 3), dtype=np.uint8)
-    loader = TorchLoader(
-        images,
-        np.arange(4096) % 10,
-        np.arange(4096),
-        512,
-        8,
-        pad=4,
-        pad_mode="reflect",
-        cutout=8,
-        flip=True,
-        dtype=torch.float16,
-        device=torch.device("cuda"),
+    loader = torch_loader(
+        images, np.arange(4096) % 10, np.arange(4096), 512, 8, dtype=torch.float16, device=torch.device("cuda")
     )
     want_order, want_params = loader._device_plan(5, 2)
     torch.cuda.synchronize()
@@ -300,20 +268,7 @@ def test_loader_with_triton_kernels_equals_the_reference():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def make(kernels):
-        return TorchLoader(
-            images,
-            np.arange(6),
-            np.arange(6),
-            3,
-            2,
-            pad=4,
-            pad_mode="reflect",
-            cutout=8,
-            flip=True,
-            dtype=torch.float32,
-            device=device,
-            kernels=kernels,
-        )
+        return torch_loader(images, np.arange(6), np.arange(6), 3, 2, device=device, kernels=kernels)
 
     fused, ref = make("triton"), make("torch")
     assert fused.fused is not None and ref.fused is None
@@ -324,19 +279,7 @@ def test_loader_with_triton_kernels_equals_the_reference():
 
 def test_loader_rejects_too_many_steps():
     with pytest.raises(ValueError, match="need 30 images"):
-        TorchLoader(
-            np.zeros((10, 32, 32, 3), np.uint8),
-            np.zeros(10, np.int64),
-            np.arange(10),
-            10,
-            3,
-            pad=4,
-            pad_mode="reflect",
-            cutout=8,
-            flip=True,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-        )
+        torch_loader(np.zeros((10, 32, 32, 3), np.uint8), np.zeros(10, np.int64), np.arange(10), 10, 3)
 
 
 def test_eval_set_splits_over_ranks():
