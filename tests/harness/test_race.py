@@ -102,40 +102,24 @@ def test_prepare_copies_each_script_beside_a_link_to_the_images(tmp_path, monkey
     assert race.prepare(scripts, tmp_path / "work", images, runs=3, log=said.append) == ["hiverge", "airbench94_muon"]
 
 
+def race_cli(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    """scripts/race.py run as a command, its output captured as text."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "race.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
 def test_prepare_refuses_a_script_that_is_not_the_named_commit(tmp_path):
     (tmp_path / "scripts").mkdir(), (tmp_path / "images").mkdir()
     (tmp_path / "images" / "train.pt").write_bytes(b""), (tmp_path / "images" / "test.pt").write_bytes(b"")
     (tmp_path / "scripts" / "cifar10_speedrun.py").write_text("print('a newer record')\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "race.py"),
-            "prepare",
-            str(tmp_path / "scripts"),
-            str(tmp_path / "work"),
-            "--images",
-            str(tmp_path / "images"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = race_cli(
+        "prepare", str(tmp_path / "scripts"), str(tmp_path / "work"), "--images", str(tmp_path / "images"), timeout=60
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "is not hiverge/cifar10-speedrun:cifar10_speedrun.py at 06c6072" in proc.stderr
     assert not (tmp_path / "work" / "hiverge" / "cifar10_speedrun.py").exists()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "race.py"),
-            "prepare",
-            str(tmp_path / "scripts"),
-            str(tmp_path / "work"),
-            "--images",
-            str(tmp_path / "nothing"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = race_cli(
+        "prepare", str(tmp_path / "scripts"), str(tmp_path / "work"), "--images", str(tmp_path / "nothing"), timeout=60
     )
     assert proc.returncode == 2 and "no train.pt (scripts/export_tensors.py writes it)" in proc.stderr
 
@@ -313,21 +297,15 @@ def test_report_without_fastcifar_runs_fails_but_files_the_public_scripts(tmp_pa
     (work / "hiverge.log").write_text("Traceback (most recent call last):\n")
     jsonl = tmp_path / "official.jsonl"
     jsonl.write_text('{"earlier": "row"}\n')
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "race.py"),
-            "report",
-            str(work),
-            "--fastcifar",
-            str(work / "runs"),
-            "--data",
-            str(tmp_path / "jpeg"),
-            "--jsonl",
-            str(jsonl),
-        ],
-        capture_output=True,
-        text=True,
+    proc = race_cli(
+        "report",
+        str(work),
+        "--fastcifar",
+        str(work / "runs"),
+        "--data",
+        str(tmp_path / "jpeg"),
+        "--jsonl",
+        str(jsonl),
         timeout=120,
     )
     assert proc.returncode == 1
