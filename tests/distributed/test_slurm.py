@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from cli import ROOT, SHORT, env, epochs_of, free_port, summary_of, torchrun
+from cli import ROOT, SHORT, env, epochs_of, free_port, run_train, summary_of, torchrun
 from conftest import write_official
 from gpus import fake_gpus
 
@@ -89,14 +89,7 @@ def test_slurm_task_with_one_visible_gpu_takes_it(monkeypatch):
 def test_two_slurm_tasks_equal_one_torchrun_launcher_of_two(tmp_path):
     data, _ = write_official(tmp_path / "data", per_batch=200, n_test=400)
     args = [*SHORT, "--epochs", "1", "--subset", "800", "--loader", "torch", "--quiet", "--data", str(data)]
-    one = subprocess.run(
-        [*torchrun(), *args, "--out-dir", str(tmp_path / "torchrun")],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    one = run_train([*args, "--out-dir", tmp_path / "torchrun"], launcher=torchrun())
     assert one.returncode == 0, one.stderr[-3000:]
     port = free_port()  # an sbatch script may export it; derived from the job id otherwise (above)
     tasks = [
