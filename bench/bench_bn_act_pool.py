@@ -7,11 +7,10 @@
 
 Per block of the `resnet9` (ReLU, pool after, 512 images per GPU), `fast` (GELU, pool before BN on
 31/15/7/3 maps, 1024 per GPU), `fast-muon320` (`fast`'s blocks at 2000, 320 channels wide) and default
-`fast-jitter` (= `fast-muon9`'s: `fast`'s blocks at 2000) presets, as bench/kernel_registers.py lists them: Triton vs
-eager PyTorch
-(``NormActPool``: cuDNN batchnorm + activation + max-pool) vs ``torch.compile`` of ``bn_act_pool_reference``;
-forward, backward (alone, through one retained forward) and both; do_bench median with 20th/80th
-percentiles.
+`fast-jitter` (= `fast-muon9`'s: `fast`'s blocks at 2000) presets, as bench/kernel_registers.py lists
+them: Triton vs eager PyTorch (``NormActPool``: cuDNN batchnorm + activation + max-pool) vs
+``torch.compile`` of ``bn_act_pool_reference``; forward, backward (alone, through one retained
+forward) and both; do_bench median with 20th/80th percentiles.
 
 What is timed: on CUDA, replays of each direction captured as a CUDA graph (``timing`` = graph), as
 the trainer runs these kernels inside a captured step. Timed as eager calls of a Python closure, the

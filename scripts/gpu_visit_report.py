@@ -13,9 +13,9 @@ nccl-1rank, dali-g-GRAPHS), its per-epoch train loss, final test accuracy and tr
 eager runs of the same kernels end further apart than ``--tol`` (relative train loss; a sanity
 bound over whole epochs, where fp16 and cuDNN's algorithm choice already make eager runs differ:
 step-level equality is tests/unit/test_graphs_cuda.py's job), and when the nccl-1rank run formed no
-process group (its engine line names no comm: its buckets and collectives never ran). ``accuracy``: every run found
-under the
-folders (several stages' chunks may be combined), with mean, std and min of the test accuracy.
+process group (its engine line names no comm: its buckets and collectives never ran). ``accuracy``:
+every run found under the folders (several stages' chunks may be combined), with mean, std and min
+of the test accuracy.
 ``emulated``: the runs of ``--emulate-ranks N`` (issue 46: the N-GPU recipe's accuracy, measured on
 one device), one set per preset and N: mean, std, min, runs below 94% and the one-sided p of "mean
 > 94%" (scripts/race.py's figures), and one row per set appended to ``--jsonl``

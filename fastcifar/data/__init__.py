@@ -8,9 +8,8 @@
     ``.tar.gz`` of one, decoded once and cached as uint8 arrays.
 With ``download=True`` a path holding none of these gets the official archive of
 ``download_set`` (cifar10 | cifar100), MD5-checked. Without it, the error says how to get the data:
-``--download`` where the command has it (``offer_download``), and how to fetch it by hand. The class count is the
-data's: 10, 100, or
-an image folder's number of class folders.
+``--download`` where the command has it (``offer_download``), and how to fetch it by hand. The
+class count is the data's: 10, 100, or an image folder's number of class folders.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ LOADERS = CHOICES["loader"]
 # What "auto" picks per device type: the faster in bench/bench_loader.py (bench/results/loader.jsonl,
 # the images_per_s rows). On the CPU DALI is several times faster than the torch ops; on a GPU the
 # torch loader is about ten times faster than DALI, whose per-batch Python feed of 5 external
-# sources (7 with the jitter) and output hand-over cost host time the GPU waits for (bench/results/visits/visit-4.md,
-# 4b).
+# sources (7 with the jitter) and output hand-over cost host time the GPU waits for
+# (bench/results/visits/visit-4.md, 4b).
 AUTO_LOADER = {"cuda": "torch", "cpu": "dali"}
 DECODE_BATCH = 4096  # JPEGs per decode iteration: 15 iterations for the 60,000 images
 

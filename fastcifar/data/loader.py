@@ -8,8 +8,8 @@ The training shard is copied to the device once and padded once (50,000 x 40 x 4
 240 MB for the whole set), so an epoch moves no images from the host: each batch is a gather of
 indices and ``fastcifar.ops.augment`` does the rest. The epoch's order and random parameters come from
 ``epoch_plan``, drawn on the host (the DALI loader's draws exactly) and copied to the device once
-per epoch (6 int64 per image, and 2 float32 with the jitter), while the GPU still runs the epoch before
-(``EpochAhead``).
+per epoch (6 int64 per image, and 2 float32 with the jitter), while the GPU still runs the epoch
+before (``EpochAhead``).
 """
 
 from __future__ import annotations

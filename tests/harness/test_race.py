@@ -1,8 +1,7 @@
-"""scripts/race.py: the figures the race reports (its t-test: tests/unit/test_stats.py), each public script's printed
-results
-(captured lines in race_logs/: hiverge's from its published log of 06c6072 with a cut-off row
-appended, the airbench scripts' printed by their own logging functions), the edits it may make to
-a public script, and its table and jsonl rows."""
+"""scripts/race.py: the figures the race reports (its t-test: tests/unit/test_stats.py), each public
+script's printed results (captured lines in race_logs/: hiverge's from its published log of 06c6072
+with a cut-off row appended, the airbench scripts' printed by their own logging functions), the
+edits it may make to a public script, and its table and jsonl rows."""
 
 from __future__ import annotations
 

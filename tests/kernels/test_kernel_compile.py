@@ -100,10 +100,10 @@ def test_the_recorder_sees_the_launchers_choices(rows):
 @pytest.mark.slow  # over 2 s on 2 cores
 def test_the_augment_kernel_compiles_without_64_bit_division_or_fma():
     """The default's augmentation (2000 of the 50,000 padded images, jitter on) compiled for sm_90:
-    no 64-bit division or remainder in its PTX, and no fused multiply-add. Its first version had 20 (five per element,
-    by
-    runtime divisors), a software routine each, and ran 6.5x slower than torch.compile of its
-    reference (bench/results/visits/visit-12.md, 12e). Compiled in a subprocess, as above."""
+    no 64-bit division or remainder in its PTX, and no fused multiply-add. Its first version had 20
+    (five per element, by runtime divisors), a software routine each, and ran 6.5x slower than
+    torch.compile of its reference (bench/results/visits/visit-12.md, 12e). Compiled in a subprocess,
+    as above."""
     code = """
 import re, torch, triton
 from triton.backends.compiler import GPUTarget

@@ -78,9 +78,8 @@ def test_importing_kernels_does_not_load_the_model():
 @pytest.mark.slow  # pip builds a wheel from a copy of the sources
 def test_wheel_installs_kernels_under_fastcifar(tmp_path):
     """``pip wheel --no-deps`` (no build isolation: no network in CI) holds every module of
-    fastcifar/, fastcifar/kernels/*.py and no top-level kernels package. Built from a copy: setuptools leaves build/
-    and *.egg-info
-    in the source tree."""
+    fastcifar/, fastcifar/kernels/*.py and no top-level kernels package. Built from a copy: setuptools
+    leaves build/ and *.egg-info in the source tree."""
     src = tmp_path / "src"
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("fastcifar", "kernels"):
