@@ -90,25 +90,25 @@ def timed(step: TrainStep | EvalStep, device: torch.device) -> float:
     return seconds
 
 
-# Images of an evaluation batch that an eager evaluation's estimate times: a whole batch cost a third of a
+# Images of an evaluation batch that a CPU evaluation's estimate times: a whole batch cost a third of a
 # short CPU run (1000 images, six TTA views: 5 s of a 15 s run, 2026-12-03), a slice of 64 a few ms.
 EVAL_SLICE = 64
 
 
 def timed_eval(step: EvalStep, device: torch.device) -> float:
-    """Seconds an evaluation batch takes, for the run's estimate: its captured replay timed (a GPU's
-    milliseconds); run eagerly, a plain forward of ``EVAL_SLICE`` of its images timed (the second of
-    two: the first sets up the kernels for that shape) and scaled to the batch's images and TTA passes."""
-    if step.graph is not None:
+    """Seconds an evaluation batch takes, for the run's estimate: on a GPU the batch itself, captured
+    or eager (milliseconds; a slice there would be launch-bound, and scaled up it would overstate
+    the batch many times); on the CPU a plain forward of ``EVAL_SLICE`` of its images timed (the
+    second of two: the first sets up the kernels for that shape) and scaled to the batch's images
+    and TTA passes."""
+    if step.graph is not None or device.type != "cpu":
         return timed(step, device)
     images = step.batch.images[:EVAL_SLICE]
-    with torch.no_grad():
+    with torch.no_grad():  # the CPU's work is done when the call returns: nothing to synchronize
         step.model(images)
-        synchronize(device)
         start = time.perf_counter()
         step.model(images)
-        synchronize(device)
-    seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
     return seconds * step.batch.images.shape[0] / images.shape[0] * passes_per_image(step.tta, step.tta_share)
 
 
