@@ -101,8 +101,11 @@ def timed_eval(step: EvalStep, device: torch.device) -> float:
     the batch many times); on the CPU a plain forward of ``EVAL_SLICE`` of its images timed (the
     second of two: the first sets up the kernels for that shape) and scaled to the batch's images
     and TTA passes."""
-    if step.graph is not None or device.type != "cpu":
+    if step.graph is not None:  # its capture ran two warm-up batches
         return timed(step, device)
+    if device.type != "cpu":  # eager: the first batch at this shape, in eval mode, carries cuDNN's
+        step.replay()  # algorithm search, Triton's compiles and first allocations; off the clock
+        return timed(step, device)  # (which resets the sums this batch added)
     images = step.batch.images[:EVAL_SLICE]
     with torch.no_grad():  # the CPU's work is done when the call returns: nothing to synchronize
         step.model(images)

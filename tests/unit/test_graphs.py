@@ -212,7 +212,8 @@ def test_timed_eval_times_a_slice_on_the_cpu_and_the_whole_batch_elsewhere(monke
     """On the CPU the estimate times the second forward of 64 of the batch's images, scaled to the
     batch and its TTA passes (a whole CPU batch cost a third of a short run); a captured step, or
     any evaluation on a GPU, is timed whole (``timed``): a slice there is launch-bound, and scaled
-    up it would overstate the batch."""
+    up it would overstate the batch. Eager on a GPU, one batch runs untimed first: the first at its
+    shape carries cuDNN's algorithm search and Triton's compiles."""
     from fastcifar.run import step as step_module
 
     seen = []
@@ -225,13 +226,14 @@ def test_timed_eval_times_a_slice_on_the_cpu_and_the_whole_batch_elsewhere(monke
     assert step_module.timed_eval(ev, CPU) == pytest.approx(0.5 * 200 / 64 * (1 + 6 * 0.25))
     assert seen == [64, 64]  # one forward to set up, one timed; no TTA views run
 
-    whole = []
-    monkeypatch.setattr(step_module, "timed", lambda step, device: whole.append((step, device)) or 7.0)
+    calls = []
+    monkeypatch.setattr(step_module, "timed", lambda step, device: calls.append(("timed", step, device)) or 7.0)
+    monkeypatch.setattr(ev, "replay", lambda: calls.append(("replay",)))
     seen.clear()
-    assert step_module.timed_eval(ev, torch.device("cuda", 0)) == 7.0  # eager on a GPU
-    ev.graph = object()  # captured
+    assert step_module.timed_eval(ev, torch.device("cuda", 0)) == 7.0  # eager on a GPU: one untimed batch first
+    ev.graph = object()  # captured: its capture warmed it up
     assert step_module.timed_eval(ev, CPU) == 7.0
-    assert whole == [(ev, torch.device("cuda", 0)), (ev, CPU)] and seen == []
+    assert calls == [("replay",), ("timed", ev, torch.device("cuda", 0)), ("timed", ev, CPU)] and seen == []
 
 
 @pytest.mark.slow
