@@ -242,9 +242,13 @@ def same_data(root: Path, first: dict) -> tuple[bool, str]:
 
 def unequal_tensors(x: dict, y: dict) -> list[str]:
     """The names of the tensors of ``x`` and ``y`` that are not the same bit for bit: in one only,
-    of another dtype or shape, or holding other values. torch.equal, not ``(a == b).all()``, which
-    broadcasts: a [1] tensor passed for a [64] one holding its value."""
+    of another dtype or shape, or holding other bytes. Bytes, not values: ``(a == b).all()``
+    broadcasts (a [1] tensor passed for a [64] one holding its value), and equal values can differ
+    in their bits (-0.0 and 0.0)."""
     import torch
+
+    def bits(t):
+        return t.reshape(-1).view(torch.uint8)
 
     return sorted(
         k
@@ -253,7 +257,7 @@ def unequal_tensors(x: dict, y: dict) -> list[str]:
         or k not in y
         or x[k].dtype != y[k].dtype
         or x[k].shape != y[k].shape
-        or not torch.equal(x[k], y[k])
+        or not torch.equal(bits(x[k]), bits(y[k]))
     )
 
 

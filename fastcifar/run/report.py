@@ -35,7 +35,6 @@ import torch
 from fastcifar.core import gpu
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import CONFIG_FILE, ConfigError, config_file_text, training_settings
-from fastcifar.core.gpu import dali_builds
 from fastcifar.core.stats import p_above
 
 TIMING_PROTOCOL = (
@@ -179,7 +178,7 @@ def versions() -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "triton": version_of("triton"),
         "numpy": version_of("numpy"),
-        "dali": next((version_of(name) for name, _ in dali_builds()), None),  # the cuda130 or cuda120 build
+        "dali": next((version_of(name) for name, _ in gpu.dali_builds()), None),  # the cuda130 or cuda120 build
         "fastcifar": version_of("fastcifar"),
     }
 

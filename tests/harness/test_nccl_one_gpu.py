@@ -376,16 +376,17 @@ def test_report_records_nccls_refusal_when_two_ranks_on_one_gpu_are_refused(tmp_
 
 
 @pytest.mark.parametrize(
-    "other, ok",
+    "mine, other, ok",
     [
-        (torch.ones(4), True),
-        (torch.ones(1), False),  # (x == y).all() broadcast it against the [4] tensor: "equal to the bit"
-        (torch.ones(2, 2), False),
-        (torch.ones(4, dtype=torch.float16), False),
-        (torch.tensor([1.0, 1.0, 1.0, 2.0]), False),
+        (torch.ones(4), torch.ones(4), True),
+        (torch.ones(4), torch.ones(1), False),  # (x == y).all() broadcast it against the [4] tensor: "equal to the bit"
+        (torch.ones(4), torch.ones(2, 2), False),
+        (torch.ones(4), torch.ones(4, dtype=torch.float16), False),
+        (torch.ones(4), torch.tensor([1.0, 1.0, 1.0, 2.0]), False),
+        (torch.zeros(4), -torch.zeros(4), False),  # equal values (torch.equal), other bits
     ],
 )
-def test_same_data_holds_the_model_files_to_shape_dtype_and_values(other, ok, tmp_path, monkeypatch):
+def test_same_data_holds_the_model_files_to_shape_dtype_and_bits(mine, other, ok, tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as a script: race.py beside it
@@ -395,7 +396,7 @@ def test_same_data_holds_the_model_files_to_shape_dtype_and_values(other, ok, tm
         report_module.SAME: {"_device": {"world_size": 2}, "_engine": {"comm": "bucketed"}, "epochs": epochs},
         report_module.SAME1: {"_device": {"world_size": 1}, "_engine": {}, "epochs": epochs},
     }
-    for name, tensors in ((report_module.SAME, {"w": torch.ones(4)}), (report_module.SAME1, {"w": other})):
+    for name, tensors in ((report_module.SAME, {"w": mine}), (report_module.SAME1, {"w": other})):
         (tmp_path / name / "run").mkdir(parents=True)
         save_file(tensors, str(tmp_path / name / "run" / "model.safetensors"))
     passed, message = report_module.same_data(tmp_path, first)
