@@ -262,7 +262,7 @@ def report(args, ctx, device, rows, grad_bytes, vers) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from fastcifar.core.config import PRESETS
+    from fastcifar.core.presets import PRESETS
 
     if args.preset not in PRESETS:  # refused here, before torchrun starts a rank to refuse it
         print(

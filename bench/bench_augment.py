@@ -40,7 +40,8 @@ from bench.common import (
     require_cuda,
     time_ms,
 )
-from fastcifar.core.config import DEFAULT_PRESET, from_preset
+from fastcifar.core.config import from_preset
+from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants
 from fastcifar.kernels.cutout import cutout, cutout_reference
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params

@@ -39,7 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fastcifar.core import optional
-from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, parse_args, validate
+from fastcifar.core.config import Config, ConfigError, validate
+from fastcifar.core.options import parse_args
+from fastcifar.core.presets import DEFAULT_PRESET, PRESETS
 from fastcifar.data import DataError
 from fastcifar.parallel import distributed
 from fastcifar.run.report import TIMING_PROTOCOL, RunResult, summarize

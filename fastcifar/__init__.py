@@ -30,7 +30,8 @@ if _running_a_command():
 # The Python API (fastcifar.api). Config and presets are light and imported now; the trainer,
 # evaluate and predict are modules that are also callable, imported on first use: importing
 # fastcifar.train here would make `python -m fastcifar.train` warn (runpy finds it imported).
-from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, validate  # noqa: E402
+from fastcifar.core.config import Config, ConfigError, from_preset, validate  # noqa: E402
+from fastcifar.core.presets import DEFAULT_PRESET, PRESETS  # noqa: E402
 from fastcifar.data import DataError  # noqa: E402
 
 _LAZY = {

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from fastcifar.cli import run_command
-from fastcifar.core.config import OneLineParser
 from fastcifar.core.names import printable
+from fastcifar.core.options import OneLineParser
 from fastcifar.evaluate import evaluate
 from fastcifar.models.files import (
     DIGEST_KEY,

@@ -104,7 +104,9 @@ def help_text(prog: str = "fastcifar") -> str:
         "",
         "commands:",
     ]
-    from fastcifar.core.config import ARCH_NAMES, DEFAULT_PRESET, from_preset
+    from fastcifar.core.config import from_preset
+    from fastcifar.core.options import ARCH_NAMES
+    from fastcifar.core.presets import DEFAULT_PRESET
 
     default = f"{ARCH_NAMES[from_preset(DEFAULT_PRESET).arch]}, preset {DEFAULT_PRESET}"
     lines += [f"  {name:<{width}}  {text.format(default=default)}" for name, (_, text) in COMMANDS.items()]

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from fastcifar.api import resolve_model
 from fastcifar.cli import make_callable, run_command
-from fastcifar.core.config import CHOICES, ConfigError, OneLineParser
+from fastcifar.core.config import CHOICES, ConfigError
+from fastcifar.core.options import OneLineParser
 from fastcifar.data import DataError, Dataset, load_dataset
 from fastcifar.data.loader import EvalSet
 from fastcifar.models.files import ModelInfo, load_model

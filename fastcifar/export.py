@@ -34,8 +34,9 @@ import torch
 from fastcifar.cli import run_command
 from fastcifar.core import optional
 from fastcifar.core.atomic import write_atomic
-from fastcifar.core.config import ConfigError, OneLineParser
+from fastcifar.core.config import ConfigError
 from fastcifar.core.errors import first_line
+from fastcifar.core.options import OneLineParser
 from fastcifar.core.readfile import kind
 from fastcifar.data import DataError
 from fastcifar.models.files import load_model

@@ -27,8 +27,9 @@ from PIL import Image, UnidentifiedImageError
 
 from fastcifar.api import resolve_model
 from fastcifar.cli import make_callable, run_command
-from fastcifar.core.config import CHOICES, ConfigError, OneLineParser
+from fastcifar.core.config import CHOICES, ConfigError
 from fastcifar.core.names import printable
+from fastcifar.core.options import OneLineParser
 from fastcifar.core.readfile import read_regular, why
 from fastcifar.data import DataError
 from fastcifar.data.folder import IMAGE_SUFFIXES, bomb_warnings_as_errors, open_image

@@ -33,9 +33,10 @@ import torch
 
 from fastcifar import cli
 from fastcifar.core import gpu, signals
-from fastcifar.core.config import Config, ConfigError, check_run_length, parse_command_line, validate
+from fastcifar.core.config import Config, ConfigError, check_run_length, validate
 from fastcifar.core.environment import environment_problem
 from fastcifar.core.names import printable
+from fastcifar.core.options import parse_command_line
 from fastcifar.data import DataError, load_dataset, shard_indices
 from fastcifar.data.dali import dali_decoder, make_train_loader, resolve_loader
 from fastcifar.data.dataset import for_run

@@ -144,7 +144,7 @@ write_official(Path('$data'), per_batch=2000, n_test=2000)"
 dali_ok() { [ "$dry" = 1 ] || "$py" -c "import nvidia.dali" >/dev/null 2>&1; }
 
 default_preset() {  # "NAME BATCH": the trainer's default preset and its global batch (also in a dry run)
-  "$py" -c "from fastcifar.core.config import DEFAULT_PRESET, from_preset; print(DEFAULT_PRESET, from_preset().batch_size)" \
+  "$py" -c "from fastcifar.core.config import from_preset; from fastcifar.core.presets import DEFAULT_PRESET; print(DEFAULT_PRESET, from_preset().batch_size)" \
     2>"$work/default-preset.log"
 }
 

@@ -23,7 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastcifar.core.config import ConfigError, parse_args, validate
+from fastcifar.core.config import ConfigError, validate
+from fastcifar.core.options import parse_args
 from fastcifar.data import DataError
 from fastcifar.parallel import distributed
 from fastcifar.run import profiling

@@ -41,7 +41,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
-from fastcifar.core.config import PRESETS, ConfigError, parse_command_line, recipe_flags, validate
+from fastcifar.core.config import ConfigError, validate
+from fastcifar.core.options import parse_command_line, recipe_flags
+from fastcifar.core.presets import PRESETS
 from fastcifar.core.stats import p_above
 
 BAR = 94.0  # % official test accuracy, the record scripts' bar

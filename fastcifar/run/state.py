@@ -34,15 +34,9 @@ import numpy as np
 import torch
 
 from fastcifar.core import atomic
-from fastcifar.core.config import (
-    PRESETS,
-    TRAJECTORY_FREE_FIELDS,
-    Config,
-    ConfigError,
-    check_fields,
-    training_settings,
-)
+from fastcifar.core.config import TRAJECTORY_FREE_FIELDS, Config, ConfigError, check_fields, training_settings
 from fastcifar.core.names import printable
+from fastcifar.core.presets import PRESETS
 from fastcifar.core.readfile import open_regular, why
 from fastcifar.models.files import CheckpointError, _check_shapes, host_state, write_atomic
 from fastcifar.run.component import Component

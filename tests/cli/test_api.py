@@ -15,7 +15,8 @@ from conftest import make_images, one_line_error, write_official
 from PIL import Image
 
 import fastcifar
-from fastcifar.core.config import ConfigError, from_preset, parse_args
+from fastcifar.core.config import ConfigError, from_preset
+from fastcifar.core.options import parse_args
 from fastcifar.train import main as train_main
 
 

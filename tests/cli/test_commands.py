@@ -18,7 +18,9 @@ from conftest import make_images, one_line_error, write_official
 
 import fastcifar
 from fastcifar import cli, evaluate, export, train
-from fastcifar.core.config import DEFAULT_PRESET, Config, build_parser, from_preset
+from fastcifar.core.config import Config, from_preset
+from fastcifar.core.options import build_parser
+from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.models.files import load_model
 
 COMMANDS = ("train", "evaluate", "predict", "checkpoint", "export")

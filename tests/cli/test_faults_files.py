@@ -30,7 +30,8 @@ from conftest import one_line_error, write_image_folder, write_official
 from models import RESUMED, TINY_WIDTHS, tiny_model_file, training_state
 from PIL import Image
 
-from fastcifar.core.config import from_preset, parse_args
+from fastcifar.core.config import from_preset
+from fastcifar.core.options import parse_args
 from fastcifar.models.files import CheckpointError, write_safetensors
 from fastcifar.models.network import make_network
 from fastcifar.ops.norm_act_pool import NormActPool

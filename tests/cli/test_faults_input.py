@@ -19,8 +19,9 @@ from cli import SHORT, run_dirs
 from conftest import one_line_error, write_official
 from models import RESUMED, tiny_model_file, training_state
 
-from fastcifar.core.config import CHOICES, PRESETS, RANGES, Config, ConfigError, from_preset, validate
+from fastcifar.core.config import CHOICES, RANGES, Config, ConfigError, from_preset, validate
 from fastcifar.core.errors import DataError
+from fastcifar.core.presets import PRESETS
 from fastcifar.run.state import seal
 from fastcifar.train import main as train_main
 
@@ -155,7 +156,7 @@ _NAN_MODEL = {"w": torch.tensor([0.0, float("nan")])}
     ],
 )
 def test_tampered_checkpoint_fields_are_refused_by_name(field, value, message, tmp_path):
-    from fastcifar.core.config import parse_args
+    from fastcifar.core.options import parse_args
     from fastcifar.models.files import CheckpointError
     from fastcifar.run.state import _read_state
 
@@ -172,7 +173,7 @@ def test_tampered_checkpoint_fields_are_refused_by_name(field, value, message, t
 
 @pytest.mark.parametrize("epochs_done", [99, -1])
 def test_tampered_checkpoint_is_one_line_and_writes_nothing(epochs_done, tmp_path, capfd):
-    from fastcifar.core.config import parse_args
+    from fastcifar.core.options import parse_args
 
     path = tmp_path / "checkpoint.pt"
     torch.save(seal(_set(training_state(parse_args(RESUMED)), "epochs_done", epochs_done)), path)

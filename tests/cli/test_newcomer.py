@@ -13,7 +13,9 @@ from cli import ROOT, TINY, run_dirs, run_train, torchrun
 from conftest import make_images, one_line_error, write_official
 from safetensors import safe_open
 
-from fastcifar.core.config import DEFAULT_PRESET, from_preset, full_recipe, parse_command_line
+from fastcifar.core.config import from_preset, full_recipe
+from fastcifar.core.options import parse_command_line
+from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.data import DataError
 from fastcifar.data.dataset import Dataset, for_run
 from fastcifar.run import report

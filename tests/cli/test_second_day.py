@@ -18,7 +18,8 @@ from cli import TINY, env, free_port, run_dirs, run_train
 from conftest import one_line_error, write_official
 from safetensors import safe_open
 
-from fastcifar.core.config import CONFIG_FILE, config_file_text, from_preset, parse_command_line, read_config_file
+from fastcifar.core.config import CONFIG_FILE, config_file_text, from_preset, read_config_file
+from fastcifar.core.options import parse_command_line
 from fastcifar.run.report import EPOCH_HEADER
 
 

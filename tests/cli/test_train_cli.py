@@ -9,7 +9,9 @@ import torch
 from cli import FAST_SHORT, SHORT, run_dirs, run_train, summary_of
 from conftest import one_line_error, write_official
 
-from fastcifar.core.config import DEFAULT_PRESET, Config, build_parser, from_preset, parse_args
+from fastcifar.core.config import Config, from_preset
+from fastcifar.core.options import build_parser, parse_args
+from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.core.stats import p_above
 from fastcifar.data.dali import dali_available
 from fastcifar.run.report import EPOCH_HEADER, TSV_COLUMNS

@@ -23,7 +23,7 @@ import torch
 from cli import run_dirs, run_train, torchrun
 from conftest import write_official
 
-from fastcifar.core.config import DEFAULT_PRESET
+from fastcifar.core.presets import DEFAULT_PRESET
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from cli import ROOT, bench_results, env
 from script_modules import load_script
 
-from fastcifar.core.config import DEFAULT_PRESET
+from fastcifar.core.presets import DEFAULT_PRESET
 
 
 @pytest.fixture(scope="module")

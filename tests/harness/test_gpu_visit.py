@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fastcifar.core.config import DEFAULT_PRESET, from_preset
+from fastcifar.core.config import from_preset
+from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.run.report import EpochRecord, RunResult
 
 ROOT = Path(__file__).resolve().parents[2]

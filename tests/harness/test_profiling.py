@@ -10,7 +10,7 @@ import pytest
 import torch
 from cli import FAST_SHORT, ROOT, env
 
-from fastcifar.core.config import parse_args
+from fastcifar.core.options import parse_args
 from fastcifar.parallel.distributed import DistContext
 from fastcifar.run import profiling
 

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastcifar.core.config import DEFAULT_PRESET, ConfigError, from_preset
+from fastcifar.core.config import ConfigError, from_preset
+from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.models.network import build_model
 from fastcifar.parallel import distributed
 from fastcifar.parallel.comm import GradBuckets

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend (ptxas) is not installed")
 
 from bench import kernel_registers as aot  # noqa: E402
-from fastcifar.core.config import DEFAULT_PRESET  # noqa: E402
+from fastcifar.core.presets import DEFAULT_PRESET  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from cli import FAST_SHORT
 from conftest import write_official
 
 from fastcifar import train
-from fastcifar.core.config import parse_args
+from fastcifar.core.options import parse_args
 from fastcifar.parallel import distributed
 from fastcifar.run import components
 from fastcifar.run.component import Component, Components

@@ -10,7 +10,8 @@ import torch
 from cli import run_train, torchrun
 
 from fastcifar import train as trainer
-from fastcifar.core.config import DEFAULT_PRESET, ConfigError, from_preset, validate
+from fastcifar.core.config import ConfigError, from_preset, validate
+from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.models.network import make_network
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.parallel.distributed import DistContext

@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastcifar.core.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, from_preset, parse_args, validate
+from fastcifar.core.config import Config, ConfigError, from_preset, validate
+from fastcifar.core.options import parse_args
+from fastcifar.core.presets import DEFAULT_PRESET, PRESETS
 from fastcifar.data.loader import TorchLoader
 from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.models.network import make_network, norm_layers

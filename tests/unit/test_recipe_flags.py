@@ -9,7 +9,8 @@ import shlex
 
 import pytest
 
-from fastcifar.core.config import from_preset, parse_args, recipe_flags, training_settings
+from fastcifar.core.config import from_preset, training_settings
+from fastcifar.core.options import parse_args, recipe_flags
 
 
 def as_summary(argv: list[str]) -> dict:

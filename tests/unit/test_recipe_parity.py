@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastcifar import train as trainer
-from fastcifar.core.config import from_preset, parse_args, validate
+from fastcifar.core.config import from_preset, validate
+from fastcifar.core.options import parse_args
 from fastcifar.data import load_dataset, shard_indices
 from fastcifar.data.loader import EvalSet, TorchLoader
 from fastcifar.models.fastnet import init_whitening
