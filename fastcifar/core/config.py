@@ -458,7 +458,7 @@ CHOICES = {
 # them all before any work and names the option, its value and the range. The upper bounds of the
 # settings that size memory or time (epochs, runs, widths, batches, warm-up steps, ...) are far
 # above any recipe's, and low enough that nothing is allocated or scheduled for hours before a
-# step (``--epochs 1e9`` once built a schedule list of 1e9 x steps entries). Ranges that depend on
+# step (``--epochs 1e9`` would build a schedule list of 1e9 x steps entries). Ranges that depend on
 # another field (--warmup-epochs, --crop-pad's upper end) and --seed (0..2^63-1-runs) are
 # checked after these.
 MAX_EPOCHS = 1000

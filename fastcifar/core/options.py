@@ -18,12 +18,12 @@ from fastcifar.core.config import (
     HELP_GROUPS,
     TRAJECTORY_FREE_FIELDS,
     Config,
-    ConfigError,
     flag_name,
     from_preset,
     read_config_file,
     with_overrides,
 )
+from fastcifar.core.errors import ConfigError
 from fastcifar.core.presets import DEFAULT_PRESET, PRESETS
 
 

@@ -1,4 +1,4 @@
-"""config.recipe_flags: the flags that name a variant of a preset in a report (scripts/race.py
+"""options.recipe_flags: the flags that name a variant of a preset in a report (scripts/race.py
 names each fastcifar contender by its preset and them)."""
 
 from __future__ import annotations
