@@ -100,8 +100,8 @@ CURRENT_PRESETS: dict[str, dict[str, Any]] = {
     # The CIFAR AlexNet that the compressed-communication experiments train (docs/compression.md),
     # on the seed recipe.
     "alexnet": {"arch": "alexnet", "widths": (64, 192, 384, 256, 256)},
-    "fast": _FAST,
-    "fast-muon": _FAST_MUON,
+    "fast": _FAST,  # airbench94 (above)
+    "fast-muon": _FAST_MUON,  # airbench94_muon (above)
     # The default: `fast-muon` for 8.5 epochs (213 steps) with the record script's brightness/contrast
     # jitter (its ranges, 0.1399 and 0.1308, rounded). The jitter costs no time and adds about 0.07
     # point; at 8.5 epochs it holds 94% over 25 runs at x0.956 the time of 9 epochs without it, and at
