@@ -288,3 +288,68 @@ def test_eval_set_splits_over_ranks():
     got = sorted(torch.cat([y for p in parts for _, y in p]).tolist())
     assert got == list(range(11))
     assert [len(p) for p in parts] == [1, 1, 1]
+
+
+def test_spec_fields_are_the_config_fields_of_the_same_name_and_default():
+    """``AugmentSpec.from_config`` reads each field from the config field of its name: a new
+    augmentation is one field here and one there, with the same default (a spec built without a
+    config augments as a run of the config's defaults does)."""
+    from fastcifar.core.config import Config, from_preset
+
+    assert AugmentSpec.from_config(Config()) == AugmentSpec()
+    cfg = from_preset("fast-jitter")
+    spec = AugmentSpec.from_config(cfg)
+    assert {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)} == {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(spec)
+    }
+    assert (spec.crop_pad, spec.flip_mode, spec.cutout, spec.brightness, spec.jitter) == (2, "alternate", 0, 0.14, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.cutout = 8
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"flip_mode": "sometimes"}, "flip mode"),
+        ({"pad_mode": "wrap"}, "padding mode"),
+        ({"brightness": float("nan")}, "must not be negative"),
+        ({"contrast": -0.1}, "must not be negative"),
+        ({"crop_pad": -1}, "must not be negative"),
+        ({"cutout": -2}, "must not be negative"),
+    ],
+)
+def test_spec_refuses_settings_no_implementation_can_run(fields, message):
+    with pytest.raises(ValueError, match=message):
+        AugmentSpec(**fields)
+
+
+def test_spec_checks_the_image_side_and_gives_each_integer_parameters_range():
+    AugmentSpec(crop_pad=31, cutout=32).check(32)
+    AugmentSpec(crop_pad=32, pad_mode="zero").check(32)
+    with pytest.raises(ValueError, match="cutout 33 outside 0..32"):
+        AugmentSpec(cutout=33).check(32)
+    with pytest.raises(ValueError, match="pad 32 outside 0..31"):
+        AugmentSpec(crop_pad=32).check(32)
+    assert AugmentSpec(crop_pad=2, cutout=5, flip=False).ranges(20) == {"dy": 4, "dx": 4, "flip": 0, "cy": 15, "cx": 15}
+    # every integer parameter the draws fill has its range, and the draws stay inside it
+    spec = AugmentSpec(crop_pad=3, cutout=6, brightness=0.1)
+    p = draw_params(500, spec, torch.Generator().manual_seed(1), "cpu", 24)
+    filled = {f.name for f in dataclasses.fields(p) if getattr(p, f.name) is not None}
+    assert filled - {"shift", "scale"} == set(spec.ranges(24))
+    assert all(0 <= getattr(p, name).min() and getattr(p, name).max() <= high for name, high in spec.ranges(24).items())
+
+
+@pytest.mark.parametrize("jitter", [{}, {"brightness": 0.2, "contrast": 0.1}])
+def test_an_epoch_plan_reaches_the_device_whole(jitter):
+    """``plan_to_device`` copies the order and every parameter the draws filled (by dtype, one copy
+    each), whatever their names: each arrives equal, the unfilled ones stay None."""
+    from fastcifar.data.loader import plan_to_device
+
+    spec = AugmentSpec(crop_pad=2, cutout=4, **jitter)
+    order = torch.randperm(30, generator=torch.Generator().manual_seed(0))
+    params = draw_params(30, spec, torch.Generator().manual_seed(1), "cpu")
+    got_order, got = plan_to_device(order, params, torch.device("cpu"))
+    assert torch.equal(got_order, order)
+    for f in dataclasses.fields(params):
+        want, have = getattr(params, f.name), getattr(got, f.name)
+        assert (want is None and have is None) or (have.dtype == want.dtype and torch.equal(have, want)), f.name

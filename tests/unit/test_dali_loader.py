@@ -18,9 +18,7 @@ import torch
 
 from fastcifar.data import dali as dl
 from fastcifar.data import shard_indices
-from fastcifar.data import train_loader as tl
 from fastcifar.data.dali import DaliLoader, DaliUnavailableError, JpegDecodeError, dali_available, decode_jpegs
-from fastcifar.data.train_loader import resolve_loader
 from fastcifar.ops.augment import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -60,30 +58,7 @@ def pinned(pad: int, cutout: int, flip: bool, seed: int = 0, size: int = 32, **j
     return params_fn, drawn
 
 
-# ---- loader resolution (no DALI needed) ----
-
-
-def test_resolve_loader_explicit_and_auto(monkeypatch):
-    assert resolve_loader("torch", "cuda") == ("torch", None)
-    monkeypatch.setattr(dl, "dali_available", lambda: (True, "DALI 9.9"))
-    assert resolve_loader("dali", "cuda") == ("dali", None)
-    # measured: the torch loader on CUDA (H100, ~10x DALI's images/s), DALI on the CPU backend
-    assert resolve_loader("auto", "cuda:1") == ("torch", None)
-    assert resolve_loader("auto", "cpu") == ("dali", None)
-    monkeypatch.setitem(tl.AUTO_LOADER, "cpu", "torch")
-    assert resolve_loader("auto", "cpu") == ("torch", None)
-    with pytest.raises(ValueError, match="--loader must be one of"):
-        resolve_loader("nvidia", "cuda")
-
-
-def test_missing_dali_fails_explicit_request_and_notices_fallback(monkeypatch):
-    monkeypatch.setattr(dl, "dali_available", lambda: (False, "ImportError: No module named 'nvidia.dali'"))
-    with pytest.raises(DaliUnavailableError) as err:
-        resolve_loader("dali", "cuda")
-    assert "\n" not in str(err.value) and "--loader dali" in str(err.value) and "nvidia.dali" in str(err.value)
-    monkeypatch.setitem(tl.AUTO_LOADER, "cuda", "dali")
-    name, notice = resolve_loader("auto", "cuda")
-    assert name == "torch" and "\n" not in notice and "DALI unavailable" in notice
+# ---- DALI missing (no DALI needed) ----
 
 
 def test_dali_available_reports_a_broken_import(monkeypatch):
