@@ -40,11 +40,13 @@ CIFAR10_STD = (62.993, 62.089, 66.705)
 
 @dataclass(frozen=True)
 class AugmentParams:
-    """Per-image random parameters of one batch: int64 tensors of shape (B,) on the data's device,
-    and the jitter's two float32 ones (B,), both or neither (None: no jitter, the image unchanged)."""
+    """Per-image random parameters of one batch, as ``draw_params`` fills them from an ``AugmentSpec``:
+    int64 tensors of shape (B,) on the data's device, and the jitter's two float32 ones (B,), both or
+    neither (None: no jitter, the image unchanged). Code that moves them (``part``, ``concat``,
+    ``data.loader.plan_to_device``) goes over the fields, whatever their names."""
 
-    dy: torch.Tensor  # crop row offset into the padded image, 0..2*pad
-    dx: torch.Tensor  # crop column offset into the padded image, 0..2*pad
+    dy: torch.Tensor  # crop row offset into the padded image, 0..2*crop_pad
+    dx: torch.Tensor  # crop column offset into the padded image, 0..2*crop_pad
     flip: torch.Tensor  # 1: mirror left-right, 0: keep
     cy: torch.Tensor  # cutout top row in the output image, 0..size-cutout
     cx: torch.Tensor  # cutout left column in the output image, 0..size-cutout
