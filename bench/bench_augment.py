@@ -18,6 +18,7 @@ copy bandwidth. Rows are appended to bench/results/augment.jsonl.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -44,17 +45,33 @@ from fastcifar.core.config import from_preset
 from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants
 from fastcifar.kernels.cutout import cutout, cutout_reference
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentSpec, draw_params
 
 CL = torch.channels_last
 SIZE = 32
-# (preset, batch on one GPU, crop padding, cutout side, jitter): what each preset's loader augments per step
+
+
+def bench_spec(cfg, **changes) -> AugmentSpec:
+    """A preset's augmentation as the kernel sees it: random flips (alternating ones need the
+    data-set index; the kernel reads one flip per image either way), no jitter unless asked."""
+    return dataclasses.replace(
+        AugmentSpec.from_config(cfg), flip_mode="random", brightness=0.0, contrast=0.0, **changes
+    )
+
+
+# (preset, batch on one GPU, augmentation): what each preset's loader augments per step
 JITTER = {"brightness": 0.14, "contrast": 0.13}
 PRESETS = [
-    (name, cfg.batch_size, cfg.crop_pad, cfg.cutout, {})
+    (name, cfg.batch_size, bench_spec(cfg))
     for name, cfg in ((name, from_preset(name)) for name in ("fast", "resnet9", DEFAULT_PRESET))
 ]
-PRESETS.append((f"{DEFAULT_PRESET} --brightness 0.14 --contrast 0.13", *PRESETS[-1][1:4], JITTER))
+PRESETS.append(
+    (
+        f"{DEFAULT_PRESET} --brightness 0.14 --contrast 0.13",
+        PRESETS[-1][1],
+        bench_spec(from_preset(DEFAULT_PRESET), **JITTER),
+    )
+)
 SMOKE_BATCH = 4
 
 
@@ -79,22 +96,23 @@ def bench_augment(device, presets, num_images, compile_ref, copy_gbs):
     # TritonAugment's buffers): no per-call host-to-device copy in any row
     mean = channel_constants(CIFAR10_MEAN, 3, device)
     std = channel_constants(CIFAR10_STD, 3, device)
-    for preset, n, pad, side, jitter in presets:
+    for preset, n, spec in presets:
+        pad = spec.crop_pad
         data = torch.randint(
             0, 256, (num_images, SIZE + 2 * pad, SIZE + 2 * pad, 3), dtype=torch.uint8, device=device, generator=gen
         )
         index = torch.randperm(num_images, device=device, generator=gen)[:n]
-        params = draw_params(n, pad, side, gen, device, **jitter)
+        params = draw_params(n, spec, gen, device)
         nbytes = n * SIZE * SIZE * 3 * (1 + 2)  # uint8 in, fp16 out
         impls = {
-            "triton": functools.partial(augment, data, params, side, mean, std, torch.float16, SIZE, index),
+            "triton": functools.partial(augment, data, params, spec, mean, std, torch.float16, SIZE, index),
             "eager": functools.partial(
-                augment_indexed_reference, data, params, side, mean, std, torch.float16, SIZE, index
+                augment_indexed_reference, data, params, spec, mean, std, torch.float16, SIZE, index
             ),
         }
         if compile_ref:
             ref = compile_static(augment_indexed_reference)
-            impls["compile"] = functools.partial(ref, data, params, side, mean, std, torch.float16, SIZE, index)
+            impls["compile"] = functools.partial(ref, data, params, spec, mean, std, torch.float16, SIZE, index)
         for name, fn in impls.items():
             try:
                 fn()
@@ -115,13 +133,14 @@ def bench_augment(device, presets, num_images, compile_ref, copy_gbs):
 def bench_cutout(device, presets, compile_ref, copy_gbs):
     rows = []
     gen = torch.Generator(device=device).manual_seed(1)
-    for preset, n, pad, side, _ in presets:
+    for preset, n, spec in presets:
+        side = spec.cutout
         if not side:  # this preset has no cutout
             continue
         x = torch.randn(n, 3, SIZE, SIZE, device=device, generator=gen).half().contiguous(memory_format=CL)
         x.requires_grad_()
         dy = torch.randn(n, 3, SIZE, SIZE, device=device, generator=gen).half().contiguous(memory_format=CL)
-        params = draw_params(n, pad, side, gen, device)
+        params = draw_params(n, spec, gen, device)
         nbytes = x.numel() * 2 * 2  # read + write fp16, each direction
         impls = {"triton": cutout, "eager": cutout_reference}
         if compile_ref:
@@ -162,7 +181,7 @@ def main():
         require_cuda("bench_augment")
     device = "cpu" if SMOKE else "cuda"
     compile_ref = not SMOKE and "--no-compile" not in sys.argv[1:]
-    presets = [(p, SMOKE_BATCH, pad, side, jitter) for p, _, pad, side, jitter in PRESETS] if SMOKE else PRESETS
+    presets = [(p, SMOKE_BATCH, spec) for p, _, spec in PRESETS] if SMOKE else PRESETS
     env = environment()
     copy_gbs = copy_bandwidth_gbs(smoke=SMOKE)
     print_header("augment: crop + flip + normalize + jitter + cutout (uint8 -> fp16), and cutout alone", env, copy_gbs)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from fastcifar.data.dali import DaliLoader, dali_available, decode_jpegs
 from fastcifar.data.loader import TorchLoader
+from fastcifar.ops.augment import AugmentSpec
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
 RESULTS = ROOT / "bench" / "results" / "loader.jsonl"
@@ -71,10 +72,7 @@ def torch_loader(images, labels, batch, device, seed):
         shard,
         batch,
         len(shard) // batch,
-        pad=4,
-        pad_mode="reflect",
-        cutout=8,
-        flip=True,
+        augment=AugmentSpec(),
         dtype=torch.float16 if device.type == "cuda" else torch.float32,
         device=device,
     )

@@ -110,15 +110,15 @@ def conv_call(batch, c_in, c_out, side, pool, dtype, training) -> Callable[[], N
 def augment_call(batch, data, pad, cutout, dtype, indexed, jitter=False) -> Callable[[], None]:
     def call():
         from fastcifar.kernels.augment import augment
-        from fastcifar.ops.augment import AugmentParams
+        from fastcifar.ops.augment import AugmentSpec, draw_params
 
         side = 32 + 2 * pad
         images = torch.empty(data, side, side, 3, dtype=torch.uint8)
-        p = [torch.zeros(batch, dtype=torch.int64) for _ in range(5)]
-        if jitter:  # --brightness/--contrast: the shift and scale per image
-            p += [torch.zeros(batch), torch.ones(batch)]
+        # --brightness/--contrast: a shift and a scale per image, the JITTER variant
+        spec = AugmentSpec(crop_pad=pad, cutout=cutout, brightness=0.1 if jitter else 0.0)
+        params = draw_params(batch, spec, torch.Generator(), "cpu")
         index = torch.zeros(batch, dtype=torch.int64) if indexed else None
-        augment(images if indexed else images[:batch], AugmentParams(*p), cutout, dtype=dtype, index=index)
+        augment(images if indexed else images[:batch], params, spec, dtype=dtype, index=index)
 
     call.__name__ = f"augment {dtype} batch={batch} pad={pad} cutout={cutout} indexed={indexed} jitter={jitter}"
     return call

@@ -38,12 +38,14 @@ from fastcifar.core.environment import environment_problem
 from fastcifar.core.names import printable
 from fastcifar.core.options import parse_command_line
 from fastcifar.data import DataError, load_dataset, shard_indices
-from fastcifar.data.dali import dali_decoder, make_train_loader, resolve_loader
+from fastcifar.data.dali import dali_decoder
 from fastcifar.data.dataset import for_run
 from fastcifar.data.loader import EvalSet
+from fastcifar.data.train_loader import make_train_loader, resolve_loader
 from fastcifar.models import compiled
 from fastcifar.models.blocks import resolve_kernels
 from fastcifar.models.network import build_model
+from fastcifar.ops.augment import AugmentSpec
 from fastcifar.parallel import distributed
 from fastcifar.parallel.sync import GradientSync, capture_blocker
 from fastcifar.run import components, graphs, profiling, recipe, report, state
@@ -205,14 +207,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         shard,
         per_rank_batch,
         steps,
+        augment=AugmentSpec.from_config(cfg),
         kernels=kernels,
-        pad=cfg.crop_pad,
-        pad_mode=cfg.pad_mode,
-        cutout=cfg.cutout,
-        flip=cfg.flip,
-        flip_mode=cfg.flip_mode,
-        brightness=cfg.brightness,
-        contrast=cfg.contrast,
         dtype=dtype,
         device=ctx.device,
         rank=data_rank,

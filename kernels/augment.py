@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, augment_reference
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, AugmentSpec, augment_reference
 
 from .checks import check_device
 
@@ -155,7 +155,7 @@ def channel_constants(values, channels: int, device) -> torch.Tensor:
 def augment(
     data: torch.Tensor,
     params: AugmentParams,
-    cutout: int,
+    spec: AugmentSpec,
     mean=CIFAR10_MEAN,
     std=CIFAR10_STD,
     dtype: torch.dtype = torch.float16,
@@ -164,6 +164,7 @@ def augment(
 ) -> torch.Tensor:
     """Launcher. ``data``: padded NHWC uint8 images, (D, size+2*pad, size+2*pad, C) contiguous -- the
     batch itself, or (better) the whole padded data set with ``index`` (B,) picking the batch.
+    ``params``: drawn from ``spec`` (``fastcifar.ops.augment.draw_params``), on the data's device.
     Returns (B, C, size, size) ``dtype``, channels-last, equal to ``augment_reference(data[index], ...)``.
     Pass ``mean``/``std`` as fp32 (C,) device tensors (see ``channel_constants``) on the hot path to
     skip the per-call host-to-device copy of the tuples."""
@@ -177,6 +178,7 @@ def augment(
         raise ValueError(f"data must be {size}x{size} images padded evenly on each side, got {hp}x{wp}")
     if dtype not in OUT_DTYPES:
         raise TypeError(f"output dtype must be one of {OUT_DTYPES}, got {dtype}")
+    cutout = spec.cutout
     if not isinstance(cutout, int) or not 0 <= cutout <= size:
         raise ValueError(f"cutout must be an int in [0, {size}], got {cutout!r}")
     if index is None:
@@ -224,33 +226,33 @@ def augment(
 
 
 class TritonAugment(nn.Module):
-    """Holds the constants (mean/std as device buffers, cutout, dtype) and calls ``augment``."""
+    """Holds the constants (the spec, mean/std as device buffers, dtype) and calls ``augment``."""
 
     def __init__(
         self,
-        cutout: int,
+        spec: AugmentSpec,
         mean: Sequence[float] = CIFAR10_MEAN,
         std: Sequence[float] = CIFAR10_STD,
         dtype: torch.dtype = torch.float16,
         size: int = 32,
     ):
         super().__init__()
-        self.cutout, self.dtype, self.size = cutout, dtype, size
+        self.spec, self.dtype, self.size = spec, dtype, size
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32), persistent=False)
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32), persistent=False)
 
     @torch.no_grad()
     def forward(self, data: torch.Tensor, params: AugmentParams, index: torch.Tensor | None = None) -> torch.Tensor:
-        return augment(data, params, self.cutout, self.mean, self.std, self.dtype, self.size, index)
+        return augment(data, params, self.spec, self.mean, self.std, self.dtype, self.size, index)
 
     def extra_repr(self) -> str:
-        return f"cutout={self.cutout}, dtype={self.dtype}, size={self.size}"
+        return f"{self.spec}, dtype={self.dtype}, size={self.size}"
 
 
 def augment_indexed_reference(
     data: torch.Tensor,
     params: AugmentParams,
-    cutout: int,
+    spec: AugmentSpec,
     mean=CIFAR10_MEAN,
     std=CIFAR10_STD,
     dtype: torch.dtype = torch.float32,
@@ -259,4 +261,4 @@ def augment_indexed_reference(
 ) -> torch.Tensor:
     """``augment``'s contract in plain PyTorch: gather the batch, then ``augment_reference``."""
     batch = data if index is None else data[index]
-    return augment_reference(batch, params, cutout, mean, std, dtype, size)
+    return augment_reference(batch, params, spec, mean, std, dtype, size)

@@ -18,8 +18,8 @@ Data flow per rank (the same code on the CPU backend, where tests run it):
   one device-to-device ``copy_`` into them. ``prefetch`` batches stay in flight, so DALI
   computes batch k+1 and k+2 while step k trains.
 
-DALI is imported lazily: this module imports without it, and ``resolve_loader`` turns a missing
-or broken DALI into one clear line (``--loader dali``) or a one-line notice (the default).
+DALI is imported lazily: this module imports without it, and ``train_loader.resolve_loader`` turns
+a missing or broken DALI into one clear line (``--loader dali``) or a one-line notice (the default).
 """
 
 from __future__ import annotations
@@ -37,26 +37,18 @@ import numpy as np
 import torch
 
 from fastcifar.core import optional
-from fastcifar.core.config import CHOICES, ConfigError
-from fastcifar.data import shard_indices
-from fastcifar.data.loader import (
-    PARAM_FIELDS,
-    EmulatedRanks,
-    EpochAhead,
-    TorchLoader,
-    TrainLoader,
-    epoch_plan,
-    to_device,
+from fastcifar.core.config import ConfigError
+from fastcifar.data.loader import EpochAhead, TrainLoader, epoch_plan, to_device
+from fastcifar.ops.augment import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    DEFAULT_AUGMENT,
+    AugmentParams,
+    AugmentSpec,
+    normalize,
+    pad_images,
 )
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, normalize, pad_images
 
-LOADERS = CHOICES["loader"]
-# What "auto" picks per device type: the faster in bench/bench_loader.py (bench/results/loader.jsonl,
-# the images_per_s rows). On the CPU DALI is several times faster than the torch ops; on a GPU the
-# torch loader is about ten times faster than DALI, whose per-batch Python feed of 5 external
-# sources (7 with the jitter) and output hand-over cost host time the GPU waits for
-# (bench/results/visits/visit-4.md, 4b).
-AUTO_LOADER = {"cuda": "torch", "cpu": "dali"}
 DECODE_BATCH = 4096  # JPEGs per decode iteration: 15 iterations for the 60,000 images
 
 
@@ -78,30 +70,6 @@ def dali_available() -> tuple[bool, str]:
     except Exception as exc:  # ImportError, or OSError/RuntimeError from a broken libdali
         return False, optional.reason(exc)
     return True, f"DALI {dali.__version__}"
-
-
-def resolve_loader(requested: str, device: torch.device | str) -> tuple[str, str | None]:
-    """The loader to use ("dali" or "torch") and a one-line notice when "auto" had to fall back.
-
-    An explicit "dali" without a working DALI raises ``DaliUnavailableError`` (one line).
-    """
-    if requested not in LOADERS:
-        raise ValueError(f"--loader must be one of {', '.join(LOADERS)}, not {requested!r}")
-    if requested == "torch":
-        return "torch", None
-    ok, why = dali_available()
-    if requested == "dali":
-        if not ok:
-            raise DaliUnavailableError(
-                f"--loader dali: NVIDIA DALI cannot be imported ({why}); "
-                "install it with the extra README's Install table gives for your GPU ('.[dali]', on a V100 "
-                "'.[volta]') or use --loader torch"
-            )
-        return "dali", None
-    choice = AUTO_LOADER[torch.device(device).type]
-    if choice == "dali" and not ok:
-        return "torch", f"note: DALI unavailable ({why}); using the torch loader"
-    return choice, None
 
 
 def _device_id(device: torch.device) -> int | None:
@@ -196,10 +164,11 @@ def _check_images(images, labels) -> tuple[torch.Tensor, torch.Tensor]:
 class DaliLoader(TrainLoader):
     """Training batches of one rank's fixed shard, reshuffled every epoch, last partial batch dropped.
 
-    Same constructor and ``set_epoch(run_seed, epoch)`` as ``fastcifar.data.loader.TorchLoader``, plus:
-    ``seed`` (the run seed until ``set_epoch``), ``prefetch`` (batches computed ahead),
-    ``num_threads`` (DALI's CPU threads) and ``params_fn(epoch, step, batch) -> AugmentParams``,
-    which pins the random parameters (tests); by default they are drawn per epoch.
+    Same constructor (the augmentation as one ``AugmentSpec``) and ``set_epoch(run_seed, epoch)``
+    as ``fastcifar.data.loader.TorchLoader``, plus: ``seed`` (the run seed until ``set_epoch``),
+    ``prefetch`` (batches computed ahead), ``num_threads`` (DALI's CPU threads) and
+    ``params_fn(epoch, step, batch) -> AugmentParams``, which pins the random parameters (tests);
+    by default they are drawn per epoch.
     Yields ``(images, labels)``: (B, 3, S, S) channels-last ``dtype`` and (B,) int64 on ``device``.
     """
 
@@ -211,10 +180,7 @@ class DaliLoader(TrainLoader):
         batch_size: int,
         steps_per_epoch: int | None = None,
         *,
-        pad: int = 4,
-        pad_mode: str = "reflect",
-        cutout: int = 8,
-        flip: bool = True,
+        augment: AugmentSpec = DEFAULT_AUGMENT,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         rank: int = 0,
@@ -223,10 +189,7 @@ class DaliLoader(TrainLoader):
         seed: int = 0,
         prefetch: int = 2,
         num_threads: int = 2,
-        flip_mode: str = "random",
         params_fn: Callable[[int, int, int], AugmentParams] | None = None,
-        brightness: float = 0.0,
-        contrast: float = 0.0,
     ):
         Pipeline, fn, types = _dali()
         images, labels = _check_images(images, labels)
@@ -236,12 +199,8 @@ class DaliLoader(TrainLoader):
         if self.dtype not in (torch.float16, torch.float32):
             raise TypeError(f"output dtype must be float16 or float32, not {self.dtype}")
         size = images.shape[1]
-        if not 0 <= cutout <= size:
-            raise ValueError(f"cutout {cutout} outside 0..{size}")
-        if pad < 0 or (pad_mode == "reflect" and pad >= size):
-            raise ValueError(f"pad {pad} outside 0..{size - 1}")
-        if not (brightness >= 0 and contrast >= 0):
-            raise ValueError(f"brightness and contrast must not be negative, not {brightness}, {contrast}")
+        augment.check(size)
+        pad, cutout, jitter = augment.crop_pad, augment.cutout, augment.jitter
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError(f"mean and std need 3 channels and std > 0, not {mean}, {std}")
         if batch_size < 1 or prefetch < 1:
@@ -257,15 +216,12 @@ class DaliLoader(TrainLoader):
             )
 
         self.batch_size, self.steps, self.size = batch_size, steps, size
-        self.pad, self.cutout, self.flip, self.rank = pad, cutout, flip, rank
-        self.params_fn, self.flip_mode = params_fn, flip_mode
-        self.brightness, self.contrast = brightness, contrast
-        self.jitter = jitter = brightness > 0 or contrast > 0
+        self.augment, self.rank, self.params_fn = augment, rank, params_fn
         self.mean, self.std = mean, std
         self.shard_index = shard_t.cpu()  # data-set index of each slot: alternating flips hash it
         # gather the shard first (the shard is 1/world of the set), pad once: every batch is a gather
         shard_t = shard_t.to(images.device)
-        self.images = pad_images(images[shard_t].to(self.device), pad, pad_mode)  # contiguous NHWC
+        self.images = pad_images(images[shard_t].to(self.device), pad, augment.pad_mode)  # contiguous NHWC
         self.labels = labels[shard_t].to(self.device)
         self._host_images = self.images.numpy() if self.device.type == "cpu" else None
         self.run_seed, self.epoch = seed, 0
@@ -288,7 +244,7 @@ class DaliLoader(TrainLoader):
                 args["crop"] = (size, size)
                 args["crop_pos_y"] = fn.external_source(name="crop_y", dtype=types.FLOAT, ndim=0)
                 args["crop_pos_x"] = fn.external_source(name="crop_x", dtype=types.FLOAT, ndim=0)
-            if flip:
+            if augment.flip:
                 args["mirror"] = fn.external_source(name="mirror", dtype=types.INT32, ndim=0)
             half = self.dtype == torch.float16
             # DALI 2.4's GPU erase rejects float16 ("Unsupported data type", H100, 2026-11-22): with
@@ -325,7 +281,8 @@ class DaliLoader(TrainLoader):
     def plain_images(self, n: int) -> torch.Tensor:
         """The shard's first ``n`` images un-augmented, normalized, fp32, NCHW-shaped (channels-last):
         what a data-dependent init (the whitening conv) reads; the same as TorchLoader's."""
-        centre = self.images[:n, self.pad : self.pad + self.size, self.pad : self.pad + self.size]
+        pad = self.augment.crop_pad
+        centre = self.images[:n, pad : pad + self.size, pad : pad + self.size]
         return normalize(centre, self.mean, self.std, torch.float32)
 
     def prepare(self, run_seed: int, epoch: int) -> None:
@@ -358,50 +315,42 @@ class DaliLoader(TrainLoader):
 
     def _epoch_plan(self, run_seed: int, epoch: int) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """An epoch's batch order (indices into the shard) and DALI's argument inputs, all batches."""
-        n = self.steps * self.batch_size
+        n, spec = self.steps * self.batch_size, self.augment
         order, p = epoch_plan(
-            run_seed,
-            self.rank,
-            epoch,
-            len(self.labels),
-            n,
-            pad=self.pad,
-            cutout=self.cutout,
-            flip=self.flip,
-            flip_mode=self.flip_mode,
-            shard_index=self.shard_index,
-            size=self.size,
-            brightness=self.brightness,
-            contrast=self.contrast,
+            run_seed, self.rank, epoch, len(self.labels), n, spec, shard_index=self.shard_index, size=self.size
         )  # the torch loader's too
         if self.params_fn is not None:
             batches = [self._checked(self.params_fn(epoch, s, self.batch_size)) for s in range(self.steps)]
             p = AugmentParams.concat(batches)
         args = {}
-        if self.pad:
-            args["crop_y"] = (p.dy.double() / (2 * self.pad)).float().numpy()
-            args["crop_x"] = (p.dx.double() / (2 * self.pad)).float().numpy()
-        if self.flip:
+        if spec.crop_pad:
+            args["crop_y"] = (p.dy.double() / (2 * spec.crop_pad)).float().numpy()
+            args["crop_x"] = (p.dx.double() / (2 * spec.crop_pad)).float().numpy()
+        if spec.flip:
             args["mirror"] = p.flip.int().numpy()
         if p.jitter:
             args["shift"] = p.shift.float().numpy()
             args["scale"] = p.scale.float().numpy()
-        if self.cutout:
+        if spec.cutout:
             args["cut_anchor"] = torch.stack([p.cy, p.cx], 1).float().numpy()
         return to_device(order, self.device), args
 
     def _checked(self, p: AugmentParams) -> AugmentParams:
         """Pinned parameters as CPU int64, each inside its range (DALI would clamp, not fail); the
         jitter's as CPU float32, present exactly when the loader jitters."""
-        jitter = self.jitter
+        jitter, limits = self.augment.jitter, self.augment.ranges(self.size)
         if p.jitter != jitter:
             raise ValueError(
                 f"params_fn: shift and scale must be {'given' if jitter else 'None'}: this loader "
                 f"{'jitters' if jitter else 'does not jitter'}"
             )
         p = AugmentParams(
-            *(torch.as_tensor(getattr(p, f)).cpu().long() for f in PARAM_FIELDS),
-            *((torch.as_tensor(p.shift).cpu().float(), torch.as_tensor(p.scale).cpu().float()) if jitter else ()),
+            **{name: torch.as_tensor(getattr(p, name)).cpu().long() for name in limits},
+            **(
+                {"shift": torch.as_tensor(p.shift).cpu().float(), "scale": torch.as_tensor(p.scale).cpu().float()}
+                if jitter
+                else {}
+            ),
         )
         for name in ("shift", "scale") if jitter else ():  # a wrong length would put later feeds out of step
             v = getattr(p, name)
@@ -409,13 +358,6 @@ class DaliLoader(TrainLoader):
                 raise ValueError(
                     f"params_fn: {name} must be {self.batch_size} finite values, got shape {tuple(v.shape)}"
                 )
-        limits = {
-            "dy": 2 * self.pad,
-            "dx": 2 * self.pad,
-            "flip": int(self.flip),
-            "cy": self.size - self.cutout,
-            "cx": self.size - self.cutout,
-        }
         for name, high in limits.items():
             v = getattr(p, name)
             if v.shape != (self.batch_size,) or v.min() < 0 or v.max() > high:
@@ -668,45 +610,3 @@ def dali_decoder(device: torch.device | str):
 
     decode.name = f"dali-{torch.device(device).type}"  # the cache key's decoder: nvJPEG and libjpeg-turbo differ
     return decode
-
-
-def make_train_loader(
-    name: str,
-    images,
-    labels,
-    shard: np.ndarray,
-    batch_size: int,
-    steps: int,
-    *,
-    kernels: str,
-    emulate_ranks: int = 1,
-    **augment,
-) -> TrainLoader:
-    """The training loader ``resolve_loader`` chose: ``DaliLoader`` or ``TorchLoader`` (which
-    augments with ``kernels``: the Triton kernel or the reference). ``emulate_ranks`` N > 1 (one
-    process): N of them side by side (``loader.EmulatedRanks``), rank r's over its part of
-    ``shard`` (``shard_indices``: the whole set's shard r of N, as under torchrun) with
-    ``batch_size / N`` images a step."""
-    if emulate_ranks > 1:
-        if augment.pop("rank", 0):
-            raise ValueError("emulated ranks run in one process, rank 0 of 1")
-        per_rank = batch_size // emulate_ranks
-        return EmulatedRanks(
-            [
-                make_train_loader(
-                    name,
-                    images,
-                    labels,
-                    shard[shard_indices(len(shard), r, emulate_ranks)],
-                    per_rank,
-                    steps,
-                    kernels=kernels,
-                    rank=r,
-                    **augment,
-                )
-                for r in range(emulate_ranks)
-            ]
-        )
-    if name == "dali":
-        return DaliLoader(images, labels, shard, batch_size, steps, **augment)
-    return TorchLoader(images, labels, shard, batch_size, steps, kernels=kernels, **augment)

@@ -14,6 +14,7 @@ before (``EpochAhead``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -22,14 +23,14 @@ import torch
 from fastcifar.ops.augment import (
     CIFAR10_MEAN,
     CIFAR10_STD,
+    DEFAULT_AUGMENT,
     AugmentParams,
+    AugmentSpec,
     augment_reference,
     draw_params,
     normalize,
     pad_images,
 )
-
-PARAM_FIELDS = ("dy", "dx", "flip", "cy", "cx")  # AugmentParams' int64 fields; shift and scale (jitter) are float32
 
 
 def epoch_seed(run_seed: int, rank: int, epoch: int) -> int:
@@ -43,38 +44,19 @@ def epoch_plan(
     epoch: int,
     n_shard: int,
     n: int,
+    spec: AugmentSpec,
     *,
-    pad: int,
-    cutout: int,
-    flip: bool,
-    flip_mode: str,
     shard_index: torch.Tensor,
     size: int = 32,
-    brightness: float = 0.0,
-    contrast: float = 0.0,
 ):
     """One rank's whole epoch, drawn once on the host: the order (the first ``n`` of a permutation
-    of the shard's ``n_shard`` slots) and every image's augmentation parameters, from one CPU
-    generator seeded by ``epoch_seed``. Both loaders take their epoch from here, so a seed gives
-    the same batches with torch or DALI, on any device (a CUDA generator draws other numbers than
-    the CPU one). ``shard_index`` (CPU int64): each slot's data-set index, for alternating flips."""
+    of the shard's ``n_shard`` slots) and every image's augmentation parameters (``spec``'s), from
+    one CPU generator seeded by ``epoch_seed``. Both loaders take their epoch from here, so a seed
+    gives the same batches with torch or DALI, on any device (a CUDA generator draws other numbers
+    than the CPU one). ``shard_index`` (CPU int64): each slot's data-set index, for alternating flips."""
     g = torch.Generator().manual_seed(epoch_seed(run_seed, rank, epoch))
     order = torch.randperm(n_shard, generator=g)[:n]
-    params = draw_params(
-        n,
-        pad,
-        cutout,
-        g,
-        "cpu",
-        size=size,
-        flip=flip,
-        flip_mode=flip_mode,
-        index=shard_index[order],
-        epoch=epoch,
-        seed=run_seed,
-        brightness=brightness,
-        contrast=contrast,
-    )
+    params = draw_params(n, spec, g, "cpu", size, index=shard_index[order], epoch=epoch, seed=run_seed)
     return order, params
 
 
@@ -86,6 +68,20 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def plan_to_device(order: torch.Tensor, params: AugmentParams, device: torch.device):
+    """An epoch's order and parameters on ``device`` in one copy per dtype: the order with every
+    integer parameter (6 int64 per image: 2.4 MB for 50,000), the float ones (the jitter's) in a
+    second; none per step."""
+    drawn = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if getattr(params, f.name) is not None}
+    ints = [name for name, v in drawn.items() if not v.is_floating_point()]
+    floats = [name for name in drawn if name not in ints]
+    rows = to_device(torch.stack([order, *(drawn[name] for name in ints)]), device)
+    on_device = dict(zip(ints, rows[1:], strict=True))
+    if floats:
+        on_device |= zip(floats, to_device(torch.stack([drawn[name] for name in floats]), device), strict=True)
+    return rows[0], AugmentParams(**on_device)
 
 
 class EpochAhead:
@@ -160,31 +156,23 @@ class TorchLoader(TrainLoader):
         batch_size: int,
         steps_per_epoch: int,
         *,
-        pad: int,
-        pad_mode: str,
-        cutout: int,
-        flip: bool,
+        augment: AugmentSpec = DEFAULT_AUGMENT,
         dtype: torch.dtype,
         device: torch.device,
         rank: int = 0,
         mean=CIFAR10_MEAN,
         std=CIFAR10_STD,
-        flip_mode: str = "random",
         kernels: str = "torch",
-        brightness: float = 0.0,
-        contrast: float = 0.0,
     ):
         if steps_per_epoch * batch_size > len(shard):
             raise ValueError(
                 f"{steps_per_epoch} steps of {batch_size} need {steps_per_epoch * batch_size} "
                 f"images, the shard has {len(shard)}"
             )
-        self.images = pad_images(torch.from_numpy(images[shard]).to(device), pad, pad_mode)
+        self.augment = augment
+        self.images = pad_images(torch.from_numpy(images[shard]).to(device), augment.crop_pad, augment.pad_mode)
         self.labels = torch.from_numpy(labels[shard]).to(device)
-        self.flip_mode = flip_mode
         self.batch_size, self.steps = batch_size, steps_per_epoch
-        self.pad, self.cutout, self.flip = pad, cutout, flip
-        self.brightness, self.contrast = brightness, contrast
         self.dtype, self.device, self.rank = dtype, device, rank
         self.mean = torch.tensor(mean, dtype=torch.float32, device=device)  # once, not per batch
         self.std = torch.tensor(std, dtype=torch.float32, device=device)
@@ -192,7 +180,7 @@ class TorchLoader(TrainLoader):
         if kernels == "triton":  # one Triton pass from the padded set: gather, crop, flip, normalize, cutout
             from fastcifar import kernels
 
-            self.fused = kernels.module("augment").TritonAugment(cutout, mean, std, dtype).to(device)
+            self.fused = kernels.module("augment").TritonAugment(augment, mean, std, dtype).to(device)
         self.shard_index = torch.from_numpy(shard).to(torch.int64)  # host copy: epoch_plan hashes it
         self._ahead = EpochAhead(self._device_plan)
         self.set_epoch(0, 0)
@@ -200,8 +188,9 @@ class TorchLoader(TrainLoader):
     def plain_images(self, n: int) -> torch.Tensor:
         """The shard's first ``n`` images un-augmented (the centre of the padded copy), normalized,
         fp32, NCHW-shaped: the data a data-dependent init (the whitening conv) reads."""
-        size = self.images.shape[1] - 2 * self.pad
-        centre = self.images[:n, self.pad : self.pad + size, self.pad : self.pad + size]
+        pad = self.augment.crop_pad
+        size = self.images.shape[1] - 2 * pad
+        centre = self.images[:n, pad : pad + size, pad : pad + size]
         return normalize(centre, self.mean, self.std, torch.float32)
 
     def prepare(self, run_seed: int, epoch: int) -> None:
@@ -209,25 +198,11 @@ class TorchLoader(TrainLoader):
         self._ahead.prepare(run_seed, epoch)
 
     def _device_plan(self, run_seed: int, epoch: int) -> tuple[torch.Tensor, AugmentParams]:
+        n = self.steps * self.batch_size
         order, plan = epoch_plan(
-            run_seed,
-            self.rank,
-            epoch,
-            len(self.labels),
-            self.steps * self.batch_size,
-            pad=self.pad,
-            cutout=self.cutout,
-            flip=self.flip,
-            flip_mode=self.flip_mode,
-            shard_index=self.shard_index,
-            brightness=self.brightness,
-            contrast=self.contrast,
+            run_seed, self.rank, epoch, len(self.labels), n, self.augment, shard_index=self.shard_index
         )
-        # one host-to-device copy per epoch (6 int64 per image: 2.4 MB for 50,000), none per step;
-        # the jitter's two float32 per image in a second one
-        rows = to_device(torch.stack([order, *(getattr(plan, f) for f in PARAM_FIELDS)]), self.device)
-        jitter = to_device(torch.stack([plan.shift, plan.scale]), self.device) if plan.jitter else (None, None)
-        return rows[0], AugmentParams(*rows[1:], *jitter)
+        return plan_to_device(order, plan, self.device)
 
     def __iter__(self):
         b = self.batch_size
@@ -238,7 +213,7 @@ class TorchLoader(TrainLoader):
             if self.fused is not None:
                 images = self.fused(self.images, params, index=idx)
             else:
-                images = augment_reference(self.images[idx], params, self.cutout, self.mean, self.std, self.dtype)
+                images = augment_reference(self.images[idx], params, self.augment, self.mean, self.std, self.dtype)
             yield images, self.labels[idx]
 
 
@@ -251,7 +226,7 @@ class EmulatedRanks(TrainLoader):
     summed loss at the global batch is what N ranks' all-reduce averages, with the step rate the
     trainer already uses for one process at that batch (``run.recipe.peak_rate``: the rate per
     image of summed loss is ``lr x batch / 512 / batch`` here, N times that on a rank whose
-    gradient is averaged over N: the same update). ``data.dali.make_train_loader`` builds it."""
+    gradient is averaged over N: the same update). ``data.train_loader.make_train_loader`` builds it."""
 
     def __init__(self, loaders: list[TrainLoader]):
         if len({(loader.batch_size, len(loader)) for loader in loaders}) != 1:

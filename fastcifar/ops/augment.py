@@ -1,19 +1,21 @@
 """The training augmentation, defined once: random crop from padding, horizontal flip, brightness and
 contrast jitter, cutout.
 
-This is the reference every loader follows (the plain-torch loader calls it directly; the
-Triton kernel in ``kernels/augment.py`` and the DALI pipeline are tested against it). Order, per
+``AugmentSpec`` is what an augmentation is (built once from the run's config and passed whole);
+``draw_params`` draws each image's random parameters from it (``AugmentParams``); ``augment_reference``
+applies them. This is the reference every loader follows (the plain-torch loader calls it directly;
+the Triton kernel in ``kernels/augment.py`` and the DALI pipeline are tested against it). Order, per
 image, in output coordinates:
 
-1. pad the 32x32 uint8 image by ``pad`` pixels on each side (reflect or zero padding);
-2. take the 32x32 window whose top-left corner is (dy, dx) in the padded image, 0 <= dy, dx <= 2*pad;
+1. pad the 32x32 uint8 image by ``crop_pad`` pixels on each side (reflect or zero padding);
+2. take the 32x32 window whose top-left corner is (dy, dx) in the padded image, 0 <= dy, dx <= 2*crop_pad;
 3. mirror it left-right if ``flip`` (drawn at random per image, or alternating: see
    ``alternating_flip``);
 4. normalize per channel: (x - mean) * (1 / std), in fp32;
 5. jitter (when drawn): (x + shift) * scale in fp32, one shift and one scale per image for all its
    channels (``shift`` uniform in [-brightness, brightness], in units of each channel's std;
-   ``scale`` uniform in [1 - contrast, 1 + contrast]; the record script's jitter, issue 50); then
-   cast to the output dtype;
+   ``scale`` uniform in [1 - contrast, 1 + contrast]; the record script's jitter); then cast to the
+   output dtype;
 6. zero the ``cutout`` x ``cutout`` square whose top-left corner is (cy, cx), fully inside the image
    (0 <= cy, cx <= 32 - cutout). Zero after normalization is the data set's mean colour.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,11 +40,13 @@ CIFAR10_STD = (62.993, 62.089, 66.705)
 
 @dataclass(frozen=True)
 class AugmentParams:
-    """Per-image random parameters of one batch: int64 tensors of shape (B,) on the data's device,
-    and the jitter's two float32 ones (B,), both or neither (None: no jitter, the image unchanged)."""
+    """Per-image random parameters of one batch, as ``draw_params`` fills them from an ``AugmentSpec``:
+    int64 tensors of shape (B,) on the data's device, and the jitter's two float32 ones (B,), both or
+    neither (None: no jitter, the image unchanged). Code that moves them (``part``, ``concat``,
+    ``data.loader.plan_to_device``) goes over the fields, whatever their names."""
 
-    dy: torch.Tensor  # crop row offset into the padded image, 0..2*pad
-    dx: torch.Tensor  # crop column offset into the padded image, 0..2*pad
+    dy: torch.Tensor  # crop row offset into the padded image, 0..2*crop_pad
+    dx: torch.Tensor  # crop column offset into the padded image, 0..2*crop_pad
     flip: torch.Tensor  # 1: mirror left-right, 0: keep
     cy: torch.Tensor  # cutout top row in the output image, 0..size-cutout
     cx: torch.Tensor  # cutout left column in the output image, 0..size-cutout
@@ -77,25 +82,79 @@ class AugmentParams:
 
 
 FLIP_MODES = CHOICES["flip_mode"]
+PAD_MODES = CHOICES["pad_mode"]
+
+
+@dataclass(frozen=True)
+class AugmentSpec:
+    """What the training augmentation is: every setting the draws, the reference, the Triton kernel
+    and DALI read, in one object that travels whole from the config to each of them. Each field
+    has the name (and the default) of the ``Config`` field it comes from (``from_config``), so a new
+    setting is one field here and one there. The data set's mean and std are not in it: they are
+    the data's (evaluation normalizes with them too), passed beside the spec as device tensors."""
+
+    crop_pad: int = 4  # pixels of padding per side the crop is taken from; 0 = no crop
+    pad_mode: str = "reflect"  # reflect | zero
+    flip: bool = True  # horizontal flip, half of the images per epoch
+    flip_mode: str = "random"  # random: a coin per image | alternate: a coin per image, mirrored every other epoch
+    cutout: int = 8  # side of the zeroed square, pixels; 0 = off
+    brightness: float = 0.0  # shift half-width, in units of each channel's std; 0 = off
+    contrast: float = 0.0  # scale half-width around 1; 0 = off
+
+    def __post_init__(self):
+        if self.flip_mode not in FLIP_MODES:
+            raise ValueError(f"flip mode must be one of {FLIP_MODES}, not {self.flip_mode!r}")
+        if self.pad_mode not in PAD_MODES:
+            raise ValueError(f"padding mode must be 'reflect' or 'zero', not {self.pad_mode!r}")
+        if not (self.brightness >= 0 and self.contrast >= 0):  # NaN too
+            raise ValueError(f"brightness and contrast must not be negative, not {self.brightness}, {self.contrast}")
+        if self.crop_pad < 0 or self.cutout < 0:
+            raise ValueError(f"crop_pad and cutout must not be negative, not {self.crop_pad}, {self.cutout}")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> AugmentSpec:
+        """The run's augmentation: each field from the config field of the same name."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def jitter(self) -> bool:
+        """Whether the draws include a shift and a scale per image."""
+        return self.brightness > 0 or self.contrast > 0
+
+    def check(self, size: int) -> None:
+        """Refuse settings that images of side ``size`` cannot take (the config checks its own 32)."""
+        if not 0 <= self.cutout <= size:
+            raise ValueError(f"cutout {self.cutout} outside 0..{size}")
+        if self.pad_mode == "reflect" and self.crop_pad >= size:
+            raise ValueError(f"pad {self.crop_pad} outside 0..{size - 1}")
+
+    def ranges(self, size: int = 32) -> dict[str, int]:
+        """Each integer parameter's largest value (the smallest is 0) for images of side ``size``:
+        what a pinned parameter is checked against (``data.dali.DaliLoader``'s ``params_fn``)."""
+        return {
+            "dy": 2 * self.crop_pad,
+            "dx": 2 * self.crop_pad,
+            "flip": int(self.flip),
+            "cy": size - self.cutout,
+            "cx": size - self.cutout,
+        }
+
+
+DEFAULT_AUGMENT = AugmentSpec()  # the config's defaults; frozen, so one instance serves as every default
 
 
 def draw_params(
     batch: int,
-    pad: int,
-    cutout: int,
+    spec: AugmentSpec,
     generator: torch.Generator,
     device: torch.device | str,
     size: int = 32,
-    flip: bool = True,
     *,
-    flip_mode: str = "random",
     index: torch.Tensor | None = None,
     epoch: int = 0,
     seed: int = 0,
-    brightness: float = 0.0,
-    contrast: float = 0.0,
 ) -> AugmentParams:
-    """Draw one batch of parameters on ``device`` (the generator must live on that device).
+    """Draw one batch of ``spec``'s parameters on ``device`` (the generator must live on that device).
 
     Every parameter is uniform over its range; ``cutout=0`` and ``flip=False`` give all-zero
     columns that the augmentation then ignores. ``flip_mode="alternate"`` replaces the random
@@ -103,36 +162,36 @@ def draw_params(
     indices (int64, on ``device``). The other parameters' draws are the same in both modes.
     ``brightness`` or ``contrast`` > 0 draws the jitter after everything else (so the other draws
     are those of a run without it): a shift uniform in [-brightness, brightness] and a scale uniform
-    in [1 - contrast, 1 + contrast] per image, float32; the one left at 0 stays 0 or 1.
+    in [1 - contrast, 1 + contrast] per image, float32; the one left at 0 stays 0 or 1. A new
+    augmentation's draws go last too, and draw nothing when it is off: the runs without it keep
+    their draws.
     """
-    if flip_mode not in FLIP_MODES:
-        raise ValueError(f"flip mode must be one of {FLIP_MODES}, not {flip_mode!r}")
 
     def uniform(high: int) -> torch.Tensor:  # integers in [0, high]
         return torch.randint(0, high + 1, (batch,), generator=generator, device=device)
 
     zeros = torch.zeros(batch, dtype=torch.int64, device=device)
-    if not flip:
+    if not spec.flip:
         flips = zeros
-    elif flip_mode == "random":
+    elif spec.flip_mode == "random":
         flips = uniform(1)
     else:
         if index is None or index.shape != (batch,):
             raise ValueError(f"alternating flips need the batch's {batch} data-set indices")
         flips = alternating_flip(index, epoch, seed)
-    if not (brightness >= 0 and contrast >= 0):  # NaN too
-        raise ValueError(f"brightness and contrast must not be negative, not {brightness}, {contrast}")
 
     def symmetric(half_width: float) -> torch.Tensor:  # float32 in [-half_width, half_width]
         return (torch.rand(batch, generator=generator, device=device, dtype=torch.float32) * 2 - 1) * half_width
 
     # in this order: the draws of a run without jitter come first, unchanged
+    pad, cutout = spec.crop_pad, spec.cutout
     dy = uniform(2 * pad) if pad else zeros
     dx = uniform(2 * pad) if pad else zeros
     cy = uniform(size - cutout) if cutout else zeros
     cx = uniform(size - cutout) if cutout else zeros
     shift = scale = None
-    if brightness > 0 or contrast > 0:
+    if spec.jitter:
+        brightness, contrast = spec.brightness, spec.contrast
         shift = symmetric(brightness) if brightness else torch.zeros(batch, device=device, dtype=torch.float32)
         scale = 1 + symmetric(contrast) if contrast else torch.ones(batch, device=device, dtype=torch.float32)
     return AugmentParams(dy=dy, dx=dx, flip=flips, cy=cy, cx=cx, shift=shift, scale=scale)
@@ -202,16 +261,18 @@ def normalize(images: torch.Tensor, mean=CIFAR10_MEAN, std=CIFAR10_STD, dtype=to
 def augment_reference(
     padded: torch.Tensor,
     params: AugmentParams,
-    cutout: int,
+    spec: AugmentSpec,
     mean=CIFAR10_MEAN,
     std=CIFAR10_STD,
     dtype: torch.dtype = torch.float32,
     size: int = 32,
 ) -> torch.Tensor:
-    """Crop, flip, normalize, jitter and cut out one batch of already padded NHWC uint8 images.
+    """Crop, flip, normalize, jitter and cut out one batch of already padded NHWC uint8 images with
+    ``params`` drawn from ``spec``.
 
     ``padded`` is (B, size+2*pad, size+2*pad, C); returns (B, C, size, size), channels-last.
     """
+    cutout = spec.cutout
     b = padded.shape[0]
     ar = torch.arange(size, device=padded.device)
     rows = params.dy[:, None] + ar  # (B, size)

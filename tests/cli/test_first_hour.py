@@ -31,6 +31,7 @@ from fastcifar.data import load_dataset
 from fastcifar.data.dali import DaliLoader, dali_available
 from fastcifar.data.folder import save_cache
 from fastcifar.data.loader import TorchLoader
+from fastcifar.ops.augment import AugmentSpec
 from fastcifar.parallel import sync
 from fastcifar.run.guard import Diverged, LossGuard
 from fastcifar.run.progress import Progress
@@ -363,11 +364,7 @@ def test_torch_and_dali_loaders_give_the_same_batches(flip_mode, pad_mode, cutou
     labels = rng.integers(0, 10, 90)
     shard = np.sort(rng.permutation(90)[:45])
     kw = dict(
-        pad=4,
-        pad_mode=pad_mode,
-        cutout=cutout,
-        flip=True,
-        flip_mode=flip_mode,
+        augment=AugmentSpec(crop_pad=4, pad_mode=pad_mode, cutout=cutout, flip=True, flip_mode=flip_mode),
         dtype=torch.float32,
         device=torch.device("cpu"),
         rank=1,

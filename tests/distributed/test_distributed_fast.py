@@ -19,6 +19,7 @@ CHECK = textwrap.dedent("""
     from fastcifar.core.config import from_preset
     from fastcifar.data import shard_indices
     from fastcifar.data.loader import TorchLoader
+    from fastcifar.ops.augment import AugmentSpec
     from fastcifar.ops.norm_act_pool import NormActPool
     from fastcifar.run.optim import NesterovSGD
     from fastcifar.run.recipe import RunHooks, param_groups
@@ -30,8 +31,9 @@ CHECK = textwrap.dedent("""
     images = rng.integers(0, 256, (80, 32, 32, 3), dtype=np.uint8)
     images[ctx.rank::2] //= 2  # the ranks' shards differ: only the all-reduce makes them agree
     shard = shard_indices(80, ctx.rank, ctx.world_size)
-    loader = TorchLoader(images, np.zeros(80, np.int64), shard, 10, 2, pad=2, pad_mode="reflect", cutout=0,
-                         flip=True, dtype=torch.float32, device=ctx.device, rank=ctx.rank)
+    loader = TorchLoader(images, np.zeros(80, np.int64), shard, 10, 2,
+                         augment=AugmentSpec(crop_pad=2, pad_mode="reflect", cutout=0, flip=True),
+                         dtype=torch.float32, device=ctx.device, rank=ctx.rank)
     torch.manual_seed(0)
     model = make_network(cfg, NormActPool)
     opt = NesterovSGD(param_groups(model, cfg, 10), lr=0.0)

@@ -11,7 +11,7 @@ from _kernel_asserts import DEVICE, assert_close, needs_triton_backend, poisoned
 
 import fastcifar.kernels.augment as am  # noqa: E402
 from fastcifar.kernels.augment import TritonAugment, augment, augment_indexed_reference  # noqa: E402
-from fastcifar.ops.augment import AugmentParams, draw_params, pad_images  # noqa: E402
+from fastcifar.ops.augment import AugmentParams, AugmentSpec, draw_params, pad_images  # noqa: E402
 
 pytestmark = needs_triton_backend
 CL = torch.channels_last
@@ -30,7 +30,8 @@ def _data(num, pad, mode, seed=0, size=32, channels=3):
 
 def _params(batch, pad, cut, seed, size=32, brightness=0.0, contrast=0.0):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    return draw_params(batch, pad, cut, g, DEVICE, size=size, brightness=brightness, contrast=contrast)
+    spec = AugmentSpec(crop_pad=pad, cutout=cut, brightness=brightness, contrast=contrast)
+    return draw_params(batch, spec, g, DEVICE, size=size)
 
 
 def _ulp_fp16(ref):
@@ -65,12 +66,12 @@ def test_matches_reference(pad, mode, cut, use_index, jitter, dtype):
         **dict(zip(("brightness", "contrast"), jitter or (), strict=False)),
     )
     assert params.jitter == (jitter is not None)
-    got = augment(data, params, cut, dtype=dtype, index=index)
-    ref = augment_indexed_reference(data, params, cut, dtype=dtype, index=index)
+    got = augment(data, params, AugmentSpec(cutout=cut), dtype=dtype, index=index)
+    ref = augment_indexed_reference(data, params, AugmentSpec(cutout=cut), dtype=dtype, index=index)
     assert got.dtype == dtype and got.is_contiguous(memory_format=CL) and got.shape == ref.shape
     if jitter is not None:  # the jitter changed the images: the comparison below sees it
         plain = augment_indexed_reference(
-            data, dataclasses.replace(params, shift=None, scale=None), cut, dtype=dtype, index=index
+            data, dataclasses.replace(params, shift=None, scale=None), AugmentSpec(cutout=cut), dtype=dtype, index=index
         )
         assert not torch.equal(plain, ref)
     where = f"pad={pad} {mode} cutout={cut} index={use_index} jitter={jitter} {dtype}"
@@ -92,18 +93,19 @@ def test_explicit_parameters_flip_and_corners():
     params = AugmentParams(
         dy=t(0, 8, 8, 3), dx=t(0, 8, 0, 5), flip=t(0, 1, 1, 0), cy=t(0, 24, 0, 11), cx=t(24, 0, 0, 7)
     )
-    got = augment(data, params, 8, dtype=torch.float32)
-    assert_close(got, augment_indexed_reference(data, params, 8), 0.0, "augment with explicit parameters")
+    got = augment(data, params, AugmentSpec(cutout=8), dtype=torch.float32)
+    assert_close(
+        got, augment_indexed_reference(data, params, AugmentSpec(cutout=8)), 0.0, "augment with explicit parameters"
+    )
 
 
 def test_module_with_device_constants():
     data = _data(6, 4, "reflect", seed=2)
     index = torch.tensor([5, 0, 0, 3], device=DEVICE)
     params = _params(4, 4, 8, seed=3)
-    mod = TritonAugment(8, dtype=torch.float32).to(DEVICE)
-    assert_close(
-        mod(data, params, index), augment_indexed_reference(data, params, 8, index=index), 0.0, "TritonAugment"
-    )
+    mod = TritonAugment(AugmentSpec(cutout=8), dtype=torch.float32).to(DEVICE)
+    want = augment_indexed_reference(data, params, AugmentSpec(cutout=8), index=index)
+    assert_close(mod(data, params, index), want, 0.0, "TritonAugment")
 
 
 def test_index_past_the_data_set_reads_nothing():
@@ -113,11 +115,11 @@ def test_index_past_the_data_set_reads_nothing():
     data = _data(6, 4, "reflect", seed=4)
     index = torch.tensor([2, -1, 6, 5], device=DEVICE)
     params = _params(4, 4, 8, seed=6)
-    got = augment(data, params, 8, dtype=torch.float32, index=index)
+    got = augment(data, params, AugmentSpec(cutout=8), dtype=torch.float32, index=index)
     inside = torch.tensor([0, 3])
-    want = augment_indexed_reference(data, params, 8, index=index.clamp(0, 5))
+    want = augment_indexed_reference(data, params, AugmentSpec(cutout=8), index=index.clamp(0, 5))
     assert_close(got[inside], want[inside], 0.0, "augment: the in-range images")
-    zeros = augment_indexed_reference(torch.zeros_like(data), params, 8, index=index.clamp(0, 5))
+    zeros = augment_indexed_reference(torch.zeros_like(data), params, AugmentSpec(cutout=8), index=index.clamp(0, 5))
     assert_close(got[1:3], zeros[1:3], 0.0, "augment: an index past the data set reads as an all-zero image")
 
 
@@ -144,8 +146,8 @@ def test_other_sides_and_channel_counts(size, channels, pad, monkeypatch):
     index = torch.tensor([8, 0, 3, 3, 5], device=DEVICE)
     params = _params(5, pad, 4, seed=channels, size=size, brightness=0.2, contrast=0.1)
     mean, std = (0.3 * 255,) * channels, (0.2 * 255,) * channels
-    got = augment(data, params, 4, mean, std, dtype=torch.float32, size=size, index=index)
-    ref = augment_indexed_reference(data, params, 4, mean, std, size=size, index=index)
+    got = augment(data, params, AugmentSpec(cutout=4), mean, std, dtype=torch.float32, size=size, index=index)
+    ref = augment_indexed_reference(data, params, AugmentSpec(cutout=4), mean, std, size=size, index=index)
     assert got.shape == (5, channels, size, size)
     assert_close(got, ref, 0.0, f"augment {size}x{size}x{channels}")
     assert torch.isnan(tail[0]).all(), "written past the batch"
@@ -167,7 +169,7 @@ def test_launcher_rejects(case, error, message):
     data = _data(6, 4, "zero")
     index = torch.tensor([5, 0, 0, 3], device=DEVICE)
     params = _params(4, 4, 8, seed=3)
-    kw = dict(cutout=8, dtype=torch.float16)
+    kw = dict(spec=AugmentSpec(cutout=8), dtype=torch.float16)
     if case == "float_data":
         data = data.float()
     elif case == "nchw_view":
@@ -177,7 +179,7 @@ def test_launcher_rejects(case, error, message):
     elif case == "dtype":
         kw["dtype"] = torch.float64
     elif case == "cutout":
-        kw["cutout"] = 33
+        kw["spec"] = AugmentSpec(cutout=33)
     elif case == "params_len":
         params = AugmentParams(params.dy, params.dx, params.flip, params.cy[:3], params.cx)
     elif case == "index_float":

@@ -1,5 +1,7 @@
 """The augmentation reference: crop from padding, flip, normalization, jitter and cutout, and the loader."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from fastcifar.ops.augment import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     AugmentParams,
+    AugmentSpec,
     augment_reference,
     draw_params,
     normalize,
@@ -25,16 +28,14 @@ def params(b, dy=4, dx=4, flip=0, cy=0, cx=0):
 
 def torch_loader(images, labels, shard, batch_size, steps, **settings):
     """A TorchLoader with these tests' usual settings (pad 4 by reflection, cutout 8, flips, fp32 on
-    the CPU), each overridable."""
-    usual = {
-        "pad": 4,
-        "pad_mode": "reflect",
-        "cutout": 8,
-        "flip": True,
-        "dtype": torch.float32,
-        "device": torch.device("cpu"),
+    the CPU), each overridable: the augmentation's as AugmentSpec fields, the others as the loader's."""
+    usual = {"crop_pad": 4, "pad_mode": "reflect", "cutout": 8, "flip": True}
+    spec_fields = {f.name for f in dataclasses.fields(AugmentSpec)}
+    augment = AugmentSpec(**(usual | {k: v for k, v in settings.items() if k in spec_fields}))
+    loader_settings = {"dtype": torch.float32, "device": torch.device("cpu")} | {
+        k: v for k, v in settings.items() if k not in spec_fields
     }
-    return TorchLoader(images, labels, shard, batch_size, steps, **(usual | settings))
+    return TorchLoader(images, labels, shard, batch_size, steps, augment=augment, **loader_settings)
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def images():
 
 
 def test_centre_crop_without_flip_or_cutout_is_normalization(images):
-    out = augment_reference(pad_images(images, 4, "reflect"), params(4), cutout=0)
+    out = augment_reference(pad_images(images, 4, "reflect"), params(4), AugmentSpec(cutout=0))
     assert out.shape == (4, 3, 32, 32) and out.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(out, normalize(images))
     mean = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
@@ -53,7 +54,7 @@ def test_centre_crop_without_flip_or_cutout_is_normalization(images):
 
 def test_crop_offset_and_reflect_padding(images):
     padded = pad_images(images, 4, "reflect")
-    out = augment_reference(padded, params(4, dy=0, dx=8), cutout=0)
+    out = augment_reference(padded, params(4, dy=0, dx=8), AugmentSpec(cutout=0))
     # reflect padding: padded row 0 is image row 4, padded column 0 is image column 4
     np.testing.assert_array_equal(padded[:, 0, 4].numpy(), images[:, 4, 0].numpy())
     np.testing.assert_array_equal(padded[:, 4, 0].numpy(), images[:, 0, 4].numpy())
@@ -70,13 +71,13 @@ def test_zero_padding(images):
 
 def test_flip_mirrors_columns(images):
     padded = pad_images(images, 4, "reflect")
-    out = augment_reference(padded, params(4, flip=1), cutout=0)
+    out = augment_reference(padded, params(4, flip=1), AugmentSpec(cutout=0))
     torch.testing.assert_close(out, normalize(images).flip(3))
 
 
 def test_cutout_zeroes_exactly_the_square(images):
     padded = pad_images(images, 4, "reflect")
-    out = augment_reference(padded, params(4, cy=3, cx=20), cutout=8)
+    out = augment_reference(padded, params(4, cy=3, cx=20), AugmentSpec(cutout=8))
     ref = normalize(images)
     hole = torch.zeros(32, 32, dtype=torch.bool)
     hole[3:11, 20:28] = True
@@ -91,7 +92,7 @@ def test_unknown_padding_mode(images):
 
 def test_draw_params_ranges_and_rates():
     g = torch.Generator().manual_seed(0)
-    p = draw_params(20000, pad=4, cutout=8, generator=g, device="cpu")
+    p = draw_params(20000, AugmentSpec(crop_pad=4, cutout=8), generator=g, device="cpu")
     for name, high in (("dy", 8), ("dx", 8), ("cy", 24), ("cx", 24), ("flip", 1)):
         v = getattr(p, name)
         assert v.min() == 0 and v.max() == high, name
@@ -99,16 +100,21 @@ def test_draw_params_ranges_and_rates():
         expected = 20000 / (high + 1)
         # 6 standard deviations of a binomial count: a wrong range or rate fails, chance does not
         assert (counts - expected).abs().max() < 6 * expected**0.5, (name, counts)
-    off = draw_params(10, pad=0, cutout=0, generator=g, device="cpu", flip=False)
+    off = draw_params(10, AugmentSpec(crop_pad=0, cutout=0, flip=False), generator=g, device="cpu")
     assert not any(getattr(off, n).any() for n in ("dy", "dx", "flip", "cy", "cx"))
 
 
 def test_jitter_draws_come_after_the_others_within_their_ranges():
     """--brightness/--contrast: a shift uniform in [-B, B] and a scale uniform in [1 - C, 1 + C] per
     image, drawn after the crop, flip and cutout draws, which stay those of a run without jitter."""
-    plain = draw_params(20000, pad=4, cutout=8, generator=torch.Generator().manual_seed(3), device="cpu")
+    plain = draw_params(
+        20000, AugmentSpec(crop_pad=4, cutout=8), generator=torch.Generator().manual_seed(3), device="cpu"
+    )
     p = draw_params(
-        20000, pad=4, cutout=8, generator=torch.Generator().manual_seed(3), device="cpu", brightness=0.14, contrast=0.13
+        20000,
+        AugmentSpec(crop_pad=4, cutout=8, brightness=0.14, contrast=0.13),
+        generator=torch.Generator().manual_seed(3),
+        device="cpu",
     )
     assert plain.shift is None and plain.scale is None and not plain.jitter and p.jitter
     assert all(torch.equal(getattr(p, f), getattr(plain, f)) for f in ("dy", "dx", "flip", "cy", "cx"))
@@ -119,10 +125,12 @@ def test_jitter_draws_come_after_the_others_within_their_ranges():
     for v, lo, hi in ((p.shift, -0.14, 0.14), (p.scale, 0.87, 1.13)):
         counts = torch.histc(v, bins=5, min=lo, max=hi)
         assert (counts - 4000).abs().max() < 6 * 4000**0.5, counts
-    only = draw_params(100, pad=0, cutout=0, generator=torch.Generator().manual_seed(3), device="cpu", contrast=0.5)
+    only = draw_params(
+        100, AugmentSpec(crop_pad=0, cutout=0, contrast=0.5), generator=torch.Generator().manual_seed(3), device="cpu"
+    )
     assert not only.shift.any() and only.scale.min() >= 0.5 and not torch.equal(only.scale, torch.ones(100))
     with pytest.raises(ValueError, match="must not be negative"):
-        draw_params(4, 0, 0, torch.Generator(), "cpu", brightness=-0.1)
+        draw_params(4, AugmentSpec(crop_pad=0, cutout=0, brightness=-0.1), torch.Generator(), "cpu")
 
 
 def test_jitter_shifts_then_scales_the_normalized_image_and_leaves_the_cutout(images):
@@ -130,10 +138,10 @@ def test_jitter_shifts_then_scales_the_normalized_image_and_leaves_the_cutout(im
     shift, scale = torch.tensor([0.5, -0.25, 0.0, 1.0]), torch.tensor([1.0, 0.5, 1.5, 0.75])
     plain = params(b, cy=3, cx=5)
     jittered = AugmentParams(plain.dy, plain.dx, plain.flip, plain.cy, plain.cx, shift=shift, scale=scale)
-    ref = augment_reference(pad_images(images, 4, "reflect"), plain, 0)
-    out = augment_reference(pad_images(images, 4, "reflect"), jittered, 0)
+    ref = augment_reference(pad_images(images, 4, "reflect"), plain, AugmentSpec(cutout=0))
+    out = augment_reference(pad_images(images, 4, "reflect"), jittered, AugmentSpec(cutout=0))
     torch.testing.assert_close(out, (ref + shift[:, None, None, None]) * scale[:, None, None, None], rtol=0, atol=0)
-    cut = augment_reference(pad_images(images, 4, "reflect"), jittered, 8)
+    cut = augment_reference(pad_images(images, 4, "reflect"), jittered, AugmentSpec(cutout=8))
     assert not cut[:, :, 3:11, 5:13].any()  # the hole stays the mean colour
     assert torch.equal(cut[:, :, 11:], out[:, :, 11:])
     with pytest.raises(ValueError, match="both shift and scale"):
@@ -151,31 +159,19 @@ def test_a_jittering_loader_gives_the_reference_of_its_epochs_draws():
 
     def make(kernels, **jitter):
         return torch_loader(
-            images, np.arange(12), np.arange(12), 4, 3, pad=2, cutout=4, device=device, kernels=kernels, **jitter
+            images, np.arange(12), np.arange(12), 4, 3, crop_pad=2, cutout=4, device=device, kernels=kernels, **jitter
         )
 
     loader = make("torch", brightness=0.3, contrast=0.2)
     loader.set_epoch(5, 1)
-    order, plan = epoch_plan(
-        5,
-        0,
-        1,
-        12,
-        12,
-        pad=2,
-        cutout=4,
-        flip=True,
-        flip_mode="random",
-        shard_index=torch.arange(12),
-        brightness=0.3,
-        contrast=0.2,
-    )
+    spec = AugmentSpec(crop_pad=2, cutout=4, flip=True, flip_mode="random", brightness=0.3, contrast=0.2)
+    order, plan = epoch_plan(5, 0, 1, 12, 12, spec, shard_index=torch.arange(12))
     padded = pad_images(torch.from_numpy(images), 2, "reflect")
     batches = list(loader)
     for step, (x, y) in enumerate(batches):
         idx = order[step * 4 : (step + 1) * 4]
         assert torch.equal(y.cpu(), torch.from_numpy(np.arange(12))[idx])
-        ref = augment_reference(padded[idx], plan.part(step * 4, (step + 1) * 4), 4)
+        ref = augment_reference(padded[idx], plan.part(step * 4, (step + 1) * 4), spec)
         torch.testing.assert_close(x.cpu(), ref, rtol=0, atol=0)
     fused = make("triton", brightness=0.3, contrast=0.2)
     fused.set_epoch(5, 1)
@@ -292,3 +288,68 @@ def test_eval_set_splits_over_ranks():
     got = sorted(torch.cat([y for p in parts for _, y in p]).tolist())
     assert got == list(range(11))
     assert [len(p) for p in parts] == [1, 1, 1]
+
+
+def test_spec_fields_are_the_config_fields_of_the_same_name_and_default():
+    """``AugmentSpec.from_config`` reads each field from the config field of its name: a new
+    augmentation is one field here and one there, with the same default (a spec built without a
+    config augments as a run of the config's defaults does)."""
+    from fastcifar.core.config import Config, from_preset
+
+    assert AugmentSpec.from_config(Config()) == AugmentSpec()
+    cfg = from_preset("fast-jitter")
+    spec = AugmentSpec.from_config(cfg)
+    assert {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)} == {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(spec)
+    }
+    assert (spec.crop_pad, spec.flip_mode, spec.cutout, spec.brightness, spec.jitter) == (2, "alternate", 0, 0.14, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.cutout = 8
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"flip_mode": "sometimes"}, "flip mode"),
+        ({"pad_mode": "wrap"}, "padding mode"),
+        ({"brightness": float("nan")}, "must not be negative"),
+        ({"contrast": -0.1}, "must not be negative"),
+        ({"crop_pad": -1}, "must not be negative"),
+        ({"cutout": -2}, "must not be negative"),
+    ],
+)
+def test_spec_refuses_settings_no_implementation_can_run(fields, message):
+    with pytest.raises(ValueError, match=message):
+        AugmentSpec(**fields)
+
+
+def test_spec_checks_the_image_side_and_gives_each_integer_parameters_range():
+    AugmentSpec(crop_pad=31, cutout=32).check(32)
+    AugmentSpec(crop_pad=32, pad_mode="zero").check(32)
+    with pytest.raises(ValueError, match="cutout 33 outside 0..32"):
+        AugmentSpec(cutout=33).check(32)
+    with pytest.raises(ValueError, match="pad 32 outside 0..31"):
+        AugmentSpec(crop_pad=32).check(32)
+    assert AugmentSpec(crop_pad=2, cutout=5, flip=False).ranges(20) == {"dy": 4, "dx": 4, "flip": 0, "cy": 15, "cx": 15}
+    # every integer parameter the draws fill has its range, and the draws stay inside it
+    spec = AugmentSpec(crop_pad=3, cutout=6, brightness=0.1)
+    p = draw_params(500, spec, torch.Generator().manual_seed(1), "cpu", 24)
+    filled = {f.name for f in dataclasses.fields(p) if getattr(p, f.name) is not None}
+    assert filled - {"shift", "scale"} == set(spec.ranges(24))
+    assert all(0 <= getattr(p, name).min() and getattr(p, name).max() <= high for name, high in spec.ranges(24).items())
+
+
+@pytest.mark.parametrize("jitter", [{}, {"brightness": 0.2, "contrast": 0.1}])
+def test_an_epoch_plan_reaches_the_device_whole(jitter):
+    """``plan_to_device`` copies the order and every parameter the draws filled (by dtype, one copy
+    each), whatever their names: each arrives equal, the unfilled ones stay None."""
+    from fastcifar.data.loader import plan_to_device
+
+    spec = AugmentSpec(crop_pad=2, cutout=4, **jitter)
+    order = torch.randperm(30, generator=torch.Generator().manual_seed(0))
+    params = draw_params(30, spec, torch.Generator().manual_seed(1), "cpu")
+    got_order, got = plan_to_device(order, params, torch.device("cpu"))
+    assert torch.equal(got_order, order)
+    for f in dataclasses.fields(params):
+        want, have = getattr(params, f.name), getattr(got, f.name)
+        assert (want is None and have is None) or (have.dtype == want.dtype and torch.equal(have, want)), f.name

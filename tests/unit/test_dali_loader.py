@@ -18,15 +18,16 @@ import torch
 
 from fastcifar.data import dali as dl
 from fastcifar.data import shard_indices
-from fastcifar.data.dali import (
-    DaliLoader,
-    DaliUnavailableError,
-    JpegDecodeError,
-    dali_available,
-    decode_jpegs,
-    resolve_loader,
+from fastcifar.data.dali import DaliLoader, DaliUnavailableError, JpegDecodeError, dali_available, decode_jpegs
+from fastcifar.ops.augment import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    AugmentSpec,
+    augment_reference,
+    draw_params,
+    normalize,
+    pad_images,
 )
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, augment_reference, draw_params, normalize, pad_images
 
 HAVE_DALI, WHY = dali_available()
 # the exception's kind only: its message may name a library's path outside the repository
@@ -50,36 +51,14 @@ def pinned(pad: int, cutout: int, flip: bool, seed: int = 0, size: int = 32, **j
     drawn = {}
 
     def params_fn(epoch: int, step: int, batch: int):
-        drawn[epoch, step] = draw_params(batch, pad, cutout, g, "cpu", size=size, flip=flip, **jitter)
+        spec = AugmentSpec(crop_pad=pad, cutout=cutout, flip=flip, **jitter)
+        drawn[epoch, step] = draw_params(batch, spec, g, "cpu", size=size)
         return drawn[epoch, step]
 
     return params_fn, drawn
 
 
-# ---- loader resolution (no DALI needed) ----
-
-
-def test_resolve_loader_explicit_and_auto(monkeypatch):
-    assert resolve_loader("torch", "cuda") == ("torch", None)
-    monkeypatch.setattr(dl, "dali_available", lambda: (True, "DALI 9.9"))
-    assert resolve_loader("dali", "cuda") == ("dali", None)
-    # measured: the torch loader on CUDA (H100, ~10x DALI's images/s), DALI on the CPU backend
-    assert resolve_loader("auto", "cuda:1") == ("torch", None)
-    assert resolve_loader("auto", "cpu") == ("dali", None)
-    monkeypatch.setitem(dl.AUTO_LOADER, "cpu", "torch")
-    assert resolve_loader("auto", "cpu") == ("torch", None)
-    with pytest.raises(ValueError, match="--loader must be one of"):
-        resolve_loader("nvidia", "cuda")
-
-
-def test_missing_dali_fails_explicit_request_and_notices_fallback(monkeypatch):
-    monkeypatch.setattr(dl, "dali_available", lambda: (False, "ImportError: No module named 'nvidia.dali'"))
-    with pytest.raises(DaliUnavailableError) as err:
-        resolve_loader("dali", "cuda")
-    assert "\n" not in str(err.value) and "--loader dali" in str(err.value) and "nvidia.dali" in str(err.value)
-    monkeypatch.setitem(dl.AUTO_LOADER, "cuda", "dali")
-    name, notice = resolve_loader("auto", "cuda")
-    assert name == "torch" and "\n" not in notice and "DALI unavailable" in notice
+# ---- DALI missing (no DALI needed) ----
 
 
 def test_dali_available_reports_a_broken_import(monkeypatch):
@@ -117,7 +96,9 @@ def test_normalization_matches_reference(dtype, ulp):
     """No augmentation: the output is (x - mean) / std of the image its label names, within 1 ulp
     (DALI multiplies by 1/std; the reference divides). |output| < 4, so ``ulp`` is one ulp at 2..4."""
     images = random_images(64, seed=1)
-    loader = DaliLoader(images, np.arange(64), None, 32, pad=0, cutout=0, flip=False, dtype=dtype)
+    loader = DaliLoader(
+        images, np.arange(64), None, 32, augment=AugmentSpec(crop_pad=0, cutout=0, flip=False), dtype=dtype
+    )
     for x, y in loader:
         ref = normalize(torch.from_numpy(images)[y], CIFAR10_MEAN, CIFAR10_STD, dtype)
         diff = (x.float() - ref.float()).abs()
@@ -141,23 +122,13 @@ def test_augmentation_exact_against_reference(pad, pad_mode, cutout, flip):
     """Pinned parameters: DALI's crop/flip/cutout equal augment_reference bit for bit (batch of 5)."""
     images = random_images(23, seed=2)
     params_fn, drawn = pinned(pad, cutout, flip)
-    loader = DaliLoader(
-        images,
-        np.arange(23),
-        None,
-        5,
-        pad=pad,
-        pad_mode=pad_mode,
-        cutout=cutout,
-        flip=flip,
-        params_fn=params_fn,
-        **IDENTITY,
-    )
+    spec = AugmentSpec(crop_pad=pad, pad_mode=pad_mode, cutout=cutout, flip=flip)
+    loader = DaliLoader(images, np.arange(23), None, 5, augment=spec, params_fn=params_fn, **IDENTITY)
     padded = pad_images(torch.from_numpy(images), pad, pad_mode)
     for epoch in range(2):
         loader.set_epoch(0, epoch)
         for step, (x, y) in enumerate(loader):
-            ref = augment_reference(padded[y], drawn[epoch, step], cutout, **IDENTITY)
+            ref = augment_reference(padded[y], drawn[epoch, step], spec, **IDENTITY)
             bad = (x != ref).any(dim=1).nonzero()
             assert len(bad) == 0, (
                 f"epoch {epoch} step {step}: {len(bad)} pixels differ, first (b, y, x) {bad[0].tolist()}"
@@ -173,28 +144,25 @@ def test_jitter_exact_against_reference(cutout, jitter):
     bit for bit the reference's, before the cutout; the loader's own draws are the torch loader's."""
     images = random_images(23, seed=4)
     params_fn, drawn = pinned(2, cutout, True, **jitter)
-    loader = DaliLoader(images, np.arange(23), None, 5, pad=2, cutout=cutout, params_fn=params_fn, **jitter, **IDENTITY)
+    spec = AugmentSpec(crop_pad=2, cutout=cutout, **jitter)
+    loader = DaliLoader(images, np.arange(23), None, 5, augment=spec, params_fn=params_fn, **IDENTITY)
     padded = pad_images(torch.from_numpy(images), 2, "reflect")
     for step, (x, y) in enumerate(loader):
         assert drawn[0, step].jitter
-        ref = augment_reference(padded[y], drawn[0, step], cutout, **IDENTITY)
+        ref = augment_reference(padded[y], drawn[0, step], spec, **IDENTITY)
         assert torch.equal(x, ref), f"step {step}: max |dali - reference| {(x - ref).abs().max().item():.3g}"
     from fastcifar.data.loader import TorchLoader
 
-    own = DaliLoader(images, np.arange(23), None, 5, pad=2, cutout=cutout, **jitter, **IDENTITY)
+    own = DaliLoader(images, np.arange(23), None, 5, augment=spec, **IDENTITY)
     torch_loader = TorchLoader(
         images,
         np.arange(23),
         np.arange(23),
         5,
         4,
-        pad=2,
-        pad_mode="reflect",
-        cutout=cutout,
-        flip=True,
+        augment=spec,
         dtype=torch.float32,
         device=torch.device("cpu"),
-        **jitter,
         **IDENTITY,
     )
     for (a, ya), (b, yb) in zip(own, torch_loader, strict=True):
@@ -208,8 +176,8 @@ def test_pinned_jitter_must_match_the_loaders():
         np.arange(10),
         None,
         5,
-        brightness=0.1,
-        params_fn=lambda e, s, b: draw_params(b, 4, 8, torch.Generator(), "cpu"),
+        augment=AugmentSpec(brightness=0.1),
+        params_fn=lambda e, s, b: draw_params(b, AugmentSpec(), torch.Generator(), "cpu"),
     )
     with pytest.raises(ValueError, match="shift and scale must be given"):
         next(iter(jittering))
@@ -218,18 +186,23 @@ def test_pinned_jitter_must_match_the_loaders():
         np.arange(10),
         None,
         5,
-        params_fn=lambda e, s, b: draw_params(b, 4, 8, torch.Generator(), "cpu", contrast=0.1),
+        params_fn=lambda e, s, b: draw_params(b, AugmentSpec(contrast=0.1), torch.Generator(), "cpu"),
     )
     with pytest.raises(ValueError, match="shift and scale must be None"):
         next(iter(plain))
 
     def bad(shift):
-        p = draw_params(5, 4, 8, torch.Generator(), "cpu", brightness=0.1)
+        p = draw_params(5, AugmentSpec(brightness=0.1), torch.Generator(), "cpu")
         return p.__class__(p.dy, p.dx, p.flip, p.cy, p.cx, shift=shift, scale=torch.ones(len(shift)))
 
     for shift, what in ((torch.zeros(4), "shape \\(4,\\)"), (torch.tensor([0.0, 0, float("nan"), 0, 0]), "finite")):
         loader = DaliLoader(
-            random_images(10), np.arange(10), None, 5, brightness=0.1, params_fn=lambda e, s, b, shift=shift: bad(shift)
+            random_images(10),
+            np.arange(10),
+            None,
+            5,
+            augment=AugmentSpec(brightness=0.1),
+            params_fn=lambda e, s, b, shift=shift: bad(shift),
         )
         with pytest.raises(
             ValueError,
@@ -255,7 +228,9 @@ def test_fp16_cutout_is_erased_in_float32_and_rounded_once(cutout, monkeypatch):
             return _op(*args, **kwargs)
 
         monkeypatch.setattr(fn, name, recorded)
-    loader = DaliLoader(random_images(20, seed=3), np.arange(20), None, 10, cutout=cutout, dtype=torch.float16)
+    loader = DaliLoader(
+        random_images(20, seed=3), np.arange(20), None, 10, augment=AugmentSpec(cutout=cutout), dtype=torch.float16
+    )
     if cutout:
         assert built == [("crop_mirror_normalize", types.FLOAT), ("erase", None), ("cast", types.FLOAT16)]
     else:
@@ -264,7 +239,12 @@ def test_fp16_cutout_is_erased_in_float32_and_rounded_once(cutout, monkeypatch):
     assert x.dtype == torch.float16
     built.clear()  # the jitter, too, works in float32 and rounds once, with or without a cutout
     jittering = DaliLoader(
-        random_images(20, seed=3), np.arange(20), None, 10, cutout=cutout, dtype=torch.float16, brightness=0.2
+        random_images(20, seed=3),
+        np.arange(20),
+        None,
+        10,
+        augment=AugmentSpec(cutout=cutout, brightness=0.2),
+        dtype=torch.float16,
     )
     assert built == [
         ("crop_mirror_normalize", types.FLOAT),
@@ -281,14 +261,14 @@ def test_augmentation_fp16_with_cifar_statistics():
     loader = DaliLoader(images, np.arange(20), None, 10, dtype=torch.float16, params_fn=params_fn)
     padded = pad_images(torch.from_numpy(images), 4, "reflect")
     for step, (x, y) in enumerate(loader):
-        ref = augment_reference(padded[y], drawn[0, step], 8, dtype=torch.float16)
+        ref = augment_reference(padded[y], drawn[0, step], AugmentSpec(cutout=8), dtype=torch.float16)
         assert (x.float() - ref.float()).abs().max().item() <= 2.0**-9  # one fp16 ulp at 2..4
 
 
 @needs_dali
 def test_pinned_params_out_of_range_are_rejected():
     def params_fn(epoch, step, batch):
-        p = draw_params(batch, 4, 8, torch.Generator().manual_seed(0), "cpu")
+        p = draw_params(batch, AugmentSpec(), torch.Generator().manual_seed(0), "cpu")
         return p.__class__(p.dy + 9, p.dx, p.flip, p.cy, p.cx)
 
     loader = DaliLoader(random_images(8), np.arange(8), None, 8, params_fn=params_fn)
@@ -359,9 +339,7 @@ def test_random_parameters_are_distributed_as_the_recipe():
         np.arange(n),
         None,
         512,
-        pad=pad,
-        pad_mode="zero",
-        cutout=cutout,
+        augment=AugmentSpec(crop_pad=pad, pad_mode="zero", cutout=cutout),
         mean=(-1.0, -1.0, -1.0),
         std=(1.0, 1.0, 1.0),
         seed=123,
@@ -406,8 +384,8 @@ def test_an_epoch_prepared_ahead_feeds_the_same_batches():
     """The trainer prepares epoch e+1 while epoch e's steps run: DALI then gets the same order and
     augmentation arguments as when it draws them at the epoch's start."""
     images = random_images(48, seed=5)
-    a = DaliLoader(images, np.arange(48), None, 16, seed=3, pad=4, cutout=8)
-    b = DaliLoader(images, np.arange(48), None, 16, seed=3, pad=4, cutout=8)
+    a = DaliLoader(images, np.arange(48), None, 16, seed=3, augment=AugmentSpec(crop_pad=4, cutout=8))
+    b = DaliLoader(images, np.arange(48), None, 16, seed=3, augment=AugmentSpec(crop_pad=4, cutout=8))
     a.set_epoch(3, 1)
     want = [(x.clone(), y.clone()) for x, y in a]
     b.prepare(3, 1)
@@ -506,8 +484,11 @@ def test_prefetch_keeps_batches_in_flight_and_abandoned_passes_drain():
 )
 def test_bad_inputs_are_rejected(images, labels, kwargs, error, match):
     kwargs = {"shard": None, "batch_size": 4, **kwargs}
+    augment = {k: kwargs.pop(k) for k in ("pad_mode", "cutout") if k in kwargs}
     with pytest.raises(error, match=match):
-        DaliLoader(images, labels, kwargs.pop("shard"), kwargs.pop("batch_size"), **kwargs)
+        DaliLoader(
+            images, labels, kwargs.pop("shard"), kwargs.pop("batch_size"), augment=AugmentSpec(**augment), **kwargs
+        )
 
 
 # ---- JPEG decode-once ----
@@ -617,15 +598,9 @@ def test_non_jpeg_and_wrong_size_are_rejected():
 def test_cuda_augmentation_matches_reference(pad_mode, jitter):
     images = torch.from_numpy(random_images(70, seed=9)).cuda()  # resident: no host round trip
     params_fn, drawn = pinned(4, 8, True, **jitter)
+    spec = AugmentSpec(pad_mode=pad_mode, **jitter)
     loader = DaliLoader(
-        images,
-        torch.arange(70, device="cuda"),
-        None,
-        32,
-        pad_mode=pad_mode,
-        device="cuda",
-        params_fn=params_fn,
-        **jitter,
+        images, torch.arange(70, device="cuda"), None, 32, augment=spec, device="cuda", params_fn=params_fn
     )
     padded = pad_images(images, 4, pad_mode)
     sx = torch.empty(32, 3, 32, 32, dtype=torch.float16, device="cuda").contiguous(memory_format=torch.channels_last)
@@ -639,7 +614,7 @@ def test_cuda_augmentation_matches_reference(pad_mode, jitter):
                 assert x.dtype == torch.float16 and x.is_cuda and x.is_contiguous(memory_format=torch.channels_last)
                 p = drawn[epoch, step].part(0, 32)
                 p = p.__class__(**{k: None if v is None else v.cuda() for k, v in vars(p).items()})
-                ref = augment_reference(padded[y], p, 8, dtype=torch.float16)
+                ref = augment_reference(padded[y], p, spec, dtype=torch.float16)
                 # one fp16 ulp at 2..4 (the jitter's 0.14/0.13 keep CIFAR's values within about +-2.6)
                 assert (x.float() - ref.float()).abs().max().item() <= 2.0**-9
                 assert not static or x.data_ptr() == sx.data_ptr()

@@ -17,9 +17,11 @@ from conftest import one_line_error
 
 from fastcifar.core.config import ConfigError, from_preset, validate
 from fastcifar.data import shard_indices
-from fastcifar.data.dali import dali_available, make_train_loader
+from fastcifar.data.dali import dali_available
 from fastcifar.data.loader import EmulatedRanks
+from fastcifar.data.train_loader import make_train_loader
 from fastcifar.models.network import build_model, norm_layers
+from fastcifar.ops.augment import AugmentSpec
 from fastcifar.ops.norm_act_pool import NormActPool, PerRankStatistics, per_rank
 from fastcifar.run import recipe
 from fastcifar.run.schedule import DeviceSchedule, lr_schedule
@@ -27,7 +29,11 @@ from fastcifar.run.step import make_step
 
 CPU = torch.device("cpu")
 CL = torch.channels_last
-AUGMENT = dict(pad=2, pad_mode="reflect", cutout=4, flip=True, flip_mode="alternate", dtype=torch.float32, device=CPU)
+AUGMENT = dict(
+    augment=AugmentSpec(crop_pad=2, pad_mode="reflect", cutout=4, flip=True, flip_mode="alternate"),
+    dtype=torch.float32,
+    device=CPU,
+)
 
 
 def _data(n=101, seed=0):

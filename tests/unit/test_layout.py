@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from fastcifar.data.loader import TorchLoader
 from fastcifar.ops import augment as aug
-from fastcifar.ops.augment import draw_params, pad_images
+from fastcifar.ops.augment import AugmentSpec, draw_params, pad_images
 from fastcifar.ops.tta import tta_logits
 
 CL = torch.channels_last
@@ -106,10 +106,7 @@ def test_triton_loader_batch_under_cuda_layouts(cuda_layouts):
             shard,
             8,
             2,
-            pad=2,
-            pad_mode="reflect",
-            cutout=4,
-            flip=True,
+            augment=AugmentSpec(crop_pad=2, pad_mode="reflect", cutout=4, flip=True),
             dtype=torch.float32,
             device=device,
             kernels=kernels,
@@ -138,6 +135,6 @@ def test_tta_feeds_the_model_channels_last_under_cuda_layouts(cuda_layouts, leve
 
 def test_augment_reference_output_is_channels_last(cuda_layouts):
     padded = pad_images(_images(n=4), 2, "reflect")
-    params = draw_params(4, 2, 4, torch.Generator().manual_seed(0), "cpu")
-    out = aug.augment_reference(padded, params, 4)
+    spec = AugmentSpec(crop_pad=2, cutout=4)
+    out = aug.augment_reference(padded, draw_params(4, spec, torch.Generator().manual_seed(0), "cpu"), spec)
     assert out.is_contiguous(memory_format=CL)

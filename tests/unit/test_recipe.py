@@ -17,7 +17,7 @@ from fastcifar.data.loader import TorchLoader
 from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.models.network import make_network, norm_layers
 from fastcifar.models.resnet9 import ResNet9
-from fastcifar.ops.augment import alternating_flip, draw_params, normalize
+from fastcifar.ops.augment import AugmentSpec, alternating_flip, draw_params, normalize
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.ops.tta import translations, tta_logits
 from fastcifar.parallel.distributed import DistContext
@@ -300,10 +300,7 @@ def test_whitening_init_runs_at_epoch_zero_from_the_loader(eps):
         np.arange(40),
         10,
         4,
-        pad=2,
-        pad_mode="reflect",
-        cutout=0,
-        flip=True,
+        augment=AugmentSpec(crop_pad=2, pad_mode="reflect", cutout=0, flip=True),
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
@@ -393,19 +390,23 @@ def test_alternating_flip_alternates_and_mirrors_half_per_epoch():
 def test_draw_params_alternate_mode():
     g = torch.Generator().manual_seed(0)
     index = torch.tensor([5, 9, 100, 7])
-    p = draw_params(4, pad=2, cutout=0, generator=g, device="cpu", flip_mode="alternate", index=index, epoch=1, seed=2)
+    alternate = AugmentSpec(crop_pad=2, cutout=0, flip_mode="alternate")
+    p = draw_params(4, alternate, generator=g, device="cpu", index=index, epoch=1, seed=2)
     assert torch.equal(p.flip, alternating_flip(index, 1, 2))
     g2 = torch.Generator().manual_seed(0)
-    r = draw_params(4, pad=2, cutout=0, generator=g2, device="cpu")
+    r = draw_params(4, AugmentSpec(crop_pad=2, cutout=0), generator=g2, device="cpu")
     off = draw_params(
-        4, pad=2, cutout=0, generator=torch.Generator().manual_seed(0), device="cpu", flip=False, flip_mode="alternate"
+        4,
+        AugmentSpec(crop_pad=2, cutout=0, flip=False, flip_mode="alternate"),
+        generator=torch.Generator().manual_seed(0),
+        device="cpu",
     )
     assert not off.flip.any()
     assert p.dy.shape == r.dy.shape == (4,)
     with pytest.raises(ValueError, match="indices"):
-        draw_params(4, pad=2, cutout=0, generator=g, device="cpu", flip_mode="alternate")
+        draw_params(4, alternate, generator=g, device="cpu")
     with pytest.raises(ValueError, match="flip mode"):
-        draw_params(4, pad=2, cutout=0, generator=g, device="cpu", flip_mode="sometimes")
+        draw_params(4, AugmentSpec(crop_pad=2, cutout=0, flip_mode="sometimes"), generator=g, device="cpu")
 
 
 def test_loader_alternates_each_images_flip_across_epochs():
@@ -420,13 +421,9 @@ def test_loader_alternates_each_images_flip_across_epochs():
         shard,
         batch_size=6,
         steps_per_epoch=4,
-        pad=0,
-        pad_mode="reflect",
-        cutout=0,
-        flip=True,
+        augment=AugmentSpec(crop_pad=0, pad_mode="reflect", cutout=0, flip=True, flip_mode="alternate"),
         dtype=torch.float32,
         device=torch.device("cpu"),
-        flip_mode="alternate",
     )
     plain = normalize(torch.from_numpy(images))
 

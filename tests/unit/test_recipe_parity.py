@@ -30,6 +30,7 @@ from fastcifar.data import load_dataset, shard_indices
 from fastcifar.data.loader import EvalSet, TorchLoader
 from fastcifar.models.fastnet import init_whitening
 from fastcifar.models.network import make_network
+from fastcifar.ops.augment import AugmentSpec
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.parallel.distributed import DistContext
 from fastcifar.run.schedule import epoch_lengths, lr_schedule
@@ -257,11 +258,7 @@ def test_fast_training_equals_the_published_recipe(tmp_path, learnable_data):
         shard_indices(len(data.train_labels), 0, 1),
         batch,
         steps,
-        pad=2,
-        pad_mode="reflect",
-        cutout=0,
-        flip=True,
-        flip_mode="alternate",
+        augment=AugmentSpec(crop_pad=2, pad_mode="reflect", cutout=0, flip=True, flip_mode="alternate"),
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
