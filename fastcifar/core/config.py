@@ -67,7 +67,7 @@ class Config:
     loader: str = setting(
         "auto",
         "dali | torch (plain torch ops on device-resident uint8) | auto: torch on CUDA, dali on the CPU (the faster "
-        "measured: fastcifar.data.dali.AUTO_LOADER)",
+        "measured: fastcifar.data.train_loader.AUTO_LOADER)",
         group="data",
     )
     # model (fields marked "fastnet:" act with --arch fastnet only)
