@@ -344,7 +344,7 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     loader.quiesce()  # DALI's threads must make no CUDA calls during capture
     model.train()
     hooks = recipe.RunHooks(cfg, model, loader)  # lookahead
-    network_parts = whitening.for_model(cfg, model, opt, loader, ctx, train_step)  # a whitening conv's init, freeze
+    network_parts = whitening.for_model(cfg, model, opt, loader, ctx, train_step)  # its whitening conv's, if any
     with session.progress.stage(f"run {run}: warm-up" + (" and graph capture" if session.use_graphs else "")):
         train_step.warm_up_and_capture(cfg.warmup_steps)
         for part in network_parts:
