@@ -48,7 +48,7 @@ from fastcifar.models.network import build_model
 from fastcifar.ops.augment import AugmentSpec
 from fastcifar.parallel import distributed
 from fastcifar.parallel.sync import GradientSync, capture_blocker
-from fastcifar.run import components, graphs, profiling, recipe, report, state
+from fastcifar.run import components, graphs, profiling, recipe, report, state, whitening
 from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep
 from fastcifar.run.progress import Progress, chunked_decoder
 from fastcifar.run.report import EpochRecord, RunLog, RunResult, device_info, process_start_time, provenance, versions
@@ -340,10 +340,12 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     train_step.batch.load(*next(iter(loader)))
     loader.quiesce()  # DALI's threads must make no CUDA calls during capture
     model.train()
-    hooks = recipe.RunHooks(cfg, model, opt, loader, ctx, train_step)  # whitening init, bias freeze, lookahead
+    hooks = recipe.RunHooks(cfg, model, loader)  # lookahead
+    network_parts = whitening.for_model(cfg, model, opt, loader, ctx, train_step)  # its whitening conv's, if any
     with session.progress.stage(f"run {run}: warm-up" + (" and graph capture" if session.use_graphs else "")):
         train_step.warm_up_and_capture(cfg.warmup_steps)
-        hooks.warm_up(cfg.warmup_steps)  # the step after the whitening bias freezes; cuSOLVER's first load
+        for part in network_parts:
+            part.warm_up(cfg.warmup_steps)  # the step after the whitening bias freezes; cuSOLVER's first load
     step_s = timed(train_step, ctx.device)  # one more step, for the run's estimate; undone by the restore below
     model.load_state_dict(initial)
     opt.reset_state()
@@ -355,7 +357,7 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     eval_s = timed_eval(eval_step, ctx.device)  # an evaluation batch, or a slice of it scaled, for the estimate
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
-    run_parts = components.for_run(session, run, parts, sync, sparse, lengths, eval_step, watchdog)
+    run_parts = components.for_run(session, run, network_parts, parts, sync, sparse, lengths, eval_step, watchdog)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
     # the run's first line: what it will take in all, from the step and evaluation timed above

@@ -251,7 +251,7 @@ class EmulatedRanks(TrainLoader):
 
     def plain_images(self, n: int) -> torch.Tensor:
         """What N ranks' data-dependent init reads together: each rank's first ``ceil(n / N)``
-        images (``run.recipe.RunHooks.init_whitening`` gives each rank that share, and sums the
+        images (``run.whitening.Whitening.init_whitening`` gives each rank that share, and sums the
         ranks' patch covariances; here the covariance of their images together)."""
         share = -(-n // len(self.loaders))
         return torch.cat([loader.plain_images(share) for loader in self.loaders])

@@ -32,5 +32,9 @@ class AlexNet(nn.Module):
         )
         self.fc = nn.Linear(w5, num_classes)
 
+    @classmethod
+    def from_config(cls, cfg, norm: NormFactory, num_classes: int) -> AlexNet:
+        return cls(num_classes, widths=cfg.widths, norm=norm)
+
     def forward(self, x):
         return self.fc(self.features(x).flatten(1))

@@ -14,7 +14,7 @@ airbench); the code and its tests are ours.
 The first conv whitens 2x2 patches: its weights are the eigenvectors of the patches' second moment,
 each scaled by 1/sqrt(eigenvalue + eps), once with each sign (so the GELU after it keeps both
 halves of every direction). The weights come from training images, so ``init_whitening`` runs
-inside the timed region (see ``fastcifar.run.recipe``), and they are then frozen.
+inside the timed region (see ``fastcifar.run.whitening``), and they are then frozen.
 """
 
 from __future__ import annotations
@@ -68,6 +68,22 @@ class FastNet(nn.Module):
                     nn.init.dirac_(m.weight[: m.in_channels])
             if head_unit_init:  # airbench94_muon's head: std 1, paired with logits / width
                 self.fc.weight.div_(self.fc.weight.std())
+
+    @classmethod
+    def from_config(cls, cfg, norm: NormFactory, num_classes: int) -> FastNet:
+        """The network of ``cfg``: its widths, whitening kernel, activation and head; the
+        whitening conv's weights take no step with ``--whiten-frozen`` (the data init sets them)."""
+        model = cls(
+            num_classes,
+            widths=cfg.widths,
+            norm=norm,
+            whiten_kernel=cfg.whiten_kernel,
+            logit_scale=cfg.logit_scale or 1 / 9,
+            head_unit_init=cfg.head_unit_init,
+            act=cfg.activation,
+        )
+        model.whiten.weight.requires_grad_(not cfg.whiten_frozen)
+        return model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = activation(self.whiten(x), self.act)

@@ -1,20 +1,64 @@
-"""The ``--arch`` network of a Config, built from a ``norm`` block factory (``NormActPool`` or its
-Triton drop-in, ``blocks.norm_blocks``): batchnorm momentum and eps, frozen scales, a frozen
-whitening conv. The trainer, the model files and the tests all build networks here."""
+"""The networks' contract with the trainer, the table of ``--arch`` choices, and the network of a
+Config built for a run.
+
+``Network`` is what every network offers the trainer; ``WhiteningNetwork`` is a network whose first
+layer is a whitening conv set from the data (the run adds ``run.whitening.Whitening`` for it). A
+network class builds itself from a Config (``from_config``: the ``norm`` block factory is
+``NormActPool`` or its Triton drop-in, ``blocks.norm_blocks``) and has one entry in ``NETWORKS``;
+``make_network`` adds what every network gets alike (batchnorm momentum and eps, frozen scales).
+The trainer, the model files and the tests all build networks here."""
 
 from __future__ import annotations
 
 import functools
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from fastcifar.models import compiled
 from fastcifar.models.alexnet import AlexNet
-from fastcifar.models.blocks import fuse_conv_blocks, norm_factory, resolve_kernels
+from fastcifar.models.blocks import NormFactory, fuse_conv_blocks, norm_factory, resolve_kernels
 from fastcifar.models.fastnet import FastNet
 from fastcifar.models.resnet9 import ResNet9
 from fastcifar.ops.norm_act_pool import per_rank
+
+
+@runtime_checkable
+class Network(Protocol):
+    """What every network offers the trainer, besides being an ``nn.Module`` (parameters, state
+    dict, train/eval, ``.to``):
+
+    - ``forward(images)``: NCHW images (channels-last in memory on a run's device; 32x32, the
+      normalized 3 channels) -> logits, (N, num_classes), in the images' dtype;
+    - ``fc``: the head, the linear classifier that makes the logits; its weight is the optimizer's
+      "head" group (``run.recipe.param_groups``, at ``--head-lr-scale``), its parameters stay
+      trainable under every sparse mask (``run.sparse.masks.forced_names``). Its name is the
+      model files' (``fc.weight``), so it stays;
+    - ``from_config(cfg, norm, num_classes)``: the network of ``cfg`` (``cfg.widths`` and its own
+      fields), with ``norm`` as every block's normalize block (momentum and eps already bound).
+    """
+
+    fc: nn.Linear
+
+    @classmethod
+    def from_config(cls, cfg, norm: NormFactory, num_classes: int) -> Network: ...
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class WhiteningNetwork(Network, Protocol):
+    """A network whose first layer, ``whiten``, is a conv whose weights are set from training
+    images at the start of training (``models.fastnet.init_whitening``) and whose bias trains for
+    the first ``--whiten-bias-epochs`` only: ``run.whitening.Whitening`` does both. With
+    ``--whiten-frozen`` (the network's ``from_config`` reads it) its weights take no step."""
+
+    whiten: nn.Conv2d
+
+
+# --arch -> the network's class: a new network is its class (the contract above) and one entry
+NETWORKS: dict[str, type[Network]] = {"resnet9": ResNet9, "fastnet": FastNet, "alexnet": AlexNet}
 
 
 def norm_layers(model: nn.Module) -> list[nn.Module]:
@@ -28,24 +72,12 @@ def norm_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def make_network(cfg, norm, num_classes: int = 10) -> nn.Module:
-    norm = functools.partial(norm, momentum=cfg.bn_momentum, eps=cfg.bn_eps)
-    if cfg.arch == "resnet9":
-        model = ResNet9(num_classes, widths=cfg.widths, norm=norm)
-    elif cfg.arch == "alexnet":
-        model = AlexNet(num_classes, widths=cfg.widths, norm=norm)
-    elif cfg.arch == "fastnet":
-        model = FastNet(
-            num_classes,
-            widths=cfg.widths,
-            norm=norm,
-            whiten_kernel=cfg.whiten_kernel,
-            logit_scale=cfg.logit_scale or 1 / 9,
-            head_unit_init=cfg.head_unit_init,
-            act=cfg.activation,
-        )
-        model.whiten.weight.requires_grad_(not cfg.whiten_frozen)
-    else:
+    """The ``--arch`` network of ``cfg`` (``NETWORKS``), its blocks' batchnorm at ``--bn-momentum``
+    and ``--bn-eps``, their scales frozen with ``--bn-scale-frozen``."""
+    if cfg.arch not in NETWORKS:
         raise ValueError(f"unknown arch {cfg.arch!r}")
+    norm = functools.partial(norm, momentum=cfg.bn_momentum, eps=cfg.bn_eps)
+    model = NETWORKS[cfg.arch].from_config(cfg, norm, num_classes)
     if cfg.bn_scale_frozen:
         for m in norm_layers(model):
             m.weight.requires_grad_(False)  # stays at its init, 1: the next conv's scale absorbs it

@@ -47,6 +47,10 @@ class ResNet9(nn.Module):
         self.fc = nn.Linear(w3, num_classes, bias=False)
         self.logit_scale = logit_scale
 
+    @classmethod
+    def from_config(cls, cfg, norm: NormFactory, num_classes: int) -> ResNet9:
+        return cls(num_classes, widths=cfg.widths, norm=norm)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layer3(self.layer2(self.layer1(self.prep(x))))
         x = global_max_pool(x)

@@ -1,6 +1,6 @@
 """What a run may switch on, as one small interface the trainer calls at fixed points.
 
-The recipe's hooks (whitening init, bias freeze, lookahead), sparse training, checkpoints, the
+A whitening conv's init and bias freeze, the recipe's lookahead, sparse training, checkpoints, the
 divergence guard, the profiler window, the progress watchdog, the gradient sync's clean-up and the
 model file are each a ``Component``: the trainer builds the run's list once
 (``run.components.for_run``) and calls every member at each point, in list order. A component

@@ -2,10 +2,11 @@
 
 ``Session`` is what every run of one invocation shares; ``for_run`` lists the components of one
 run, in the order the trainer calls them at each point. The order matters where two act at the
-same point: after a step the recipe's lookahead syncs before local SGD merges, the profiler window
-counts the step, and the watchdog hears last; after an epoch's evaluation a sparse diff is written,
-the epoch goes to TensorBoard (--tensorboard), the guard may stop the run, a checkpoint is saved,
-then the watchdog hears.
+same point: at epoch 0's start the whitening init (``run.whitening``) runs before the lookahead's
+slow copy is taken and the sparse masks are chosen; after a step the recipe's lookahead syncs
+before local SGD merges, the profiler window counts the step, and the watchdog hears last; after
+an epoch's evaluation a sparse diff is written, the epoch goes to TensorBoard (--tensorboard), the
+guard may stop the run, a checkpoint is saved, then the watchdog hears.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def check(cfg: Config) -> None:
 def for_run(
     session: Session,
     run: int,
+    network_parts: list[Component],
     parts: dict,
     sync: GradientSync,
     sparse: SparseRun,
@@ -157,10 +159,12 @@ def for_run(
     watchdog: Watchdog,
 ) -> Components:
     """The components of run ``run`` (0: an unlogged warm-up run, which saves and resumes nothing).
-    ``parts``: the run's objects a training state covers (run.state); ``lengths``: steps per epoch;
-    ``watchdog``: the run's, started before its warm-up."""
+    ``network_parts``: what the network's contracts ask of the run (``whitening.for_model``: a
+    whitening conv's init and bias freeze), first at every point; ``parts``: the run's objects a
+    training state covers (run.state); ``lengths``: steps per epoch; ``watchdog``: the run's,
+    started before its warm-up."""
     cfg, log = session.cfg, session.log
-    members: list[Component] = [parts["hooks"], sparse]  # built after warm-up: the window may start at 0
+    members: list[Component] = [*network_parts, parts["hooks"], sparse]  # after warm-up: the window may start at 0
     members.append(profiling.StepWindow(cfg.profile_steps if run == 1 else ""))  # nsys range, profiler steps
     if cfg.tensorboard and log.dir is not None and run:  # rank 0; before the guard: a diverged epoch is shown too
         images_per_step = session.train_loader.batch_size * session.ctx.world_size

@@ -7,16 +7,76 @@ keeps the rate in a 0-dim tensor on the parameters' device and does the whole up
 ``torch._foreach_*`` ops, grouped by dtype (fp16 weights, fp32 batchnorm) and by param group
 (each with its own rate multiplier and weight decay, e.g. batchnorm biases at 64x the rate). It computes exactly what
 ``torch.optim.SGD(momentum, nesterov, weight_decay)`` computes; a test holds it to that.
+
+``Optimizer`` is what the trainer, resume and sparse training ask of an optimizer; every optimizer
+here declares it (a test checks each defines every member itself), and ``run.recipe.OPTIMIZERS``
+names them for ``--optimizer``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Protocol, runtime_checkable
 
 import torch
 
 
-class NesterovSGD:
+@runtime_checkable
+class Optimizer(Protocol):
+    """What a run asks of its optimizer, and who asks:
+
+    - ``lr``: the global rate, a 0-dim float32 tensor on the parameters' device, written in place
+      each step by the schedule (``schedule.DeviceSchedule.apply`` inside the step: a captured
+      graph replays it);
+    - ``set_lr(value)``: the same rate set from the host (tests and tools outside a schedule);
+    - ``set_lr_scale(group, value)``: one named param group's rate multiplier, a device write too
+      (the whitening-bias freeze sets "whiten_bias" to 0: ``run.whitening``);
+    - ``step()`` and ``zero_grad()``: the training step's (``run.step.make_step``); ``zero_grad``
+      zeroes in place, as the gradient buckets own the gradients' storage;
+    - ``reset_state()``: momentum to zero, in place (the trainer after the warm-up steps; local
+      SGD's merge with ``--local-momentum reset``);
+    - ``state_dict()`` / ``load_state_dict(state)``: momentum and rate multipliers for
+      checkpoints (``run.state``'s "optimizer" entry), plain tensors on the CPU; loading writes in
+      place (a captured graph holds the tensors) and raises ValueError for state that does not
+      fit, leaving the optimizer as it was.
+    """
+
+    lr: torch.Tensor
+
+    def set_lr(self, value: float) -> None: ...
+
+    def set_lr_scale(self, group: str, value: float) -> None: ...
+
+    def step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def reset_state(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class Maskable(Optimizer, Protocol):
+    """An optimizer whose update sparse training masks (``run.sparse.update.MaskedOptimizer``):
+    its parameters in foreach groups it steps one group at a time, and their momentum.
+
+    - ``params``: the trainable parameters, in group order;
+    - ``groups``: the parameters as the update's groups (each one group, device and dtype);
+    - ``buffers``: the momentum of each, in the same nesting;
+    - ``take_weight_decay()``: each group's decay, handed over (the optimizer decays nothing after;
+      the caller decays under its mask)."""
+
+    params: list[torch.Tensor]
+    groups: list[list[torch.Tensor]]
+    buffers: list[list[torch.Tensor]]
+
+    def take_weight_decay(self) -> list[float]: ...
+
+
+class NesterovSGD(Maskable):
     """``params`` is an iterable of tensors, or of param groups: dicts with ``params``, and optionally
     ``name``, ``lr_scale`` (the group's rate is the global rate x this; default 1) and
     ``weight_decay`` (default: the argument). Parameters that do not require grad are left out, so
@@ -289,10 +349,10 @@ class Muon:
         torch._foreach_copy_(self.buffers, [t.to(self.buffers[0].device) for t in state["buffers"]])
 
 
-class MuonSGD:
-    """Muon on the conv filters and ``NesterovSGD`` on everything else, behind the optimizer
-    interface the trainer uses (``lr``, ``step``, ``zero_grad``, ``reset_state``, ``set_lr_scale``).
-    The filters' rate is the SGD rate tensor x a constant (``Muon.lr_ratio``)."""
+class MuonSGD(Optimizer):
+    """Muon on the conv filters and ``NesterovSGD`` on everything else, as one ``Optimizer``.
+    The filters' rate is the SGD rate tensor x a constant (``Muon.lr_ratio``). Not ``Maskable``:
+    sparse masks wrap Nesterov SGD alone (the config refuses ``--optimizer muon`` with them)."""
 
     def __init__(self, sgd: NesterovSGD, muon: Muon):
         if muon.lr_source is not sgd.lr:

@@ -14,7 +14,7 @@ from fastcifar.ops.tta import passes_per_image
 from fastcifar.parallel import distributed
 from fastcifar.run import profiling
 from fastcifar.run.graphs import EvalStep, TrainStep
-from fastcifar.run.optim import NesterovSGD
+from fastcifar.run.optim import Optimizer
 from fastcifar.run.schedule import DeviceSchedule
 
 NO_MARKERS = profiling.markers(False)  # (push, pop) that do nothing: a step without NVTX ranges
@@ -22,7 +22,7 @@ NO_MARKERS = profiling.markers(False)  # (push, pop) that do nothing: a step wit
 
 def make_step(
     net,
-    opt: NesterovSGD,
+    opt: Optimizer,
     schedule: DeviceSchedule,
     label_smoothing: float,
     markers=NO_MARKERS,

@@ -22,7 +22,8 @@ CHECK = textwrap.dedent("""
     from fastcifar.ops.augment import AugmentSpec
     from fastcifar.ops.norm_act_pool import NormActPool
     from fastcifar.run.optim import NesterovSGD
-    from fastcifar.run.recipe import RunHooks, param_groups
+    from fastcifar.run.recipe import param_groups
+    from fastcifar.run.whitening import Whitening
     from fastcifar.models.network import make_network
 
     ctx = distributed.setup("cpu")
@@ -40,7 +41,7 @@ CHECK = textwrap.dedent("""
     alone = make_network(cfg, NormActPool)
     from fastcifar.models.fastnet import init_whitening
     init_whitening(alone.whiten, loader.plain_images(30))  # this rank's images only
-    RunHooks(cfg, model, opt, loader, ctx).epoch_start(0)
+    Whitening(cfg, model, opt, loader, ctx).epoch_start(0)
     mine = model.whiten.weight.detach().clone()
     both = [torch.empty_like(mine) for _ in range(2)]
     dist.all_gather(both, mine)

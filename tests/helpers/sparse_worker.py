@@ -136,7 +136,7 @@ def disjoint(ctx):
             for r in range(ctx.world_size):
                 own = dealt[r][n]
                 torch.testing.assert_close(p[own], everyone[r][n][own], rtol=1e-6, atol=1e-7)
-        assert all(float(b.abs().sum()) == 0 for bufs in opt.buffers for b in bufs), "momentum was not reset"
+        assert all(float(b.abs().sum()) == 0 for bufs in opt.opt.buffers for b in bufs), "momentum was not reset"
     print(f"rank {ctx.rank} disjoint ok, {local.describe()}")
 
 
@@ -161,7 +161,7 @@ def grad_mask_change(ctx, layout="shared"):
     run = SparseRun(cfg, model, opt, None, ctx, log, run=1, seed=0)  # random masks: no loader read
     start = {n: p.detach().clone() for n, p in run.params.items()}
     for epoch in range(3):
-        bufs = [b for group in run.optimizer.buffers for b in group]
+        bufs = [b for group in run.optimizer.opt.buffers for b in group]
         before = [b.clone() for b in bufs]
         run.epoch_start(epoch)  # a new random mask every epoch (seed * 1000 + epoch)
         if epoch > 0:  # the mask changed: momentum is equal outside every mask, each rank's own inside

@@ -112,7 +112,17 @@ def test_the_run_components_and_their_order_with_the_watchdog_before_first_epoch
     a peer lost in the model handshake, warm-up or capture ends the rank as one lost in training."""
     events, members, _, watch = recorded
     assert members == [
-        ["RunHooks", "SparseRun", "StepWindow", "LossGuard", "Checkpoints", "SyncCleanup", "Watchdog", "ModelFile"]
+        [
+            "Whitening",
+            "RunHooks",
+            "SparseRun",
+            "StepWindow",
+            "LossGuard",
+            "Checkpoints",
+            "SyncCleanup",
+            "Watchdog",
+            "ModelFile",
+        ]
     ]
     assert [what for what, _ in watch].count("new") == 1 and watch[0] == ("new", 0), watch
     first_capture, start = events.index("capture"), events.index("start")

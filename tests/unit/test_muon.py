@@ -17,7 +17,7 @@ from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.parallel.distributed import DistContext
 from fastcifar.run import graphs
 from fastcifar.run.optim import NS_COEFFICIENTS, Muon, MuonSGD, newton_schulz
-from fastcifar.run.recipe import make_optimizer, param_groups
+from fastcifar.run.recipe import conv_filters, make_optimizer, param_groups
 from fastcifar.run.schedule import DeviceSchedule
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
@@ -123,14 +123,16 @@ def tiny_muon(**overrides):
 def test_groups_give_the_filters_to_muon_and_the_rest_to_sgd():
     cfg = tiny_muon()
     model = make_network(cfg, NormActPool)
-    groups = {g["name"]: g for g in param_groups(model, cfg, 100)}
+    rest, taken = conv_filters(param_groups(model, cfg, 100))
+    groups = {g["name"]: g for g in rest}
     filters = [p for p in model.parameters() if p.dim() == 4 and p.requires_grad]
-    assert len(filters) == 6 and [id(p) for p in groups["filters"]["params"]] == [id(p) for p in filters]
+    assert len(filters) == 6 and [id(p) for p in taken] == [id(p) for p in filters]
     # every trainable tensor is a filter, a bias or the head (frozen ones the optimizer skips)
     assert not [p for p in groups["weights"]["params"] if p.requires_grad]
     assert groups["head"]["params"] == [model.fc.weight] and groups["head"]["lr_scale"] == pytest.approx(0.67 / 0.053)
     opt = make_optimizer(model, cfg, 2000, peak=0.053, ctx=CPU)
     assert isinstance(opt, MuonSGD) and opt.muon.lr_ratio == pytest.approx(0.24 / 0.053)
+    assert [id(p) for p in opt.muon.params] == [id(p) for p in filters]
     assert opt.muon.ns_dtype == torch.float32  # the CPU; bfloat16 on CUDA
     assert model.fc.weight.std().item() == pytest.approx(1.0, rel=1e-5) and model.logit_scale == 1 / 256
     assert (
@@ -149,20 +151,15 @@ def test_muon_sgd_step_equals_a_plain_reference():
     ref.load_state_dict(model.state_dict())
     per_rank, peak = 50, 0.053
     opt = make_optimizer(model, cfg, per_rank, peak)
-    groups = param_groups(ref, cfg, per_rank)
-    by_name = {g["name"]: g for g in groups}
+    groups, filters = conv_filters(param_groups(ref, cfg, per_rank))
+    groups = [g for g in groups if g["params"]]
     ref_sgd = torch.optim.SGD(
-        [
-            {"params": g["params"], "weight_decay": g["weight_decay"]}
-            for g in groups
-            if g["name"] != "filters" and g["params"]
-        ],
+        [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
         lr=1.0,
         momentum=cfg.momentum,
         nesterov=True,
     )
-    scales = [g.get("lr_scale", 1.0) for g in groups if g["name"] != "filters" and g["params"]]
-    filters = by_name["filters"]["params"]
+    scales = [g.get("lr_scale", 1.0) for g in groups]
     bufs = [torch.zeros_like(p) for p in filters]
     ours = [p for p in model.parameters() if p.requires_grad]
     theirs = [p for p in ref.parameters() if p.requires_grad]
@@ -170,7 +167,7 @@ def test_muon_sgd_step_equals_a_plain_reference():
         lr = peak * (1 - step / 4)
         if step == 2:
             opt.set_lr_scale("whiten_bias", 0.0)
-            scales[[g["name"] for g in groups if g["name"] != "filters" and g["params"]].index("whiten_bias")] = 0.0
+            scales[[g["name"] for g in groups].index("whiten_bias")] = 0.0
         for p, q in zip(ours, theirs, strict=True):
             g = torch.randn_like(p)
             p.grad, q.grad = g.clone(), g.clone()

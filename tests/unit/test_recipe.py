@@ -1,7 +1,6 @@
 """The fast recipe's pieces on the CPU: param groups, frozen batchnorm scales, lookahead,
 alternating flips, TTA levels, the schedule's ends, and the presets."""
 
-import copy
 import dataclasses
 import itertools
 
@@ -14,16 +13,14 @@ from fastcifar.core.config import Config, ConfigError, from_preset, validate
 from fastcifar.core.options import parse_args
 from fastcifar.core.presets import DEFAULT_PRESET, PRESETS
 from fastcifar.data.loader import TorchLoader
-from fastcifar.models.fastnet import FastNet, init_whitening
 from fastcifar.models.network import make_network, norm_layers
-from fastcifar.models.resnet9 import ResNet9
 from fastcifar.ops.augment import AugmentSpec, alternating_flip, draw_params, normalize
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.ops.tta import translations, tta_logits
 from fastcifar.parallel.distributed import DistContext
 from fastcifar.run.averaging import Lookahead
 from fastcifar.run.optim import NesterovSGD
-from fastcifar.run.recipe import RunHooks, param_groups
+from fastcifar.run.recipe import param_groups
 from fastcifar.run.schedule import warmup_decay_lr
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
@@ -109,17 +106,15 @@ def test_recipe_groups_cover_every_trainable_parameter_once():
     assert not make_network(tiny_fast(), NormActPool).whiten.weight.requires_grad  # frozen: in no group
 
 
-# --- frozen batchnorm scales, higher bias lr, whitening-bias freeze ----------------------------
+# --- frozen batchnorm scales, higher bias lr ------------------------------------------------
 
 
-def run_steps(cfg, model, n, start_epoch=0):
+def run_steps(cfg, model, n):
     opt = NesterovSGD(
         param_groups(model, cfg, 8), lr=0.0, momentum=cfg.momentum, weight_decay=cfg.weight_decay * 8, nesterov=True
     )
-    hooks = RunHooks(dataclasses.replace(cfg, whiten_images=0, lookahead_steps=0), model, opt, None, CPU)
     torch.manual_seed(1)
-    for epoch in range(start_epoch, start_epoch + n):
-        hooks.epoch_start(epoch)
+    for _ in range(n):
         x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
         opt.set_lr(0.01)
         F.cross_entropy(model(x), y, reduction="sum").backward()
@@ -172,150 +167,6 @@ def test_activation_reaches_every_fastnet_block():
         validate(tiny_fast(activation="tanh"))
     with pytest.raises(ConfigError, match="--activation applies to --arch fastnet only"):
         validate(from_preset("resnet9", activation="silu"))  # not a silent ReLU
-
-
-def test_whitening_bias_trains_then_freezes():
-    cfg = tiny_fast(whiten_bias_epochs=2)
-    model = make_network(cfg, NormActPool)
-    bias = model.whiten.bias
-    opt = run_steps(cfg, model, 2)
-    trained = bias.detach().clone()
-    assert trained.abs().sum() > 0, "the bias trains in the first whiten_bias_epochs epochs"
-    run_steps(cfg, model, 2, start_epoch=2)  # a fresh optimizer: the hook freezes at epoch 2
-    assert torch.equal(bias, trained)
-    assert opt.lr_scales["whiten_bias"].item() == 1.0
-
-
-class RecordingStep:
-    def __init__(self):
-        self.selected = []
-
-    def select(self, variant):
-        self.selected.append(variant)
-
-
-@pytest.mark.parametrize("world_size, comm, stops", [(1, "ddp", True), (2, "bucketed", True), (2, "ddp", False)])
-def test_bias_freeze_ends_backward_at_the_whitening_conv_except_under_ddp(world_size, comm, stops):
-    """At the freeze the bias stops requiring grad and the step switches to its captured variant,
-    once (a later epoch start, as after a resume, changes nothing); DDP keeps the gradient, since
-    it fails a step where a parameter gets none."""
-    cfg = tiny_fast(whiten_bias_epochs=2, whiten_images=0, lookahead_steps=0, comm=comm)
-    model = make_network(cfg, NormActPool)
-    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)
-    ctx = DistContext(0, world_size, 0, torch.device("cpu"), "gloo" if world_size > 1 else None)
-    step = RecordingStep()
-    hooks = RunHooks(cfg, model, opt, None, ctx, step)
-    hooks.epoch_start(1)
-    assert model.whiten.bias.requires_grad and not step.selected
-    hooks.epoch_start(2)
-    hooks.epoch_start(3)
-    assert opt.lr_scales["whiten_bias"].item() == 0.0
-    assert model.whiten.bias.requires_grad is not stops
-    assert step.selected == ([RunHooks.WHITEN_BIAS_FROZEN] if stops else [])
-
-
-def test_warm_up_captures_the_frozen_step_with_the_bias_out_of_backward(monkeypatch):
-    """The variant is captured with the bias not requiring grad (else its graph would hold the
-    full backward and the freeze would save nothing), the default graph stays selected, and the
-    bias requires grad again after the warm-up; with --sparse-mask no variant is captured."""
-    import fastcifar.run.graphs as graphs
-    from fastcifar.run.graphs import StaticBatch, TrainStep
-
-    cfg = tiny_fast(whiten_bias_epochs=2, whiten_images=16, lookahead_steps=0)
-    model = make_network(cfg, NormActPool)
-    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)
-    seen = []
-    monkeypatch.setattr(
-        graphs, "capture", lambda body, iters, stream=None: seen.append(model.whiten.bias.requires_grad) or object()
-    )
-    step = TrainStep(lambda x, y: None, StaticBatch(2, torch.float32, torch.device("cpu")), capture=True)
-    step.warm_up_and_capture(2)
-    default = step.graph
-    hooks = RunHooks(cfg, model, opt, None, CPU, step)
-    hooks.warm_up(2)
-    assert seen == [True, False] and set(step.graphs) == {TrainStep.DEFAULT, RunHooks.WHITEN_BIAS_FROZEN}
-    assert model.whiten.bias.requires_grad and step.graph is default
-    sparse = RunHooks(dataclasses.replace(cfg, sparse_mask="fisher"), model, opt, None, CPU, step)
-    assert not sparse.stops_backward_at_whitening
-    sparse.freeze_whiten_bias()
-    assert model.whiten.bias.requires_grad and step.variant == TrainStep.DEFAULT
-
-
-def test_resume_past_the_freeze_freezes_at_its_first_epoch():
-    cfg = tiny_fast(whiten_bias_epochs=2, whiten_images=0, lookahead_steps=0)
-    model = make_network(cfg, NormActPool)
-    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)
-    step = RecordingStep()
-    RunHooks(cfg, model, opt, None, CPU, step).epoch_start(5)
-    assert not model.whiten.bias.requires_grad and step.selected == [RunHooks.WHITEN_BIAS_FROZEN]
-
-
-@pytest.mark.slow  # trains the default network both ways
-def test_ending_backward_at_the_whitening_conv_changes_no_weight(learnable_data, tmp_path, monkeypatch):
-    """The run with the whitening conv out of backward after the freeze ends with the same bits in
-    every weight and statistic as one that still backpropagates into it (the frozen bias took no
-    step either way); momentum of the frozen bias aside, nothing else may differ."""
-    import fastcifar
-
-    cfg = from_preset(
-        "fast",
-        data=str(learnable_data),
-        device="cpu",
-        widths=(8, 16, 16),
-        batch_size=100,
-        epochs=3,
-        warmup_epochs=1,
-        warmup_steps=1,
-        eval_batch_size=200,
-        whiten_images=200,
-        whiten_bias_epochs=1,
-        quiet=True,
-        out_dir=str(tmp_path / "runs"),
-    )
-    frozen = []
-    freeze = RunHooks.freeze_whiten_bias
-    monkeypatch.setattr(
-        RunHooks, "freeze_whiten_bias", lambda self: freeze(self) or frozen.append(self.model.whiten.bias.requires_grad)
-    )
-    (cut,) = fastcifar.train(cfg)
-    assert frozen == [False], "the freeze did not take the bias out of backward"
-    assert cut.model.whiten.bias.requires_grad, "run.model must come back as the model file loads: bias trainable"
-    monkeypatch.setattr(RunHooks, "stops_backward_at_whitening", property(lambda self: False))
-    (full,) = fastcifar.train(cfg)
-    assert frozen == [False, True]
-    for (name, a), b in zip(full.model.state_dict().items(), cut.model.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
-    assert cut.test_acc == full.test_acc
-
-
-@pytest.mark.parametrize("eps", [5e-4, 0.5])
-def test_whitening_init_runs_at_epoch_zero_from_the_loader(eps):
-    cfg = tiny_fast(whiten_images=30, lookahead_steps=0, whiten_eps=eps)
-    model = make_network(cfg, NormActPool)
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
-    loader = TorchLoader(
-        images,
-        np.zeros(40, np.int64),
-        np.arange(40),
-        10,
-        4,
-        augment=AugmentSpec(crop_pad=2, pad_mode="reflect", cutout=0, flip=True),
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
-    plain = loader.plain_images(30)
-    assert plain.shape == (30, 3, 32, 32)
-    torch.testing.assert_close(plain, normalize(torch.from_numpy(images[:30])))
-    opt = NesterovSGD(param_groups(model, cfg, 10), lr=0.0)
-    before = model.whiten.weight.detach().clone()
-    RunHooks(cfg, model, opt, loader, CPU).epoch_start(0)
-    assert not torch.equal(model.whiten.weight, before)
-    expected = init_whitening(copy.deepcopy(model.whiten), plain, eps=eps)  # --whiten-eps reaches the init
-    torch.testing.assert_close(model.whiten.weight, expected.to(model.whiten.weight.dtype), rtol=0, atol=0)
-    w = model.whiten.weight.detach().double()
-    out = F.conv2d(plain.double(), w)[:, :12].permute(0, 2, 3, 1).reshape(-1, 12)
-    assert torch.cov(out.T).diag().max() < 1.0 + 1e-3  # whitened: unit variance at most (eps shrinks)
 
 
 # --- lookahead -------------------------------------------------------------------------------
@@ -616,8 +467,3 @@ def test_tta_flag_forms():
 def test_fast_validation(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(from_preset("fast", **overrides))
-
-
-def test_make_network_picks_the_arch():
-    assert isinstance(make_network(tiny_fast(), NormActPool), FastNet)
-    assert isinstance(make_network(from_preset("resnet9", widths=(8, 16, 32, 64)), NormActPool), ResNet9)

@@ -4,7 +4,7 @@ A mask is ``{parameter name: bool tensor of its shape}`` for the trainable param
 like a frozen whitening conv or frozen batchnorm scales, never train and are never in a mask).
 
 The budget is ``fraction`` of all trainable parameters, rounded; it is spent on the highest scores
-among the *scored* parameters. The classifier (the last ``nn.Linear``) is always trainable, and so
+among the *scored* parameters. The classifier (the network's head, ``fc``) is always trainable, and so
 are the batchnorm shifts when ``bn_shifts`` is set: these *forced* entries come on top of the budget
 (ResNet-9's classifier is 5,120 of 6.57 M parameters, 0.08%; its shifts 2,240).
 
@@ -22,10 +22,10 @@ from fastcifar.models.network import norm_layers
 
 
 def forced_names(model: nn.Module, bn_shifts: bool) -> set[str]:
-    """The always-trainable parameters: the classifier's, and the batchnorm shifts if ``bn_shifts``."""
+    """The always-trainable parameters of ``model`` (a ``models.network.Network``): the head's, and
+    the batchnorm shifts if ``bn_shifts``."""
     by_id = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    forced = {by_id[id(p)] for p in linears[-1].parameters() if id(p) in by_id} if linears else set()
+    forced = {by_id[id(p)] for p in model.fc.parameters() if id(p) in by_id}
     if bn_shifts:
         forced |= {by_id[id(m.bias)] for m in norm_layers(model) if id(m.bias) in by_id}
     return forced

@@ -19,13 +19,18 @@ import torch
 
 from fastcifar.core.config import CHOICES
 from fastcifar.parallel import distributed
+from fastcifar.run.optim import Maskable, Optimizer
 
 
-class MaskedOptimizer:
-    def __init__(self, opt, named_params: dict[str, torch.Tensor], mode: str = "full"):
+class MaskedOptimizer(Optimizer):
+    """``opt`` (a ``Maskable`` optimizer: ``NesterovSGD``) behind the same ``Optimizer`` contract,
+    its update masked; the rate, rate multipliers, momentum reset and state are ``opt``'s own."""
+
+    def __init__(self, opt: Maskable, named_params: dict[str, torch.Tensor], mode: str = "full"):
         if mode not in CHOICES["sparse_update"]:
             raise ValueError(f"sparse update mode must be one of {CHOICES['sparse_update']}, not {mode!r}")
         self.opt, self.mode = opt, mode
+        self.lr = opt.lr
         name_of = {id(p): n for n, p in named_params.items()}
         # Start dense (all ones): warm-up steps before the first mask train like the dense run.
         self.masks = {name_of[id(p)]: torch.ones_like(p) for p in opt.params}
@@ -33,8 +38,21 @@ class MaskedOptimizer:
         self.buffer_names = [name_of[id(p)] for group in opt.groups for p in group]  # opt.buffers' order, flat
         self.decays = opt.take_weight_decay() if mode == "full" else [0.0] * len(opt.groups)
 
-    def __getattr__(self, name):  # lr, param_groups, set_lr_scale, reset_state, ... are the optimizer's
-        return getattr(self.opt, name)
+    def set_lr(self, value: float) -> None:
+        self.opt.set_lr(value)
+
+    def set_lr_scale(self, group: str, value: float) -> None:
+        self.opt.set_lr_scale(group, value)
+
+    def reset_state(self) -> None:
+        self.opt.reset_state()
+
+    def state_dict(self) -> dict:
+        """``opt``'s: the masks are not in a checkpoint (the config refuses --resume with --sparse-mask)."""
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state)
 
     @torch.no_grad()
     def set_masks(self, masks: dict[str, torch.Tensor]) -> None:
