@@ -25,7 +25,6 @@ fixed points; ``run.components.for_run`` chooses them.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import time
 
@@ -34,7 +33,7 @@ import torch
 from fastcifar import cli
 from fastcifar.core import gpu, signals
 from fastcifar.core.config import Config, ConfigError, check_run_length, validate
-from fastcifar.core.environment import environment_problem
+from fastcifar.core.environment import environment_problem, launcher_rank
 from fastcifar.core.names import printable
 from fastcifar.core.options import parse_command_line
 from fastcifar.data import DataError, load_dataset, shard_indices
@@ -98,8 +97,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.train")
         # Another rank died or stalled. No teardown: a broken group can block in it; exiting frees it.
         # one line, also when the watchdog sees the stall in the same second (it then prints it)
         if not distributed.report_failure(
-            f"fastcifar: error: [rank {os.environ.get('RANK', '0')}] "
-            f"{distributed.failure_message(exc, cfg.dist_timeout_s)}"
+            f"fastcifar: error: [rank {launcher_rank()}] {distributed.failure_message(exc, cfg.dist_timeout_s)}"
         ):
             signals.wait_for_claimant()
         report.stop_open_logs("failed", distributed.failure_message(exc, cfg.dist_timeout_s))
@@ -121,7 +119,7 @@ def record_stop(exc: signals.StopRun) -> None:
     """An early stop in log.txt and summary.json, and its one line (rank 0): by the main thread, or
     by the signal watcher when the main thread is blocked and cannot."""
     report.stop_open_logs(type(exc).__name__.lower(), distributed.stop_reason(exc))
-    if os.environ.get("RANK", "0") == "0":
+    if launcher_rank() == "0":
         print(f"fastcifar: {exc}", file=sys.stderr, flush=True)
 
 
@@ -155,7 +153,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     dtype = torch.float16 if half else torch.float32
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv algorithm once
-        distributed.apply_test_determinism()  # test only: FASTCIFAR_TEST_DETERMINISTIC (gpu_visit.sh nccl2)
+        distributed.apply_determinism(cfg)  # the harness's --deterministic (gpu_visit.sh nccl2)
 
     kernels = resolve_kernels(cfg.kernels, ctx.device, cfg.fused_conv)  # refused before anything is written
     components.check(cfg)  # an option's library that cannot be imported (--tensorboard): one line, nothing written
@@ -194,8 +192,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         cfg.subset,
         cfg.val_split,
     )  # --subset, then --val-split's held-out images, before any sharding
-    # whose shard and draws this rank trains on: its own (test only, FASTCIFAR_TEST_RANK0_DATA: rank 0's)
-    data_rank, data_world = distributed.data_ranks(ctx)
+    # whose shard and draws this rank trains on: its own (the harness's --rank0-data: rank 0's)
+    data_rank, data_world = distributed.data_ranks(cfg, ctx)
     per_rank_batch = cfg.batch_size // data_world
     steps = len(data.train_labels) // data_world // per_rank_batch
     check_run_length(cfg, steps, len(data.train_labels), ctx.world_size)  # 1..MAX_STEPS steps in all

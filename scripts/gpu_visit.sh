@@ -32,7 +32,7 @@
 # the all-reduce averages them), RUNS seeds from 0 in one process; the table and one row per set
 # in bench/results/multi_gpu.jsonl (EMULATED_CALL and EMULATED_COMMIT name the call and the commit).
 # nccl2 (issue 46): two NCCL ranks on this one GPU through scripts/rank_env.sh (both on cuda:0 by
-# FASTCIFAR_SHARE_GPU=1, which is for testing only; an NCCL_HOSTID per rank, since NCCL refuses two
+# the harness's --share-gpu; an NCCL_HOSTID per rank, since NCCL refuses two
 # ranks on one device of one host, so it joins them over sockets); graphs on, bucketed. The 2-rank
 # run against one process training the same (--emulate-ranks 2) and the plain run over the same
 # global batch; then rank 1 killed (SIGKILL) mid-training, rank 0 must end with one line and exit 3
@@ -305,30 +305,31 @@ nccl2)
   # torchrun runs the wrapper (--no-python: its entry is a program, here bash), which sets the rank's
   # environment and execs the trainer; a failed run's log keeps NCCL's refusal for the report
   step nccl2-ranks 180 "$py" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
-    bash scripts/rank_env.sh "$py" -m fastcifar.train --data "$data" --out-dir "$work/runs/nccl2-ranks" "${short[@]}"
+    bash scripts/rank_env.sh "$py" -m fastcifar.train --data "$data" --out-dir "$work/runs/nccl2-ranks" "${short[@]}" \
+    --share-gpu
   # when the launcher ended: the report times the exit after a graphed NCCL run from summary.json's
   # write (pytorch#115388: ncclCommDestroy can hang after capture; the trainer bounds it at 5 s)
   date +%s.%N >"$work/nccl2-ranks.ended"
-  # The sharp check (test-only variables): both ranks fed rank 0's data, deterministic kernels
+  # The sharp check (the harness's flags): both ranks fed rank 0's data, deterministic kernels
   # (torch's, not Triton's), so each rank's gradient is the same and (g + g) / 2 = g in fp16: the
   # 2 ranks must equal one process given the same data bit for bit (its whitening reads rank 0's
   # 2500 images, as the 2 ranks' summed covariance does), or backward and the bucket all-reduces
   # are misordered on their streams.
-  same=(env FASTCIFAR_TEST_RANK0_DATA=2 FASTCIFAR_TEST_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8)
+  same=(env CUBLAS_WORKSPACE_CONFIG=:4096:8)
   step nccl2-same 150 "${same[@]}" "$py" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
     bash scripts/rank_env.sh "$py" -m fastcifar.train --data "$data" --out-dir "$work/runs/nccl2-same" \
-    "${short[@]}" --kernels torch
+    "${short[@]}" --kernels torch --rank0-data 2 --deterministic --share-gpu
   step nccl2-same-1rank 120 "${same[@]}" "$py" -m fastcifar.train --data "$data" --out-dir "$work/runs/nccl2-same-1rank" \
-    "${short[@]}" --kernels torch --whiten-images 2500
+    "${short[@]}" --kernels torch --rank0-data 2 --deterministic --whiten-images 2500
   # the ranks started without torchrun, whose agent would stop rank 0 itself (SIGTERM) once rank 1
   # died; kill_rank.py appends --dist-timeout-s 10 and --out-dir, and 200 epochs outlast the kill
   step nccl2-kill 150 "$py" scripts/kill_rank.py --ranks 2 --kill 1 --after-s 3 --dist-timeout-s 10 --ready-s 90 --out "$work/kill" -- \
     bash scripts/rank_env.sh "$py" -m fastcifar.train --data "$data" --subset 10000 --epochs 200 --cuda-graphs on \
-    --comm bucketed --loader torch
+    --comm bucketed --loader torch --share-gpu
   # Muon's sharded orthogonalization and its all-reduce (a 1-rank group never reduces the shards)
   step nccl2-shard 150 "$py" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
     bash scripts/rank_env.sh "$py" -m fastcifar.train --data "$data" --out-dir "$work/runs/nccl2-shard" \
-    "${short[@]}" --muon-shard
+    "${short[@]}" --muon-shard --share-gpu
   # what the 2 ranks train, in one process (their shards, draws and batchnorm statistics), and plain
   train nccl2-emulated 120 --emulate-ranks 2 "${short[@]}"
   train nccl2-1rank 120 "${short[@]}"

@@ -296,7 +296,7 @@ def nccl2(
         "backend": "nccl",
     }
     lines = [
-        "two NCCL ranks on one GPU (scripts/rank_env.sh: FASTCIFAR_SHARE_GPU=1, an NCCL_HOSTID per rank)",
+        "two NCCL ranks on one GPU (--share-gpu, and scripts/rank_env.sh: an NCCL_HOSTID per rank)",
         "",
         "| run | ranks | train loss by epoch | test acc % | train s |",
         "|---|---|---|---|---|",

@@ -1,7 +1,7 @@
 """Kill one rank of a multi-rank training with SIGKILL and time how the other ranks end (issue 46).
 
     python scripts/kill_rank.py --ranks 2 --kill 1 --after-s 3 --dist-timeout-s 10 --out DIR -- \
-        bash scripts/rank_env.sh python -m fastcifar.train --data data --epochs 200 ...
+        bash scripts/rank_env.sh python -m fastcifar.train --data data --epochs 200 --share-gpu ...
 
 Starts COMMAND once per rank with the environment torchrun gives a rank (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but not under torchrun: its agent stops the other ranks

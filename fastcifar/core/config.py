@@ -37,6 +37,8 @@ HELP_GROUPS = {
     "sparse": "sparse training and local SGD",
     "checkpoints": "checkpoints and model files",
     "output": "output and logging",
+    # the test harness's switches: a flag each, left out of --help (they change what a run means)
+    "testing": None,
 }
 
 
@@ -374,6 +376,27 @@ class Config:
         '"" = start fresh',
         group="checkpoints",
     )
+    # the test harness's switches (scripts/gpu_visit.sh nccl2, tests/distributed/test_same_data.py): flags that
+    # --help leaves out, never for training
+    rank0_data: int = setting(
+        0,
+        "every rank trains on the data that rank 0 of N ranks trains on (its shard, shuffle and draws, batch / N "
+        "images a step): the ranks' gradients are then equal and their average each one's bit for bit, so a run on "
+        "N ranks must equal one process given the same N; 0 = off",
+        group="testing",
+    )
+    deterministic: bool = setting(
+        False,
+        "on a GPU, deterministic cuDNN algorithms (no benchmark search) and torch's deterministic kernels where they "
+        "exist (cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment)",
+        group="testing",
+    )
+    share_gpu: bool = setting(
+        False,
+        "several ranks of a node may share its GPUs: local rank r on GPU r mod (the GPU count); a real run gives "
+        "each rank its own GPU (scripts/rank_env.sh: the multi-rank NCCL path on one GPU)",
+        group="testing",
+    )
     # set by --preset (or the config file, the checkpoint); not a flag of its own
     preset: str = setting("resnet9", "the preset this started from", group=None)
 
@@ -415,6 +438,7 @@ TRAJECTORY_FREE_FIELDS = (
     "eval_batch_size",
     "quiet",
     "tensorboard",
+    "share_gpu",
 )
 
 
@@ -467,6 +491,7 @@ MAX_WIDTH = 4096  # channels of one layer
 MAX_BATCH = 65536  # images per step (training, global) or per evaluation batch (per rank)
 MAX_STEPS = 10**6  # training steps of a run (epochs x steps per epoch; the trainer checks, it knows the data)
 RANGES: dict[str, tuple[float | None, float | None, str]] = {
+    "rank0_data": (0, 1024, "[]"),  # a rank count, as --emulate-ranks
     "subset": (0, None, "[)"),
     "val_split": (0, None, "[)"),
     "whiten_eps": (0, None, "()"),
@@ -682,6 +707,11 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(
             f"--batch-size {cfg.batch_size} does not divide over {world_size} ranks "
             f"(the per-rank batch must be a whole number)"
+        )
+    if cfg.rank0_data and (cfg.batch_size % cfg.rank0_data or cfg.emulate_ranks > 1):
+        raise ConfigError(
+            f"--rank0-data {cfg.rank0_data} takes rank 0's batch of {cfg.batch_size} / {cfg.rank0_data} images: "
+            "the batch must divide over it, without --emulate-ranks"
         )
     return cfg
 

@@ -1,4 +1,10 @@
-"""The environment variables fastcifar's behaviour depends on, checked before torch is imported.
+"""The environment variables fastcifar's behaviour depends on, read here and nowhere else in the
+package, except the launcher's (torchrun's and Slurm's: ``parallel.distributed`` turns them into
+the process group) and Triton's own ``TRITON_INTERPRET`` (``fastcifar.kernels``). A test harness
+switch is a flag that --help leaves out (``core.config``, group "testing"), never a variable: a
+variable left in a user's environment would change their run without a word in its log.
+
+The thread counts are checked before torch is imported.
 
 ``OMP_NUM_THREADS`` is read by libgomp when torch loads: a value it cannot parse (0, -4, abc, 1.5)
 is skipped with libgomp's own warning and the run goes on with a thread per core, which on a shared
@@ -21,9 +27,37 @@ THREAD_VARIABLES = {"OMP_NUM_THREADS": True, "MKL_NUM_THREADS": False}
 MAX_THREADS = 1024  # per nesting level: twice the hardware threads of a 2-socket, 128-core SMT-2 host
 
 
+# "1": --kernels triton without a GPU runs Triton's interpreter (correct, minutes per epoch: the
+# kernel tests' path); anything else refuses it (models.blocks.resolve_kernels says how to ask)
+ALLOW_INTERPRETER = "FASTCIFAR_ALLOW_INTERPRETER"
+
+
+def interpreter_allowed() -> bool:
+    return os.environ.get(ALLOW_INTERPRETER) == "1"
+
+
+def launcher_rank() -> str:
+    """This process's rank as its launcher set it (torchrun's ``RANK``), "0" without one: whether
+    to print a line before the process group exists or after it is gone."""
+    return os.environ.get("RANK", "0")
+
+
+def threads_given() -> bool:
+    """Whether the user chose torch's CPU thread count (``OMP_NUM_THREADS``)."""
+    return bool(os.environ.get("OMP_NUM_THREADS"))
+
+
+def home() -> str:
+    return os.environ.get("HOME", "")
+
+
+def xdg_cache_home() -> str:
+    return os.environ.get("XDG_CACHE_HOME", "")
+
+
 def home_is_a_folder() -> bool:
-    home = os.environ.get("HOME", "")
-    return bool(home) and os.path.isabs(home) and os.path.isdir(home)
+    folder = home()
+    return bool(folder) and os.path.isabs(folder) and os.path.isdir(folder)
 
 
 def place_triton_cache(device_type: str) -> str:

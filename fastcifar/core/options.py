@@ -95,7 +95,8 @@ def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argpa
         description=_description(),
         formatter_class=_HelpFormatter,
     )
-    groups = {key: parser.add_argument_group(title) for key, title in HELP_GROUPS.items()}
+    groups = {key: parser.add_argument_group(title) for key, title in HELP_GROUPS.items() if title is not None}
+    groups["testing"] = parser  # the harness's switches: flags without a --help line
     groups["basic"].add_argument(
         "--preset", default=base.preset, choices=list(PRESETS), help="named recipe that sets the defaults below"
     )
@@ -111,7 +112,8 @@ def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argpa
         if group is None:  # set another way (preset: --preset or --config)
             continue
         default = getattr(base, f.name)
-        kwargs: dict[str, Any] = {"default": default, "help": f.metadata["help"].replace("%", "%%")}
+        shown = f.metadata["help"].replace("%", "%%") if HELP_GROUPS[group] is not None else argparse.SUPPRESS
+        kwargs: dict[str, Any] = {"default": default, "help": shown}
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif f.name == "tta":  # a level; bare --tta means flip TTA, --no-tta (below) means none

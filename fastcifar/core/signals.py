@@ -33,6 +33,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from fastcifar.core.environment import launcher_rank
+
 
 class StopRun(BaseException):
     """Ends the run early on purpose, with one line and its own exit code. A BaseException, like
@@ -71,7 +73,7 @@ def _early(signum, frame):
     """Before a command's ``main`` installs ``_handler``: the process is still importing (torch
     takes seconds), has written nothing, and the import cannot be unwound without runpy's
     traceback, so the one line and the exit status come at once."""
-    if os.environ.get("RANK", "0") == "0":
+    if launcher_rank() == "0":
         try:
             os.write(2, f"fastcifar: interrupted by {signal.Signals(signum).name}\n".encode())
         except OSError:

@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fastcifar.core.environment import home_is_a_folder
+from fastcifar.core import environment
 from fastcifar.core.errors import DataError
 from fastcifar.core.names import check_class_names
 from fastcifar.core.readfile import read_regular, why
@@ -233,11 +233,11 @@ def default_cache_dir() -> tuple[Path | None, str]:
     ``fastcifar`` (and ``.cache`` in an existing home) is ever created: a ``HOME`` that does not
     exist (a service account's ``/nonexistent``) once had four folders made from ``/`` down. A
     relative ``XDG_CACHE_HOME`` is ignored, as the XDG spec says."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    xdg = environment.xdg_cache_home()
     if xdg and os.path.isabs(xdg) and os.path.isdir(xdg):
         return Path(xdg) / "fastcifar", ""
-    home = os.environ.get("HOME", "")
-    if home_is_a_folder():
+    home = environment.home()
+    if environment.home_is_a_folder():
         return Path(home) / ".cache" / "fastcifar", ""
     where = f"XDG_CACHE_HOME {xdg!r} and " if xdg else ""
     return None, (

@@ -8,16 +8,14 @@ can replace it without touching a network's definition: ``norm_blocks`` picks on
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from fastcifar.core.config import CHOICES, ConfigError
+from fastcifar.core.environment import ALLOW_INTERPRETER, interpreter_allowed
 from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool, NormFactory  # noqa: F401 (ConvBlock: the networks import it here)
 
 KERNELS = CHOICES["kernels"]  # --kernels' choices: one list, in fastcifar.core.config
-ALLOW_INTERPRETER = "FASTCIFAR_ALLOW_INTERPRETER"  # "1": --kernels triton without a GPU runs (slowly)
 
 
 def resolve_kernels(requested: str, device: torch.device, fused_conv: bool = False) -> str:
@@ -38,8 +36,8 @@ def resolve_kernels(requested: str, device: torch.device, fused_conv: bool = Fal
             "--kernels triton on the CPU needs Triton's interpreter, which a machine with a GPU "
             "does not run (Triton compiles for the GPU there): use --kernels torch or --device cuda"
         )
-    if kernels == "triton" and device.type != "cuda" and os.environ.get(ALLOW_INTERPRETER) != "1":
-        # issue 48: it used to run, silently, for minutes per epoch
+    if kernels == "triton" and device.type != "cuda" and not interpreter_allowed():
+        # refused, not run: it once ran silently, for minutes per epoch
         raise ConfigError(
             f"--kernels triton without a GPU runs Triton's interpreter, minutes per epoch (it is "
             f"there for tests): use --kernels torch, or set {ALLOW_INTERPRETER}=1 to run it anyway"

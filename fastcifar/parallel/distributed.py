@@ -57,12 +57,6 @@ class DistContext:
         return self.backend is not None
 
 
-# "1": several ranks of a node may share its GPUs, local rank r on GPU r mod (the GPU count). For
-# testing only (scripts/rank_env.sh sets it: NCCL's multi-rank path on a machine with one GPU); a
-# real run gives each rank a GPU of its own, and two ranks on one GPU only share its time.
-SHARE_GPU = "FASTCIFAR_SHARE_GPU"
-
-
 def pick_device(requested: str, local_rank: int, settings=None, own_gpus: bool = False) -> torch.device:
     """This rank's device, after ``core.gpu.before_cuda_work``: torch must have code for the GPU,
     ``settings`` (the run's Config, when given) a --loader and --compress the GPU can run, and
@@ -79,12 +73,10 @@ def pick_device(requested: str, local_rank: int, settings=None, own_gpus: bool =
             print(f"fastcifar: {notice}", file=sys.stderr, flush=True)
         return torch.device("cpu")
     count = torch.cuda.device_count()
-    share = os.environ.get(SHARE_GPU, "0")
-    if share not in ("0", "1"):
-        raise ConfigError(f"{SHARE_GPU} must be 0 or 1 (1: ranks share the GPUs, for testing only), not {share!r}")
+    share = getattr(settings, "share_gpu", False)  # the harness's --share-gpu: ranks take the GPUs in turn
     if own_gpus and count == 1 and local_rank >= count:  # srun --gpus-per-task 1: its own GPU, the only one
         index = 0
-    elif share == "0" and local_rank >= count:
+    elif not share and local_rank >= count:
         raise ConfigError(
             f"local rank {local_rank} has no GPU: this machine has {count}"
             + (" visible (CUDA_VISIBLE_DEVICES)" if "CUDA_VISIBLE_DEVICES" in os.environ else "")
@@ -102,35 +94,16 @@ def pick_device(requested: str, local_rank: int, settings=None, own_gpus: bool =
     return torch.device("cuda", index)
 
 
-# Test only (scripts/gpu_visit.sh nccl2, tests/distributed/test_same_data.py), never for training:
-# FASTCIFAR_TEST_RANK0_DATA=N makes every rank train on the data rank 0 of N ranks trains on (its
-# shard, its shuffle and augmentation draws, batch / N images a step), whatever its own rank and the
-# world size. On N ranks every rank's gradient is then the same, their average is each one's bit
-# for bit ((g + g) / 2 = g), and the run must equal one process given the same variable: a check of
-# the all-reduce's stream ordering far sharper than a loss tolerance.
-RANK0_DATA = "FASTCIFAR_TEST_RANK0_DATA"
-# Test only, with the above on a GPU: "1" takes deterministic cuDNN algorithms (no benchmark search,
-# whose pick may differ between processes) and torch's deterministic kernels where they exist.
-DETERMINISTIC = "FASTCIFAR_TEST_DETERMINISTIC"
+def data_ranks(cfg, ctx: DistContext) -> tuple[int, int]:
+    """(rank, world size) whose data this rank trains on: its own, or (0, N) under the harness's
+    ``--rank0-data N`` (every rank's gradient then the same: the all-reduce checked bit for bit)."""
+    return (0, cfg.rank0_data) if cfg.rank0_data else (ctx.rank, ctx.world_size)
 
 
-def data_ranks(ctx: DistContext) -> tuple[int, int]:
-    """(rank, world size) whose data this rank trains on: its own, or (0, N) under ``RANK0_DATA``."""
-    value = os.environ.get(RANK0_DATA, "")
-    if not value:
-        return ctx.rank, ctx.world_size
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"{RANK0_DATA} must be a rank count (test only), not {value!r}")
-    return 0, int(value)
-
-
-def apply_test_determinism() -> None:
-    """Under ``DETERMINISTIC``=1, deterministic cuDNN and torch kernels (CUBLAS_WORKSPACE_CONFIG
-    must be set for cuBLAS: gpu_visit.sh sets it); otherwise nothing."""
-    value = os.environ.get(DETERMINISTIC, "0")
-    if value not in ("0", "1"):
-        raise ConfigError(f"{DETERMINISTIC} must be 0 or 1 (test only), not {value!r}")
-    if value == "1":
+def apply_determinism(cfg) -> None:
+    """``--deterministic``: deterministic cuDNN algorithms and torch's deterministic kernels where
+    they exist (cuBLAS reads CUBLAS_WORKSPACE_CONFIG, which gpu_visit.sh sets); otherwise nothing."""
+    if cfg.deterministic:
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         torch.use_deterministic_algorithms(True, warn_only=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from fastcifar.core import gpu
+from fastcifar.core import environment, gpu
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.config import CONFIG_FILE, ConfigError, config_file_text, training_settings
 from fastcifar.core.stats import p_above
@@ -112,7 +112,7 @@ def cpu_threads_note(device: torch.device) -> str:
     slower an epoch than with one thread, while on an idle machine the default was faster
     (bench/results/cpu_threads.jsonl). Advice only: the thread count can change a CPU run's
     floating-point sums, so the trainer never changes it behind the user's back."""
-    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+    if device.type != "cpu" or environment.threads_given():
         return ""
     try:
         load = os.getloadavg()[0]

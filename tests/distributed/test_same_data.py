@@ -1,7 +1,7 @@
-"""The test-only FASTCIFAR_TEST_RANK0_DATA (gpu_visit.sh nccl2's sharp check, issue 73 item 5): every
-rank fed rank 0's data, so the average over ranks is each rank's gradient bit for bit, and 2 gloo
-ranks train exactly what one process given the same variable trains (fp32 on the CPU: no rounding
-in (g + g) / 2)."""
+"""The harness's --rank0-data N (gpu_visit.sh nccl2's sharp check; --help leaves it out): every rank
+fed rank 0's data, so the average over ranks is each rank's gradient bit for bit, and 2 gloo ranks
+train exactly what one process given the same flag trains (fp32 on the CPU: no rounding in
+(g + g) / 2)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from cli import ROOT, env, epochs_of, run_dirs, summary_of, torchrun
 from conftest import write_official
 from safetensors.torch import load_file
 
-from fastcifar.core.config import ConfigError
+from fastcifar.core.config import Config, ConfigError, validate
+from fastcifar.core.options import parse_args
 from fastcifar.parallel import distributed
 from fastcifar.parallel.distributed import DistContext
 
@@ -29,20 +30,34 @@ ARGS = [
 
 def test_rank0_data_names_rank_0_of_n_for_every_rank(monkeypatch):
     ctx = DistContext(rank=1, world_size=2, local_rank=1, device=None, backend="gloo")
-    monkeypatch.delenv(distributed.RANK0_DATA, raising=False)
-    assert distributed.data_ranks(ctx) == (1, 2)
-    monkeypatch.setenv(distributed.RANK0_DATA, "2")
-    assert distributed.data_ranks(ctx) == (0, 2)
-    monkeypatch.setenv(distributed.RANK0_DATA, "two")
-    with pytest.raises(ConfigError, match="test only"):
-        distributed.data_ranks(ctx)
+    monkeypatch.setenv("FASTCIFAR_TEST_RANK0_DATA", "2")  # the former switch: a user's environment changes nothing
+    assert distributed.data_ranks(Config(), ctx) == (1, 2)
+    assert distributed.data_ranks(parse_args(["--rank0-data", "2"]), ctx) == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rank0-data", "0"], None),
+        (["--rank0-data", "2048"], "--rank0-data must lie in 0..1024, not 2048"),
+        (["--rank0-data", "3", "--batch-size", "100"], "--rank0-data 3 takes rank 0's batch of 100 / 3 images"),
+        (["--rank0-data", "2", "--emulate-ranks", "2"], "without --emulate-ranks"),
+    ],
+)
+def test_a_rank0_data_the_batch_cannot_take_is_refused_in_one_line(args, message):
+    cfg = parse_args([*args, "--device", "cpu"])
+    if message is None:
+        assert validate(cfg) is cfg
+        return
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        validate(cfg)
 
 
 @pytest.mark.slow
 def test_two_ranks_fed_rank_0s_data_equal_one_process_bit_for_bit(tmp_path):
     data, _ = write_official(tmp_path / "data", per_batch=200, n_test=400)
-    e = dict(env(), **{distributed.RANK0_DATA: "2"})
-    common = [*ARGS, "--data", str(data)]
+    e = env()
+    common = [*ARGS, "--data", str(data), "--rank0-data", "2"]
     runs = {
         "two": [*torchrun(), *common, "--whiten-images", "200", "--out-dir", str(tmp_path / "two")],
         # rank 0's 100 whitening images, as the 2 ranks' all-reduced sums over 2 x the same 100
@@ -61,3 +76,18 @@ def test_two_ranks_fed_rank_0s_data_equal_one_process_bit_for_bit(tmp_path):
     assert two_w.keys() == one_w.keys()
     for name in two_w:  # the metadata differ (--whiten-images), the tensors may not
         assert torch.equal(two_w[name], one_w[name]), f"{name}: the trained weights differ"
+
+
+def test_deterministic_takes_torchs_deterministic_algorithms_and_nothing_without_it(monkeypatch):
+    monkeypatch.setenv("FASTCIFAR_TEST_DETERMINISTIC", "1")  # the former switch: no variable changes a run
+    before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    torch.backends.cudnn.benchmark = True
+    try:
+        distributed.apply_determinism(Config())
+        assert torch.backends.cudnn.benchmark and not torch.are_deterministic_algorithms_enabled()
+        distributed.apply_determinism(parse_args(["--deterministic"]))
+        assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before

@@ -76,7 +76,6 @@ def test_slurm_task_with_one_visible_gpu_takes_it(monkeypatch):
     """srun --gpus-per-task 1: local rank 5 sees one GPU, its own, and takes cuda:0; under torchrun
     (every rank sees the node's GPUs) local rank 5 with one GPU visible is refused."""
     chosen = fake_gpus(monkeypatch, 1)  # an H100 torch has code for: the preflight passes
-    monkeypatch.delenv(distributed.SHARE_GPU, raising=False)
     assert pick_device("auto", 5, own_gpus=True) == torch.device("cuda", 0) and chosen == [0]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # more tasks on a node than its GPUs: no sharing
     with pytest.raises(ConfigError, match="local rank 5 has no GPU"):

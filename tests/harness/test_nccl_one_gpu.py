@@ -81,26 +81,30 @@ def test_the_stage_runs_two_ranks_through_the_wrapper_then_compares_and_kills(tm
         f"dry run: {py} -m torch.distributed.run --standalone --nproc_per_node 2 --no-python "
         f"bash scripts/rank_env.sh {py} -m fastcifar.train --data {data} --out-dir "
     ) in ranks, ranks
-    assert ranks.endswith(f"/runs/nccl2-ranks {short}"), ranks
+    assert ranks.endswith(f"/runs/nccl2-ranks {short} --share-gpu"), ranks
     # one process over the same global batch: as the ranks train it (emulated), and plain
     assert any(line.endswith(f"/runs/nccl2-emulated --emulate-ranks 2 {short}") for line in lines), lines
     assert any(line.endswith(f"/runs/nccl2-1rank {short}") for line in lines), lines
-    # issue 73: both ranks fed rank 0's data (test-only variables) with deterministic kernels, against
+    # both ranks fed rank 0's data (the harness's flags) with deterministic kernels, against
     # one process given the same data and rank 0's 2500 whitening images; then --muon-shard on 2 ranks
-    same = "dry run: env FASTCIFAR_TEST_RANK0_DATA=2 FASTCIFAR_TEST_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+    same = "dry run: env CUBLAS_WORKSPACE_CONFIG=:4096:8 "
     same_ranks = next(line for line in lines if line.startswith(same) and "torch.distributed.run" in line)
-    assert same_ranks.endswith(f"/runs/nccl2-same {short} --kernels torch"), same_ranks
+    assert same_ranks.endswith(
+        f"/runs/nccl2-same {short} --kernels torch --rank0-data 2 --deterministic --share-gpu"
+    ), same_ranks
     same_one = next(line for line in lines if line.startswith(same) and "torch.distributed.run" not in line)
-    assert same_one.endswith(f"/runs/nccl2-same-1rank {short} --kernels torch --whiten-images 2500"), same_one
+    assert same_one.endswith(
+        f"/runs/nccl2-same-1rank {short} --kernels torch --rank0-data 2 --deterministic --whiten-images 2500"
+    ), same_one
     assert f"{same}{py} -m fastcifar.train --data {data} --out-dir " in same_one, same_one
     shard = next(line for line in lines if "/runs/nccl2-shard " in line)
-    assert "bash scripts/rank_env.sh" in shard and shard.endswith(f"{short} --muon-shard"), shard
+    assert "bash scripts/rank_env.sh" in shard and shard.endswith(f"{short} --muon-shard --share-gpu"), shard
     kill = next(line for line in lines if "kill_rank.py" in line)
     assert "--ranks 2 --kill 1 --after-s 3 --dist-timeout-s 10 --ready-s 90 --out " in kill
     assert "torch.distributed.run" not in kill  # torchrun would stop rank 0 itself when rank 1 dies
     assert kill.endswith(
         f"-- bash scripts/rank_env.sh {py} -m fastcifar.train --data {data} --subset 10000 "
-        "--epochs 200 --cuda-graphs on --comm bucketed --loader torch"
+        "--epochs 200 --cuda-graphs on --comm bucketed --loader torch --share-gpu"
     ), kill
     checks = next(line for line in lines if "gpu_visit_report.py nccl2" in line)
     folder = kill.split("--out ")[1].split(" ")[0]
@@ -116,7 +120,7 @@ def test_the_stage_runs_two_ranks_through_the_wrapper_then_compares_and_kills(tm
 
 
 @pytest.mark.slow  # over 2 s on 2 cores
-def test_the_wrapper_gives_each_rank_under_torchrun_its_own_nccl_host_and_the_shared_gpu(tmp_path):
+def test_the_wrapper_gives_each_rank_under_torchrun_its_own_nccl_host(tmp_path):
     """torchrun --no-python runs `bash scripts/rank_env.sh COMMAND` per rank; COMMAND sees the rank's
     environment (here it prints it)."""
     show = (
@@ -134,8 +138,8 @@ def test_the_wrapper_gives_each_rank_under_torchrun_its_own_nccl_host_and_the_sh
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = sorted(line for line in proc.stdout.splitlines() if line[:1] in "01")
     # a host id per rank even where one was set for all (it is what lets NCCL take two ranks on one
-    # GPU); the user's NCCL_DEBUG kept
-    assert seen == ["0 fastcifar-rank0 1 1 lo WARN", "1 fastcifar-rank1 1 1 lo WARN"], proc.stdout
+    # GPU); the user's NCCL_DEBUG kept; the GPU shared by the trainer's --share-gpu, no variable
+    assert seen == ["0 fastcifar-rank0 None 1 lo WARN", "1 fastcifar-rank1 None 1 lo WARN"], proc.stdout
     alone = subprocess.run(
         ["bash", "scripts/rank_env.sh", "true"], cwd=ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
     )
