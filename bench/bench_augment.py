@@ -40,9 +40,9 @@ from bench.common import (
     require_cuda,
     time_ms,
 )
+from bench.cutout import cutout, cutout_reference
 from fastcifar.core.config import DEFAULT_PRESET, from_preset
 from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants
-from fastcifar.kernels.cutout import cutout, cutout_reference
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params
 
 CL = torch.channels_last

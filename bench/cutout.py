@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from .checks import check_activation
+from fastcifar.kernels.checks import check_activation
 
 # Fixed, not tuned on a GPU: 2048 elements per program = 8 per thread at 8 warps (4 KiB of fp16 in
 # flight). At 32 per thread (4096 at 4 warps) the int64 index math took 255 registers and spilled on
