@@ -40,10 +40,16 @@ from bench.common import (
     require_cuda,
     time_ms,
 )
-from bench.cutout import cutout, cutout_reference
+from bench.cutout import cutout
 from fastcifar.core.config import DEFAULT_PRESET, from_preset
-from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, draw_params
+from fastcifar.kernels.augment import augment, channel_constants
+from fastcifar.ops.augment import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    augment_indexed_reference,
+    cutout_reference,
+    draw_params,
+)
 
 CL = torch.channels_last
 SIZE = 32

@@ -106,14 +106,3 @@ class Cutout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"size={self.size}"
-
-
-def cutout_reference(x: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor, size: int) -> torch.Tensor:
-    """Plain PyTorch, the same mask as ``fastcifar.ops.augment.augment_reference``'s step 5."""
-    n, c, h, w = x.shape
-    rows = torch.arange(h, device=x.device)
-    cols = torch.arange(w, device=x.device)
-    inside_y = (rows[None, :] >= cy[:, None]) & (rows[None, :] < cy[:, None] + size)
-    inside_x = (cols[None, :] >= cx[:, None]) & (cols[None, :] < cx[:, None] + size)
-    hole = inside_y[:, None, :, None] & inside_x[:, None, None, :]  # (N, 1, H, W)
-    return x.masked_fill(hole, 0.0)

@@ -6,7 +6,8 @@ import torch
 from _kernel_asserts import DEVICE, assert_close, needs_triton_backend, poisoned_empty  # noqa: E402
 
 import bench.cutout as cm  # noqa: E402
-from bench.cutout import Cutout, cutout, cutout_forward, cutout_reference  # noqa: E402
+from bench.cutout import Cutout, cutout, cutout_forward  # noqa: E402
+from fastcifar.ops.augment import cutout_reference  # noqa: E402
 
 pytestmark = needs_triton_backend
 CL = torch.channels_last
