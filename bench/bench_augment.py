@@ -41,11 +41,18 @@ from bench.common import (
     require_cuda,
     time_ms,
 )
+from bench.cutout import cutout
 from fastcifar.core.config import from_preset
 from fastcifar.core.presets import DEFAULT_PRESET
-from fastcifar.kernels.augment import augment, augment_indexed_reference, channel_constants
-from fastcifar.kernels.cutout import cutout, cutout_reference
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentSpec, draw_params
+from fastcifar.kernels.augment import augment, channel_constants
+from fastcifar.ops.augment import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    AugmentSpec,
+    augment_indexed_reference,
+    cutout_reference,
+    draw_params,
+)
 
 CL = torch.channels_last
 SIZE = 32

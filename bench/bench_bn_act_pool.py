@@ -57,9 +57,9 @@ from bench.common import (
     require_cuda,
     time_ms,
 )
-from fastcifar.kernels.bn_act_pool import TritonNormActPool, bn_act_pool_reference
+from fastcifar.kernels.bn_act_pool import TritonNormActPool
 from fastcifar.models.resnet9 import ResNet9
-from fastcifar.ops.norm_act_pool import NormActPool
+from fastcifar.ops.norm_act_pool import NormActPool, bn_act_pool_reference
 from fastcifar.run.graphs import capture
 
 CL = torch.channels_last

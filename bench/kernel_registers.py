@@ -5,7 +5,7 @@ shapes (and odd ones), compiled for a real GPU (sm_70 to sm_90) on a machine wit
     python bench/kernel_registers.py --set full --arch 80,90 --out bench/results/kernel_registers
 
 The launchers are called on CPU tensors of the shapes below with each kernel's ``run`` replaced by
-a recorder (``fastcifar.kernels.aot``), so what is compiled is exactly what a launcher would
+a recorder (``bench/aot.py``), so what is compiled is exactly what a launcher would
 launch on a GPU of that capability (the fused conv takes smaller tiles below sm_80). Needs the
 real compiler: run with ``TRITON_INTERPRET`` unset.
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from bench import aot
 from bench.common import environment
-from fastcifar.kernels import aot
 from fastcifar.ops.norm_act_pool import ACTIVATIONS
 
 # ----------------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def augment_call(batch, data, pad, cutout, dtype, indexed, jitter=False) -> Call
 
 def cutout_call(batch, channels, side, size, dtype) -> Callable[[], None]:
     def call():
-        from fastcifar.kernels.cutout import cutout_forward
+        from bench.cutout import cutout_forward
 
         x = torch.empty(batch, channels, side, side, dtype=dtype).contiguous(memory_format=torch.channels_last)
         pos = torch.zeros(batch, dtype=torch.int64)

@@ -17,7 +17,7 @@ than bench_conv_stats.DIFF_TOL is an error cell, never a best. Rows go to
 bench/results/conv_sweep.jsonl conv by conv.
 
 Every setting here compiles without register spills on sm_90 at the default's convs (ptxas through
-``fastcifar.kernels.aot``, triton 3.8.0 on the CPU, 2026-11-26; the GPU machine's is 3.6.0; 256 x 128
+``bench/aot.py``, triton 3.8.0 on the CPU, 2026-11-26; the GPU machine's is 3.6.0; 256 x 128
 and 128 x 256 x 64 tiles spilled, 48 and 2084 bytes, and are left out). The backward is not swept:
 it is cuDNN's and the normalize block's.
 """

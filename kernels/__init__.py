@@ -1,4 +1,5 @@
-"""Triton kernels for fastcifar: one file per fused op (kernel, launcher, autograd.Function, module, reference)."""
+"""Triton kernels for fastcifar: one file per fused op (kernel, launcher, autograd.Function, module); each
+op's plain-PyTorch reference, which the tests and benchmarks compare it with, is in ``fastcifar.ops``."""
 
 from __future__ import annotations
 

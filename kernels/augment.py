@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, AugmentSpec, augment_reference
+from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD, AugmentParams, AugmentSpec
 
 from .checks import check_device
 
@@ -247,18 +247,3 @@ class TritonAugment(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.spec}, dtype={self.dtype}, size={self.size}"
-
-
-def augment_indexed_reference(
-    data: torch.Tensor,
-    params: AugmentParams,
-    spec: AugmentSpec,
-    mean=CIFAR10_MEAN,
-    std=CIFAR10_STD,
-    dtype: torch.dtype = torch.float32,
-    size: int = 32,
-    index: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``augment``'s contract in plain PyTorch: gather the batch, then ``augment_reference``."""
-    batch = data if index is None else data[index]
-    return augment_reference(batch, params, spec, mean, std, dtype, size)

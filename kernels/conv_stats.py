@@ -83,7 +83,6 @@ from .bn_act_pool import (
     _argmax4,
     _empty,
     bn_act_pool_backward,
-    bn_act_pool_reference,
     normalize_partials,
 )
 from .checks import check_activation
@@ -480,26 +479,3 @@ class TritonConvBlock(ConvBlock):
             norm.act,
             norm.pool,
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# Reference
-# ----------------------------------------------------------------------------------------------
-
-
-def conv_bn_act_pool_reference(
-    x,
-    conv_weight,
-    weight,
-    bias,
-    running_mean,
-    running_var,
-    training: bool,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-    act: str = "relu",
-    pool: str | None = None,
-) -> torch.Tensor:
-    """Plain PyTorch: conv (stride 1, padding k//2, no bias), then ``bn_act_pool_reference``."""
-    y = torch.nn.functional.conv2d(x, conv_weight, padding=conv_weight.shape[-1] // 2)
-    return bn_act_pool_reference(y, weight, bias, running_mean, running_var, training, momentum, eps, act, pool)

@@ -62,6 +62,9 @@
 # engines, bench and nccl2 stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
 # give full value without it and add DALI rows only when it imports.
+# Every stage runs from a copy of the checkout that imports as installed (scripts/stage_tree.py:
+# kernels/ also as fastcifar/kernels), its PYTHONPATH: the GPU machine's Python has no install of
+# this project. Results and staged data stay the checkout's (the copy links bench/results and .stage).
 # DRY_RUN=1: runs nothing heavy on any machine: each step logs the command it would run (DRY_FAIL=NAME
 # makes step NAME fail); the budget, table and bundles are real. tests/harness/test_gpu_visit.py runs it.
 set -uo pipefail
@@ -77,11 +80,13 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 out=${OUT:-gpu-visit}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 work=$(mktemp -d)
+tree=$(mktemp -d)/checkout  # the importable copy the stage runs from (below)
 budget=${STAGE_BUDGET_S:-530}  # stop starting steps after this: 600 s per command, less bundling
 dry=${DRY_RUN:-0}
 py=${PYTHON:-python3}
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 rows=()
 failed=0
 
@@ -123,14 +128,23 @@ finish() {  # always: the table, the bundles, the exit status
   tar -czf "$out/$tag-logs.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.npz' --exclude='*.tmp' \
     --exclude=./synthetic -C "$work" . 2>/dev/null
   tar -czf "$out/$tag-results.tar.gz" -C "$root/bench" results 2>/dev/null
-  rm -rf "$work"
+  rm -rf "$work" "$(dirname "$tree")"
   echo
   cat "$out/$tag-table.md"
   exit $failed
 }
 trap finish EXIT
 
-data=${DATA:-.stage/data/cifar10-jpeg.tar.gz}
+# paths given relative to the checkout stay so from the copy
+absolute() { case $1 in /*) echo "$1" ;; *) echo "$root/$1" ;; esac; }
+data=$(absolute "${DATA:-.stage/data/cifar10-jpeg.tar.gz}")
+[ -n "${RACE_SCRIPTS:-}" ] && RACE_SCRIPTS=$(absolute "$RACE_SCRIPTS")
+# also in a dry run: its commands then run (or would run) exactly as on the GPU machine
+if ! "$py" scripts/stage_tree.py "$tree" >"$work/stage-tree.log" 2>&1; then
+  cat "$work/stage-tree.log"; rows+=("| stage-tree | FAIL: $(tail -n 1 "$work/stage-tree.log") | 0 |"); failed=1; exit
+fi
+cd "$tree"
+note "running from $tree, the copy scripts/stage_tree.py laid out"
 ensure_data() {  # real data when staged, else a synthetic official-format set (learnable, 10k images)
   if [ -e "$data" ]; then return 0; fi
   data="$work/synthetic"

@@ -209,7 +209,7 @@ _stand_in: list[tuple[int, int]] = []  # the target capability while bench/kerne
 @contextlib.contextmanager
 def standing_in(capability: tuple[int, int]):
     """Inside, ``capability`` of a CPU device answers ``capability``: the compile sweep records the
-    launches a GPU of that capability would make (``fastcifar.kernels.aot.recording``)."""
+    launches a GPU of that capability would make (``bench/aot.py``'s ``recording``)."""
     _stand_in.append(tuple(capability))
     try:
         yield

@@ -290,3 +290,29 @@ def augment_reference(
         hole = inside_y[:, None, :, None] & inside_x[:, None, None, :]  # (B, 1, size, size)
         out = out.masked_fill(hole, 0.0)
     return out.contiguous(memory_format=torch.channels_last)
+
+
+def augment_indexed_reference(
+    data: torch.Tensor,
+    params: AugmentParams,
+    spec: AugmentSpec,
+    mean=CIFAR10_MEAN,
+    std=CIFAR10_STD,
+    dtype: torch.dtype = torch.float32,
+    size: int = 32,
+    index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``augment``'s contract in plain PyTorch: gather the batch, then ``augment_reference``."""
+    batch = data if index is None else data[index]
+    return augment_reference(batch, params, spec, mean, std, dtype, size)
+
+
+def cutout_reference(x: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor, size: int) -> torch.Tensor:
+    """Cutout on a float batch (bench/cutout.py's kernel), the same mask as ``augment_reference``'s step 5."""
+    n, c, h, w = x.shape
+    rows = torch.arange(h, device=x.device)
+    cols = torch.arange(w, device=x.device)
+    inside_y = (rows[None, :] >= cy[:, None]) & (rows[None, :] < cy[:, None] + size)
+    inside_x = (cols[None, :] >= cx[:, None]) & (cols[None, :] < cx[:, None] + size)
+    hole = inside_y[:, None, :, None] & inside_x[:, None, None, :]  # (N, 1, H, W)
+    return x.masked_fill(hole, 0.0)

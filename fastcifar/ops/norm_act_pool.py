@@ -186,3 +186,79 @@ def as_plain_torch(model: nn.Module) -> nn.Module:
             if isinstance(m, plain) and type(m) is not plain:
                 m.__class__ = plain
     return model
+
+
+def bn_act_pool_reference(
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    act: str = "relu",
+    pool: str | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch: [2x2 max-pool] -> batch_norm -> activation -> [2x2 max-pool] (NormActPool.forward)."""
+    if pool == "before":
+        x = F.max_pool2d(x, 2)
+    x = F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+    x = activation(x, act)
+    if pool == "after":
+        x = F.max_pool2d(x, 2)
+    return x
+
+
+def bn_act_pool_reference_with_stats(
+    x, weight, bias, mean, rstd, act: str = "relu", pool: str | None = None, eps: float = 1e-5
+) -> torch.Tensor:
+    """Training-mode reference whose forward uses the given batch statistics (the kernel's own fp32
+    ``mean``/``rstd``, from ``bn_act_pool_forward``'s ``saved``) while its gradient flows through the
+    batch mean and variance as batchnorm's does.
+
+    Why: two correct batchnorms sum in different orders (cuDNN's vs the kernel's two-stage
+    reduction), so their fp32 statistics differ in the last bits, and in fp16 about 1e-4 of the
+    rounded activations then land on the other side of a ReLU's zero or of a 2x2 max's tie; each
+    such element moves a whole gradient in ``dx``. With the kernel's statistics every rounding
+    decision matches, and what remains to compare is the math. Rounds where eager rounds: the BN
+    output and the activation output are cast to ``x``'s dtype. ``eps`` enters only the gradient path
+    (the batch's rstd); give the one that made ``rstd`` (`fast` uses 1e-12)."""
+    if pool == "before":
+        x = F.max_pool2d(x, 2)
+    out = activation(bn_reference_with_stats(x, weight, bias, mean, rstd, eps), act)
+    if pool == "after":
+        out = F.max_pool2d(out, 2)
+    return out
+
+
+def bn_reference_with_stats(x, weight, bias, mean, rstd, eps: float = 1e-5) -> torch.Tensor:
+    """The batchnorm of ``bn_act_pool_reference_with_stats`` alone: the activation's input, rounded
+    to ``x``'s dtype (the kernel tests read a ReLU's kink off it, ``near_tie_windows``)."""
+    xf = x.float()
+    batch_mean = xf.mean(dim=(0, 2, 3))
+    batch_rstd = torch.rsqrt(xf.var(dim=(0, 2, 3), unbiased=False) + eps)
+    # the values of the given statistics, the gradient of the batch's (a straight-through swap)
+    m = batch_mean + (mean.float() - batch_mean).detach()
+    r = batch_rstd + (rstd.float() - batch_rstd).detach()
+    scale = (weight * r).view(1, -1, 1, 1)
+    shift = (bias - m * weight * r).view(1, -1, 1, 1)
+    return (xf * scale + shift).to(x.dtype)
+
+
+def conv_bn_act_pool_reference(
+    x,
+    conv_weight,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    act: str = "relu",
+    pool: str | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch: conv (stride 1, padding k//2, no bias), then ``bn_act_pool_reference``."""
+    y = F.conv2d(x, conv_weight, padding=conv_weight.shape[-1] // 2)
+    return bn_act_pool_reference(y, weight, bias, running_mean, running_var, training, momentum, eps, act, pool)

@@ -190,15 +190,28 @@ def test_race_stage_confirms_a_screened_variant_beside_the_peers(tmp_path):
 
 
 def test_race_stage_without_a_preset_to_race_fails_before_the_public_scripts(tmp_path):
-    """When the default preset cannot be read (here: no Python at all), the race stops at once,
-    not after the public scripts' minutes with no contender in its table."""
-    proc, out = visit(tmp_path, "race", PYTHON="false")
+    """When the default preset cannot be read (here: a Python that only stages the copy), the race
+    stops at once, not after the public scripts' minutes with no contender in its table."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\n[ "$1" = scripts/stage_tree.py ] && exec {sys.executable} "$@"\nexit 1\n')
+    python.chmod(0o755)
+    proc, out = visit(tmp_path, "race", PYTHON=str(python))
     assert proc.returncode == 1
     assert "no preset to race" in proc.stdout
     assert not any(line.startswith("=== hiverge") for line in proc.stdout.splitlines())
-    proc, out = visit(tmp_path, "bench", PYTHON="false")
+    proc, out = visit(tmp_path, "bench", PYTHON=str(python))
     assert proc.returncode == 1
     assert "| bench-step-default | FAIL: the default preset could not be read" in (out / "bench-table.md").read_text()
+
+
+def test_a_stage_that_cannot_stage_its_copy_stops_before_any_step(tmp_path):
+    """No Python to lay out the importable copy (scripts/stage_tree.py): one failed row, the table
+    and bundles all the same, and no step run from the checkout instead."""
+    proc, out = visit(tmp_path, "check", PYTHON="false")
+    assert proc.returncode == 1
+    table = (out / "check-table.md").read_text()
+    assert "| stage-tree | FAIL" in table and "| versions |" not in table
+    assert not any(line.startswith("=== versions") for line in proc.stdout.splitlines())
 
 
 @pytest.mark.parametrize("failing", ["export-tensors", "prepare-peers"])

@@ -10,8 +10,14 @@ import torch
 from _kernel_asserts import DEVICE, assert_close, needs_triton_backend, poisoned_empty  # noqa: E402
 
 import fastcifar.kernels.augment as am  # noqa: E402
-from fastcifar.kernels.augment import TritonAugment, augment, augment_indexed_reference  # noqa: E402
-from fastcifar.ops.augment import AugmentParams, AugmentSpec, draw_params, pad_images  # noqa: E402
+from fastcifar.kernels.augment import TritonAugment, augment  # noqa: E402
+from fastcifar.ops.augment import (  # noqa: E402
+    AugmentParams,
+    AugmentSpec,
+    augment_indexed_reference,
+    draw_params,
+    pad_images,
+)
 
 pytestmark = needs_triton_backend
 CL = torch.channels_last

@@ -24,12 +24,15 @@ from fastcifar.kernels.bn_act_pool import (  # noqa: E402
     bn_act_pool,
     bn_act_pool_backward,
     bn_act_pool_forward,
+)
+from fastcifar.models.resnet9 import ResNet9
+from fastcifar.ops.norm_act_pool import (  # noqa: E402
+    NormActPool,
+    activation,
     bn_act_pool_reference,
     bn_act_pool_reference_with_stats,
     bn_reference_with_stats,
 )
-from fastcifar.models.resnet9 import ResNet9
-from fastcifar.ops.norm_act_pool import NormActPool, activation  # noqa: E402
 
 pytestmark = needs_triton_backend
 

@@ -108,7 +108,7 @@ def test_the_augment_kernel_compiles_without_64_bit_division_or_fma():
 import re, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fastcifar.kernels import aot
+from bench import aot
 from bench.kernel_registers import augment_call
 (v,) = [x for x in aot.record(90, [augment_call(2000, 50000, 2, 0, torch.float16, True, jitter=True)])
         if x.kernel == "_augment_kernel"]
@@ -171,7 +171,7 @@ def test_out_files_record_the_commit(tmp_path, monkeypatch, capsys):
 
 
 def test_ptxas_report_parsing():
-    from fastcifar.kernels.aot import parse_ptxas
+    from bench.aot import parse_ptxas
 
     log = (
         "ptxas info    : Function properties for k\n"

@@ -26,11 +26,16 @@ from fastcifar.kernels.bn_act_pool import TritonNormActPool  # noqa: E402
 from fastcifar.kernels.conv_stats import (
     TritonConvBlock,
     conv_bn_act_pool,  # noqa: E402
-    conv_bn_act_pool_reference,
     conv_stats_forward,
     fusable,
 )
-from fastcifar.ops.norm_act_pool import ConvBlock, NormActPool, activation, per_rank  # noqa: E402
+from fastcifar.ops.norm_act_pool import (  # noqa: E402
+    ConvBlock,
+    NormActPool,
+    activation,
+    conv_bn_act_pool_reference,
+    per_rank,
+)
 
 pytestmark = needs_triton_backend
 

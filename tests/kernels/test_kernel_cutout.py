@@ -1,12 +1,13 @@
-"""kernels/cutout.py against cutout_reference: output and gradient, odd shapes, clipping at the
+"""bench/cutout.py against cutout_reference: output and gradient, odd shapes, clipping at the
 border, NaN-poisoned outputs, launcher rejections. Interpreter on CPU, the GPU when there is one."""
 
 import pytest  # noqa: E402
 import torch
 from _kernel_asserts import DEVICE, assert_close, needs_triton_backend, poisoned_empty  # noqa: E402
 
-import fastcifar.kernels.cutout as cm  # noqa: E402
-from fastcifar.kernels.cutout import Cutout, cutout, cutout_forward, cutout_reference  # noqa: E402
+import bench.cutout as cm  # noqa: E402
+from bench.cutout import Cutout, cutout, cutout_forward  # noqa: E402
+from fastcifar.ops.augment import cutout_reference  # noqa: E402
 
 pytestmark = needs_triton_backend
 CL = torch.channels_last

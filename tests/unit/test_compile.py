@@ -46,7 +46,7 @@ def test_custom_op_passes_opcheck(pool, training):
 
 
 def test_custom_op_matches_the_kernel_and_its_gradients():
-    from fastcifar.kernels.bn_act_pool import bn_act_pool_reference
+    from fastcifar.ops.norm_act_pool import bn_act_pool_reference
 
     c = 6
     x = nhwc(4, c, 6, 6, seed=1)

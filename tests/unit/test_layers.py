@@ -5,25 +5,32 @@ modules together)."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 # bottom to top; folders on one rank are siblings and import neither each other
 LAYERS = {"core": 0, "ops": 1, "kernels": 2, "models": 3, "data": 3, "parallel": 4, "run": 5, "": 6}
 
 
+def package_folder(package: str) -> Path:
+    """The folder Python imports ``package`` from (fastcifar.kernels: kernels/, by setuptools' package-dir)."""
+    return Path(importlib.util.find_spec(package).submodule_search_locations[0])
+
+
 def module_files() -> dict[str, Path]:
+    """Every module of the package as Python imports it: fastcifar's folder, then each layer's package
+    wherever it is mapped from (a folder of fastcifar/ missing from LAYERS fails the tests below)."""
     files = {}
-    for path in sorted((ROOT / "fastcifar").rglob("*.py")):
-        parts = list(path.relative_to(ROOT / "fastcifar").with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        files[".".join(["fastcifar", *parts])] = path
-    for path in sorted((ROOT / "kernels").glob("*.py")):
-        name = path.stem
-        files["fastcifar.kernels" + ("" if name == "__init__" else f".{name}")] = path
+    roots = {"fastcifar": package_folder("fastcifar")}
+    roots |= {f"fastcifar.{folder}": package_folder(f"fastcifar.{folder}") for folder in LAYERS if folder}
+    for package, root in roots.items():
+        for path in sorted(root.rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            files.setdefault(".".join([package, *parts]), path)
     return files
 
 

@@ -1,6 +1,6 @@
 """Compile every kernel variant the launchers produce for a real GPU (sm_70 to sm_90), without a GPU.
 
-The command that sweeps the presets' shapes is ``bench/kernel_registers.py``; this module is the
+The command that sweeps the presets' shapes is ``bench/kernel_registers.py``; this module, beside it, is the
 machinery (recording the launches, compiling them, reading ptxas's report).
 
 How: the launchers are called on CPU tensors of the presets' real shapes (and odd ones) with each
@@ -86,7 +86,7 @@ def recording(arch: int, out: list):
     from triton.compiler import make_backend
     from triton.runtime import jit
 
-    from . import checks
+    from fastcifar.kernels import checks
 
     backend = make_backend(GPUTarget("cuda", arch, 32))
     binders = {}

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from .checks import check_activation
+from fastcifar.kernels.checks import check_activation
 
 # Fixed, not tuned on a GPU: 2048 elements per program = 8 per thread at 8 warps (4 KiB of fp16 in
 # flight). At 32 per thread (4096 at 4 warps) the int64 index math took 255 registers and spilled on
@@ -106,14 +106,3 @@ class Cutout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"size={self.size}"
-
-
-def cutout_reference(x: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor, size: int) -> torch.Tensor:
-    """Plain PyTorch, the same mask as ``fastcifar.ops.augment.augment_reference``'s step 5."""
-    n, c, h, w = x.shape
-    rows = torch.arange(h, device=x.device)
-    cols = torch.arange(w, device=x.device)
-    inside_y = (rows[None, :] >= cy[:, None]) & (rows[None, :] < cy[:, None] + size)
-    inside_x = (cols[None, :] >= cx[:, None]) & (cols[None, :] < cx[:, None] + size)
-    hole = inside_y[:, None, :, None] & inside_x[:, None, None, :]  # (N, 1, H, W)
-    return x.masked_fill(hole, 0.0)
