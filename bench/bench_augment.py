@@ -62,7 +62,7 @@ def bench_spec(cfg, **changes) -> AugmentSpec:
     """A preset's augmentation as the kernel sees it: random flips (alternating ones need the
     data-set index; the kernel reads one flip per image either way), no jitter unless asked."""
     return dataclasses.replace(
-        AugmentSpec.from_config(cfg), flip_mode="random", brightness=0.0, contrast=0.0, **changes
+        AugmentSpec.from_config(cfg), **{"flip_mode": "random", "brightness": 0.0, "contrast": 0.0, **changes}
     )
 
 
