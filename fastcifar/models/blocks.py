@@ -8,6 +8,9 @@ can replace it without touching a network's definition: ``norm_blocks`` picks on
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -41,6 +44,14 @@ def resolve_kernels(requested: str, device: torch.device, fused_conv: bool = Fal
         raise ConfigError(
             f"--kernels triton without a GPU runs Triton's interpreter, minutes per epoch (it is "
             f"there for tests): use --kernels torch, or set {ALLOW_INTERPRETER}=1 to run it anyway"
+        )
+    if kernels == "triton" and importlib.util.find_spec("fastcifar.kernels") is None:
+        # pyproject maps kernels/ into the package at install; a checkout's fastcifar/ found first
+        # (python -m run in it beside a non-editable install, or no install at all) has none
+        raise ConfigError(
+            f"the Triton kernels (fastcifar.kernels) are not importable beside {Path(__file__).parents[1]}: "
+            "a source checkout runs after `pip install -e .` in it (scripts/stage_tree.py lays out one "
+            "that needs no install)"
         )
     if fused_conv and kernels != "triton":
         raise ConfigError(

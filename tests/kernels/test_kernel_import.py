@@ -132,3 +132,25 @@ else:
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("refused:") and "triton was imported before its interpreter" in out.stdout, out.stdout
     assert out.stdout.count("\n") == 1, out.stdout
+
+
+def test_a_checkout_without_its_kernels_is_refused_in_one_line_before_any_work(monkeypatch):
+    """A checkout's fastcifar/ found ahead of the install (`python -m` in it beside a non-editable
+    install) has no fastcifar.kernels: --kernels triton says so and how to proceed, not a traceback."""
+    import importlib.util
+
+    import torch
+
+    from fastcifar.core.config import ConfigError
+    from fastcifar.models.blocks import resolve_kernels
+
+    monkeypatch.setenv("FASTCIFAR_ALLOW_INTERPRETER", "1")
+    assert resolve_kernels("triton", torch.device("cpu")) == "triton"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "fastcifar.kernels" else real(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"not importable beside .*pip install -e \.") as err:
+        resolve_kernels("triton", torch.device("cpu"))
+    assert "\n" not in str(err.value)
+    assert resolve_kernels("torch", torch.device("cpu")) == "torch"  # the torch path needs no kernels
