@@ -203,7 +203,7 @@ def timed(bodies, graphs: bool):
     to it. With the eager runs on the default stream, the eager c64 31x31 pool-before block (the
     first measured) failed its capture in all three runs that timed graph replays, with torch's
     warning that an AccumulateGrad node's stream did not match; on the capture stream it captures
-    (1.446 ms, H100, torch 2.11.0, 2026-11-23)."""
+    (bench/results/visits/visit-7.md, 7c)."""
     stream = torch.cuda.Stream() if graphs and torch.cuda.is_available() else None  # None: the tests' stand-in
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream())

@@ -15,8 +15,8 @@ kernel's ops). A graphed row takes its ops from the eager row of its batch and k
 column is empty with ``--graphs on`` alone; a kernel that only the capture chose is empty too.
 ``--preset fast`` times that preset's network (FastNet) instead of the default ResNet-9.
 
-``--fake-world N`` times the step one rank of an N-rank run takes (issue 46: the 8-GPU shapes on
-one GPU): the process is rank 0 of a fake N-rank group (``torch.testing._internal.distributed.fake_pg``),
+``--fake-world N`` times the step one rank of an N-rank run takes (the 8-GPU shapes on one GPU): the
+process is rank 0 of a fake N-rank group (``torch.testing._internal.distributed.fake_pg``),
 ``--batches`` are global batches (default: the preset's) split over the N ranks, and the step is
 built as the trainer builds a rank's, gradient buckets (``--comm bucketed``) and all. The fake
 group's collectives complete at once without moving data, so the figure is the step's compute plus
@@ -224,7 +224,7 @@ def breakdown(kernels: list[tuple[str, float, float]], steps: int) -> dict:
     busy time is attributed by kernel, idle is the span minus the union of the intervals (launch
     gaps, syncs). ``top`` names the 5 kernels that took the most time, with their per-step ms;
     ``per_kernel`` lists every kernel name with its phase, launches and ms per step, the most time first
-    (issue 50 item 1: what "other" is made of, named rather than guessed)."""
+    (what "other" is made of, named rather than guessed)."""
     kernels = sorted((k for k in kernels if k[2] > k[1]), key=lambda k: k[1])  # by start time
     if not kernels:
         return {}
@@ -257,7 +257,7 @@ def breakdown(kernels: list[tuple[str, float, float]], steps: int) -> dict:
 
 # What a kernel's name says past its namespaces: "void at::native::elementwise_kernel<128, 4,
 # at::native::gpu_kernel_impl_nocast<at::native::CUDAFunctor_add<c10::Half> >..." cut at 90 characters
-# showed only "...gpu_kernel_impl_nocast<at::nati" (visit 12), never the functor.
+# showed only "...gpu_kernel_impl_nocast<at::nati" (bench/results/visits/visit-12.md, 12d), never the functor.
 _NAMESPACES = re.compile(r"\b(?:at::native::|at::cuda::detail::|at::|c10::|std::)|\(anonymous namespace\)::")
 _LAMBDAS = re.compile(r"\{lambda\(\)#\d+\}::operator\(\)\(\) const::")
 
@@ -351,11 +351,12 @@ def idle_against_step(busy_ms: float, step_ms: float) -> float:
 def graph_node_gap_us(nodes: int = 200, replays: int = 10) -> dict:
     """The gap between two dependent kernels of a CUDA graph, with and without the tracer: a graph of
     ``nodes`` dependent one-element kernels, its replay timed with events and traced. Per node:
-    ``plain`` = (replay time - traced kernel time) / nodes, ``traced`` = (traced span - traced kernel
-    time) / nodes (which also spreads the gaps between the traced replays over the nodes). On an
-    H100 (2026-11-22): 0.26 us plain, 0.29-0.34 traced, so at 180 kernels a step
-    the gaps themselves cost ~0.05 ms; the tracer widens them little, and the rest of the trace's
-    longer span (0.3 ms a `fast` step) is not between kernels of one replay."""
+    ``plain`` = (replay time - traced kernel time) / nodes, ``traced`` = (traced span - traced
+    kernel time) / nodes (which also spreads the gaps between the traced replays over the nodes). On
+    an H100 about 0.26 us plain and a little more traced (bench/results/step.jsonl,
+    graph_gap_plain_us and graph_gap_traced_us), so at 180 kernels a step the gaps themselves cost
+    ~0.05 ms; the tracer widens them little, and the rest of the trace's longer span (0.3 ms a
+    `fast` step) is not between kernels of one replay."""
     x = torch.zeros(1, device="cuda")
 
     def body():

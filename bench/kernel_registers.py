@@ -49,9 +49,9 @@ RESNET9_BLOCKS = [
     (512, 512, 8, "after"),
     (512, 512, 4, None),
 ]
-# fast-muon320 (the default until visit 10): `fast`'s blocks at 2000 images, the wide ones at 320 channels
+# fast-muon320 (a former default, docs/presets.md): `fast`'s blocks at 2000 images, the wide ones at 320 channels
 MUON320_BLOCKS = [(2000, 64 if c == 64 else 320, s, pool) for _, c, s, pool in FAST_BLOCKS]
-# the default preset, fast-jitter (and fast-muon9 before it): `fast`'s blocks (64/256/256) at 2000 images
+# the default preset, fast-jitter (fast-muon9's network): `fast`'s blocks (64/256/256) at 2000 images
 DEFAULT_BLOCKS = [(2000, c, s, pool) for _, c, s, pool in FAST_BLOCKS]
 # the same with each preset's activation, (batch, channels, side, act, pool): the blocks the
 # kernel benchmark times and the CUDA kernel tests check (in the order they were added, so the

@@ -147,8 +147,8 @@ def exposed_ms(buckets: list[tuple[float, float]], backward_ms: float, ranks: in
 
 
 def plan_from_start(params, cap: int):
-    """The plan as plan_buckets made it until issue 73: filled from the start of backward, so the
-    remainder (the first layers) formed the last bucket. Sizes and members only."""
+    """The plan filled from the start of backward (plan_buckets' former order, docs/history.md), so
+    the remainder (the first layers) forms the last bucket. Sizes and members only."""
     from fastcifar.parallel.comm import ALIGN_BYTES, _span
 
     open_by_dtype, closed = {}, []

@@ -62,7 +62,7 @@ from fastcifar.run.graphs import capture
 
 # name: one Launch for every block (tile, pooled tile, warps, reduction programs); "base" is the
 # module's own table, one Launch per pool place (bn.LAUNCH); "before-2026-11-22" the single setting
-# every block had until this sweep
+# every block had before this sweep chose one per pool place (its rows in bench/results/ keep the name)
 L = bn.Launch
 SETTINGS = {
     "base": dict(bn.LAUNCH),

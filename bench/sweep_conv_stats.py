@@ -5,7 +5,7 @@
     python bench/sweep_conv_stats.py --smoke               # CPU check of this script (interpreter, tiny shapes)
 
 kernels/conv_stats.py fixes one tile shape, warp count and pipeline depth for every fp16 conv (its
-``LAUNCH``), chosen by register counts, never timed. Visit 11 timed its forward at 2.4-6.2x cuDNN's
+``LAUNCH``), chosen by register counts, never timed. Its forward took 2.4-6.2x the time of cuDNN's
 forward plus the normalize block's statistics (bench/results/visits/visit-11.md, 11c). This times
 the fused forward (training mode: the statistics and, where the block pools first, the pool in its
 epilogue) at the default preset's convs (``bench/kernel_registers.py``'s DEFAULT_CONVS) under each
@@ -17,7 +17,7 @@ than bench_conv_stats.DIFF_TOL is an error cell, never a best. Rows go to
 bench/results/conv_sweep.jsonl conv by conv.
 
 Every setting here compiles without register spills on sm_90 at the default's convs (ptxas through
-``bench/aot.py``, triton 3.8.0 on the CPU, 2026-11-26; the GPU machine's is 3.6.0; 256 x 128
+``bench/aot.py``, triton 3.8.0 on the CPU; the GPU machine's is 3.6.0; 256 x 128
 and 128 x 256 x 64 tiles spilled, 48 and 2084 bytes, and are left out). The backward is not swept:
 it is cuDNN's and the normalize block's.
 """

@@ -5,9 +5,9 @@
     torchrun --nproc_per_node 8 -m fastcifar.train --data data --preset apple8   # 8 GPUs, one machine
 
 Result on official CIFAR-10: the default preset clears the 94% bar over 25 seeds on one H100 in
-x0.956 the time of the previous default run beside it (bench/results/official.jsonl, call "visit
-12c"). That previous default was faster than airbench94_muon run beside it ("visit 10b"); the record
-script, raced beside it, was faster still but fell short of the bar ("visit 11"; README, Results).
+x0.956 the time of `fast-muon9` run beside it (bench/results/official.jsonl, call "visit 12c"),
+which was faster than airbench94_muon run beside it (call "visit 10b"); the record script, raced
+beside `fast-muon9`, was faster still but fell short of the bar (call "visit 11"; README, Results).
 Published figures to beat (theirs, each with its own timing rules): 94% in ~7.8 s on 8 V100s,
 ResNet-9 "bag of tricks" ~26 s on one V100, the single-GPU speedrun scripts 1.98-2.59 s on one A100
 (``bash scripts/gpu_visit.sh race`` runs them beside this trainer).
@@ -139,7 +139,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     use_graphs, graphs_note = graphs.resolve(
         cfg.cuda_graphs, ctx.device, capture_blocker(cfg, ctx.world_size, ctx.distributed)
     )
-    # issue 70: the README's CPU example in fp16 finished no epoch in 300 s; in fp32 the whole run takes under a minute
+    # fp16 on the CPU is emulated: the README's CPU example finished no epoch in 300 s (fp32: under a minute)
     if cfg.precision == "fp16" and ctx.device.type == "cpu":
         raise ConfigError(
             "--precision fp16 on the CPU runs half precision in software, many times slower than fp32 "

@@ -35,9 +35,9 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # reciprocal std, the cutout's band) is computed on a vector of S or S x C lanes, not per element;
 # per element remain an add of the two offsets, the load, the arithmetic and the store. Every offset
 # within an image is 32-bit; the image's own (into the data set, past 2^31 bytes for a large folder
-# set) is a 64-bit scalar. The first version computed each element's coordinates with five 64-bit
-# divisions by runtime values (a software routine on the GPU, 24 calls per thread in its sm_90 SASS)
-# and ran at 141 GB/s, 6.5x slower than torch.compile of the reference
+# set) is a 64-bit scalar. Each element's coordinates computed with five 64-bit divisions by
+# runtime values instead (a software routine on the GPU, 24 calls per thread in its sm_90 SASS)
+# ran at 141 GB/s, 6.5x slower than torch.compile of the reference
 # (bench/results/visits/visit-12.md, 12e).
 # 4 warps: a CIFAR image's 32 x 128 lanes (96 of each row's 128 used) at 32 per thread. Compiled for
 # sm_90 (Triton 3.8, no GPU), the jitter variant: 72 registers, no spills, 960 SASS instructions a

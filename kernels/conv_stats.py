@@ -21,13 +21,13 @@ traffic it removes is about 1.19 GB a step (each pool-first block 8P, the others
 H100's measured 3004 GB/s copy rate (bench/results/visits/visit-6.md, 6e): about 5% of the graphed
 step (7.12 ms, visit-6.md 6b), and only if the Triton conv's main loop keeps up with cuDNN's.
 
-No prologue. Applying the previous block's normalize + activation on the A tile's load (issue 50
-item 2's other half) would spare that block's apply pass (read its pooled map, write the
-activations: 2P) in the forward, but the filter gradient needs those activations, so cuDNN's
-backward would need them written after all: the pass moves to the backward unless the filter
-gradient is a Triton kernel with the same prologue. The most it could save is 2P per block, about
-0.09 ms a step at the same rate: not worth a Triton filter-gradient kernel before the forward
-kernel is measured.
+No prologue. Applying the previous block's normalize + activation on the A tile's load (the other
+half of fusing the normalize block into the conv) would spare that block's apply pass (read its
+pooled map, write the activations: 2P) in the forward, but the filter gradient needs those
+activations, so cuDNN's backward would need them written after all: the pass moves to the backward
+unless the filter gradient is a Triton kernel with the same prologue. The most it could save is 2P
+per block, about 0.09 ms a step at the same rate: not worth a Triton filter-gradient kernel before
+the forward kernel is measured.
 
 Layout. The input is channels-last (NHWC in memory), so an output pixel's receptive field at one
 kernel tap is a contiguous run of C_in channels: the GEMM's A tile is BLOCK_M output pixels x BLOCK_K
@@ -60,7 +60,7 @@ and spilled on sm_80 and sm_90 (ptxas, compiled on the CPU; bench/results/kernel
 the rows); fp32 has smaller tiles (``LAUNCH_FP32``), and so has every dtype below capability 8.0
 (``launch_for``: Volta and Turing have no mma that Triton's ``tl.dot`` uses, it becomes FMAs, and
 the 128 x 64 x 32 tiles spilled 204-612 B at 255 registers on sm_70 and sm_75). Nothing
-here is tuned on a GPU yet (issue 50): ``bench/bench_conv_stats.py`` times the kernel against cuDNN
+here is tuned on a GPU yet: ``bench/bench_conv_stats.py`` times the kernel against cuDNN
 + the normalize block at the default preset's shapes. A likely limit to look at there: the pooled
 variant's 32-row accumulators are below the 64 rows Hopper's wgmma instructions take, so it
 probably runs on the older mma path.

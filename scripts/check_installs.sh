@@ -3,7 +3,7 @@
 # installing anything (pip install --dry-run --report, in a throwaway venv under /tmp), and the resolved
 # torch's arch list checked against the compute capabilities the line claims; the DALI build too.
 # One row goes to bench/results/installs.jsonl (date, pip version, what each line resolved to).
-# Needs the registry, so it is not a CI test (issue 69, item 1).
+# Needs the registry, so it is not a CI test.
 #
 #   bash scripts/check_installs.sh              # PYTHON: a Python with the project's requirements (its
 #                                               # fastcifar.core.gpu rules judge the arch lists); default .venv's

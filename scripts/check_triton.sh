@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Triton tests under the newest Triton on the registry, beside the one the main venv holds (the
-# one torch pins): the kernels must work on both (issue 71: Triton 3.9 refused a mask 3.8 took).
+# one torch pins): the kernels must work on both (Triton 3.9's interpreter refused a mask 3.8 took).
 #
 #   scripts/check_triton.sh [MAIN_VENV]      # default .venv; the second venv is a temporary one, removed after
 #

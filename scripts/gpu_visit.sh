@@ -27,21 +27,22 @@
 # RACE_FLAGS (e.g. "--epochs 7"): added to every preset's runs, to confirm a screened variant x25
 # beside the peers; refused before any run as the screen refuses a bad variant (also one that
 # leaves a preset's recipe unchanged).
-# Emulated (issue 46): the N-GPU recipe's accuracy on this one GPU: PRESET with --emulate-ranks N
+# Emulated: the N-GPU recipe's accuracy on this one GPU: PRESET with --emulate-ranks N
 # (each rank's shard and draws, batchnorm statistics per rank over batch/N, gradients averaged as
 # the all-reduce averages them), RUNS seeds from 0 in one process; the table and one row per set
 # in bench/results/multi_gpu.jsonl (EMULATED_CALL and EMULATED_COMMIT name the call and the commit).
-# nccl2 (issue 46): two NCCL ranks on this one GPU through scripts/rank_env.sh (both on cuda:0 by
+# nccl2: two NCCL ranks on this one GPU through scripts/rank_env.sh (both on cuda:0 by
 # the harness's --share-gpu; an NCCL_HOSTID per rank, since NCCL refuses two
 # ranks on one device of one host, so it joins them over sockets); graphs on, bucketed. The 2-rank
 # run against one process training the same (--emulate-ranks 2) and the plain run over the same
 # global batch; then rank 1 killed (SIGKILL) mid-training, rank 0 must end with one line and exit 3
-# within --dist-timeout-s + 11 s (scripts/kill_rank.py). Issue 73: both ranks fed rank 0's data with
-# deterministic kernels (test-only variables) must equal one process bit for bit; a --muon-shard
-# run; the exit after the graphed 2-rank run, timed. The steps run sharpest first, so a stage cut
-# short by its budget loses the tolerance comparisons. The table, NCCL's transport or its refusal,
-# one row per check in bench/results/multi_gpu.jsonl (NCCL2_CALL and NCCL2_COMMIT name the call and commit).
-# conv (issue 50): the default preset's convs with the batchnorm statistics in their epilogue
+# within --dist-timeout-s + 11 s (scripts/kill_rank.py). Both ranks fed rank 0's data with
+# deterministic kernels (the harness's --rank0-data and --deterministic) must equal one process bit
+# for bit; a --muon-shard run; the exit after the graphed 2-rank run, timed. The steps run sharpest
+# first, so a stage cut short by its budget loses the tolerance comparisons. The table, NCCL's
+# transport or its refusal, one row per check in bench/results/multi_gpu.jsonl (NCCL2_CALL and
+# NCCL2_COMMIT name the call and commit).
+# conv: the default preset's convs with the batchnorm statistics in their epilogue
 # (kernels/conv_stats.py) against cuDNN + the normalize block, side by side in one call: the kernel
 # table (bench/bench_conv_stats.py, rows in conv_stats.jsonl), its launch settings' forwards
 # (bench/sweep_conv_stats.py, conv_sweep.jsonl), the graphed step both ways (step.jsonl),
@@ -49,15 +50,15 @@
 # (one row each in official.jsonl; CONV_CALL and CONV_COMMIT name the call and the commit). Its
 # data is staged in the same call (cifar10_official.py --from-stage, ~30 s): give it
 # STAGE_BUDGET_S=500, as the race.
-# screen (issues 45 and 50): the default's margin above 94% spent on time. The default preset, then
+# screen: the default's margin above 94% spent on time. The default preset, then
 # each variant in SCREEN (flags added to it, ';' between variants; unset: SCREEN_DEFAULT below),
 # SCREEN_RUNS (10) runs each from seed 0, one process each, on official data; every variant's flags
 # are parsed and validated before any run (in a dry run too). Reported as the race reports its
 # contenders, each variant named by its flags with its time ratio and accuracy difference to the
 # default (one row each in official.jsonl; SCREEN_CALL and SCREEN_COMMIT name the call and the
-# commit). The default runs once, first: a time ratio within about 3% needs confirming (visit 9
-# timed the same default 2.4% apart in two calls). Confirm a winner with SCREEN="ITS FLAGS"
-# SCREEN_RUNS=25 before it becomes the default.
+# commit). The default runs once, first: a time ratio within about 3% needs confirming (the same
+# default timed 2.4% apart in two calls: official.jsonl, calls "visit 9" and "visit 9b"). Confirm a
+# winner with SCREEN="ITS FLAGS" SCREEN_RUNS=25 before it becomes the default.
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines, bench and nccl2 stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -219,9 +220,9 @@ bench)
   ensure_data
   if default=$(default_preset); then  # the default preset's network at its batch, first
     step bench-step-default 100 "$py" bench/bench_step.py --preset "${default% *}" --batches "${default#* }"
-    # issue 46: the step one of 8 ranks takes (the default's batch / 8 images, buckets on), as rank 0
+    # the step one of 8 ranks takes (the default's batch / 8 images, buckets on), as rank 0
     # of a fake 8-rank group: compute and the buckets' launches, no communication. Eager, then
-    # graphed: the eager trace names the ops behind "other" (visit 12: 0.61 of its 1.70 ms)
+    # graphed: the eager trace names the ops behind "other" (a third of the step: visits/visit-12.md, 12d)
     step bench-step-8rank 100 "$py" bench/bench_step.py --preset "${default% *}" --fake-world 8 --graphs off on --kernels auto
   else
     rows+=("| bench-step-default | FAIL: the default preset could not be read (default-preset.log) | 0 |"); failed=1
@@ -234,7 +235,7 @@ bench)
 kernels)
   # alone: eager and graph-replay timings x 3 impls x 3 directions and a compile per block, for the
   # default preset's 6 blocks (bench/kernel_registers.py's PRESET_BLOCKS 18-23; fast's and resnet9's 0-11, measured
-  # in the fifth visit, would not fit beside them: about 270 s for those twelve)
+  # in bench/results/visits/visit-5.md, 5b, would not fit beside them: about 270 s for those twelve)
   default_blocks="18 19 20 21 22 23"
   step bench-bn 420 "$py" bench/bench_bn_act_pool.py --blocks $default_blocks
   # the launch table against the settings it was chosen from (bench/results/bn_sweep.md)
@@ -284,8 +285,8 @@ race)
   if step export-tensors 120 "$py" scripts/export_tensors.py --data "$data" --out "$race/cifar10" &&
      step prepare-peers 30 "$py" scripts/race.py prepare "${RACE_SCRIPTS:-.stage/race}" "$race" --images "$race/cifar10" --runs "$runs"; then
     # in RACE_PEERS's order (the record first by default); each may use what is left but 40 s for
-    # the table: their max-autotune compile alone took over 200 s in visit 8, so one call holds
-    # fastcifar and about one script; a cut-off script's finished runs still count
+    # the table: their max-autotune compile alone took over 200 s (visits/visit-8.md, 8b), so one
+    # call holds fastcifar and about one script; a cut-off script's finished runs still count
     for name in ${RACE_PEERS:-hiverge airbench94_muon airbench94}; do
       case "$name" in
         hiverge) file=cifar10_speedrun.py ;;
@@ -358,7 +359,8 @@ conv)
   runs=${CONV_RUNS:-10}
   # the kernel table first: a fused kernel that fails on this GPU shows there before the runs
   step bench-conv 90 "$py" bench/bench_conv_stats.py
-  # its launch settings, forward only, beside cuDNN's (visit 11: the base setting's forward 2.4-6.2x cuDNN's)
+  # its launch settings, forward only, beside cuDNN's (the base setting's forward took 2.4-6.2x
+  # cuDNN's: visits/visit-11.md, 11c)
   step sweep-conv 180 "$py" bench/sweep_conv_stats.py
   for variant in cudnn fused; do
     flag=(); [ "$variant" = fused ] && flag=(--fused-conv)
@@ -379,12 +381,12 @@ screen)
   default=$(default_preset) || { note "the default preset could not be read (default-preset.log)"; failed=1; exit; }
   preset=${default% *}
   runs=${SCREEN_RUNS:-10}
-  # Visit 12 (official.jsonl, calls "visit 12" to "visit 12c"; visits/visit-12.md): the record's
-  # jitter bought half an epoch back (the default since, fast-jitter: 94.10% over 25, x0.956 of
-  # fast-muon9), but not a whole one (93.95% at 8), and label smoothing 0.09, batch 1536 and the
-  # record's rates did not help at 8 epochs. What is left of the margin, spent on the evaluation and
-  # a quarter epoch: TTA on the least confident test images only (--tta-share 0.25 cost 0.001 point on
-  # the same weights in visit 11, "Seeds, processes"), and 8.25 epochs with and without it.
+  # Screened already (official.jsonl, calls "visit 12" to "visit 12c"; visits/visit-12.md): the
+  # record's jitter buys half an epoch back (fast-jitter, the default), but not a whole one (93.95% at
+  # 8), and label smoothing 0.09, batch 1536 and the record's rates did not help at 8 epochs. What is
+  # left of the margin, spent on the evaluation and a quarter epoch: TTA on the least confident test
+  # images only (--tta-share 0.25 cost 0.001 point on the same weights: visits/visit-11.md, "Seeds,
+  # processes"), and 8.25 epochs with and without it.
   SCREEN_DEFAULT="--tta-share 0.25;--tta-share 0.5;--epochs 8.25;--epochs 8.25 --tta-share 0.5"
   IFS=';' read -ra variants <<<"${SCREEN-$SCREEN_DEFAULT}"
   # a typo must not cost the visit: each variant parses and validates on the preset first, and must
@@ -395,7 +397,7 @@ screen)
     read -ra extra <<<"$flags"
     name=$preset; [ -n "$flags" ] && name="v$i$(printf '%s' "$flags" | tr -c 'A-Za-z0-9.' '-' | tr -s '-')"
     i=$((i + 1))
-    # 10 runs take about 35 s with their process's start (visit 9: 2.1 s a run after the first);
+    # 10 runs take about 35 s with their process's start (about 2.1 s a run after the first, H100);
     # a stuck variant may not take the others' time
     limit=$((budget - SECONDS - 40)); [ "$limit" -gt $((runs * 8 + 90)) ] && limit=$((runs * 8 + 90))
     contender "$name" "$limit" "${extra[@]}"

@@ -16,14 +16,14 @@ step-level equality is tests/unit/test_graphs_cuda.py's job), and when the nccl-
 process group (its engine line names no comm: its buckets and collectives never ran). ``accuracy``:
 every run found under the folders (several stages' chunks may be combined), with mean, std and min
 of the test accuracy.
-``emulated``: the runs of ``--emulate-ranks N`` (issue 46: the N-GPU recipe's accuracy, measured on
-one device), one set per preset and N: mean, std, min, runs below 94% and the one-sided p of "mean
+``emulated``: the runs of ``--emulate-ranks N`` (the N-GPU recipe's accuracy, measured on one
+device), one set per preset and N: mean, std, min, runs below 94% and the one-sided p of "mean
 > 94%" (scripts/race.py's figures), and one row per set appended to ``--jsonl``
 (bench/results/multi_gpu.jsonl). ``nccl2``: two NCCL ranks on one GPU (gpu_visit.sh nccl2): the
 2-rank run's per-epoch train loss against one process training the same (``--emulate-ranks 2``)
 and against the plain run over the same global batch, NCCL's transport or, when the 2-rank run
 failed, NCCL's refusal from its log, and the kill test's verdict (scripts/kill_rank.py's
-kill.json); issue 73: the 2 ranks fed rank 0's data against one process, bit for bit (figures and
+kill.json); the 2 ranks fed rank 0's data against one process, bit for bit (figures and
 weights), a ``--muon-shard`` 2-rank run against the unsharded one (1%), and the exit after the
 graphed 2-rank run (``--ended``: its launcher's end, from its summary.json's write); one row per
 check appended to ``--jsonl``. The race's report is scripts/race.py.
@@ -182,7 +182,7 @@ def emulated(
 # whose batchnorms normalize over all 2000 images, not each rank's 1000: the engines stage's 5%.
 RANKS_TOL, PLAIN_TOL = 0.01, 0.05
 RANKS, EMULATED, PLAIN = "nccl2-ranks", "nccl2-emulated", "nccl2-1rank"  # gpu_visit.sh nccl2's run folders
-# issue 73: both ranks fed rank 0's data (bit for bit against SAME1), and --muon-shard
+# both ranks fed rank 0's data (bit for bit against SAME1), and --muon-shard
 SAME, SAME1, SHARD = "nccl2-same", "nccl2-same-1rank", "nccl2-shard"
 # From the 2-rank run's summary.json to its launcher's end: the trainer bounds leaving the group at
 # 5 s (distributed.TEARDOWN_TIMEOUT_S; pytorch#115388: ncclCommDestroy can hang after capture), then

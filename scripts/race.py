@@ -362,7 +362,7 @@ def report(
         own = [r["train_time"] for r in results]
         times = [with_final_evaluation(r) for r in results]
         mine[contender] = {peer: statistics.fmean(COUNTED_AS[peer](r) for r in results) for peer in peers}
-        # set-up before the clock (summaries before 2026-11-26 lack it): the first run's is the one a
+        # set-up before the clock (older summaries lack it): the first run's is the one a
         # user waits for (Triton's compiles, cuDNN's search), the later ones' find them done
         setup = [r["setup_time"] for r in sorted(results, key=lambda r: r["run"]) if "setup_time" in r]
         preset = contender.split(" ")[0]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One of several NCCL ranks on one GPU, for testing only (issue 46: the multi-rank NCCL path on a
+# One of several NCCL ranks on one GPU, for testing only (the multi-rank NCCL path on a
 # machine with one GPU; a real run gives each rank its own GPU). The trainer's --share-gpu (a harness flag
 # that --help leaves out) puts local rank r on GPU r mod (the GPU count). Runs COMMAND with:
 #   NCCL_HOSTID=fastcifar-rankR  NCCL refuses two ranks on one device with the same host and bus id

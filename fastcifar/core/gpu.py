@@ -1,4 +1,4 @@
-"""What this machine's NVIDIA GPU can run, asked before any CUDA work (issue 69), and the choices
+"""What this machine's NVIDIA GPU can run, asked before any CUDA work, and the choices
 that follow from its compute capability.
 
 The preflight (``cuda_or_cpu``, then ``before_cuda_work``) runs wherever a GPU is taken: in
@@ -43,7 +43,7 @@ INSTALLS = (
 )
 # The lowest capability each CUDA major's DALI build runs on. CUDA 13 dropped Maxwell, Pascal and
 # Volta (CUDA 13.0 release notes); nvidia-dali-cuda130 2.4.0 holds no sm_70 code and
-# nvidia-dali-cuda120 2.4.0 does (cuobjdump --list-elf, issue 69).
+# nvidia-dali-cuda120 2.4.0 does (cuobjdump --list-elf).
 DALI_MIN_CAPABILITY = {13: (7, 5), 12: (7, 0)}
 BF16_CAPABILITY = (8, 0)  # Ampere: the first tensor cores that multiply bf16
 NVIDIA_SMI_TIMEOUT_S = 10.0  # nvidia-smi -L answers in well under a second; a hung driver must not hang the start

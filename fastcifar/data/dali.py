@@ -247,7 +247,7 @@ class DaliLoader(TrainLoader):
             if augment.flip:
                 args["mirror"] = fn.external_source(name="mirror", dtype=types.INT32, ndim=0)
             half = self.dtype == torch.float16
-            # DALI 2.4's GPU erase rejects float16 ("Unsupported data type", H100, 2026-11-22): with
+            # DALI 2.4's GPU erase rejects float16 ("Unsupported data type", on an H100): with
             # a cutout, normalize to float32, erase there, and round to float16 last, in one cast
             # (the same single rounding as a float16 normalize: the erased zeros are exact in both);
             # the jitter too works on float32 and rounds once at the end, as the reference does

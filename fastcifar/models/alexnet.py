@@ -1,5 +1,5 @@
 """The CIFAR AlexNet (``--arch alexnet``, preset ``alexnet``): the second network of the
-compressed-communication system (issue 15), beside ResNet-9.
+compressed-communication system, beside ResNet-9.
 
 The widely used CIFAR adaptation of AlexNet: five convolutions, 11x11 stride 4 (32x32 -> 8x8),
 5x5, then three 3x3, with 2x2 max-pools after the first, second and fifth (8 -> 4 -> 2 -> 1), and

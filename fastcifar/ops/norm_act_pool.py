@@ -40,7 +40,7 @@ def global_max_pool(x: torch.Tensor) -> torch.Tensor:
     Under ``torch.compile`` the backward recomputes the activation before it in fp32 where the
     forward rounded it to fp16, nothing equals the maximum, and the gradient is 0 / 0: every conv
     of `fast` had NaN gradients after the first step (inductor, torch 2.11 on an H100 and 2.14 on
-    the CPU, 2026-11-22). ``max`` saves the index in the forward, and the backward cannot miss it.
+    the CPU). ``max`` saves the index in the forward, and the backward cannot miss it.
     On a tie it sends the gradient to one element where ``amax`` splits it: both are subgradients.
     Channels-last keeps H and W adjacent (strides W*C and C), so ``flatten`` is a view."""
     return x.flatten(2).max(dim=2).values

@@ -22,20 +22,19 @@ the current stream waits on the communication stream (no host sync); with gloo `
 
 The average is a sum, then one division: each bucket is all-reduced with SUM in its own dtype and,
 once its sum has arrived (in ``finish()``, on the comm stream on the GPU), divided in place by the
-rank count. Dividing each rank's fp16 gradient first, as this module did until issue 46, flushed
-per-rank values below n x 3e-8 to zero; the sum cannot overflow where one GPU training the global
-batch alone would not (numbers at ``_all_reduce_mean``). For 2, 4 or 8 ranks and fp32 the result is
-bit for bit the former one. During a CUDA graph capture a launch checks that the collective is
-issued on a capturing stream (one outside the capture would be missing from every replay).
+rank count. Dividing each rank's fp16 gradient first would flush per-rank values below n x 3e-8 to
+zero; the sum cannot overflow where one GPU training the global batch alone would not (numbers at
+``_all_reduce_mean``). For 2, 4 or 8 ranks and fp32 the two orders agree bit for bit. During a CUDA
+graph capture a launch checks that the collective is issued on a capturing stream (one outside the
+capture would be missing from every replay).
 
 The default cap, 2 MiB, splits the default preset's 3.95 MB of fp16 gradients into 4 collectives
 (and one of 4.6 KB of fp32 batchnorm shifts) whose last, blocks.0 and the whitening bias (101 KB),
-is all that waits after backward; filled from the start, as until issue 73, the last was the
-largest, 1.58 MB. Exposed time before and after on 8 GPUs: bench/results/allreduce_model_8gpu.md
-(a model, not a measurement). The only
-measurement so far is gloo on 2 shared CPU cores (bench/results/allreduce.md, the bucket-size
-rows): small buckets cost a collective each, and the sizes from 1 to 25 MiB tie DDP; overlap
-cannot pay on the CPU, where gloo sums on the cores backward uses.
+is all that waits after backward; filled from the start instead, the last would be the largest,
+1.58 MB. Exposed time of both fills on 8 GPUs: bench/results/allreduce_model_8gpu.md (a model, not
+a measurement). The only measurement so far is gloo on 2 shared CPU cores (bench/results/allreduce.md,
+the bucket-size rows): small buckets cost a collective each, and the sizes from 1 to 25 MiB tie DDP;
+overlap cannot pay on the CPU, where gloo sums on the cores backward uses.
 
     buckets = GradBuckets(model.parameters(), bucket_mb=2.0)   # after the model, before the optimizer
     buckets.begin(); loss = ...   # begin: a parameter frozen since the last step leaves the buckets
@@ -100,8 +99,8 @@ def plan_buckets(params, bucket_bytes: int, last_bytes: int | None = None) -> li
         last_bytes = min(bucket_bytes, LAST_BUCKET_BYTES)
     # Filled from the end: the bucket that can only launch when backward ends is the small one, and
     # what is left over lands in the first bucket, which overlaps the most backward. (Filled from
-    # the start, as until issue 73, the default preset's last bucket was its largest: 1.58 MB of
-    # 3.95, the first block, blocks.1 and the whitening bias, all sent after backward.)
+    # the start, the default preset's last bucket would be its largest: 1.58 MB of 3.95, the first
+    # block, blocks.1 and the whitening bias, all sent after backward.)
     # dtype -> its open bucket: [members, bytes used, cap, position in backward order of its last member]
     open_by_dtype: dict[torch.dtype, list] = {}
     closed: list[tuple[int, list]] = []  # (position in backward order of the last member, members)

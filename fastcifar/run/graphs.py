@@ -96,11 +96,11 @@ def capture_error_mode() -> str:
     mode an unsafe call from any thread while a capture is open invalidates that capture, so a poll
     that lands inside it failed the capture at random (pytorch PRs #104487 and #104555 describe the
     crash). ``thread_local`` checks only the capturing thread, so the polls are harmless. torch
-    fixed it on the watchdog's side in 2025 (#148594: its event queries run thread-local; #160398,
-    merged 2025-08-12, after 2.8 was released, so by its date first in 2.9: the start-event query
-    too); the project supports torch >= 2.4, so the capture tolerates the polls itself. Captured
-    collectives are never handed to the watchdog (#102542). Without NCCL, ``global`` keeps CUDA's
-    strict check on other threads (a DALI thread's CUDA call during a capture fails it loudly)."""
+    fixed it on the watchdog's side (#148594: its event queries run thread-local; #160398, first in
+    2.9: the start-event query too); the project supports torch >= 2.4, so the capture tolerates the
+    polls itself. Captured collectives are never handed to the watchdog (#102542). Without NCCL,
+    ``global`` keeps CUDA's strict check on other threads (a DALI thread's CUDA call during a
+    capture fails it loudly)."""
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return "thread_local"
     return "global"

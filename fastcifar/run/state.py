@@ -279,9 +279,9 @@ def _is_int(value) -> bool:
 
 
 def _check_progress(state: dict, cfg: Config, where: str) -> None:
-    """Issue 48: every field a resume reads, type- and range-checked against this run, so a
-    tampered file is one line (CheckpointError naming the field) before anything is written;
-    epochs_done 99 of a 3-epoch run once trained nothing and wrote a model, -1 a traceback."""
+    """Every field a resume reads, type- and range-checked against this run, so a tampered file
+    is one line (CheckpointError naming the field) before anything is written; unchecked,
+    epochs_done 99 of a 3-epoch run trained nothing and wrote a model, -1 a traceback."""
 
     def bad(name: str, problem: str) -> CheckpointError:
         return CheckpointError(f"{where}: field {name} {problem}")

@@ -91,7 +91,7 @@ def timed(step: TrainStep | EvalStep, device: torch.device) -> float:
 
 
 # Images of an evaluation batch that a CPU evaluation's estimate times: a whole batch cost a third of a
-# short CPU run (1000 images, six TTA views: 5 s of a 15 s run, 2026-12-03), a slice of 64 a few ms.
+# short CPU run (1000 images, six TTA views: 5 s of a 15 s run), a slice of 64 a few ms.
 EVAL_SLICE = 64
 
 

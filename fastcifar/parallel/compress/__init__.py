@@ -1,4 +1,4 @@
-"""Compressed gradient communication for the bucketed all-reduce (issue 15).
+"""Compressed gradient communication for the bucketed all-reduce.
 
 The field's split (GRACE, DDP communication hooks): a compressor (``compressors``: compress ->
 payload + context, decompress), an error-feedback memory (``memory``), and the transport the

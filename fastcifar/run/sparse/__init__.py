@@ -1,4 +1,4 @@
-"""Sparse training with fixed masks (issue 16): what the trainer calls, and the pieces it is made of.
+"""Sparse training with fixed masks: what the trainer calls, and the pieces it is made of.
 
 - ``fisher``: per-parameter Fisher scores from per-sample gradients (``torch.func``);
 - ``masks``: top-K of the scores, a random mask of the same size, or masks dealt out over ranks;
