@@ -125,6 +125,32 @@ def _no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def uint8_images(n=6, size=32, seed=0) -> torch.Tensor:
+    """``n`` random NHWC uint8 images (the layout tests' input)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8, generator=g)
+
+
+@pytest.fixture
+def cuda_layouts(monkeypatch):
+    """F.pad with CUDA's output layout: default (NCHW) contiguous whatever the input's strides.
+
+    On CUDA, ``reflection_pad2d`` (and the constant pad) of an NCHW-shaped view of NHWC data returns
+    NCHW-contiguous output, where the CPU keeps channels-last. Code that padded a permuted view and
+    permuted back got contiguous NHWC on the CPU and a non-contiguous view on CUDA, and the Triton
+    augmentation refuses that on the first batch. This fixture lays F.pad's output out as CUDA does,
+    so the trap fails on the CPU instead of on a GPU (tests/unit/test_augment.py checks the emulation)."""
+    import torch.nn.functional as F
+
+    real_pad = F.pad
+
+    def pad(x, *args, **kwargs):
+        return real_pad(x, *args, **kwargs).contiguous()
+
+    monkeypatch.setattr(F, "pad", pad)
+    monkeypatch.setattr(torch.nn.functional, "pad", pad)
+
+
 @pytest.fixture
 def official_dir(tmp_path):
     return write_official(tmp_path / "data")

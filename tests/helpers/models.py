@@ -74,3 +74,10 @@ def training_state(cfg, epochs_done=2, steps=4) -> dict:
         "ranks": [rank],
         "torch": str(torch.__version__),
     }
+
+
+def tiny(arch="resnet9", seed=0):
+    torch.manual_seed(seed)
+    widths = (4, 8, 8, 8) if arch == "resnet9" else (8, 8, 8)
+    cfg = from_preset("resnet9" if arch == "resnet9" else "fast", widths=widths)
+    return cfg, make_network(cfg, NormActPool).to(memory_format=torch.channels_last)

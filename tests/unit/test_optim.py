@@ -23,7 +23,7 @@ from fastcifar.parallel.distributed import DistContext
 from fastcifar.run import graphs, recipe
 from fastcifar.run.optim import NS_COEFFICIENTS, Maskable, Muon, MuonSGD, NesterovSGD, Optimizer, newton_schulz
 from fastcifar.run.recipe import conv_filters, make_optimizer, param_groups
-from fastcifar.run.schedule import DeviceSchedule, warmup_decay_lr
+from fastcifar.run.schedule import DeviceSchedule
 from fastcifar.run.sparse import fisher
 from fastcifar.run.sparse.update import MaskedOptimizer
 
@@ -67,16 +67,6 @@ def test_step_without_gradient_is_an_error():
     p = torch.zeros(2, requires_grad=True)
     with pytest.raises(RuntimeError, match="no gradient"):
         NesterovSGD([p], lr=0.1).step()
-
-
-def test_schedule_shape():
-    lr = lambda t: warmup_decay_lr(t, epochs=24, warmup_epochs=5, peak=0.4)  # noqa: E731
-    assert lr(0) == 0.0
-    assert lr(2.5) == pytest.approx(0.2)
-    assert lr(5) == pytest.approx(0.4)
-    assert lr(14.5) == pytest.approx(0.2)
-    assert lr(24) == 0.0
-    assert warmup_decay_lr(0.0, epochs=10, warmup_epochs=0, peak=1.0) == 1.0
 
 
 # --- the Optimizer contract ------------------------------------------------------------------

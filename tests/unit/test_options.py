@@ -134,3 +134,11 @@ def test_values_that_differ_get_names_that_differ():
     a = recipe_flags(as_summary(["--lr", "27.1360001"]))
     b = recipe_flags(as_summary(["--lr", "27.1360002"]))
     assert a != b and a == ["--lr 27.1360001"]
+
+
+def test_tta_flag_forms():
+    assert parse_args(["--tta", "2"]).tta == 2
+    assert parse_args(["--tta"]).tta == 1
+    assert parse_args(["--no-tta"]).tta == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--tta", "5"])
