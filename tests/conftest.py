@@ -203,6 +203,45 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
+# Runs that several test files read (tests/helpers/models.py, cli.py), trained once per session:
+# the checkpoint, evaluate, predict and resume tests share them. tests/cli/test_cli.py has a
+# ``trained`` of its own (a plain run), which takes precedence there.
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """A tiny `fast` run of 3 epochs that wrote a checkpoint after epoch 2, and its data."""
+    from models import FAST_TINY, train_with_checkpoint
+
+    return train_with_checkpoint(tmp_path_factory.mktemp("trained"), FAST_TINY)
+
+
+@pytest.fixture(scope="session")
+def trained_default(tmp_path_factory):
+    """The same with the default preset (Muon's momentum on the filters)."""
+    from models import DEFAULT_TINY, train_with_checkpoint
+
+    return train_with_checkpoint(tmp_path_factory.mktemp("trained_default"), DEFAULT_TINY)
+
+
+@pytest.fixture(scope="session")
+def resume_data(tmp_path_factory):
+    folder, _ = write_official(tmp_path_factory.mktemp("data"), per_batch=40, n_test=50)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(resume_data, tmp_path_factory):
+    """One 3-epoch run of resume_data with --val-split, a checkpoint after every epoch (the last, 2, kept)."""
+    import json
+
+    from cli import TINY, run_dirs, run_train
+
+    out = tmp_path_factory.mktemp("runs")
+    proc = run_train(["--data", resume_data, "--out-dir", out, *TINY, "--val-split", "40", "--checkpoint-every", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = run_dirs(out)
+    return {"dir": run_dir, "stdout": proc.stdout, "summary": json.loads((run_dir / "summary.json").read_text())}
+
+
 def one_line_error(stderr: str) -> str:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"

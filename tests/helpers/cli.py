@@ -152,3 +152,25 @@ def run_script(code: str, *args, timeout: float = 60) -> tuple[subprocess.Comple
         timeout=timeout,
     )
     return proc, time.monotonic() - t0
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def start_log(out: Path):
+    from fastcifar.core.config import Config
+    from fastcifar.run.report import RunLog
+
+    log = RunLog(Config(), str(out), enabled=True, stream=open(os.devnull, "w"))
+    log.start(
+        {
+            "versions": {"fastcifar": None, "torch": "x"},
+            "classes": [],
+            "device": {"type": "cpu", "name": "cpu", "world_size": 1},
+            "data": "test data",
+        }
+    )
+    return log

@@ -71,3 +71,13 @@ def test_emulated_ranks_refusal_on_the_command_line_is_one_line(tmp_path, capfd)
     assert code == 2
     assert "does not divide over 3 ranks" in one_line_error(capfd.readouterr().err)
     assert not (tmp_path / "runs").exists()
+
+
+def test_resume_accepts_other_display_and_path_settings_only():
+    """--quiet, paths and logging may differ on resume; a training setting may not."""
+    from fastcifar.core.config import from_preset
+    from fastcifar.core.config import training_settings as _training_config
+
+    base = from_preset("resnet9")
+    assert _training_config(base) == _training_config(from_preset("resnet9", quiet=True, out_dir="x", data="y"))
+    assert _training_config(base) != _training_config(from_preset("resnet9", lr=0.5))

@@ -18,7 +18,7 @@ import pytest
 
 from fastcifar import train
 from fastcifar.core.config import HELP_GROUPS, Config, from_preset, setting, training_settings
-from fastcifar.core.options import build_parser, parse_args, recipe_flags
+from fastcifar.core.options import build_parser, parse_args, parse_command_line, recipe_flags
 from fastcifar.core.presets import DEFAULT_PRESET
 
 RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "train_help.txt"
@@ -142,3 +142,10 @@ def test_tta_flag_forms():
     assert parse_args(["--no-tta"]).tta == 0
     with pytest.raises(SystemExit):
         parse_args(["--tta", "5"])
+
+
+def test_parse_command_line_names_only_the_options_given():
+    cfg, given = parse_command_line(["--lr", "0.5", "--no-tta", "--data", "x"])
+    assert given == {"lr": 0.5, "tta": 0, "data": "x"}
+    assert cfg.preset == DEFAULT_PRESET and cfg.lr == 0.5
+    assert parse_command_line(["--preset", "fast"])[1] == {"preset": "fast"}
