@@ -193,7 +193,7 @@ def test_download_unreachable(http_folder, tmp_path):
     _, url = http_folder
     with pytest.raises(DataError, match="download of .* failed"):
         download(tmp_path / "dl", progress=quiet, spec=spec_at(f"{url}/missing.tar.gz", "0" * 32))
-    assert not (tmp_path / "dl").exists(), "no empty folder left (tests/cli/test_commands.py: the messages)"
+    assert not (tmp_path / "dl").exists(), "no empty folder left (tests/cli/test_cli.py: the messages)"
 
 
 def test_existing_archive_with_wrong_md5_is_reported(tmp_path):

@@ -381,7 +381,7 @@ def test_captured_eval_equals_eager_eval(tta, share):
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_eager_steps_make_no_host_sync(kernels):
-    """The GPU half of tests/unit/test_sync_free.py: with CUDA's sync debug mode set to "error", one eager
+    """The GPU half of the sync-free tests above: with CUDA's sync debug mode set to "error", one eager
     training step (after warm-up) and TTA-2 evaluation batches, of every image and of the least sure
     quarter (--tta-share 0.25: its sort, gathers and device-side count), raise on any synchronizing
     call, including the host-to-device copies the CPU test cannot see."""
