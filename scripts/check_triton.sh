@@ -20,4 +20,4 @@ echo "the Triton tests under the newest Triton, beside the main venv's other pac
 # machine; the per-kernel tests cover the same kernels), to keep CI's extra time near 3 minutes
 "$venv/bin/python" -m pytest -p no:cacheprovider -m "not slow" \
     -k "not test_resnet9_trains_like_torch_path and not test_fused_default_preset_steps_like_the_unfused_one" \
-    tests/kernels tests/unit/test_augment.py tests/unit/test_layout.py tests/unit/test_versions.py
+    tests/kernels tests/unit/test_augment.py tests/unit/test_loader.py tests/harness/test_versions.py

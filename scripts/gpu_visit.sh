@@ -191,8 +191,8 @@ check)
   # the cuda-marked kernel cases (full preset sizes) ran in cuda-tests just above: not twice in one budget;
   # the two loader tests are not cuda-marked but run Triton on CUDA tensors where there is a GPU
   step kernel-tests 240 "$py" -m pytest -q -m "not cuda" tests/kernels/test_kernel_bn_act_pool.py tests/kernels/test_kernel_augment.py \
-    tests/kernels/test_kernel_cutout.py tests/unit/test_layout.py::test_triton_loader_batch_under_cuda_layouts \
-    tests/unit/test_augment.py::test_loader_with_triton_kernels_equals_the_reference -p no:cacheprovider
+    tests/kernels/test_kernel_cutout.py tests/unit/test_loader.py::test_triton_loader_batch_under_cuda_layouts \
+    tests/unit/test_loader.py::test_loader_with_triton_kernels_equals_the_reference -p no:cacheprovider
   # the fused conv's small cases (its preset-size ones are cuda-marked: in cuda-tests), a step of its
   # own so that a timeout in either leaves the other's result
   step conv-kernel-tests 120 "$py" -m pytest -q -m "not cuda" tests/kernels/test_kernel_conv_stats.py -p no:cacheprovider
@@ -408,7 +408,7 @@ dali)
   if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi
   ensure_data
   step dali-version 60 "$py" -c "import nvidia.dali as d; print('dali', d.__version__)"
-  step dali-tests 200 "$py" -m pytest -q tests/unit/test_dali_loader.py -p no:cacheprovider
+  step dali-tests 200 "$py" -m pytest -q tests/unit/test_dali.py -p no:cacheprovider
   for graphs in on off; do
     train "dali-g-$graphs" 120 --subset 10000 --epochs 4 --kernels triton --cuda-graphs "$graphs" --loader dali
   done

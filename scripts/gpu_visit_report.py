@@ -12,7 +12,7 @@ nccl-1rank, dali-g-GRAPHS), its per-epoch train loss, final test accuracy and tr
 (exit 1) when a run's loss did not fall from its first epoch to its last, or when the graphed and
 eager runs of the same kernels end further apart than ``--tol`` (relative train loss; a sanity
 bound over whole epochs, where fp16 and cuDNN's algorithm choice already make eager runs differ:
-step-level equality is tests/unit/test_graphs_cuda.py's job), and when the nccl-1rank run formed no
+step-level equality is tests/unit/test_graphs.py's job), and when the nccl-1rank run formed no
 process group (its engine line names no comm: its buckets and collectives never ran). ``accuracy``:
 every run found under the folders (several stages' chunks may be combined), with mean, std and min
 of the test accuracy.

@@ -125,6 +125,32 @@ def _no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def uint8_images(n=6, size=32, seed=0) -> torch.Tensor:
+    """``n`` random NHWC uint8 images (the layout tests' input)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8, generator=g)
+
+
+@pytest.fixture
+def cuda_layouts(monkeypatch):
+    """F.pad with CUDA's output layout: default (NCHW) contiguous whatever the input's strides.
+
+    On CUDA, ``reflection_pad2d`` (and the constant pad) of an NCHW-shaped view of NHWC data returns
+    NCHW-contiguous output, where the CPU keeps channels-last. Code that padded a permuted view and
+    permuted back got contiguous NHWC on the CPU and a non-contiguous view on CUDA, and the Triton
+    augmentation refuses that on the first batch. This fixture lays F.pad's output out as CUDA does,
+    so the trap fails on the CPU instead of on a GPU (tests/unit/test_augment.py checks the emulation)."""
+    import torch.nn.functional as F
+
+    real_pad = F.pad
+
+    def pad(x, *args, **kwargs):
+        return real_pad(x, *args, **kwargs).contiguous()
+
+    monkeypatch.setattr(F, "pad", pad)
+    monkeypatch.setattr(torch.nn.functional, "pad", pad)
+
+
 @pytest.fixture
 def official_dir(tmp_path):
     return write_official(tmp_path / "data")
@@ -175,6 +201,45 @@ def one_rank_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+# Runs that several test files read (tests/helpers/models.py, cli.py), trained once per session:
+# the checkpoint, evaluate, predict and resume tests share them. tests/cli/test_cli.py has a
+# ``trained`` of its own (a plain run), which takes precedence there.
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """A tiny `fast` run of 3 epochs that wrote a checkpoint after epoch 2, and its data."""
+    from models import FAST_TINY, train_with_checkpoint
+
+    return train_with_checkpoint(tmp_path_factory.mktemp("trained"), FAST_TINY)
+
+
+@pytest.fixture(scope="session")
+def trained_default(tmp_path_factory):
+    """The same with the default preset (Muon's momentum on the filters)."""
+    from models import DEFAULT_TINY, train_with_checkpoint
+
+    return train_with_checkpoint(tmp_path_factory.mktemp("trained_default"), DEFAULT_TINY)
+
+
+@pytest.fixture(scope="session")
+def resume_data(tmp_path_factory):
+    folder, _ = write_official(tmp_path_factory.mktemp("data"), per_batch=40, n_test=50)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(resume_data, tmp_path_factory):
+    """One 3-epoch run of resume_data with --val-split, a checkpoint after every epoch (the last, 2, kept)."""
+    import json
+
+    from cli import TINY, run_dirs, run_train
+
+    out = tmp_path_factory.mktemp("runs")
+    proc = run_train(["--data", resume_data, "--out-dir", out, *TINY, "--val-split", "40", "--checkpoint-every", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = run_dirs(out)
+    return {"dir": run_dir, "stdout": proc.stdout, "summary": json.loads((run_dir / "summary.json").read_text())}
 
 
 def one_line_error(stderr: str) -> str:

@@ -232,7 +232,7 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 def newton_schulz_dtype(device: torch.device) -> torch.dtype:
     """Muon's Newton-Schulz precision: bf16 where the GPU multiplies bf16 on tensor cores (8.0 and
-    newer); fp16 below, which tests/unit/test_capability.py shows closer to the fp32 iteration than
+    newer); fp16 below, which tests/unit/test_gpu.py shows closer to the fp32 iteration than
     bf16 once the norm scaling comes before the cast; fp32 on the CPU (bf16 matmuls are slow there
     and the tests compare ranks at fp32)."""
     if device.type != "cuda":

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 # airbench94 (Jordan, 2024: 94.01% mean over 1,000 runs on one A100) transcribed fact by fact into
-# this trainer's conventions; tests/unit/test_recipe_parity.py holds a few of its steps to a
+# this trainer's conventions; tests/unit/test_recipe.py holds a few of its steps to a
 # plain-PyTorch transcription of the published recipe. Official CIFAR-10 has no row for it yet
 # (bench/results/official.jsonl); on the JPEG copy, docs/results-jpeg.md.
 # Conversions:

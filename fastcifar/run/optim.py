@@ -208,7 +208,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 3, eps: float = 1e-7, dtype: tor
     significant digits suffice for; float16 below); default ``g``'s. bfloat16 has fp32's range, so
     ``g`` is cast first and scaled in it (what Ampere and Hopper run); float16's range ends at 65504,
     which the norm of a 256 x 576 update of mean |entry| 1000 passes (256 x 2304: from 100), and the
-    cast-first fp16 result was then all zeros (tests/unit/test_capability.py), so for it the scaling
+    cast-first fp16 result was then all zeros (tests/unit/test_gpu.py), so for it the scaling
     comes first, with the norm taken in fp32.
 
     Each iteration is three products, the scalar terms riding in two of them as ``baddbmm``'s

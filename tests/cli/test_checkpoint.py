@@ -1,4 +1,5 @@
-"""Model files and training checkpoints (fastcifar.checkpoint), resume, evaluate and predict."""
+"""Model files and training checkpoints (fastcifar.checkpoint), evaluate and predict. Resuming from a
+checkpoint: tests/cli/test_resume.py."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from cli import run_dirs, run_train, torchrun
-from conftest import CLASSES, batch_bytes, make_images, one_line_error
+from cli import run_dirs
+from conftest import CLASSES, one_line_error
+from models import FAST_TINY, write_noisy_official
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -23,87 +25,7 @@ from fastcifar.models.files import CheckpointError, load_model, save_model, writ
 from fastcifar.models.network import make_network
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.predict import main as predict_main
-from fastcifar.run.state import seal
 from fastcifar.train import main as train_main
-
-# The `fast` preset (whitening, lookahead, frozen BN scales, bias freeze after epoch 2) made tiny.
-# Noisy images (noise 150) keep the accuracy well below 100%, so "the same accuracy" means something;
-# 300 test images in batches of 128 leave a partial last batch.
-FAST_TINY = [
-    "--preset",
-    "fast",
-    "--device",
-    "cpu",
-    "--widths",
-    "16,32,32",
-    "--batch-size",
-    "100",
-    "--epochs",
-    "3",
-    "--warmup-steps",
-    "1",
-    "--eval-batch-size",
-    "128",
-    "--whiten-images",
-    "200",
-    "--whiten-bias-epochs",
-    "2",
-    "--loader",
-    "torch",
-]
-
-
-def write_noisy_official(root, n_train=1000, n_test=300):
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    x, y = make_images(n_train, seed=1, noise=150)
-    tx, ty = make_images(n_test, seed=2, noise=150)
-    per = n_train // 5
-    for i in range(5):
-        (folder / f"data_batch_{i + 1}").write_bytes(
-            batch_bytes(x[i * per : (i + 1) * per], y[i * per : (i + 1) * per])
-        )
-    (folder / "test_batch").write_bytes(batch_bytes(tx, ty))
-    return folder, (tx, ty)
-
-
-# The default preset (fast-jitter: Muon on the filters, no lookahead, brightness/contrast jitter) made as small.
-DEFAULT_TINY = FAST_TINY[2:]
-assert FAST_TINY[:2] == ["--preset", "fast"]
-
-
-def _train_with_checkpoint(root, tiny):
-    """One uninterrupted 3-epoch run of ``tiny`` that also wrote a checkpoint after epoch 2."""
-    data, test = write_noisy_official(root / "data")
-    out = root / "runs"
-    # in this process (no start-up cost); the resume test continues it in a fresh one, which runs
-    # with OMP_NUM_THREADS=1 (tests/helpers/cli.py): one thread here too, since CPU convolutions round their
-    # sums differently with another thread count (seen in CI: 1e-6 apart after resume with 2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert train_main([str(a) for a in ["--data", data, "--out-dir", out, *tiny, "--checkpoint-every", "2"]]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    (run_dir,) = run_dirs(out)
-    return {
-        "data": data,
-        "test": test,
-        "dir": run_dir,
-        "root": root,
-        "tiny": tiny,
-        "summary": json.loads((run_dir / "summary.json").read_text()),
-    }
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return _train_with_checkpoint(tmp_path_factory.mktemp("trained"), FAST_TINY)
-
-
-@pytest.fixture(scope="module")
-def trained_default(tmp_path_factory):
-    return _train_with_checkpoint(tmp_path_factory.mktemp("trained_default"), DEFAULT_TINY)
 
 
 def tiny_fastnet(num_classes=11):
@@ -202,85 +124,7 @@ def test_cli_refuses_a_truncated_model_in_one_line(main, tmp_path, capsys):
     assert "not a readable model file" in one_line_error(captured.err) and captured.out == ""
 
 
-# --- resume -------------------------------------------------------------------------------------
-
-
-def _tensors(path):
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-@pytest.mark.parametrize("which", ["trained", "trained_default"])
-@pytest.mark.slow  # trains three runs (whole, interrupted, resumed)
-def test_resume_is_bit_identical_to_the_uninterrupted_run(which, request, tmp_path):
-    """`fast` (lookahead, SGD) and the default preset (Muon's momentum on the filters)."""
-    trained = request.getfixturevalue(which)
-    out = tmp_path / "runs"
-    proc = run_train(
-        ["--data", trained["data"], "--out-dir", out, *trained["tiny"], "--resume", trained["dir"] / "checkpoint.pt"]
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "after epoch 2" in proc.stdout
-    (run_dir,) = run_dirs(out)
-    full, resumed = _tensors(trained["dir"] / "model.safetensors"), _tensors(run_dir / "model.safetensors")
-    assert full.keys() == resumed.keys()
-    for name in full:
-        assert torch.equal(full[name], resumed[name]), f"{name} differs after resume"
-    # the resumed run's records: epochs 1-2 from the checkpoint, epoch 3 trained again, same numbers
-    a = trained["summary"]["results"][0]["epochs"]
-    b = json.loads((run_dir / "summary.json").read_text())["results"][0]["epochs"]
-    assert [r["epoch"] for r in b] == [1, 2, 3]
-    for ra, rb in zip(a, b, strict=True):
-        assert (ra["train_loss"], ra["test_loss"], ra["test_acc"]) == (
-            rb["train_loss"],
-            rb["test_loss"],
-            rb["test_acc"],
-        )
-
-
-def _corrupt(path, tmp_path):
-    bad = tmp_path / "corrupt.pt"
-    bad.write_bytes(b"PK\x03\x04 not really a zip archive" * 20)
-    return bad
-
-
-def _truncated(path, tmp_path):
-    bad = tmp_path / "truncated.pt"
-    bad.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 3])
-    return bad
-
-
-class _RunsCode:
-    def __reduce__(self):
-        return (print, ("this ran while loading a checkpoint",))
-
-
-def _hostile(path, tmp_path):  # a pickle that would call a function: weights_only refuses it
-    bad = tmp_path / "hostile.pt"
-    torch.save({"format": "fastcifar.state/1", "x": _RunsCode()}, bad)
-    return bad
-
-
-@pytest.mark.parametrize(
-    "make,extra,message",
-    [
-        (_corrupt, [], "not a readable checkpoint"),
-        (_truncated, [], "not a readable checkpoint"),
-        (_hostile, [], "not a readable checkpoint"),
-        (None, ["--seed", "1"], "written with --seed 0, this run has 1"),
-        (None, ["--widths", "16,32,64"], "written with --widths"),
-    ],
-)
-def test_bad_or_mismatched_checkpoints_give_one_line(trained, tmp_path, capsys, make, extra, message):
-    path = trained["dir"] / "checkpoint.pt"
-    if make is not None:
-        path = make(path, tmp_path)
-    out = tmp_path / "runs"
-    argv = ["--data", trained["data"], "--out-dir", out, *FAST_TINY, *extra, "--resume", path]
-    assert train_main([str(a) for a in argv]) == 2  # in process: the CLI's own error path, no start-up cost
-    captured = capsys.readouterr()
-    assert message in one_line_error(captured.err) and "this ran" not in captured.out
-    assert run_dirs(out) == [], "refused before anything is written"
+# --- the training checkpoint ----------------------------------------------------------------------
 
 
 def test_checkpoint_state_is_complete(trained):
@@ -300,92 +144,6 @@ def test_default_presets_checkpoint_holds_muons_momentum(trained_default):
     buffers = state["optimizer"]["muon"]["buffers"]
     assert [b.shape for b in buffers] == [f.shape for f in filters]  # one per trained conv filter
     assert all(b.abs().sum() > 0 for b in buffers), "two epochs of momentum, not the zeroed start"
-
-
-@pytest.mark.slow  # two gloo ranks train, stop at a checkpoint and resume
-def test_two_ranks_checkpoint_and_resume(tmp_path, capsys):
-    """gloo, 2 ranks: each rank resumes its own shard, RNGs and lookahead copy; the result is the
-    uninterrupted 2-rank run's, bit for bit."""
-    data, _ = write_noisy_official(tmp_path / "data", n_train=800, n_test=200)
-    args = ["--data", data, *FAST_TINY, "--epochs", "2", "--whiten-bias-epochs", "1"]
-    full = run_train([*args, "--out-dir", tmp_path / "a", "--checkpoint-every", "1"], launcher=torchrun(), timeout=600)
-    assert full.returncode == 0, full.stderr[-3000:]
-    (dir_a,) = run_dirs(tmp_path / "a")
-    state = torch.load(dir_a / "checkpoint.pt", weights_only=True)
-    assert state["world_size"] == 2 and len(state["ranks"]) == 2
-    resumed = run_train(
-        [*args, "--out-dir", tmp_path / "b", "--resume", dir_a / "checkpoint.pt"], launcher=torchrun(), timeout=600
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (dir_b,) = run_dirs(tmp_path / "b")
-    a, b = _tensors(dir_a / "model.safetensors"), _tensors(dir_b / "model.safetensors")
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs after a 2-rank resume"
-    assert train_main([str(a) for a in [*args, "--out-dir", tmp_path / "c", "--resume", dir_a / "checkpoint.pt"]]) == 2
-    assert "written by 2 ranks" in one_line_error(capsys.readouterr().err)
-    # rank 0 alone reads the file and sends it on (ranks on other nodes may not see rank 0's
-    # --out-dir): here rank 1 is handed a path that does not exist and still gets the state; a
-    # refusal reaches every rank the same way, so none is left waiting
-    script = tmp_path / "load_state_ranks.py"
-    script.write_text(LOAD_STATE_RANKS)
-    good = run_train(
-        [dir_a / "checkpoint.pt", *args],
-        launcher=torchrun(str(script)),
-    )
-    assert good.returncode == 0 and good.stdout.count("epochs_done 1") == 2, good.stdout + good.stderr[-3000:]
-    bad = run_train(
-        [dir_a / "checkpoint.pt", *args, "--label-smoothing", "0.1"],
-        launcher=torchrun(str(script)),
-    )
-    assert bad.returncode == 0 and bad.stdout.count("refused: --resume") == 2, bad.stdout + bad.stderr[-3000:]
-    assert "written with --label-smoothing 0.2" in bad.stdout
-    # --resume alone: rank 0 reads the checkpoint's settings and sends them on; rank 1, which cannot
-    # see the file, trains with them too (not with the command line's defaults)
-    script.write_text(RESUME_SETTINGS_RANKS)
-    alone = run_train(
-        [dir_a / "checkpoint.pt", "--data", data],
-        launcher=torchrun(str(script)),
-    )
-    want = f"settings epochs=2 widths={state_widths(dir_a)} whiten_bias_epochs=1"
-    assert alone.returncode == 0 and alone.stdout.count(want) == 2, alone.stdout + alone.stderr[-3000:]
-
-
-def state_widths(run_dir) -> tuple:
-    import json as _json
-
-    saved = _json.loads(torch.load(run_dir / "checkpoint.pt", weights_only=True)["config"])
-    return tuple(saved["widths"])
-
-
-LOAD_STATE_RANKS = """
-import sys
-from fastcifar.run import state as checkpoint
-from fastcifar.parallel import distributed
-from fastcifar.core.config import parse_args
-path, argv = sys.argv[1], sys.argv[2:]
-ctx = distributed.setup("cpu", 60)
-mine = path if ctx.rank == 0 else path + ".not-on-this-node"
-try:
-    state = checkpoint.load_state(mine, parse_args(argv), ctx)
-    print(f"epochs_done {state['epochs_done']}")  # one write each: the two ranks share one pipe
-except checkpoint.CheckpointError as exc:
-    print(f"refused: {exc}")  # print("refused:", exc) wrote in pieces, and rank 1's came between
-distributed.teardown(ctx)
-"""
-
-RESUME_SETTINGS_RANKS = """
-import sys
-from fastcifar.run import state
-from fastcifar.parallel import distributed
-from fastcifar.core.config import parse_command_line
-path, argv = sys.argv[1], sys.argv[2:]
-ctx = distributed.setup("cpu", 60)
-mine = path if ctx.rank == 0 else path + ".not-on-this-node"
-cfg, given = parse_command_line(["--resume", mine, *argv])
-cfg = state.resume_settings(cfg, given, ctx)
-print(f"settings epochs={cfg.epochs:g} widths={tuple(cfg.widths)} whiten_bias_epochs={cfg.whiten_bias_epochs}")
-distributed.teardown(ctx)
-"""
 
 
 # --- evaluate and predict -----------------------------------------------------------------------
@@ -522,26 +280,3 @@ def test_full_disk_at_the_model_file_is_one_line(learnable_data, tmp_path):
     assert line.startswith("fastcifar: error: cannot write ") and line.endswith("model.safetensors: File too large")
     (run_dir,) = run_dirs(out)
     assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp") or p.name.startswith(".model")]
-
-
-def test_resume_accepts_other_display_and_path_settings_only():
-    """--quiet, paths and logging may differ on resume; a training setting may not."""
-    from fastcifar.core.config import from_preset
-    from fastcifar.core.config import training_settings as _training_config
-
-    base = from_preset("resnet9")
-    assert _training_config(base) == _training_config(from_preset("resnet9", quiet=True, out_dir="x", data="y"))
-    assert _training_config(base) != _training_config(from_preset("resnet9", lr=0.5))
-
-
-@pytest.mark.slow  # over 2 s on 2 cores
-def test_a_checkpoint_of_other_precision_is_refused_by_name(trained, tmp_path, capsys):
-    """--precision auto is fp32 on a CPU and fp16 on a GPU: the same flags, other weights. The
-    refusal names the precision, not an optimizer state that does not fit."""
-    state = torch.load(trained["dir"] / "checkpoint.pt", weights_only=True)
-    state["model"] = {k: v.half() if v.is_floating_point() else v for k, v in state["model"].items()}
-    other = tmp_path / "fp16.pt"
-    torch.save(seal(state), other)  # digest and all: the precision is what is refused
-    argv = ["--data", trained["data"], "--out-dir", tmp_path / "runs", *FAST_TINY, "--resume", other]
-    assert train_main([str(a) for a in argv]) == 2
-    assert "written with torch.float16 weights" in one_line_error(capsys.readouterr().err)

@@ -104,8 +104,8 @@ def test_check_stage_runs_the_cuda_kernel_cases_once(tmp_path):
     # the loader tests that run the Triton augmentation on CUDA tensors only on a GPU machine
     kernel_step = next(line for line in proc.stdout.splitlines() if line.startswith("=== kernel-tests"))
     for test in (
-        "tests/unit/test_layout.py::test_triton_loader_batch_under_cuda_layouts",
-        "tests/unit/test_augment.py::test_loader_with_triton_kernels_equals_the_reference",
+        "tests/unit/test_loader.py::test_triton_loader_batch_under_cuda_layouts",
+        "tests/unit/test_loader.py::test_loader_with_triton_kernels_equals_the_reference",
     ):
         assert test in kernel_step, kernel_step
         path, name = test.split("::")

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,3 +139,38 @@ TINY = [
     "--loader",
     "torch",
 ]
+
+
+def run_script(code: str, *args, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.monotonic() - t0
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def start_log(out: Path):
+    from fastcifar.core.config import Config
+    from fastcifar.run.report import RunLog
+
+    log = RunLog(Config(), str(out), enabled=True, stream=open(os.devnull, "w"))
+    log.start(
+        {
+            "versions": {"fastcifar": None, "torch": "x"},
+            "classes": [],
+            "device": {"type": "cpu", "name": "cpu", "world_size": 1},
+            "data": "test data",
+        }
+    )
+    return log

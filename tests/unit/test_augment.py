@@ -1,17 +1,26 @@
-"""The augmentation reference: crop from padding, flip, normalization, jitter and cutout, and the loader."""
+"""fastcifar.ops.augment, the augmentation reference: crop from padding, flip (alternating too),
+normalization, jitter and cutout, the spec's checks, and the padding's layout under CUDA's pad layouts
+(``cuda_layouts``, tests/conftest.py, emulated on the CPU and checked against CUDA where there is one)."""
+
+from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import uint8_images
 
-from fastcifar.data.loader import EvalSet, TorchLoader
+from fastcifar.core.config import Config, from_preset
+from fastcifar.ops import augment as aug
 from fastcifar.ops.augment import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     AugmentParams,
     AugmentSpec,
+    alternating_flip,
     augment_reference,
     draw_params,
     normalize,
@@ -24,18 +33,6 @@ def params(b, dy=4, dx=4, flip=0, cy=0, cx=0):
         return torch.full((b,), v, dtype=torch.int64)
 
     return AugmentParams(full(dy), full(dx), full(flip), full(cy), full(cx))
-
-
-def torch_loader(images, labels, shard, batch_size, steps, **settings):
-    """A TorchLoader with these tests' usual settings (pad 4 by reflection, cutout 8, flips, fp32 on
-    the CPU), each overridable: the augmentation's as AugmentSpec fields, the others as the loader's."""
-    usual = {"crop_pad": 4, "pad_mode": "reflect", "cutout": 8, "flip": True}
-    spec_fields = {f.name for f in dataclasses.fields(AugmentSpec)}
-    augment = AugmentSpec(**(usual | {k: v for k, v in settings.items() if k in spec_fields}))
-    loader_settings = {"dtype": torch.float32, "device": torch.device("cpu")} | {
-        k: v for k, v in settings.items() if k not in spec_fields
-    }
-    return TorchLoader(images, labels, shard, batch_size, steps, augment=augment, **loader_settings)
 
 
 @pytest.fixture
@@ -148,153 +145,10 @@ def test_jitter_shifts_then_scales_the_normalized_image_and_leaves_the_cutout(im
         AugmentParams(plain.dy, plain.dx, plain.flip, plain.cy, plain.cx, shift=shift)
 
 
-def test_a_jittering_loader_gives_the_reference_of_its_epochs_draws():
-    """The torch loader (reference and Triton kernels) applies the epoch plan's jitter: each batch is
-    augment_reference of its images with that plan's slice, and differs from the same loader without it."""
-    from fastcifar.data.loader import epoch_plan
-
-    rng = np.random.default_rng(4)
-    images = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    def make(kernels, **jitter):
-        return torch_loader(
-            images, np.arange(12), np.arange(12), 4, 3, crop_pad=2, cutout=4, device=device, kernels=kernels, **jitter
-        )
-
-    loader = make("torch", brightness=0.3, contrast=0.2)
-    loader.set_epoch(5, 1)
-    spec = AugmentSpec(crop_pad=2, cutout=4, flip=True, flip_mode="random", brightness=0.3, contrast=0.2)
-    order, plan = epoch_plan(5, 0, 1, 12, 12, spec, shard_index=torch.arange(12))
-    padded = pad_images(torch.from_numpy(images), 2, "reflect")
-    batches = list(loader)
-    for step, (x, y) in enumerate(batches):
-        idx = order[step * 4 : (step + 1) * 4]
-        assert torch.equal(y.cpu(), torch.from_numpy(np.arange(12))[idx])
-        ref = augment_reference(padded[idx], plan.part(step * 4, (step + 1) * 4), spec)
-        torch.testing.assert_close(x.cpu(), ref, rtol=0, atol=0)
-    fused = make("triton", brightness=0.3, contrast=0.2)
-    fused.set_epoch(5, 1)
-    for (a, _), (b, _) in zip(fused, batches, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    still = make("torch")
-    still.set_epoch(5, 1)
-    assert not torch.equal(next(iter(still))[0], batches[0][0])
-
-
-def test_loader_epochs_shapes_and_shuffles():
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (50, 32, 32, 3), dtype=np.uint8)
-    labels = np.arange(50) % 10
-    shard = np.arange(0, 50, 2)
-    loader = torch_loader(images, labels, shard, batch_size=8, steps=3)
-    loader.set_epoch(0, 0)
-    first = list(loader)
-    assert len(first) == 3 and all(x.shape == (8, 3, 32, 32) and y.shape == (8,) for x, y in first)
-    assert all(x.is_contiguous(memory_format=torch.channels_last) for x, _ in first)
-    seen = torch.cat([y for _, y in first])
-    assert set(seen.tolist()) <= set(labels[shard].tolist())
-    loader.set_epoch(0, 0)
-    again = list(loader)
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True)), "same seed and epoch must repeat"
-    loader.set_epoch(0, 1)
-    other = list(loader)
-    assert not torch.equal(first[0][0], other[0][0]), "a new epoch must reshuffle"
-
-
-CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
-
-
-@pytest.mark.parametrize("device", ["cpu", CUDA])  # on CUDA the plan comes through pinned memory
-def test_an_epoch_prepared_ahead_is_the_epoch_drawn_at_its_start(device):
-    """``prepare(seed, e)`` (called by the trainer while the GPU finishes the epoch before) draws
-    exactly what iterating epoch e would draw; a prepared plan serves its own epoch once, and
-    another epoch's iteration neither uses nor drops it."""
-    rng = np.random.default_rng(1)
-    images = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
-
-    def make():
-        return torch_loader(images, np.arange(40) % 10, np.arange(40), 8, 4, device=torch.device(device))
-
-    drawn_then, ahead = make(), make()
-    drawn_then.set_epoch(5, 2)
-    want = list(drawn_then)
-    made = []
-    ahead._ahead.make = lambda seed, epoch, draw=ahead._ahead.make: made.append((seed, epoch)) or draw(seed, epoch)
-    ahead.prepare(5, 2)
-    ahead.set_epoch(5, 1)
-    list(ahead)  # another epoch: drawn at its start; the prepared one stays
-    ahead.set_epoch(5, 2)
-    got = list(ahead)
-    assert made == [(5, 2), (5, 1)], "epoch 2 was drawn again instead of taken from prepare"
-    assert len(got) == len(want) == 4
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got, strict=True))
-    list(ahead)  # taken once: a second pass draws again
-    assert made == [(5, 2), (5, 1), (5, 2)]
-
-
-@pytest.mark.cuda
-def test_preparing_an_epoch_does_not_wait_for_the_gpu_and_survives_pinned_reuse():
-    """What ``prepare`` is for: with the GPU busy (a 200M-cycle sleep queued, ~0.1 s) the host
-    returns before the stream is done, and the plan copied later is intact although more plans of
-    the same size went through the pinned-memory cache meanwhile (a buffer handed out again before
-    its copy ran would corrupt it). Not a test of pinning itself: at this size (196 KB) a copy from
-    pageable memory returned early too (H100, driver 580, 2026-11-22)."""
-    images = np.random.default_rng(2).integers(0, 256, (4096, 32, 32, 3), dtype=np.uint8)
-    loader = torch_loader(
-        images, np.arange(4096) % 10, np.arange(4096), 512, 8, dtype=torch.float16, device=torch.device("cuda")
-    )
-    want_order, want_params = loader._device_plan(5, 2)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)
-    loader.prepare(5, 2)
-    assert not torch.cuda.current_stream().query(), "prepare waited for the GPU's queued work"
-    for epoch in (3, 4, 6):  # the same sizes through the pinned cache while the first copy waits
-        loader._device_plan(5, epoch)
-    order, params = loader._ahead.take(5, 2)
-    torch.cuda.synchronize()
-    assert torch.equal(order, want_order)
-    assert all(torch.equal(getattr(params, f), getattr(want_params, f)) for f in ("dy", "dx", "flip", "cy", "cx"))
-
-
-def test_loader_with_triton_kernels_equals_the_reference():
-    rng = np.random.default_rng(1)
-    images = rng.integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)
-    # Triton runs CPU tensors only in a process without a GPU (its interpreter); the GPU where there is one
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    def make(kernels):
-        return torch_loader(images, np.arange(6), np.arange(6), 3, 2, device=device, kernels=kernels)
-
-    fused, ref = make("triton"), make("torch")
-    assert fused.fused is not None and ref.fused is None
-    for (a, ya), (b, yb) in zip(fused, ref, strict=True):  # same seed: same order and parameters
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-        assert torch.equal(ya, yb)
-
-
-def test_loader_rejects_too_many_steps():
-    with pytest.raises(ValueError, match="need 30 images"):
-        torch_loader(np.zeros((10, 32, 32, 3), np.uint8), np.zeros(10, np.int64), np.arange(10), 10, 3)
-
-
-def test_eval_set_splits_over_ranks():
-    images = np.zeros((11, 32, 32, 3), np.uint8)
-    labels = np.arange(11)
-    parts = [
-        EvalSet(images, labels, 4, dtype=torch.float32, device=torch.device("cpu"), rank=r, world_size=3)
-        for r in range(3)
-    ]
-    got = sorted(torch.cat([y for p in parts for _, y in p]).tolist())
-    assert got == list(range(11))
-    assert [len(p) for p in parts] == [1, 1, 1]
-
-
 def test_spec_fields_are_the_config_fields_of_the_same_name_and_default():
     """``AugmentSpec.from_config`` reads each field from the config field of its name: a new
     augmentation is one field here and one there, with the same default (a spec built without a
     config augments as a run of the config's defaults does)."""
-    from fastcifar.core.config import Config, from_preset
 
     assert AugmentSpec.from_config(Config()) == AugmentSpec()
     cfg = from_preset("fast-jitter")
@@ -339,17 +193,100 @@ def test_spec_checks_the_image_side_and_gives_each_integer_parameters_range():
     assert all(0 <= getattr(p, name).min() and getattr(p, name).max() <= high for name, high in spec.ranges(24).items())
 
 
-@pytest.mark.parametrize("jitter", [{}, {"brightness": 0.2, "contrast": 0.1}])
-def test_an_epoch_plan_reaches_the_device_whole(jitter):
-    """``plan_to_device`` copies the order and every parameter the draws filled (by dtype, one copy
-    each), whatever their names: each arrives equal, the unfilled ones stay None."""
-    from fastcifar.data.loader import plan_to_device
+def test_alternating_flip_alternates_and_mirrors_half_per_epoch():
+    index = torch.arange(20000)
+    flips = [alternating_flip(index, e, seed=3) for e in range(4)]
+    for a, b in itertools.pairwise(flips):
+        assert torch.equal(a ^ b, torch.ones_like(a)), "every image changes orientation every epoch"
+    for f in flips:
+        rate = f.float().mean().item()
+        assert abs(rate - 0.5) < 6 * (0.25 / 20000) ** 0.5, rate  # 6 standard deviations
+    other_seed = alternating_flip(index, 0, seed=4)
+    assert 0.4 < (other_seed != flips[0]).float().mean() < 0.6, "the run seed changes the coins"
+    # a coin depends on the index, not the position in a batch
+    perm = torch.randperm(20000)
+    assert torch.equal(alternating_flip(index[perm], 1, 3), flips[1][perm])
 
-    spec = AugmentSpec(crop_pad=2, cutout=4, **jitter)
-    order = torch.randperm(30, generator=torch.Generator().manual_seed(0))
-    params = draw_params(30, spec, torch.Generator().manual_seed(1), "cpu")
-    got_order, got = plan_to_device(order, params, torch.device("cpu"))
-    assert torch.equal(got_order, order)
-    for f in dataclasses.fields(params):
-        want, have = getattr(params, f.name), getattr(got, f.name)
-        assert (want is None and have is None) or (have.dtype == want.dtype and torch.equal(have, want)), f.name
+
+def test_draw_params_alternate_mode():
+    g = torch.Generator().manual_seed(0)
+    index = torch.tensor([5, 9, 100, 7])
+    alternate = AugmentSpec(crop_pad=2, cutout=0, flip_mode="alternate")
+    p = draw_params(4, alternate, generator=g, device="cpu", index=index, epoch=1, seed=2)
+    assert torch.equal(p.flip, alternating_flip(index, 1, 2))
+    g2 = torch.Generator().manual_seed(0)
+    r = draw_params(4, AugmentSpec(crop_pad=2, cutout=0), generator=g2, device="cpu")
+    off = draw_params(
+        4,
+        AugmentSpec(crop_pad=2, cutout=0, flip=False, flip_mode="alternate"),
+        generator=torch.Generator().manual_seed(0),
+        device="cpu",
+    )
+    assert not off.flip.any()
+    assert p.dy.shape == r.dy.shape == (4,)
+    with pytest.raises(ValueError, match="indices"):
+        draw_params(4, alternate, generator=g, device="cpu")
+    with pytest.raises(ValueError, match="flip mode"):
+        draw_params(4, AugmentSpec(crop_pad=2, cutout=0, flip_mode="sometimes"), generator=g, device="cpu")
+
+
+CL = torch.channels_last
+
+
+def _reference_pad(images, pad, mode):
+    """What F.pad computes on the NCHW view, back in NHWC, made contiguous (any layout)."""
+    nchw = images.permute(0, 3, 1, 2).float()
+    if mode == "reflect":
+        out = F.pad(nchw, (pad,) * 4, mode="reflect")
+    else:
+        out = F.pad(nchw, (pad,) * 4, mode="constant", value=0.0)
+    return out.permute(0, 2, 3, 1).contiguous().to(torch.uint8)
+
+
+def test_the_emulation_changes_what_the_cpu_does(monkeypatch):
+    """The CPU's own pad keeps a channels-last view channels-last, so the old pad_images' permute
+    back was contiguous NHWC here; under ``cuda_layouts`` it is not, as on CUDA. Fails if the CPU
+    ever lays the output out as CUDA does (the emulation would then test nothing new) or if the
+    fixture stops changing the layout."""
+    view = uint8_images().permute(0, 3, 1, 2).float()
+    native = F.pad(view, (2, 2, 2, 2), mode="reflect")
+    assert native.is_contiguous(memory_format=CL) and native.permute(0, 2, 3, 1).is_contiguous()
+    real_pad = F.pad
+    monkeypatch.setattr(F, "pad", lambda x, *a, **k: real_pad(x, *a, **k).contiguous())  # cuda_layouts' patch
+    emulated = F.pad(view, (2, 2, 2, 2), mode="reflect")
+    assert not emulated.is_contiguous(memory_format=CL)
+    assert not emulated.permute(0, 2, 3, 1).is_contiguous()  # what the old code handed the loader
+    assert torch.equal(emulated, native)  # same values: only the layout differs
+
+
+@pytest.mark.cuda
+def test_cuda_reflect_pad_of_a_channels_last_view_is_nchw_contiguous():
+    """The emulation's premise, checked where it can be: if a torch release makes CUDA's
+    reflection_pad2d keep channels-last, this fails and ``cuda_layouts`` no longer mirrors CUDA."""
+    view = uint8_images().cuda().permute(0, 3, 1, 2).float()
+    assert view.is_contiguous(memory_format=CL)
+    out = F.pad(view, (2, 2, 2, 2), mode="reflect")
+    assert out.is_contiguous() and not out.is_contiguous(memory_format=CL), out.stride()
+
+
+@pytest.mark.parametrize("mode", ["reflect", "zero"])
+@pytest.mark.parametrize("pad", [0, 1, 2, 4])
+def test_pad_images_is_contiguous_nhwc_under_cuda_layouts(cuda_layouts, mode, pad):
+    images = uint8_images()
+    out = pad_images(images, pad, mode)
+    assert out.shape == (6, 32 + 2 * pad, 32 + 2 * pad, 3) and out.is_contiguous()
+    assert torch.equal(out, _reference_pad(images, pad, mode) if pad else images)
+
+
+def test_pad_images_odd_sizes_and_bad_pad():
+    images = uint8_images(n=2, size=5)
+    assert torch.equal(pad_images(images, 3, "reflect"), _reference_pad(images, 3, "reflect"))
+    with pytest.raises(ValueError, match="larger than"):
+        pad_images(images, 5, "reflect")
+
+
+def test_augment_reference_output_is_channels_last(cuda_layouts):
+    padded = pad_images(uint8_images(n=4), 2, "reflect")
+    spec = AugmentSpec(crop_pad=2, cutout=4)
+    out = aug.augment_reference(padded, draw_params(4, spec, torch.Generator().manual_seed(0), "cpu"), spec)
+    assert out.is_contiguous(memory_format=CL)

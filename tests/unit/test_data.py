@@ -1,4 +1,6 @@
-"""Reading CIFAR-10 in every layout, the cache, the download's checksum, and every bad input."""
+"""fastcifar.data (load_dataset, shard_indices): reading CIFAR-10 in every layout, the cache, the
+download's checksum, every bad input; every rank keeps a fixed shard, and together the shards cover
+the training set exactly once."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 from conftest import CLASSES, SHARED_JPEG, sort_by_label, tar_folder, write_image_folder, write_official
 from PIL import Image
 
-from fastcifar.data import DataError, load_dataset
+from fastcifar.data import DataError, load_dataset, shard_indices
 from fastcifar.data.official import CIFAR10, download
 
 quiet = lambda msg: None  # noqa: E731
@@ -191,7 +193,7 @@ def test_download_unreachable(http_folder, tmp_path):
     _, url = http_folder
     with pytest.raises(DataError, match="download of .* failed"):
         download(tmp_path / "dl", progress=quiet, spec=spec_at(f"{url}/missing.tar.gz", "0" * 32))
-    assert not (tmp_path / "dl").exists(), "no empty folder left (tests/cli/test_commands.py: the messages)"
+    assert not (tmp_path / "dl").exists(), "no empty folder left (tests/cli/test_cli.py: the messages)"
 
 
 def test_existing_archive_with_wrong_md5_is_reported(tmp_path):
@@ -315,3 +317,25 @@ def test_subset_is_a_balanced_fixed_sample(image_folder, tmp_path):
     assert len(a.train_labels) == 30 and len(set(a.train_labels.tolist())) > 5  # not one class
     np.testing.assert_array_equal(a.train_images, b.train_images)
     assert ds.subset(0) is ds
+
+
+@pytest.mark.parametrize("n, world", [(50000, 8), (1003, 3), (10, 1), (7, 7)])
+def test_shards_cover_exactly_once(n, world):
+    shards = [shard_indices(n, r, world) for r in range(world)]
+    together = np.concatenate(shards)
+    assert len(together) == n and np.array_equal(np.sort(together), np.arange(n))
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_shard_is_fixed_and_mixed():
+    a, b = shard_indices(1000, 1, 4), shard_indices(1000, 1, 4)
+    assert np.array_equal(a, b)
+    # not a contiguous block: an image folder's class-by-class order still reaches every rank
+    labels = np.arange(1000) // 100
+    assert len(set(labels[a].tolist())) == 10
+
+
+def test_bad_rank():
+    with pytest.raises(ValueError):
+        shard_indices(10, 2, 2)

@@ -1,5 +1,7 @@
-"""The CUDA-graph module's logic that runs without a GPU: the decision, the device schedule, the
-static buffers, eager train and eval steps over them, and the CPU refusal."""
+"""fastcifar.run.graphs. Without a GPU: the decision, the device schedule, the static buffers, eager
+train and eval steps over them, the CPU refusal, and the captured steps' freedom from host reads
+(``SyncFree`` below). On a GPU (``cuda``-marked, skipped without CUDA): graphed and eager training
+agree, replays do not grow memory, and the captured evaluation counts what eager evaluation counts."""
 
 from __future__ import annotations
 
@@ -10,14 +12,20 @@ import torch
 import torch.nn.functional as F
 from cli import SHORT, run_dirs, run_train
 from conftest import one_line_error
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastcifar.core.config import Config, ConfigError, validate
+from fastcifar.core.config import Config, ConfigError, from_preset, validate
+from fastcifar.models.network import build_model
 from fastcifar.models.resnet9 import ResNet9
 from fastcifar.ops.tta import tta_logits
+from fastcifar.parallel import comm
 from fastcifar.parallel.compress import why_not_capturable
 from fastcifar.parallel.sync import capture_blocker
+from fastcifar.run import recipe
 from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep, resolve
-from fastcifar.run.schedule import DeviceSchedule
+from fastcifar.run.optim import NesterovSGD
+from fastcifar.run.schedule import DeviceSchedule, lr_schedule
+from fastcifar.run.step import make_step
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -279,3 +287,263 @@ def test_capture_tolerates_nccls_watchdog_only_beside_nccl(monkeypatch, backend,
     calls = []
     graphs.capture(lambda: calls.append(1), warmup_iters=2)
     assert seen == {"mode": mode} and len(calls) == 3, (seen, calls)
+
+
+STEPS, BATCH = 6, 64
+
+
+def batches(n, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [
+        (
+            torch.randn(BATCH, 3, 32, 32, device="cuda", generator=g)
+            .half()
+            .contiguous(memory_format=torch.channels_last),
+            torch.randint(0, 10, (BATCH,), device="cuda", generator=g),
+        )
+        for _ in range(n)
+    ]
+
+
+def trained(capture: bool, kernels: str = "torch"):
+    torch.manual_seed(0)
+    cfg = Config(widths=(32, 64, 128, 256), kernels=kernels)
+    model = build_model(cfg, torch.device("cuda"), torch.float16)
+    opt = NesterovSGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=5e-4 * BATCH)
+    schedule = DeviceSchedule([0.4 / BATCH * (i + 1) / STEPS for i in range(STEPS)], torch.device("cuda"))
+    step = TrainStep(
+        make_step(model, opt, schedule, 0.2), StaticBatch(BATCH, torch.float16, torch.device("cuda")), capture=capture
+    )
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    data = batches(STEPS)
+    step.batch.load(*data[0])
+    model.train()
+    step.warm_up_and_capture(3)
+    model.load_state_dict(initial)
+    opt.reset_state()
+    schedule.reset()
+    for images, labels in data:
+        step(images, labels)
+    torch.cuda.synchronize()
+    return model, step
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_graphed_training_matches_eager(kernels):
+    eager, _ = trained(False, kernels)
+    graphed, step = trained(True, kernels)
+    assert step.graph is not None
+    for (name, a), b in zip(eager.state_dict().items(), graphed.state_dict().values(), strict=True):
+        if a.is_floating_point():
+            torch.testing.assert_close(
+                b.float(), a.float(), rtol=2e-2, atol=2e-3, msg=lambda m, name=name: f"{name}: {m}"
+            )
+
+
+@pytest.mark.cuda
+def test_replays_do_not_grow_memory():
+    _, step = trained(True)
+    images, labels = batches(1, seed=1)[0]
+    step(images, labels)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(50):
+        step(images, labels)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tta, share", [(1, 1.0), (2, 0.25)])
+def test_captured_eval_equals_eager_eval(tta, share):
+    """--tta-share's choice of rows (a top-k of fixed size) replays from the graph as it ran eagerly."""
+    model, _ = trained(False)
+    model.eval()
+    x, y = batches(3, seed=2)[0]
+    images = torch.cat([x, x[:40]])  # 104 images: batches of 48 + 48 + 8 (padded)
+    labels = torch.cat([y, y[:40]])
+    counts = []
+    for capture in (False, True):
+        ev = EvalStep(
+            model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=tta, capture=capture, tta_share=share
+        )
+        ev.batch.load(images[:48], labels[:48])
+        ev.prepare()
+        for start in range(0, len(labels), 48):
+            ev(images[start : start + 48], labels[start : start + 48])
+        torch.cuda.synchronize()
+        counts.append((ev.correct.item(), ev.loss_sum.item()))
+    assert counts[0][0] == counts[1][0]
+    assert counts[0][1] == pytest.approx(counts[1][1], rel=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_eager_steps_make_no_host_sync(kernels):
+    """The GPU half of the sync-free tests above: with CUDA's sync debug mode set to "error", one eager
+    training step (after warm-up) and TTA-2 evaluation batches, of every image and of the least sure
+    quarter (--tta-share 0.25: its sort, gathers and device-side count), raise on any synchronizing
+    call, including the host-to-device copies the CPU test cannot see."""
+    model, step = trained(False, kernels)
+    images, labels = batches(1, seed=3)[0]
+    step.batch.load(images, labels)
+    evs = [
+        EvalStep(model, StaticBatch(48, torch.float16, torch.device("cuda")), tta=2, capture=False, tta_share=share)
+        for share in (1.0, 0.25)
+    ]
+    for ev in evs:
+        ev.batch.load(images[:40], labels[:40])  # a partial batch: the valid mask is in play
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model.train()
+        step._body()
+        model.eval()
+        for ev in evs:
+            ev._body()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    assert all(ev.loss_sum.item() > 0 for ev in evs)
+
+
+aten = torch.ops.aten
+
+
+# The steps captured as CUDA graphs never read a device value on the host. A CUDA graph replays
+# device work only: a host read inside the captured region (``.item()``, ``bool(tensor)``,
+# ``int(tensor)``, an op whose output shape depends on the data, or a fresh ``torch.tensor(...)`` of
+# host values) either breaks the capture or is frozen into the graph with the value it had at
+# capture. ``SyncFree`` is a dispatch mode that fails on each of those; the real training step
+# (model, summed label-smoothed loss, backward, gradient buckets with a 1-rank gloo all-reduce,
+# Nesterov SGD or Muon with the device-side schedule) and the evaluation step with every TTA level
+# run under it on the CPU, so such a read fails CI instead of a capture on the GPU. What this cannot
+# see: host-to-device copies of CPU tensors (everything is on the CPU here), and work inside Triton
+# kernels or DALI (not dispatched through torch).
+class HostSyncError(AssertionError):
+    pass
+
+
+class SyncFree(TorchDispatchMode):
+    """Fails on every op that reads device data on the host or sizes its output by the data."""
+
+    FORBIDDEN = {
+        aten._local_scalar_dense.default: "reads a tensor's value on the host (.item(), bool(), int(), float())",
+        aten.lift_fresh.default: "torch.tensor(...) of host values: a host-to-device copy, frozen at capture",
+        aten.lift_fresh_copy.default: "torch.tensor(...) of host values: a host-to-device copy, frozen at capture",
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()  # names of the ops checked: the tests show backward and comm were in view
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(str(func.overloadpacket))
+        why = self.FORBIDDEN.get(func)
+        if why is None and torch.Tag.dynamic_output_shape in func.tags:
+            why = "its output shape depends on the data (the host must read it)"
+        if why is None and torch.Tag.data_dependent_output in func.tags:
+            why = "its result is a host value computed from the data"
+        if why is not None:
+            raise HostSyncError(f"{func} inside a captured step: {why}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "name, body",
+    [
+        ("item", lambda t: t.sum().item()),
+        ("bool", lambda t: bool(t.sum() > 0)),
+        ("int", lambda t: int(t.argmax())),
+        ("python if", lambda t: 1 if (t > 0).any() else 0),
+        ("nonzero", lambda t: t.nonzero()),
+        ("boolean mask", lambda t: t[t > 0]),
+        ("fresh tensor", lambda t: t + torch.tensor([0.5, 1.0, 1.5])),
+    ],
+)
+def test_the_mode_catches_each_kind_of_host_read(name, body):
+    t = torch.randn(3)
+    body(t)  # fine outside the mode
+    with pytest.raises(HostSyncError), SyncFree():
+        body(t)
+
+
+def test_the_mode_lets_device_only_work_through():
+    t = torch.randn(4, 3, requires_grad=True)
+    with SyncFree():
+        loss = torch.nn.functional.cross_entropy(t, torch.zeros(4, dtype=torch.int64), label_smoothing=0.2)
+        loss.backward()
+        hits = (t.argmax(1) == 0).sum()
+    assert t.grad is not None and hits.shape == ()
+
+
+def _setup(preset: str, widths, buckets: bool, batch: int = 16):
+    cfg = from_preset(preset, widths=widths, epochs=2)
+    torch.manual_seed(0)
+    model = build_model(cfg, CPU, torch.float32)
+    grad_buckets = comm.GradBuckets(model.parameters(), bucket_mb=0.01) if buckets else None
+    schedule = DeviceSchedule(lr_schedule(cfg, steps=4, peak=0.01), CPU)  # the trainer's, 8 steps
+    opt = recipe.make_optimizer(model, cfg, batch, peak=0.01)  # NesterovSGD, or Muon + SGD with fast-muon
+    step = TrainStep(
+        make_step(model, opt, schedule, cfg.label_smoothing, buckets=grad_buckets),
+        StaticBatch(batch, torch.float32, CPU),
+        capture=False,
+    )
+    g = torch.Generator().manual_seed(1)
+    step.batch.load(
+        torch.randn(batch, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last),
+        torch.randint(0, 10, (batch,), generator=g),
+    )
+    return cfg, model, step, schedule, grad_buckets
+
+
+@pytest.mark.parametrize(
+    "preset, widths", [("fast", (8, 16, 16)), ("fast-muon", (8, 16, 16)), ("resnet9", (8, 16, 16, 32))]
+)
+def test_training_step_is_sync_free(one_rank_group, preset, widths):
+    cfg, model, step, schedule, buckets = _setup(preset, widths, buckets=True)
+    model.train()
+    step.warm_up_and_capture(2)  # eagerly, as before a capture: the first step allocates state
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with SyncFree() as mode:
+        for _ in range(2):
+            step._body()  # exactly what TrainStep captures
+    assert int(schedule.counter) == 4
+    for op in ("aten.convolution_backward", "aten.index_select", "c10d.allreduce_"):
+        assert op in mode.seen, f"{op} never reached the check: {sorted(mode.seen)}"
+    changed = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.equal(v, before[k])]
+    assert changed, "the checked steps changed nothing: did they run?"
+    assert float(step.loss_sum) > 0 and buckets is not None
+
+
+def test_a_host_read_slipped_into_the_step_fails(one_rank_group):
+    """The check is live on the real step: the loss read with .item() inside it is caught."""
+    cfg, model, step, _, _ = _setup("fast", (8, 16, 16), buckets=False)
+    model.train()
+    step.warm_up_and_capture(1)
+    inner = step.step_fn
+
+    def leaky(images, labels):
+        loss, hits = inner(images, labels)
+        if loss.item() > 1e9:  # e.g. a divergence check placed inside the step
+            raise RuntimeError("diverged")
+        return loss, hits
+
+    step.step_fn = leaky
+    with pytest.raises(HostSyncError, match="_local_scalar_dense"), SyncFree():
+        step._body()
+
+
+@pytest.mark.parametrize("tta, share", [(0, 1.0), (1, 1.0), (2, 1.0), (2, 0.25)])
+def test_eval_step_is_sync_free(tta, share):
+    cfg, model, step, _, _ = _setup("fast", (8, 16, 16), buckets=False)
+    model.eval()
+    ev = EvalStep(model, StaticBatch(12, torch.float32, CPU), tta, capture=False, tta_share=share)
+    g = torch.Generator().manual_seed(2)
+    images = torch.randn(7, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
+    ev.batch.load(images, torch.randint(0, 10, (7,), generator=g))  # a partial batch: 7 valid of 12
+    with SyncFree():
+        ev._body()
+    assert int(ev.correct) <= 7 and float(ev.loss_sum) > 0

@@ -1,19 +1,29 @@
-"""NesterovSGD against torch.optim.SGD, the Optimizer contract every optimizer keeps, the
---optimizer table, and the learning-rate schedule."""
+"""fastcifar.run.optim: NesterovSGD against torch.optim.SGD, the Optimizer contract every optimizer
+keeps, the --optimizer table; orthogonalized momentum (`fast-muon`): Newton-Schulz against an SVD
+reference, the Muon step against a plain reference, a short CPU run that learns, and 2 ranks equal
+to 1 (gloo)."""
+
+from __future__ import annotations
 
 import dataclasses
 import inspect
+import textwrap
 from typing import Protocol
 
 import pytest
 import torch
+from cli import run_train, torchrun
 
-from fastcifar.core.config import CHOICES, from_preset
+from fastcifar import train as trainer
+from fastcifar.core.config import CHOICES, ConfigError, from_preset, validate
+from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.models.network import make_network
 from fastcifar.ops.norm_act_pool import NormActPool
-from fastcifar.run import recipe
-from fastcifar.run.optim import Maskable, MuonSGD, NesterovSGD, Optimizer
-from fastcifar.run.schedule import warmup_decay_lr
+from fastcifar.parallel.distributed import DistContext
+from fastcifar.run import graphs, recipe
+from fastcifar.run.optim import NS_COEFFICIENTS, Maskable, Muon, MuonSGD, NesterovSGD, Optimizer, newton_schulz
+from fastcifar.run.recipe import conv_filters, make_optimizer, param_groups
+from fastcifar.run.schedule import DeviceSchedule
 from fastcifar.run.sparse import fisher
 from fastcifar.run.sparse.update import MaskedOptimizer
 
@@ -57,16 +67,6 @@ def test_step_without_gradient_is_an_error():
     p = torch.zeros(2, requires_grad=True)
     with pytest.raises(RuntimeError, match="no gradient"):
         NesterovSGD([p], lr=0.1).step()
-
-
-def test_schedule_shape():
-    lr = lambda t: warmup_decay_lr(t, epochs=24, warmup_epochs=5, peak=0.4)  # noqa: E731
-    assert lr(0) == 0.0
-    assert lr(2.5) == pytest.approx(0.2)
-    assert lr(5) == pytest.approx(0.4)
-    assert lr(14.5) == pytest.approx(0.2)
-    assert lr(24) == 0.0
-    assert warmup_decay_lr(0.0, epochs=10, warmup_epochs=0, peak=1.0) == 1.0
 
 
 # --- the Optimizer contract ------------------------------------------------------------------
@@ -159,3 +159,385 @@ def test_make_optimizer_picks_from_the_table(monkeypatch):
     model = make_network(cfg, NormActPool)
     assert recipe.make_optimizer(model, cfg, 8, peak=0.01) == "toy"
     assert [g["name"] for g in seen[0]] == ["weights", "head", "bn_shifts", "whiten_bias"]
+
+
+CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
+
+
+def quintic_on_singular_values(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """The reference: g = U S V^T, then U p(S / |g|_F) V^T with p the quintic iterated ``steps`` times."""
+    u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    x = s / g.double().norm()
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(steps):
+        x = a * x + b * x**3 + c * x**5
+    return (u * x) @ vh
+
+
+@pytest.mark.parametrize("shape", [(16, 72), (72, 16), (32, 216), (64, 576)])  # filter-like: out x in*3*3
+def test_newton_schulz_is_the_quintic_on_the_singular_values(shape):
+    torch.manual_seed(0)
+    g = torch.randn(*shape)
+    for steps in (3, 5):
+        out = newton_schulz(g, steps)
+        assert out.shape == g.shape and out.dtype == g.dtype
+        torch.testing.assert_close(out.double(), quintic_on_singular_values(g, steps), rtol=0, atol=2e-5)
+        s = torch.linalg.svdvals(out)
+        # the band: every direction lifted near 1, not exactly 1 (measured 0.68-1.21 on these shapes)
+        assert 0.6 < s.min() and s.max() < 1.25, (steps, s.min().item(), s.max().item())
+    # the same singular vectors as g: U^T out V is diagonal
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    inner = u.T @ newton_schulz(g, 3) @ vh.T
+    off = inner - torch.diag(torch.diagonal(inner))
+    assert off.abs().max() < 1e-4
+
+
+def test_newton_schulz_ill_conditioned_and_low_precision():
+    torch.manual_seed(1)
+    u, _, vh = torch.linalg.svd(torch.randn(32, 64), full_matrices=False)
+    g = u @ torch.diag(torch.logspace(0, -2, 32)) @ vh  # condition number 100
+    s = torch.linalg.svdvals(newton_schulz(g, 5))
+    assert 0.6 < s.min() and s.max() < 1.25
+    assert torch.linalg.svdvals(newton_schulz(g, 3)).min() < 0.5, "3 steps leave the weakest directions short"
+    half = newton_schulz(g, 5, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), newton_schulz(g, 5), rtol=0, atol=0.05)
+
+
+def written_out(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """The iteration as the public Muon writes it, one matrix, every scalar term its own operation."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype)
+    x = x / (x.norm() + 1e-7)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.T if tall else x
+
+
+def test_newton_schulz_of_a_stack_is_each_matrix_alone():
+    """A stack of matrices (Muon's filters of one shape) gives each matrix's own result, and the
+    fused iteration (scalar terms inside the products) is the written-out one: to fp32 rounding in
+    fp32, to bf16's in bf16 (where it rounds less often)."""
+    torch.manual_seed(2)
+    for shape in ((3, 16, 72), (2, 40, 12)):  # wide and tall
+        g = torch.randn(*shape) * torch.tensor([1.0, 30.0, 0.01][: shape[0]]).view(-1, 1, 1)  # norms far apart
+        out = newton_schulz(g, 3)
+        assert out.shape == g.shape and out.dtype == g.dtype
+        for k in range(shape[0]):
+            torch.testing.assert_close(out[k], newton_schulz(g[k], 3), rtol=0, atol=1e-6)
+            torch.testing.assert_close(out[k], written_out(g[k], 3, torch.float32), rtol=0, atol=1e-5)
+        half = newton_schulz(g, 3, dtype=torch.bfloat16)
+        assert half.dtype == torch.bfloat16
+        for k in range(shape[0]):
+            ref = written_out(g[k], 3, torch.bfloat16).float()
+            torch.testing.assert_close(half[k].float(), ref, rtol=0, atol=0.03)
+            # closer to the fp32 result than the written-out bf16 is, or about as close
+            err_fused = (half[k].float() - out[k]).abs().max()
+            assert err_fused <= 1.5 * (ref - out[k]).abs().max() + 1e-3
+
+
+def test_muon_orthogonalizes_filters_of_one_shape_as_one_stack(monkeypatch):
+    """Filters of one flattened shape go through one Newton-Schulz call (the default's three
+    256 x 2304 filters: one set of kernels), and each filter's result is its own."""
+    from fastcifar.run import optim
+
+    calls = []
+    plain = optim.newton_schulz
+    monkeypatch.setattr(optim, "newton_schulz", lambda g, *a, **k: calls.append(tuple(g.shape)) or plain(g, *a, **k))
+    torch.manual_seed(3)
+    shapes = [(8, 3, 3, 3), (16, 8, 3, 3), (16, 16, 3, 3), (16, 8, 3, 3), (16, 16, 3, 3), (16, 16, 3, 3), (6, 40)]
+    updates = [torch.randn(s) for s in shapes]
+    muon = Muon([torch.zeros(s, requires_grad=True) for s in shapes], torch.tensor(0.1), 1.0)
+    out = muon._orthogonalize(updates)
+    assert sorted(calls) == sorted([(1, 8, 27), (2, 16, 72), (3, 16, 144), (1, 6, 40)])
+    for u, o in zip(updates, out, strict=True):
+        torch.testing.assert_close(o, plain(u.reshape(len(u), -1), 3), rtol=0, atol=1e-6)
+
+
+def tiny_muon(**overrides):
+    return from_preset("fast-muon", widths=(8, 16, 16), **overrides)
+
+
+def test_groups_give_the_filters_to_muon_and_the_rest_to_sgd():
+    cfg = tiny_muon()
+    model = make_network(cfg, NormActPool)
+    rest, taken = conv_filters(param_groups(model, cfg, 100))
+    groups = {g["name"]: g for g in rest}
+    filters = [p for p in model.parameters() if p.dim() == 4 and p.requires_grad]
+    assert len(filters) == 6 and [id(p) for p in taken] == [id(p) for p in filters]
+    # every trainable tensor is a filter, a bias or the head (frozen ones the optimizer skips)
+    assert not [p for p in groups["weights"]["params"] if p.requires_grad]
+    assert groups["head"]["params"] == [model.fc.weight] and groups["head"]["lr_scale"] == pytest.approx(0.67 / 0.053)
+    opt = make_optimizer(model, cfg, 2000, peak=0.053, ctx=CPU)
+    assert isinstance(opt, MuonSGD) and opt.muon.lr_ratio == pytest.approx(0.24 / 0.053)
+    assert [id(p) for p in opt.muon.params] == [id(p) for p in filters]
+    assert opt.muon.ns_dtype == torch.float32  # the CPU; bfloat16 on CUDA
+    assert model.fc.weight.std().item() == pytest.approx(1.0, rel=1e-5) and model.logit_scale == 1 / 256
+    assert (
+        make_optimizer(make_network(from_preset("fast"), NormActPool), from_preset("fast"), 10, 0.1).__class__.__name__
+        == "NesterovSGD"
+    )
+
+
+def test_muon_sgd_step_equals_a_plain_reference():
+    """MuonSGD over 4 steps with a changing rate and a group frozen mid-way, against torch SGD on
+    the non-filter groups and the published Muon update written out per filter."""
+    torch.manual_seed(0)
+    cfg = tiny_muon()
+    model = make_network(cfg, NormActPool)
+    ref = make_network(cfg, NormActPool)
+    ref.load_state_dict(model.state_dict())
+    per_rank, peak = 50, 0.053
+    opt = make_optimizer(model, cfg, per_rank, peak)
+    groups, filters = conv_filters(param_groups(ref, cfg, per_rank))
+    groups = [g for g in groups if g["params"]]
+    ref_sgd = torch.optim.SGD(
+        [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
+        lr=1.0,
+        momentum=cfg.momentum,
+        nesterov=True,
+    )
+    scales = [g.get("lr_scale", 1.0) for g in groups]
+    bufs = [torch.zeros_like(p) for p in filters]
+    ours = [p for p in model.parameters() if p.requires_grad]
+    theirs = [p for p in ref.parameters() if p.requires_grad]
+    for step in range(4):
+        lr = peak * (1 - step / 4)
+        if step == 2:
+            opt.set_lr_scale("whiten_bias", 0.0)
+            scales[[g["name"] for g in groups].index("whiten_bias")] = 0.0
+        for p, q in zip(ours, theirs, strict=True):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.set_lr(lr)
+        opt.step()
+        for group, scale in zip(ref_sgd.param_groups, scales, strict=True):
+            group["lr"] = lr * scale
+        ref_sgd.step()
+        with torch.no_grad():
+            for p, buf in zip(filters, bufs, strict=True):
+                buf.mul_(cfg.muon_momentum).add_(p.grad)
+                update = p.grad + cfg.muon_momentum * buf
+                p.mul_(p.shape[0] ** 0.5 / p.norm())
+                o = quintic_on_singular_values(update.reshape(len(update), -1), cfg.muon_ns_steps)
+                p.sub_(cfg.muon_lr * (lr / peak) * o.view_as(p).float())
+        for p, q in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    opt.reset_state()
+    assert all(b.abs().sum() == 0 for b in opt.muon.buffers)
+
+
+def test_muon_refuses_what_it_cannot_do():
+    w = torch.zeros(4, 3, requires_grad=True)
+    lr = torch.tensor(0.1)
+    with pytest.raises(ValueError, match="reduce"):
+        Muon([w], lr, 1.0, shard=(0, 2))
+    with pytest.raises(ValueError, match="matrices"):
+        Muon([torch.zeros(3, requires_grad=True)], lr, 1.0)
+    with pytest.raises(RuntimeError, match="no gradient"):
+        Muon([w], lr, 1.0).step()
+    for bad, msg in (
+        ({"muon_momentum": 1.0}, "--muon-momentum"),
+        ({"muon_ns_steps": 0}, "--muon-ns-steps"),
+        ({"optimizer": "adam"}, "--optimizer must be one of"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            validate(tiny_muon(**bad))
+
+
+def test_muon_state_round_trip_continues_the_same_steps():
+    """A checkpoint's optimizer state: saved after 2 steps, loaded (in place) into a fresh optimizer
+    over a copy of the weights, the next 2 steps give the same weights; an SGD state or one of
+    other filter shapes is refused before anything is written."""
+
+    def steps(model, opt, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(n):
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+
+    torch.manual_seed(0)
+    cfg = tiny_muon()
+    model = make_network(cfg, NormActPool)
+    opt = make_optimizer(model, cfg, 50, 0.053)
+    steps(model, opt, 2, seed=1)
+    saved, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    assert set(saved) == {"buffers", "lr_scales", "muon"} and all(b.abs().sum() > 0 for b in saved["muon"]["buffers"])
+    steps(model, opt, 2, seed=2)
+
+    other = make_network(cfg, NormActPool)
+    other.load_state_dict(weights)
+    fresh = make_optimizer(other, cfg, 50, 0.053)
+    held = fresh.muon.buffers[0]
+    fresh.load_state_dict(saved)
+    assert fresh.muon.buffers[0] is held  # in place: a captured graph keeps reading the same tensor
+    steps(other, fresh, 2, seed=2)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+    sgd_only = {k: v for k, v in saved.items() if k != "muon"}
+    with pytest.raises(ValueError, match="no Muon momentum"):
+        fresh.load_state_dict(sgd_only)
+    wide_cfg = from_preset("fast-muon", widths=(8, 16, 32))
+    wider = make_optimizer(make_network(wide_cfg, NormActPool), wide_cfg, 50, 0.053)
+    before = [b.clone() for b in wider.sgd.buffers[0]]
+    with pytest.raises(ValueError, match="conv filters"):
+        wider.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, wider.sgd.buffers[0], strict=True)), "refused, yet written"
+    # the filters fit but SGD's groups do not: Muon's momentum is not written either
+    muon_before = [b.clone() for b in fresh.muon.buffers]
+    wrong_groups = {
+        **saved,
+        "muon": {"buffers": [b + 1 for b in saved["muon"]["buffers"]]},
+        "lr_scales": {**saved["lr_scales"], "extra": 1.0},
+    }
+    with pytest.raises(ValueError, match="parameter groups"):
+        fresh.load_state_dict(wrong_groups)
+    assert all(torch.equal(a, b) for a, b in zip(muon_before, fresh.muon.buffers, strict=True)), "refused, yet written"
+
+
+def test_default_preset_names_itself_where_muon_cannot_go():
+    """The default preset trains with Muon, which sparse training and local SGD do not wrap: the
+    refusal names the preset and the way out; checkpoints now hold Muon's state."""
+    for extra in ({"sparse_mask": "fisher"}, {"local_steps": 4}):
+        with pytest.raises(
+            ConfigError, match=f"preset {DEFAULT_PRESET} trains with --optimizer muon.*--preset resnet9"
+        ):
+            validate(from_preset(**extra), world_size=2)
+        validate(from_preset("resnet9", **extra), world_size=2)  # the way out it names
+    with pytest.raises(ConfigError, match="^--optimizer muon, which does not combine"):
+        validate(from_preset("fast", optimizer="muon", sparse_mask="fisher"))
+    with pytest.raises(ConfigError, match="^--optimizer muon, which"):  # a Config built by hand, no preset of ours
+        validate(from_preset(preset="mine", local_steps=4), world_size=2)
+    validate(from_preset(checkpoint_every=2))
+    validate(from_preset(resume="checkpoint.pt"))
+    with pytest.raises(ConfigError, match="do not yet hold --compress"):
+        validate(from_preset(checkpoint_every=2, compress="topk"), world_size=2)
+
+
+@pytest.mark.slow  # trains the Muon preset
+def test_fast_muon_preset_learns_on_the_cpu(tmp_path, learnable_data):
+    cfg = tiny_muon(
+        data=str(learnable_data),
+        batch_size=100,
+        epochs=3,
+        device="cpu",
+        loader="torch",
+        kernels="torch",
+        cuda_graphs="off",
+        eval_batch_size=200,
+        warmup_steps=1,
+        whiten_bias_epochs=1,
+        out_dir=str(tmp_path / "runs"),
+    )
+    validate(cfg)
+    (result,) = trainer.train(cfg, CPU)
+    accs = [e.test_acc for e in result.epochs]
+    assert len(accs) == 3 and accs[-1] > 60.0, accs  # 10 classes: chance is 10%
+    assert from_preset("fast-muon").lookahead_steps == 0 and from_preset("fast-muon").batch_size == 2000
+
+
+TWO_RANKS = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from fastcifar.parallel import distributed
+    from fastcifar.parallel.comm import GradBuckets
+    from fastcifar.core.config import from_preset
+    from fastcifar.ops.norm_act_pool import NormActPool
+    from fastcifar.models.network import make_network
+    from fastcifar.run.recipe import make_optimizer
+
+    # No batchnorm statistics differ between half and whole batches: evaluation mode throughout,
+    # so each rank's gradient of its half is exactly half the whole batch's.
+    ctx = distributed.setup("cpu")
+    steps, batch, peak = 3, 16, 0.053
+
+    def run(shard, ranks):
+        cfg = from_preset("fast-muon", widths=(8, 16, 16), muon_shard=shard)
+        torch.manual_seed(0)
+        model = make_network(cfg, NormActPool).eval()
+        per_rank = batch // (ctx.world_size if ranks else 1)
+        buckets = GradBuckets(model.parameters(), 0.01) if ranks else None
+        opt = make_optimizer(model, cfg, per_rank, peak * batch / per_rank, ctx if ranks else None)
+        g = torch.Generator().manual_seed(1)
+        for step in range(steps):
+            x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+            if ranks:
+                x, y = x[ctx.rank::ctx.world_size], y[ctx.rank::ctx.world_size]
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            if buckets is not None:
+                buckets.finish()
+            opt.set_lr(peak * batch / per_rank * (1 - step / steps))
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    alone = run(False, ranks=False)
+    for shard in (False, True):
+        mine = run(shard, ranks=True)
+        for a, b in zip(mine, alone):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        flat = torch.cat([p.flatten() for p in mine])
+        other = [torch.empty_like(flat) for _ in range(2)]
+        torch.distributed.all_gather(other, flat)
+        assert torch.equal(other[0], other[1]), "the ranks' weights differ"
+    print(f"rank {ctx.rank} ok")
+    distributed.teardown(ctx)
+""")
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    launcher = torchrun(str(script))
+    proc = run_train([], launcher=launcher, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+
+
+@pytest.mark.cuda
+def test_muon_step_replays_from_a_cuda_graph():
+    """The optimizer step captured once and replayed with a changing device-side rate equals the
+    eager step (bfloat16 Newton-Schulz on both sides)."""
+    dev = torch.device("cuda")
+    cfg = tiny_muon()
+    results = []
+    for capture in (False, True):
+        torch.manual_seed(0)
+        model = make_network(cfg, NormActPool).to(dev)
+        opt = make_optimizer(model, cfg, 100, peak=0.053)
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [[torch.randn_like(p) for p in params] for _ in range(4)]
+        for p, g in zip(params, grads[0], strict=True):
+            p.grad = g.clone()
+        # the trainer's device-side schedule: indexing a table with a device tensor (rate[i]) reads
+        # the index back to the host, which a capture refuses; DeviceSchedule advances on the device
+        schedule = DeviceSchedule([0.053, 0.04, 0.03, 0.02], dev)
+
+        def body(schedule=schedule, opt=opt):
+            schedule.apply(opt.lr)
+            opt.step()
+
+        graph = None
+        if capture:
+            initial = [p.detach().clone() for p in params]
+            graph = graphs.capture(body, warmup_iters=1)  # the trainer's: one warm-up step on a side stream
+            with torch.no_grad():
+                for p, p0 in zip(params, initial, strict=True):
+                    p.copy_(p0)
+            opt.reset_state()
+            schedule.reset()  # warm-up advanced the counter (the capture itself ran nothing)
+        for i in range(4):
+            for p, g in zip(params, grads[i], strict=True):
+                p.grad.copy_(g)
+            graph.replay() if graph is not None else body()
+        torch.cuda.synchronize()
+        results.append([p.detach().float().cpu() for p in params])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

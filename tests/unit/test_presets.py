@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from fastcifar.core.config import CONFIG_FILE, Config, config_file_text, from_preset, read_config_file
-from fastcifar.core.options import parse_command_line
+from fastcifar.core.config import (
+    CONFIG_FILE,
+    Config,
+    config_file_text,
+    from_preset,
+    read_config_file,
+    validate,
+)
+from fastcifar.core.options import parse_args, parse_command_line
 from fastcifar.core.presets import CURRENT_PRESETS, DEFAULT_PRESET, FORMER_PRESETS, PRESETS
 
 RECORDED = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "presets.json").read_text())
@@ -59,3 +66,47 @@ def test_a_former_default_still_runs_and_loads(name, tmp_path):
     path.write_text(config_file_text(cfg))
     assert read_config_file(str(path)) == cfg
     assert isinstance(cfg, Config) and cfg.preset == name
+
+
+def test_presets():
+    assert DEFAULT_PRESET == "fast-jitter" and parse_args([]).preset == "fast-jitter"
+    fast = from_preset("fast")
+    assert (fast.arch, fast.widths, fast.epochs, fast.batch_size, fast.tta, fast.flip_mode, fast.cutout) == (
+        "fastnet",
+        (64, 256, 256),
+        9.9,
+        1024,
+        2,
+        "alternate",
+        0,
+    )
+    validate(fast)
+    default = from_preset()  # fast-muon9 with the jitter, for 8.5 epochs
+    assert default == dataclasses.replace(
+        from_preset("fast-muon9"), preset="fast-jitter", epochs=8.5, brightness=0.14, contrast=0.13
+    )
+    assert (default.optimizer, default.batch_size, default.epochs, default.widths) == (
+        "muon",
+        2000,
+        8.5,
+        (64, 256, 256),
+    )
+    # exactly the recipe visit 12 confirmed: the former default with the flags it ran under
+    # (official.jsonl's "fastcifar:fast-muon9 --epochs 8.5 --brightness 0.14 --contrast 0.13", call "visit 12c")
+    confirmed = parse_args(["--preset", "fast-muon9", "--brightness", "0.14", "--contrast", "0.13", "--epochs", "8.5"])
+    assert dataclasses.replace(confirmed, preset="fast-jitter") == default
+    fast_muon9 = from_preset("fast-muon9")  # the default before it: visit 10's confirmed recipe
+    assert fast_muon9 == dataclasses.replace(from_preset("fast-muon"), preset="fast-muon9", epochs=9)
+    confirmed = parse_args(["--preset", "fast-muon320", "--widths", "64,256,256", "--epochs", "9"])
+    assert dataclasses.replace(confirmed, preset="fast-muon9") == fast_muon9
+    assert from_preset("fast-muon320") == dataclasses.replace(
+        from_preset("fast-muon"), preset="fast-muon320", widths=(64, 320, 320)
+    )
+    validate(default, world_size=8)  # torchrun's 8 ranks: 250 images each
+    seed = from_preset("resnet9")
+    assert seed == dataclasses.replace(Config(), preset="resnet9"), "the seed preset is the field defaults"
+    apple8 = from_preset("apple8")
+    assert apple8.batch_size == 2048 and dataclasses.replace(apple8, batch_size=512, preset="resnet9") == seed
+    validate(apple8, world_size=8)
+    for name in PRESETS:
+        validate(from_preset(name))

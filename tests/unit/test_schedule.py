@@ -1,4 +1,5 @@
-"""The run's schedule (run.schedule): the vectorized table is the per-step functions, bit for bit."""
+"""The run's schedule (run.schedule): the vectorized table is the per-step functions, bit for bit;
+the schedule's shape and its start and end fractions."""
 
 from __future__ import annotations
 
@@ -40,3 +41,22 @@ def test_table_equals_the_per_step_functions(lr_at, epochs, warmup, ends, steps)
 def test_device_schedule_logs_the_host_value():
     s = DeviceSchedule(np.array([0.1, 0.2]), "cpu")
     assert s.value(1) == 0.2 and isinstance(s.value(1), float) and len(s) == 2
+
+
+def test_schedule_with_start_and_end_fractions():
+    lr = lambda t: warmup_decay_lr(t, 10, 2.3, 1.5, start=0.2, end=0.07)  # noqa: E731
+    assert lr(0) == pytest.approx(0.3)
+    assert lr(2.3) == pytest.approx(1.5)
+    assert lr(1.15) == pytest.approx(1.5 * 0.6)
+    assert lr(10) == pytest.approx(1.5 * 0.07)
+    assert lr(2.3 + 7.7 / 2) == pytest.approx(1.5 * (0.07 + 0.93 / 2))
+
+
+def test_schedule_shape():
+    lr = lambda t: warmup_decay_lr(t, epochs=24, warmup_epochs=5, peak=0.4)  # noqa: E731
+    assert lr(0) == 0.0
+    assert lr(2.5) == pytest.approx(0.2)
+    assert lr(5) == pytest.approx(0.4)
+    assert lr(14.5) == pytest.approx(0.2)
+    assert lr(24) == 0.0
+    assert warmup_decay_lr(0.0, epochs=10, warmup_epochs=0, peak=1.0) == 1.0

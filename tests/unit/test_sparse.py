@@ -1,4 +1,5 @@
-"""Sparse training pieces on the CPU: Fisher scores, masks, masked updates."""
+"""fastcifar.run.sparse: sparse training's pieces on the CPU: Fisher scores, masks, masked updates,
+the sparse record and the chain of diffs."""
 
 from __future__ import annotations
 
@@ -8,21 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from models import tiny
 
 from fastcifar.core.config import CHOICES, from_preset
-from fastcifar.models.network import make_network
-from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.run.optim import NesterovSGD
 from fastcifar.run.recipe import param_groups
 from fastcifar.run.sparse import fisher, masks
 from fastcifar.run.sparse.update import MaskedOptimizer
-
-
-def tiny(arch="resnet9", seed=0):
-    torch.manual_seed(seed)
-    widths = (4, 8, 8, 8) if arch == "resnet9" else (8, 8, 8)
-    cfg = from_preset("resnet9" if arch == "resnet9" else "fast", widths=widths)
-    return cfg, make_network(cfg, NormActPool).to(memory_format=torch.channels_last)
 
 
 def batch(n=12, seed=1):
@@ -199,30 +192,6 @@ def test_full_mask_of_ones_is_the_dense_optimizer():
     train_steps(b, ob)
     for n in pa:
         torch.testing.assert_close(pa[n], pb[n], rtol=1e-6, atol=1e-7)
-
-
-def test_local_sgd_merges_every_h_steps_counted_from_the_last_merge():
-    """An epoch-end merge restarts the count: with H=3 and 5 steps per epoch the merges fall
-    after steps 3, 5 | 8, 10 (not 3, 5 | 6, 9, 10, as a run-wide step counter would place them)."""
-    from fastcifar.parallel.local_sgd import LocalSGD
-
-    cfg, model = tiny()
-    params = fisher.trainable(model)
-    local = LocalSGD(params, list(model.buffers()), NesterovSGD(param_groups(model, cfg, 8), lr=0.05), every=3)
-    merged_after = []
-    step = 0
-    for _ in range(2):
-        for _ in range(5):
-            step += 1
-            before = local.merges
-            local.after_step()
-            if local.merges > before:
-                merged_after.append(step)
-        before = local.merges
-        local.epoch_end()
-        if local.merges > before:
-            merged_after.append(step)
-    assert merged_after == [3, 5, 8, 10]
 
 
 def test_sparse_record_is_written_atomically_and_a_write_failure_is_a_checkpoint_error(tmp_path):

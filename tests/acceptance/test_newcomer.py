@@ -1,5 +1,5 @@
-"""A newcomer's first day (issue 49): --resume alone, --val-split, the target verdict of a toy run,
-the CPU warning, the skip messages, the README's commands."""
+"""A newcomer's first day: --val-split, the target verdict of a toy run,
+the CPU warning, the skip messages, the README's commands. --resume alone: tests/cli/test_resume.py."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import numpy as np
 import pytest
 import torch
 from cli import ROOT, TINY, run_dirs, run_train, torchrun
-from conftest import make_images, one_line_error, write_official
-from safetensors import safe_open
+from conftest import make_images, one_line_error
 
 from fastcifar.core.config import from_preset, full_recipe
-from fastcifar.core.options import parse_command_line
 from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.data import DataError
 from fastcifar.data.dataset import Dataset, for_run
@@ -22,83 +20,10 @@ from fastcifar.run import report
 from fastcifar.train import main as train_main
 
 
-def _tensors(path):
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder, _ = write_official(tmp_path_factory.mktemp("data"), per_batch=40, n_test=50)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory):
-    """One 3-epoch run with --val-split, a checkpoint after every epoch (the last, 2, kept)."""
-    out = tmp_path_factory.mktemp("runs")
-    proc = run_train(["--data", data, "--out-dir", out, *TINY, "--val-split", "40", "--checkpoint-every", "1"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = run_dirs(out)
-    return {"dir": run_dir, "stdout": proc.stdout, "summary": json.loads((run_dir / "summary.json").read_text())}
-
-
-# --- item 6: --resume alone -----------------------------------------------------------------------
-
-
-def test_parse_command_line_names_only_the_options_given():
-    cfg, given = parse_command_line(["--lr", "0.5", "--no-tta", "--data", "x"])
-    assert given == {"lr": 0.5, "tta": 0, "data": "x"}
-    assert cfg.preset == DEFAULT_PRESET and cfg.lr == 0.5
-    assert parse_command_line(["--preset", "fast"])[1] == {"preset": "fast"}
-
-
-@pytest.mark.slow  # trains a run twice
-def test_resume_alone_finishes_as_the_uninterrupted_run(data, uninterrupted, tmp_path):
-    out = tmp_path / "runs"
-    proc = run_train(["--data", data, "--out-dir", out, "--resume", uninterrupted["dir"] / "checkpoint.pt"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "after epoch 2" in proc.stdout and "preset resnet9" in proc.stdout
-    (run_dir,) = run_dirs(out)
-    full, resumed = _tensors(uninterrupted["dir"] / "model.safetensors"), _tensors(run_dir / "model.safetensors")
-    assert full.keys() == resumed.keys()
-    for name in full:
-        assert torch.equal(full[name], resumed[name]), f"{name} differs after resume"
-    a, b = uninterrupted["summary"], json.loads((run_dir / "summary.json").read_text())
-    assert b["config"]["widths"] == [8, 16, 32, 64] and b["config"]["val_split"] == 40
-    for ra, rb in zip(a["results"][0]["epochs"], b["results"][0]["epochs"], strict=True):
-        assert (ra["train_loss"], ra["val_loss"], ra["val_acc"]) == (rb["train_loss"], rb["val_loss"], rb["val_acc"])
-    assert a["results"][0]["test_acc"] == b["results"][0]["test_acc"]
-
-
-@pytest.mark.parametrize(
-    "extra,flag,values",
-    [
-        (["--lr", "0.5"], "--lr", ("0.4", "0.5")),
-        (["--widths", "8,16,32,32"], "--widths", ("8,16,32,64", "8,16,32,32")),
-        (["--preset", "fast"], "--preset", ("resnet9", "fast")),
-    ],
-)
-def test_a_conflicting_option_on_resume_is_refused_in_one_line(
-    data, uninterrupted, tmp_path, capsys, extra, flag, values
-):
-    out = tmp_path / "runs"
-    argv = ["--data", data, "--out-dir", out, "--resume", uninterrupted["dir"] / "checkpoint.pt", *extra]
-    assert train_main([str(a) for a in argv]) == 2
-    line = one_line_error(capsys.readouterr().err)
-    assert line.startswith("fastcifar: error:") and flag in line and all(v in line for v in values), line
-    assert run_dirs(out) == []
-
-
-def test_agreeing_and_path_options_on_resume_are_accepted(uninterrupted, data):
-    """What the command line names and agrees with, and where-to-log fields, pass the check."""
-    from fastcifar.run.state import resume_settings
-
-    path = str(uninterrupted["dir"] / "checkpoint.pt")
-    cfg, given = parse_command_line(["--resume", path, "--lr", "0.4", "--out-dir", "elsewhere", "--quiet"])
-    resumed = resume_settings(cfg, given)
-    assert (resumed.preset, resumed.widths, resumed.val_split) == ("resnet9", (8, 16, 32, 64), 40)
-    assert (resumed.out_dir, resumed.quiet, resumed.resume) == ("elsewhere", True, path)
+@pytest.fixture
+def data(resume_data):
+    """The data of ``uninterrupted`` (tests/conftest.py: one run, shared with the resume tests)."""
+    return resume_data
 
 
 # --- item 7: --val-split, --subset's test set, the target verdict ---------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli import ROOT, SHORT, env, run_dirs, run_train
+from cli import ROOT, SHORT, dead_pid, env, run_dirs, run_train, start_log
 from conftest import one_line_error, write_image_folder, write_official
 from models import tiny_model_file
 from PIL import Image
@@ -94,12 +94,6 @@ def test_write_atomic_fsyncs_the_file_before_the_rename_and_the_folder_after(tmp
     assert calls == [("fsync", False), ("replace", None), ("fsync", True)]
 
 
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
 def test_stale_temporaries_of_a_killed_writer_are_removed_and_live_ones_kept(tmp_path):
     old = time_ago = 3600
     here = atomic._host()
@@ -122,27 +116,6 @@ def test_write_atomic_clears_its_targets_stale_temporaries(tmp_path):
     stale.write_bytes(b"")
     atomic.write_atomic(tmp_path / "summary.json", "{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
-
-
-def test_resume_clears_the_stale_temporaries_beside_its_checkpoint(tmp_path):
-    """A run killed mid-write (SIGKILL) leaves temporaries in its folder; the resume from its
-    checkpoint removes them, also when the checkpoint itself then turns out unusable."""
-    from fastcifar.core.config import Config
-    from fastcifar.models.files import CheckpointError
-    from fastcifar.run import state
-
-    ckpt = tmp_path / "checkpoint.pt"
-    ckpt.write_bytes(b"not a checkpoint")
-    pid = dead_pid()
-    stale = [
-        tmp_path / f".{n}.{atomic._host()}.{pid}-0123abcd.tmp"
-        for n in ("checkpoint.pt", "summary.json", "model.safetensors")
-    ]
-    for p in stale:
-        p.write_bytes(b"")
-    with pytest.raises(CheckpointError):
-        state._read_state(ckpt, Config(), 1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,22 +423,6 @@ def test_predict_reports_a_symlink_loop_or_fifo_in_a_folder_instead_of_skipping_
 # Minor: a full disk at start, a resumed run's clocks, DALI's own log line
 
 
-def start_log(out: Path):
-    from fastcifar.core.config import Config
-    from fastcifar.run.report import RunLog
-
-    log = RunLog(Config(), str(out), enabled=True, stream=open(os.devnull, "w"))
-    log.start(
-        {
-            "versions": {"fastcifar": None, "torch": "x"},
-            "classes": [],
-            "device": {"type": "cpu", "name": "cpu", "world_size": 1},
-            "data": "test data",
-        }
-    )
-    return log
-
-
 def test_a_full_disk_at_start_leaves_no_run_folder(tmp_path, monkeypatch):
     from fastcifar.run import report
 
@@ -490,37 +447,6 @@ def test_a_full_disk_at_start_leaves_no_run_folder(tmp_path, monkeypatch):
     with pytest.raises(report.OutputError, match="No space left on device"):
         start_log(out)
     assert list(out.iterdir()) == [] and not report._OPEN
-
-
-def test_a_resumed_runs_line_says_what_each_clock_counts(tmp_path):
-    from fastcifar.run.report import TIMING_PROTOCOL, EpochRecord, RunResult
-
-    log = start_log(tmp_path / "runs")
-    records = [
-        EpochRecord(
-            run=1,
-            epoch=e,
-            lr=0.1,
-            train_time=5.0,
-            train_loss=1.0,
-            train_acc=50.0,
-            test_time=0.1,
-            test_loss=1.0,
-            test_acc=60.0,
-            total_train_time=5.0 * e,
-        )
-        for e in range(1, 6)
-    ]
-    for r in records[3:]:  # epochs 4 and 5 trained in this process, 1-3 came from the checkpoint
-        log.epoch(r)
-    log.run_done(RunResult(run=1, seed=0, test_acc=60.0, train_time=25.0, wall_time=12.0, epochs=records), 94.0)
-    log.finish([RunResult(run=1, seed=0, test_acc=60.0, train_time=25.0, wall_time=12.0, epochs=records)])
-    line = next(ln for ln in (log.dir / "log.txt").read_text().splitlines() if ln.startswith("run 1:"))
-    assert line == (
-        "run 1: test_acc 60.00% train 25.00 s over 5 epochs (15.00 s in the 3 before the resume, "
-        "10.00 s in this process) wall 12.00 s in this process setup 0.00 s (target 94.00%: missed)"
-    )
-    assert "resumed run" in TIMING_PROTOCOL
 
 
 def test_a_fresh_runs_line_is_unchanged(tmp_path):
@@ -586,8 +512,8 @@ def test_the_watchdog_records_the_cause_in_log_and_summary_before_it_ends_the_ra
     out = tmp_path / "runs"
     code = (
         "import sys, time, torch, os\n"
-        "sys.path[:0] = ['tests', 'tests/helpers', 'tests/cli']\n"
-        "from test_faults_os import start_log\n"
+        "sys.path[:0] = ['tests', 'tests/helpers']\n"
+        "from cli import start_log\n"
         "from fastcifar.parallel.distributed import DistContext, ProgressWatchdog\n"
         "from fastcifar.run import report\n"
         "log = start_log(sys.argv[1])\n"
@@ -651,22 +577,6 @@ def test_jpeg_size_reads_the_frame_header_and_the_dali_decoder_declines_other_si
     bomb = b"\xff\xd8" + sof + b"\xff\xd9"
     assert dl.jpeg_size(bomb) == (20000, 20000)
     assert dl.dali_decoder("cpu")([bomb], ["bomb.jpeg"]) is None
-
-
-def test_a_resume_from_a_fifo_or_a_folder_says_what_it_is(tmp_path):
-    from fastcifar.core.config import Config
-    from fastcifar.models.files import CheckpointError
-    from fastcifar.run import state
-
-    fifo = tmp_path / "checkpoint.pt"
-    os.mkfifo(fifo)
-    with pytest.raises(CheckpointError, match="cannot read checkpoint: a FIFO \\(named pipe\\), not a regular file$"):
-        state._read_state(fifo, Config(), 1)
-    with pytest.raises(
-        CheckpointError,
-        match="cannot read checkpoint: a folder, not a regular file \\(did you mean .*checkpoint.pt\\?\\)$",
-    ):
-        state._read_state(tmp_path, Config(), 1)
 
 
 def test_a_release_archive_that_is_a_fifo_is_named_not_ignored(tmp_path):

@@ -1,27 +1,71 @@
-"""How a rank ends when something outside it fails (issue 46, item 5), proven without a GPU.
-
-NCCL's settings: asserted where ``setup`` hands them to ``init_process_group`` (faked here: the
-real NCCL group needs GPUs). The signal watcher and the bounded teardown: small subprocesses whose
-main thread is made to block, as a collective waiting for a dead peer blocks it. The same
-behaviour with two real gloo ranks is in tests/distributed/test_stall_record.py.
-"""
+"""fastcifar.parallel.distributed, proven without a GPU: which device each local rank gets (CUDA
+mocked, a machine of 1 or 2 GPUs; --share-gpu, the test harness's several ranks on one GPU, which
+--help leaves out), NCCL's failure settings (asserted where ``setup`` hands them to
+``init_process_group``, faked: the real NCCL group needs GPUs), and the bounded teardown (a
+subprocess whose process group cannot be destroyed). Two real gloo ranks: tests/distributed/."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from cli import ROOT, env
+from cli import run_script
 from conftest import one_line_error
+from gpus import fake_gpus
 
+from fastcifar.core.config import Config, ConfigError
+from fastcifar.core.options import parse_args
 from fastcifar.parallel import distributed
+from fastcifar.parallel.distributed import pick_device
+
+SHARED = Config(share_gpu=True)
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """gpus(n): CUDA with n devices (H100s); returns the list of indices ``set_device`` was called with."""
+    return lambda n: fake_gpus(monkeypatch, n)
+
+
+@pytest.mark.parametrize("settings", [None, Config()])
+def test_each_local_rank_gets_its_own_gpu_and_one_without_is_refused(gpus, monkeypatch, settings):
+    monkeypatch.setenv("FASTCIFAR_SHARE_GPU", "1")  # the former switch: no environment variable shares a GPU
+    chosen = gpus(2)
+    assert [pick_device("auto", r, settings) for r in (0, 1)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert chosen == [0, 1]
+    with pytest.raises(ConfigError) as err:
+        pick_device("cuda", 2, settings)
+    assert str(err.value) == "local rank 2 has no GPU: this machine has 2"
+    assert chosen == [0, 1], "a refused rank selects no device"
+
+
+def test_shared_gpus_take_the_local_ranks_in_turn(gpus):
+    chosen = gpus(1)
+    assert [pick_device("cuda", r, SHARED) for r in range(3)] == [torch.device("cuda", 0)] * 3 and chosen == [0, 0, 0]
+    chosen = gpus(2)
+    assert [pick_device("auto", r, SHARED).index for r in range(4)] == [0, 1, 0, 1] and chosen == [0, 1, 0, 1]
+
+
+def test_sharing_changes_nothing_on_the_cpu_or_without_a_gpu(gpus):
+    chosen = gpus(0)
+    assert pick_device("auto", 3, SHARED) == torch.device("cpu") and pick_device("cpu", 3, SHARED) == torch.device(
+        "cpu"
+    )
+    with pytest.raises(ConfigError, match="PyTorch sees no CUDA GPU"):
+        pick_device("cuda", 0, SHARED)
+    assert chosen == []
+
+
+def test_the_switch_is_a_flag_that_help_leaves_out(capsys):
+    assert parse_args(["--share-gpu"]).share_gpu and not parse_args([]).share_gpu
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert "--share-gpu" not in capsys.readouterr().out
+
 
 NCCL_VARS = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -143,19 +187,6 @@ def test_teardown_of_a_healthy_group_destroys_it_and_passes_its_errors_on(group)
         distributed.teardown(group.ctx)
 
 
-def run_script(code: str, *args, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return proc, time.monotonic() - t0
-
-
 def test_main_ends_with_the_runs_status_when_the_teardown_hangs(tmp_path):
     """A stopped run (SIGTERM, 143) whose process group cannot be destroyed: ``main`` gives the
     destroy its bound, then ends the process with the run's status; it does not wait on an
@@ -181,121 +212,3 @@ def test_main_ends_with_the_runs_status_when_the_teardown_hangs(tmp_path):
     proc, _ = run_script(code, tmp_path, timeout=60)  # the timeout only guards against the hang itself
     assert proc.returncode == 143, proc.stderr
     assert one_line_error(proc.stderr) == "fastcifar: interrupted by SIGTERM"
-
-
-# The watcher's waits, shortened so that each case takes a second or two.
-SHORT_WAITS = "signals.HANDLER_WAIT_S = 0.5; signals.STOP_TIMEOUT_S = 1.5\n"
-
-
-def test_a_sigterm_the_main_thread_cannot_take_is_recorded_and_ends_the_process(tmp_path):
-    """The main thread cannot run Python's handler (SIGTERM blocked in it, and asleep for 60 s,
-    as a thread in a C++ collective cannot): the watcher records the stop through ``on_blocked``
-    and ends the process with 143, as the main thread would have."""
-    code = (
-        "import os, signal, sys, time\n"
-        "from fastcifar.core import signals\n" + SHORT_WAITS + "def record(exc):\n"
-        "    open(sys.argv[1], 'w').write(f'{exc} {exc.exit_code}')\n"
-        "    print(f'fastcifar: {exc}', file=sys.stderr, flush=True)\n"
-        "signals.install(on_blocked=record)\n"
-        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "time.sleep(60)\n"
-    )
-    record = tmp_path / "record"
-    proc, took = run_script(code, record, timeout=60)
-    assert proc.returncode == 143, proc.stderr
-    assert record.read_text() == "interrupted by SIGTERM 143"
-    assert one_line_error(proc.stderr) == "fastcifar: interrupted by SIGTERM"
-    assert took < 30, "ended by the watcher, not by the end of the 60 s sleep"
-
-
-def test_a_sigterm_whose_clean_up_hangs_still_ends_the_process(tmp_path):
-    """The main thread takes the signal but its clean-up never ends (a finally block stuck on the
-    GPU): the watcher ends the process after STOP_TIMEOUT_S, with the record and 143."""
-    code = (
-        "import os, signal, sys, time\n"
-        "from fastcifar.core import signals\n"
-        + SHORT_WAITS
-        + "signals.install(on_blocked=lambda exc: open(sys.argv[1], 'w').write(str(exc)))\n"
-        "try:\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    time.sleep(5)\n"
-        "except signals.Interrupted:\n"
-        "    time.sleep(60)\n"
-    )
-    record = tmp_path / "record"
-    proc, took = run_script(code, record, timeout=60)
-    assert proc.returncode == 143, proc.stderr
-    assert record.read_text() == "interrupted by SIGTERM"
-    assert took < 30
-
-
-@pytest.mark.slow  # over 2 s on 2 cores
-def test_a_sigterm_the_main_thread_handles_in_time_is_left_to_it(tmp_path):
-    """The usual case: the handler runs, the main thread records and finishes, ``restore`` stops
-    the watcher, which must neither record nor end the process."""
-    code = (
-        "import os, signal, sys, time\n"
-        "from fastcifar.core import signals\n"
-        + SHORT_WAITS
-        + "previous = signals.install(on_blocked=lambda exc: open(sys.argv[1], 'w').write('watcher'))\n"
-        "try:\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    time.sleep(5)\n"
-        "except signals.Interrupted:\n"
-        "    assert signals.claim_ending()\n"
-        "signals.restore(previous)\n"
-        "time.sleep(2.5)\n"  # past the watcher's waits: it would have ended the process by now
-        "print('still here')\n"
-    )
-    record = tmp_path / "record"
-    proc, _ = run_script(code, record, timeout=60)
-    assert proc.returncode == 0 and proc.stdout.strip() == "still here", proc.stderr
-    assert not record.exists()
-
-
-def test_the_end_stays_claimed_after_restore_and_a_new_api_run_unclaims_it(monkeypatch):
-    """After ``main`` claimed the end and restored the handlers, the progress watchdog (still alive
-    until the process exits) must stay silent: one line, not two. ``fastcifar.api.train`` installs
-    no handlers, so it unclaims the end itself, or a stalled peer would leave its watchdog unable
-    to end the rank."""
-    from fastcifar import api
-    from fastcifar.core import signals
-    from fastcifar.core.config import Config
-
-    previous = signals.install()
-    assert signals.claim_ending()
-    signals.restore(previous)
-    assert not signals.claim_ending()  # restore leaves it claimed
-    monkeypatch.setattr(distributed, "setup", lambda *args, **kw: (_ for _ in ()).throw(RuntimeError("stop here")))
-    with pytest.raises(RuntimeError, match="stop here"):
-        api.train(Config())
-    assert signals.claim_ending()  # api.train began a new run: unclaimed
-    signals.new_run()
-
-
-@pytest.mark.slow  # over 2 s on 2 cores
-def test_a_forked_child_does_not_signal_through_the_parents_wakeup_pipe(tmp_path):
-    """A child forked without exec (a worker) inherits the wakeup fd; stopping it with SIGTERM must
-    not reach the parent's watcher, which would end a healthy parent with 143."""
-    code = (
-        "import os, signal, sys, time\n"
-        "from fastcifar.core import signals\n"
-        + SHORT_WAITS
-        + "previous = signals.install(on_blocked=lambda exc: open(sys.argv[1], 'w').write('watcher'))\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    signal.signal(signal.SIGTERM, lambda *a: os._exit(0))\n"
-        "    time.sleep(30)\n"
-        "    os._exit(1)\n"
-        "time.sleep(0.5)\n"
-        "os.kill(pid, signal.SIGTERM)\n"
-        "os.waitpid(pid, 0)\n"
-        "time.sleep(2.5)\n"  # past the watcher's waits
-        "signals.restore(previous)\n"
-        "print('still here')\n"
-    )
-    record = tmp_path / "record"
-    proc, _ = run_script(code, record, timeout=60)
-    assert proc.returncode == 0 and proc.stdout.strip() == "still here", proc.stderr
-    assert not record.exists()

@@ -1,0 +1,58 @@
+"""fastcifar.models.blocks: which block (torch or Triton kernel) each --kernels choice resolves to,
+and the blocks built from it."""
+
+import pytest
+import torch
+
+from fastcifar.core.config import ConfigError
+from fastcifar.models.resnet9 import ResNet9
+from fastcifar.ops.norm_act_pool import NormActPool
+
+
+def test_kernel_paths_resolve_and_build(monkeypatch):
+    from fastcifar.kernels.bn_act_pool import TritonNormActPool
+    from fastcifar.models.blocks import norm_factory, resolve_kernels
+
+    assert resolve_kernels("auto", torch.device("cpu")) == "torch"
+    assert resolve_kernels("auto", torch.device("cuda")) == "triton"
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: False)
+        m.delenv("FASTCIFAR_ALLOW_INTERPRETER", raising=False)  # minutes per epoch: refused unless asked for
+        with pytest.raises(ConfigError, match="FASTCIFAR_ALLOW_INTERPRETER=1"):
+            resolve_kernels("triton", torch.device("cpu"))
+        m.setenv("FASTCIFAR_ALLOW_INTERPRETER", "1")
+        assert resolve_kernels("triton", torch.device("cpu")) == "triton"  # Triton's interpreter
+        m.setattr(torch.cuda, "is_available", lambda: True)  # Triton compiles: CPU tensors would fail at launch
+        with pytest.raises(ConfigError, match="--kernels triton on the CPU"):
+            resolve_kernels("triton", torch.device("cpu"))
+        assert resolve_kernels("triton", torch.device("cuda")) == "triton"
+    model = ResNet9(widths=(4, 8, 8, 8), norm=norm_factory("triton"))
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(isinstance(m, TritonNormActPool) for m in norms)
+    assert set(model.state_dict()) == set(ResNet9(widths=(4, 8, 8, 8)).state_dict())
+    with pytest.raises(ValueError):
+        resolve_kernels("cuda", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("arch", ["resnet9", "fastnet"])
+def test_auto_on_cuda_fuses_every_block(arch):
+    """``--kernels auto`` on CUDA builds every block from the fused Triton kernel (it beat cuDNN's
+    batchnorm on every block measured, resolve_kernels), on the CPU from the plain-torch one, with the
+    same state either way (checkpoints move between them); under --compile the block is the custom op."""
+    from fastcifar.core.config import from_preset
+    from fastcifar.kernels.bn_act_pool import TritonNormActPool
+    from fastcifar.models import compiled
+    from fastcifar.models.blocks import norm_blocks
+    from fastcifar.models.network import make_network
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    fast = arch == "fastnet"
+    cfg = from_preset("fast" if fast else "resnet9", widths=(8, 16, 16) if fast else (4, 8, 8, 8))
+    fused = make_network(cfg, norm_blocks("auto", cuda))
+    norms = [m for m in fused.modules() if isinstance(m, NormActPool)]
+    assert {m.pool for m in norms} >= {None} and len({m.pool for m in norms}) == 2  # pooled and unpooled
+    assert all(isinstance(m, TritonNormActPool) for m in norms)
+    assert norm_blocks("triton", cuda) is TritonNormActPool and norm_blocks("auto", cpu) is NormActPool
+    assert norm_blocks("torch", cuda) is NormActPool
+    assert set(fused.state_dict()) == set(make_network(cfg, NormActPool).state_dict())
+    assert compiled.norm_for(norm_blocks("auto", cuda), True).__name__ == "CompiledNormActPool"
