@@ -6,12 +6,16 @@ layer is a whitening conv set from the data (the run adds ``run.whitening.Whiten
 network class builds itself from a Config (``from_config``: the ``norm`` block factory is
 ``NormActPool`` or its Triton drop-in, ``blocks.norm_blocks``) and has one entry in ``NETWORKS``;
 ``make_network`` adds what every network gets alike (batchnorm momentum and eps, frozen scales).
-The trainer, the model files and the tests all build networks here."""
+The trainer, the model files and the tests all build networks here. Whether a model keeps a
+contract is ``keeps(model, contract)``, never ``isinstance``: from Python 3.12 ``isinstance``
+against a runtime-checkable Protocol looks members up statically (``inspect.getattr_static``),
+which cannot see an ``nn.Module``'s submodules (they live in its ``_modules``), so every network
+would fail the check there and FastNet would train without its whitening."""
 
 from __future__ import annotations
 
 import functools
-from typing import Protocol, runtime_checkable
+from typing import Protocol, get_type_hints
 
 import torch
 from torch import nn
@@ -24,7 +28,6 @@ from fastcifar.models.resnet9 import ResNet9
 from fastcifar.ops.norm_act_pool import per_rank
 
 
-@runtime_checkable
 class Network(Protocol):
     """What every network offers the trainer, besides being an ``nn.Module`` (parameters, state
     dict, train/eval, ``.to``):
@@ -47,7 +50,6 @@ class Network(Protocol):
     def forward(self, images: torch.Tensor) -> torch.Tensor: ...
 
 
-@runtime_checkable
 class WhiteningNetwork(Network, Protocol):
     """A network whose first layer, ``whiten``, is a conv whose weights are set from training
     images at the start of training (``models.fastnet.init_whitening``) and whose bias trains for
@@ -55,6 +57,22 @@ class WhiteningNetwork(Network, Protocol):
     ``--whiten-frozen`` (the network's ``from_config`` reads it) its weights take no step."""
 
     whiten: nn.Conv2d
+
+
+def keeps(model: object, contract: type) -> bool:
+    """Whether ``model`` has every member the Protocol ``contract`` names, looked up as the trainer
+    uses them (``getattr``): each annotated attribute an instance of its type, each method callable."""
+    for klass in contract.__mro__:
+        if not getattr(klass, "_is_protocol", False) or klass is Protocol:
+            continue
+        for name, kind in get_type_hints(klass).items():
+            if not isinstance(getattr(model, name, None), kind):
+                return False
+        for name, member in vars(klass).items():
+            if not name.startswith("_") and callable(getattr(member, "__func__", member)):
+                if not callable(getattr(model, name, None)):
+                    return False
+    return True
 
 
 # --arch -> the network's class: a new network is its class (the contract above) and one entry

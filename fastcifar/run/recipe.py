@@ -21,7 +21,7 @@ import itertools
 from torch import nn
 
 from fastcifar.core import gpu
-from fastcifar.models.network import WhiteningNetwork, norm_layers
+from fastcifar.models.network import WhiteningNetwork, keeps, norm_layers
 from fastcifar.run.averaging import Lookahead
 from fastcifar.run.component import Component
 from fastcifar.run.optim import Muon, MuonSGD, NesterovSGD, Optimizer
@@ -40,7 +40,7 @@ def param_groups(model: nn.Module, cfg, per_rank_batch: int) -> list[dict]:
     network without a whitening conv."""
     wd = cfg.weight_decay * per_rank_batch
     shifts = [m.bias for m in norm_layers(model)]
-    whiten_bias = [model.whiten.bias] if isinstance(model, WhiteningNetwork) else []
+    whiten_bias = [model.whiten.bias] if keeps(model, WhiteningNetwork) else []
     head = [model.fc.weight]
     special = {id(p) for p in shifts + whiten_bias + head}
     weights = [p for p in model.parameters() if id(p) not in special]

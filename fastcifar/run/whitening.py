@@ -23,7 +23,7 @@ import math
 import torch
 
 from fastcifar.models.fastnet import init_whitening
-from fastcifar.models.network import WhiteningNetwork
+from fastcifar.models.network import WhiteningNetwork, keeps
 from fastcifar.run.component import Component
 from fastcifar.run.optim import Optimizer
 
@@ -119,4 +119,4 @@ class Whitening(Component):
 def for_model(cfg, model, opt: Optimizer, train_loader, ctx, step=None) -> list[Whitening]:
     """The run's whitening component when ``model`` has a whitening conv (the
     ``WhiteningNetwork`` contract), none otherwise."""
-    return [Whitening(cfg, model, opt, train_loader, ctx, step)] if isinstance(model, WhiteningNetwork) else []
+    return [Whitening(cfg, model, opt, train_loader, ctx, step)] if keeps(model, WhiteningNetwork) else []

@@ -2,6 +2,7 @@
 every class builds itself from a Config and offers the trainer what the contract says."""
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from fastcifar.core.config import CHOICES, from_preset
 from fastcifar.models import network
 from fastcifar.models.fastnet import FastNet
-from fastcifar.models.network import NETWORKS, Network, make_network
+from fastcifar.models.network import NETWORKS, Network, WhiteningNetwork, keeps, make_network
 from fastcifar.models.resnet9 import ResNet9
 from fastcifar.ops.norm_act_pool import NormActPool
 
@@ -35,7 +36,7 @@ def test_each_network_keeps_the_contract(arch):
     assert isinstance(vars(cls).get("from_config"), classmethod), f"{cls.__name__} does not build itself from a Config"
     torch.manual_seed(0)
     model = make_network(small(arch), NormActPool, num_classes=7).to(memory_format=torch.channels_last).eval()
-    assert type(model) is cls and isinstance(model, Network)
+    assert type(model) is cls and keeps(model, Network)
     assert isinstance(model.fc, nn.Linear) and model.fc.out_features == 7
     images = torch.randn(3, 3, 32, 32).to(memory_format=torch.channels_last)
     logits = model(images)
@@ -66,7 +67,7 @@ def test_make_network_picks_the_arch_from_the_table(monkeypatch):
     monkeypatch.setitem(NETWORKS, "toy", Toy)
     cfg = dataclasses.replace(small("resnet9"), arch="toy", bn_momentum=0.3, bn_scale_frozen=True)
     toy = make_network(cfg, NormActPool, num_classes=4)
-    assert isinstance(toy, Toy) and isinstance(toy, Network) and toy.fc.out_features == 4
+    assert isinstance(toy, Toy) and keeps(toy, Network) and toy.fc.out_features == 4
     # what every network gets alike: the batchnorm settings and the frozen scales
     assert toy.norm.momentum == 0.3 and not toy.norm.weight.requires_grad
     with pytest.raises(ValueError, match="unknown arch 'nothing'"):
@@ -78,3 +79,15 @@ def test_fastnet_builds_its_whitening_conv_from_the_config():
     assert frozen.whiten.kernel_size == (3, 3) and not frozen.whiten.weight.requires_grad
     trained = network.make_network(small("fastnet", whiten_frozen=False), NormActPool)
     assert trained.whiten.weight.requires_grad and trained.whiten.bias.requires_grad
+
+
+def test_the_contract_check_sees_submodules_where_a_static_lookup_does_not():
+    """``keeps`` looks members up as the trainer does. Python 3.12's ``isinstance`` against a
+    runtime-checkable Protocol looks them up statically (``inspect.getattr_static``), which misses
+    an nn.Module's submodules: FastNet's whitening would be skipped there (the GPU machine's Python)."""
+    model = make_network(small("fastnet"), NormActPool)
+    assert inspect.getattr_static(model, "whiten", None) is None  # what 3.12's isinstance would see
+    assert keeps(model, WhiteningNetwork) and keeps(model, Network)
+    model.whiten = nn.Linear(3, 3)  # the member there, of the wrong type: the contract is not kept
+    assert not keeps(model, WhiteningNetwork) and keeps(model, Network)
+    assert not keeps(nn.Linear(3, 3), Network)  # no fc, no from_config
