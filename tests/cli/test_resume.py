@@ -161,7 +161,7 @@ LOAD_STATE_RANKS = """
 import sys
 from fastcifar.run import state as checkpoint
 from fastcifar.parallel import distributed
-from fastcifar.core.config import parse_args
+from fastcifar.core.options import parse_args
 path, argv = sys.argv[1], sys.argv[2:]
 ctx = distributed.setup("cpu", 60)
 mine = path if ctx.rank == 0 else path + ".not-on-this-node"
@@ -178,7 +178,7 @@ RESUME_SETTINGS_RANKS = """
 import sys
 from fastcifar.run import state
 from fastcifar.parallel import distributed
-from fastcifar.core.config import parse_command_line
+from fastcifar.core.options import parse_command_line
 path, argv = sys.argv[1], sys.argv[2:]
 ctx = distributed.setup("cpu", 60)
 mine = path if ctx.rank == 0 else path + ".not-on-this-node"
