@@ -77,6 +77,9 @@ esac
 tag=$stage
 [ "$stage" = accuracy ] && tag="accuracy-${2:-}"
 [ "$stage" = emulated ] && tag="emulated-${2:-}-x${3:-}"
+py=${PYTHON:-python3}
+# a path to the caller's Python (PYTHON=.venv/bin/python) stays valid in the copy the stage runs from
+case "$py" in */*) [ -e "$py" ] && py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")" ;; esac
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 out=${OUT:-gpu-visit}
@@ -86,7 +89,6 @@ work=$(mktemp -d)
 tree=$(mktemp -d)/checkout  # the importable copy the stage runs from (below)
 budget=${STAGE_BUDGET_S:-530}  # stop starting steps after this: 600 s per command, less bundling
 dry=${DRY_RUN:-0}
-py=${PYTHON:-python3}
 export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 rows=()
 failed=0

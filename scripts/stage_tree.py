@@ -13,17 +13,17 @@ Placing a built fastcifar/ first on PYTHONPATH alone would not do: each of those
 own fastcifar/, which has no kernels/, ahead of it.
 
 Results stay in the checkout: DEST/bench/results and DEST/.stage are links to the checkout's. Needs
-only the standard library (Python 3.11+ for tomllib).
+only the standard library (on Python 3.10, which has no tomllib, the package-dir table is read line
+by line: it holds plain "name" = "folder" pairs).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 from pathlib import Path
-
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 # never copied: version control, environments, staged data, run output, build output
@@ -49,8 +49,14 @@ LINKED = ("bench/results", ".stage")  # shared with the checkout, not copied
 
 def package_dirs(root: Path = ROOT) -> dict[str, str]:
     """pyproject.toml's package-dir: package name -> the folder it installs from."""
-    with open(root / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["tool"]["setuptools"].get("package-dir", {})
+    text = (root / "pyproject.toml").read_text()
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        table = re.search(r"^\[tool\.setuptools\.package-dir\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
+        pairs = re.findall(r'^"([^"]+)"\s*=\s*"([^"]+)"', table.group(1), re.M) if table else []
+        return dict(pairs)
+    return tomllib.loads(text)["tool"]["setuptools"].get("package-dir", {})
 
 
 def stage(dest: Path, root: Path = ROOT) -> Path:

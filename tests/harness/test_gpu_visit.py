@@ -644,3 +644,16 @@ def test_export_tensors_refuses_bad_input_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("export_tensors: ")
     assert not (tmp_path / "cifar10").exists()
+
+
+def test_a_relative_python_is_the_callers_in_the_copy_the_stage_runs_from(tmp_path):
+    """PYTHON=bin/py (relative to where the visit is started) still names that Python once the
+    stage has moved into its importable copy: the steps run it by its absolute path."""
+    wrapper = tmp_path / "bin" / "py"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    proc, out = visit(tmp_path, "check", PYTHON="bin/py")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "/py " in line]
+    assert runs and all(f"{wrapper} " in line and " bin/py " not in line for line in runs), runs

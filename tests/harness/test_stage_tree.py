@@ -102,3 +102,23 @@ def test_without_the_copy_the_checkout_does_not_import_the_kernels(tmp_path):
     env = bare_python_env(ROOT)
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "No module named 'fastcifar.kernels'" in out.stderr, out.stderr[-2000:]
+
+
+def test_package_dir_is_read_the_same_without_tomllib(monkeypatch, tmp_path):
+    """Python 3.10 (requires-python) has no tomllib: the table is read line by line, to the same
+    mapping, and a pyproject without the table maps nothing."""
+    import builtins
+
+    with_tomllib = stage_tree.package_dirs()
+    assert with_tomllib == {"fastcifar.kernels": "kernels"}
+    real_import = builtins.__import__
+
+    def no_tomllib(name, *args, **kwargs):
+        if name == "tomllib":
+            raise ModuleNotFoundError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tomllib)
+    assert stage_tree.package_dirs() == with_tomllib
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n\n[tool.setuptools]\npackages = ["x"]\n')
+    assert stage_tree.package_dirs(tmp_path) == {}
