@@ -32,14 +32,16 @@ import torch
 
 from fastcifar import cli
 from fastcifar.core import gpu, signals
-from fastcifar.core.config import Config, ConfigError, check_run_length, validate
+from fastcifar.core.config import Config, ConfigError, check_run_length, in_steps, schedule_line, validate
 from fastcifar.core.environment import environment_problem, launcher_rank
 from fastcifar.core.names import printable
 from fastcifar.core.options import parse_command_line
-from fastcifar.data import DataError, load_dataset, shard_indices
+from fastcifar.core.streams import Streams
+from fastcifar.data import DataError, load_dataset, rank_shard, shard_sizes
 from fastcifar.data.dali import dali_decoder
 from fastcifar.data.dataset import for_run
 from fastcifar.data.loader import EvalSet
+from fastcifar.data.subsets import chosen_mask, save_mask
 from fastcifar.data.train_loader import make_train_loader, resolve_loader
 from fastcifar.models import compiled
 from fastcifar.models.blocks import resolve_kernels
@@ -187,17 +189,20 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         )
 
     doing = "downloading or reading the data" if cfg.download else "reading the data"
-    data, val_images, val_labels, notes = for_run(  # every rank's data read before the model handshake
-        distributed.load_once_per_node(read_data, ctx, doing, distributed.data_timeout(cfg.dist_timeout_s)),
-        cfg.subset,
-        cfg.val_split,
-    )  # --subset, then --val-split's held-out images, before any sharding
+    read = distributed.load_once_per_node(read_data, ctx, doing, distributed.data_timeout(cfg.dist_timeout_s))
+    subset = chosen_mask(cfg, read.n_read, Streams.for_run(cfg, cfg.seed).subset)  # one for all --runs
+    # the subset, then --val-split's held-out images, before any sharding; every rank's before the model handshake
+    data, val_images, val_labels, notes = for_run(read, cfg.subset, cfg.val_split, subset)
     # whose shard and draws this rank trains on: its own (the harness's --rank0-data: rank 0's)
     data_rank, data_world = distributed.data_ranks(cfg, ctx)
     per_rank_batch = cfg.batch_size // data_world
-    steps = len(data.train_labels) // data_world // per_rank_batch
+    # a rank's shard is its share of the whole set as read, less what the subset leaves out: the
+    # steps follow the smallest shard (the emulated ranks' too); the whole set: n // batch, as ever
+    shards = data_world * cfg.emulate_ranks
+    steps = min(shard_sizes(data.index, data.n_read, shards)) // (cfg.batch_size // shards)
+    cfg = in_steps(cfg, steps)  # --steps N: the epochs that make N steps
     check_run_length(cfg, steps, len(data.train_labels), ctx.world_size)  # 1..MAX_STEPS steps in all
-    shard = shard_indices(len(data.train_labels), data_rank, data_world)
+    shard = rank_shard(data.index, data.n_read, data_rank, data_world)
     train_loader = make_train_loader(
         loader_name,
         data.train_images,
@@ -211,6 +216,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         device=ctx.device,
         rank=data_rank,
         emulate_ranks=cfg.emulate_ranks,
+        index=data.index,
+        n_read=data.n_read,
     )  # N ranks' side by side
     test_set = EvalSet(
         data.test_images,
@@ -235,6 +242,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
             world_size=ctx.world_size,
         )
     )
+    schedule_text, schedule = schedule_line(cfg, steps)
     engine = {
         "loader": loader_name,
         "kernels": kernels,
@@ -257,14 +265,17 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
             + (f"{len(val_labels)} validation, " if len(val_labels) else "")
             + f"{len(data.test_labels)} test images, {len(data.classes)} classes",
             "steps_per_epoch": steps,
+            "schedule": schedule,
             "per_rank_batch": per_rank_batch,
             "engine": engine,
             "classes": list(data.classes),
         }
     )
     log.follow(distributed.from_rank0(str(log.dir or ""), ctx), ctx.rank)  # a killed rank 0 still gets a summary
+    if log.dir is not None:  # the images this invocation trains on, for a study to read back
+        save_mask(log.dir, data.mask())
 
-    for note in notes:
+    for note in [*notes, schedule_text]:
         log.line(note)
     session = components.Session(
         cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs, tuple(data.classes), resume, eval_set
@@ -303,7 +314,8 @@ def train_one_run(session: components.Session, run: int, seed: int) -> RunResult
 def _train_one_run(session: components.Session, run: int, seed: int, watchdog: components.Watchdog) -> RunResult:
     cfg, ctx, loader, log = session.cfg, session.ctx, session.train_loader, session.log
     set_up = time.perf_counter()  # what the user waits for before the clock starts (RunResult.setup_time)
-    torch.manual_seed(seed)  # same seed on every rank: identical initial weights
+    streams = Streams.for_run(cfg, seed)  # init, order, aug: each its own (core.streams)
+    torch.manual_seed(streams.init)  # same seed on every rank: identical initial weights
     model = build_model(cfg, ctx.device, session.dtype, num_classes=len(session.classes))
     distributed.check_same(distributed.model_digest(model), "model's parameter shapes", ctx)
     sync = GradientSync(model, cfg, ctx, seed)  # DDP, gradient buckets (compressed or not), or nothing
@@ -334,7 +346,7 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     # on a real batch; then weights, batchnorm statistics, momentum and the schedule go back to
     # their initial values, in place, so the captured graphs still point at them.
     initial = copy.deepcopy(model.state_dict())
-    loader.set_epoch(seed, 10**6)  # an epoch index training never uses
+    loader.set_epoch(streams, 10**6)  # an epoch index training never uses
     train_step.batch.load(*next(iter(loader)))
     loader.quiesce()  # DALI's threads must make no CUDA calls during capture
     model.train()
@@ -356,7 +368,7 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
     run_parts = components.for_run(session, run, network_parts, parts, sync, sparse, lengths, eval_step, watchdog)
-    result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0)
+    result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0, streams=streams.as_dict())
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
     # the run's first line: what it will take in all, from the step and evaluation timed above
     todo, eval_batches = lengths[start_epoch:], len(session.eval_set)
@@ -365,7 +377,7 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
     for epoch in range(start_epoch, len(lengths)):
         epoch_steps = lengths[epoch]
-        loader.set_epoch(seed, epoch)
+        loader.set_epoch(streams, epoch)
         model.train()
         train_step.reset()
         synchronize(ctx.device)
@@ -381,7 +393,7 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
             pop()
             run_parts.after_step()
         if epoch + 1 < len(lengths):  # the next epoch's draws, while the GPU runs this one's queued steps
-            loader.prepare(seed, epoch + 1)
+            loader.prepare(streams, epoch + 1)
         run_parts.epoch_end(epoch)
         synchronize(ctx.device)
         epoch_time = time.perf_counter() - t0

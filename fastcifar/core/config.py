@@ -23,6 +23,7 @@ from typing import Any
 
 from fastcifar.core.errors import ConfigError
 from fastcifar.core.presets import DEFAULT_PRESET, PRESETS
+from fastcifar.core.streams import STREAMS, UNSET
 
 # --help's groups, in the order it lists them: each field names one (``setting(group=...)``).
 HELP_GROUPS = {
@@ -37,6 +38,7 @@ HELP_GROUPS = {
     "sparse": "sparse training and local SGD",
     "checkpoints": "checkpoints and model files",
     "output": "output and logging",
+    "experiments": "controlled experiments: seed streams and training subsets (docs/experiments.md)",
     # the test harness's switches: a flag each, left out of --help (they change what a run means)
     "testing": None,
 }
@@ -350,6 +352,41 @@ class Config:
     # runs and reporting
     runs: int = setting(1, "independent runs in one process (1..1000), seeds seed, seed+1, ...", group="basic")
     seed: int = setting(0, "seed of the first run", group="basic")
+    # controlled experiments (fastcifar.core.streams, fastcifar.data.subsets)
+    seed_init: int = setting(
+        -1, "seed of the initial weights; -1 = derived from --seed (run k: this + k - 1)", group="experiments"
+    )
+    seed_order: int = setting(
+        -1,
+        "seed of each epoch's image order, drawn over the whole training set and then filtered to the subset; -1 = "
+        "derived from --seed",
+        group="experiments",
+    )
+    seed_aug: int = setting(
+        -1,
+        "seed of the crops, flips, cutouts and jitter, per image (data-set index) and epoch; -1 = derived from --seed",
+        group="experiments",
+    )
+    seed_subset: int = setting(
+        -1, "seed of --subset-fraction's draw; -1 = derived from --seed (run 1's)", group="experiments"
+    )
+    subset_mask: str = setting(
+        "",
+        "the training images to use: a .npy of booleans (one per training image) or of indices; the test set stays "
+        'whole; "" = all',
+        group="experiments",
+    )
+    subset_fraction: float = setting(
+        0.0,
+        "share of the training images to use, in (0, 1], drawn from --seed-subset; the test set stays whole; 0 = all",
+        group="experiments",
+    )
+    steps: int = setting(
+        0,
+        "optimizer steps of a run, whatever the subset's size: --epochs becomes steps / steps-per-epoch (the warm-up "
+        "keeps its share); 0 = from --epochs",
+        group="experiments",
+    )
     target_acc: float = setting(94.0, "test accuracy (%, 0..100) a run must reach to count as reached", group="output")
     out_dir: str = setting("runs", "each invocation writes its logs to a new folder in here", group="basic")
     quiet: bool = setting(
@@ -539,6 +576,8 @@ RANGES: dict[str, tuple[float | None, float | None, str]] = {
     "runs": (1, MAX_RUNS, "[]"),
     "target_acc": (0, 100, "[]"),
     "checkpoint_every": (0, None, "[)"),
+    "subset_fraction": (0, 1, "[]"),  # 0 = off
+    "steps": (0, MAX_STEPS, "[]"),  # 0 = from --epochs
 }
 WIDTH_RANGE = (1, MAX_WIDTH, "[]")  # each of --widths
 
@@ -667,6 +706,16 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"--warmup-epochs must lie in 0..{cfg.epochs} (the epochs), not {cfg.warmup_epochs}")
     if not 0 <= cfg.seed <= SEED_MAX - cfg.runs:  # run r uses seed + r - 1; bench's warm-up run seed + runs
         raise ConfigError(f"--seed must lie in 0..2^63-1-runs ({SEED_MAX - cfg.runs}), not {cfg.seed}")
+    for name in STREAMS:  # run k uses the given seed + k - 1, as --seed
+        value = getattr(cfg, f"seed_{name}")
+        if value != UNSET and not 0 <= value <= SEED_MAX - cfg.runs:
+            raise ConfigError(
+                f"--seed-{name} must be -1 (derived from --seed) or lie in 0..2^63-1-runs ({SEED_MAX - cfg.runs}), "
+                f"not {value}"
+            )
+    subsets = [f"--{flag_name(n)}" for n in ("subset", "subset_mask", "subset_fraction") if getattr(cfg, n)]
+    if len(subsets) > 1:
+        raise ConfigError(f"{' and '.join(subsets)} each choose the training subset: give one of them")
     if 0 < cfg.val_split < world_size:  # each rank evaluates every world_size-th held-out image
         raise ConfigError(f"--val-split must be 0 or at least the number of ranks ({world_size}), not {cfg.val_split}")
     max_pad = IMAGE_SIDE - 1 if cfg.pad_mode == "reflect" else IMAGE_SIDE  # reflection needs pad < side
@@ -776,6 +825,9 @@ def full_recipe(cfg: Config) -> bool:
     base = from_preset(cfg.preset)
     return (
         cfg.subset == 0
+        and not cfg.subset_mask
+        and cfg.subset_fraction == 0
+        and cfg.steps == 0
         and cfg.val_split == 0
         and cfg.arch == base.arch
         and cfg.epochs >= base.epochs
@@ -844,3 +896,28 @@ def check_run_length(cfg: Config, steps_per_epoch: int, images: int, world_size:
             f"--epochs {cfg.epochs} x {steps_per_epoch} steps per epoch (--batch-size {cfg.batch_size}) is "
             f"{total} steps, more than {MAX_STEPS}: fewer epochs or a larger batch"
         )
+
+
+def in_steps(cfg: Config, steps_per_epoch: int) -> Config:
+    """``--steps N``, once the data fixes the steps per epoch: ``epochs`` becomes N / steps-per-epoch
+    (a fraction cuts the last epoch short) and the warm-up keeps its share of the run, so a subset
+    of any size trains for N optimizer steps. Without ``--steps`` (or once done) ``cfg`` itself."""
+    if not cfg.steps or steps_per_epoch == 0:
+        return cfg
+    epochs = cfg.steps / steps_per_epoch
+    if epochs == cfg.epochs:  # a resumed run's settings are in steps already
+        return cfg
+    if epochs > MAX_EPOCHS:
+        raise ConfigError(
+            f"--steps {cfg.steps} is {epochs:g} epochs of {steps_per_epoch} steps, more than {MAX_EPOCHS}: "
+            f"fewer steps, or a smaller batch"
+        )
+    return dataclasses.replace(cfg, epochs=epochs, warmup_epochs=cfg.warmup_epochs * epochs / cfg.epochs)
+
+
+def schedule_line(cfg: Config, steps_per_epoch: int) -> tuple[str, dict]:
+    """The run's schedule in steps and epochs: a line for the log and the summary's entry."""
+    total = math.ceil(round(cfg.epochs * steps_per_epoch, 9))  # run.schedule.epoch_lengths' count
+    given = "steps" if cfg.steps else "epochs"
+    doc = {"steps": total, "epochs": cfg.epochs, "steps_per_epoch": steps_per_epoch, "given_in": given}
+    return f"schedule: {total} steps = {cfg.epochs:g} epochs of {steps_per_epoch} steps", doc

@@ -45,7 +45,7 @@ from fastcifar.data.official import (
     set_of_folder,
 )
 
-__all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "shard_indices"]
+__all__ = ["CIFAR10_CLASSES", "IMAGE_SHAPE", "DataError", "Dataset", "load_dataset", "rank_shard", "shard_indices"]
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 
@@ -183,3 +183,19 @@ def shard_indices(n: int, rank: int, world_size: int, seed: int = 0) -> np.ndarr
         raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
     perm = np.random.default_rng(seed).permutation(n)
     return np.sort(perm[rank::world_size])
+
+
+def rank_shard(index: np.ndarray, n_read: int, rank: int, world_size: int) -> np.ndarray:
+    """The positions in ``index`` (data-set indices: ``Dataset.index``) that fall in ``rank``'s
+    shard of the whole training set as read (``shard_indices(n_read, ...)``): an image's rank does
+    not depend on the subset, so a subset without an image takes it out of one rank's shard and
+    leaves every other rank's as it was. A subset can leave the shards a few images apart in size
+    (``shard_sizes``: the steps follow the smallest)."""
+    owner = np.empty(n_read, dtype=np.int64)
+    owner[np.random.default_rng(0).permutation(n_read)] = np.arange(n_read) % world_size  # shard_indices' deal
+    return np.flatnonzero(owner[index] == rank)
+
+
+def shard_sizes(index: np.ndarray, n_read: int, world_size: int) -> list[int]:
+    """Each rank's number of images (``rank_shard``)."""
+    return [len(rank_shard(index, n_read, r, world_size)) for r in range(world_size)]

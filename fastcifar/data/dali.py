@@ -6,7 +6,7 @@ Data flow per rank (the same code on the CPU backend, where tests run it):
   arrays; an image folder is decoded once by ``decode_jpegs``, nvJPEG via device "mixed");
   the shard is gathered and padded once (reflect or zero), 50,000 x 40 x 40 x 3 = 240 MB;
 * per epoch: the shard's order and every random parameter of the epoch come from
-  ``loader.epoch_plan`` (one host generator seeded by ``epoch_seed(run_seed, rank, epoch)``,
+  ``loader.epoch_plan`` (host generators seeded from the run's order and aug streams,
   ``augment.draw_params`` itself): the torch loader's exact draws, so either loader gives the same run;
 * per batch: a gather of the batch's padded images on a side stream feeds ``fn.external_source``
   (device memory, no host round trip); the parameters (a few hundred ints) are the argument
@@ -38,7 +38,8 @@ import torch
 
 from fastcifar.core import optional
 from fastcifar.core.config import ConfigError
-from fastcifar.data.loader import EpochAhead, TrainLoader, epoch_plan, to_device
+from fastcifar.core.streams import Streams, as_streams
+from fastcifar.data.loader import EpochAhead, TrainLoader, data_set_index, epoch_plan, to_device
 from fastcifar.ops.augment import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -164,8 +165,9 @@ def _check_images(images, labels) -> tuple[torch.Tensor, torch.Tensor]:
 class DaliLoader(TrainLoader):
     """Training batches of one rank's fixed shard, reshuffled every epoch, last partial batch dropped.
 
-    Same constructor (the augmentation as one ``AugmentSpec``) and ``set_epoch(run_seed, epoch)``
-    as ``fastcifar.data.loader.TorchLoader``, plus: ``seed`` (the run seed until ``set_epoch``),
+    Same constructor (the augmentation as one ``AugmentSpec``) and ``set_epoch(streams, epoch)``
+    as ``fastcifar.data.loader.TorchLoader`` (``index`` and ``n_read``: the images' data-set indices),
+    plus: ``seed`` (the run's streams, or a run seed, until ``set_epoch``),
     ``prefetch`` (batches computed ahead), ``num_threads`` (DALI's CPU threads) and
     ``params_fn(epoch, step, batch) -> AugmentParams``, which pins the random parameters (tests);
     by default they are drawn per epoch.
@@ -186,10 +188,12 @@ class DaliLoader(TrainLoader):
         rank: int = 0,
         mean=CIFAR10_MEAN,
         std=CIFAR10_STD,
-        seed: int = 0,
+        seed: Streams | int = 0,
         prefetch: int = 2,
         num_threads: int = 2,
         params_fn: Callable[[int, int, int], AugmentParams] | None = None,
+        index: np.ndarray | None = None,
+        n_read: int | None = None,
     ):
         Pipeline, fn, types = _dali()
         images, labels = _check_images(images, labels)
@@ -218,13 +222,13 @@ class DaliLoader(TrainLoader):
         self.batch_size, self.steps, self.size = batch_size, steps, size
         self.augment, self.rank, self.params_fn = augment, rank, params_fn
         self.mean, self.std = mean, std
-        self.shard_index = shard_t.cpu()  # data-set index of each slot: alternating flips hash it
+        self.shard_index, self.n_read = data_set_index(shard_t.cpu(), len(images), index, n_read)  # epoch_plan's keys
         # gather the shard first (the shard is 1/world of the set), pad once: every batch is a gather
         shard_t = shard_t.to(images.device)
         self.images = pad_images(images[shard_t].to(self.device), pad, augment.pad_mode)  # contiguous NHWC
         self.labels = labels[shard_t].to(self.device)
         self._host_images = self.images.numpy() if self.device.type == "cpu" else None
-        self.run_seed, self.epoch = seed, 0
+        self.set_epoch(seed, 0)
         self._ahead = EpochAhead(self._epoch_plan)
         self._static: tuple[torch.Tensor, torch.Tensor] | None = None
         self._feed_stream = torch.cuda.Stream(self.device) if device_id is not None else None
@@ -285,9 +289,9 @@ class DaliLoader(TrainLoader):
         centre = self.images[:n, pad : pad + self.size, pad : pad + self.size]
         return normalize(centre, self.mean, self.std, torch.float32)
 
-    def prepare(self, run_seed: int, epoch: int) -> None:
+    def prepare(self, seeds: Streams | int, epoch: int) -> None:
         """Draw that epoch's plan now and start its copy to the device (``loader.EpochAhead``)."""
-        self._ahead.prepare(run_seed, epoch)
+        self._ahead.prepare(as_streams(seeds), epoch)
 
     def bind_static(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         """Copy every batch into these buffers (the CUDA-graph step's inputs) and yield them.
@@ -313,11 +317,11 @@ class DaliLoader(TrainLoader):
             )
         self._static = (images, labels)
 
-    def _epoch_plan(self, run_seed: int, epoch: int) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    def _epoch_plan(self, streams: Streams, epoch: int) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """An epoch's batch order (indices into the shard) and DALI's argument inputs, all batches."""
         n, spec = self.steps * self.batch_size, self.augment
         order, p = epoch_plan(
-            run_seed, self.rank, epoch, len(self.labels), n, spec, shard_index=self.shard_index, size=self.size
+            streams, self.rank, epoch, n, spec, shard_index=self.shard_index, n_read=self.n_read, size=self.size
         )  # the torch loader's too
         if self.params_fn is not None:
             batches = [self._checked(self.params_fn(epoch, s, self.batch_size)) for s in range(self.steps)]
@@ -379,7 +383,7 @@ class DaliLoader(TrainLoader):
         cuda = self._feed_stream is not None
         stream = torch.cuda.current_stream(self.device) if cuda else None
         self._flight.drain(stream)  # a pass abandoned mid-epoch (warm-up) left batches in flight
-        order, args = self._ahead.take(self.run_seed, self.epoch)
+        order, args = self._ahead.take(self.streams, self.epoch)
         labels = self.labels[order]
         b = self.batch_size
         if cuda:

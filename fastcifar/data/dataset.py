@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,36 @@ class Dataset:
     test_labels: np.ndarray
     classes: tuple[str, ...]
     source: str  # what was read, for logs and summaries
+    # which images of the training set as read these training images are (its data-set indices):
+    # bool [n as read]; None = all of them, in order
+    kept: np.ndarray | None = None
+
+    @property
+    def n_read(self) -> int:
+        """Training images as read, before any subset: the range of the data-set indices."""
+        return len(self.train_labels) if self.kept is None else len(self.kept)
+
+    @property
+    def index(self) -> np.ndarray:
+        """Each training image's data-set index (its position in the training set as read)."""
+        return np.arange(len(self.train_labels)) if self.kept is None else np.flatnonzero(self.kept)
+
+    def mask(self) -> np.ndarray:
+        """The training images these are, as a bool mask of the training set as read."""
+        return np.ones(len(self.train_labels), dtype=bool) if self.kept is None else self.kept.copy()
+
+    def keep(self, rows: np.ndarray, source: str | None = None) -> Dataset:
+        """The set with only the training images at the sorted positions ``rows``, their data-set
+        indices kept (``kept``); the test set as it is."""
+        kept = np.zeros(self.n_read, dtype=bool)
+        kept[self.index[rows]] = True
+        return dataclasses.replace(
+            self,
+            train_images=self.train_images[rows],
+            train_labels=self.train_labels[rows],
+            source=self.source if source is None else source,
+            kept=kept,
+        )
 
     def validate(self) -> Dataset:
         """Check shapes, dtypes, label range and class names (``core.names``); raise DataError
@@ -53,42 +84,48 @@ class Dataset:
         n_test = min(len(self.test_labels), max(100, round(len(self.test_labels) * n_train / n_all)))
         pick_train = np.sort(np.random.default_rng(0).permutation(n_all)[:n_train])
         pick_test = np.sort(np.random.default_rng(1).permutation(len(self.test_labels))[:n_test])
-        return Dataset(
-            self.train_images[pick_train],
-            self.train_labels[pick_train],
-            self.test_images[pick_test],
-            self.test_labels[pick_test],
-            self.classes,
-            f"{self.source} (a fixed subset)",
-        )  # the counts are printed beside the source
+        cut = self.keep(pick_train, f"{self.source} (a fixed subset)")  # the counts are printed beside the source
+        return dataclasses.replace(
+            cut, test_images=self.test_images[pick_test], test_labels=self.test_labels[pick_test]
+        )
+
+    def masked(self, mask: np.ndarray, source: str) -> Dataset:
+        """The training images ``mask`` (bool, over the training set as read) selects; the test set whole."""
+        if self.kept is not None or len(mask) != len(self.train_labels):
+            raise ValueError("a subset mask applies to the training set as read, once")
+        return self.keep(np.flatnonzero(mask), source)
 
     def hold_out(self, n_val: int) -> tuple[Dataset, np.ndarray, np.ndarray]:
         """``--val-split``: (the set without ``n_val`` training images, their images, their labels).
         A fixed choice from a constant seed, the same on every rank, before any sharding; 0 leaves
-        the set as it is (and holds out nothing)."""
+        the set as it is (and holds out nothing). The seed's permutation runs over the training set
+        as read and is filtered to this set's images, so a subset that drops an image keeps the
+        same held-out images (one of them at most is replaced)."""
         n_all = len(self.train_labels)
         if n_val <= 0:
             return self, self.train_images[:0], self.train_labels[:0]
         if n_val >= n_all:
             raise DataError(f"--val-split {n_val} leaves no training images: {self.source} has {n_all}")
-        order = np.random.default_rng(2).permutation(n_all)
+        position = np.full(self.n_read, -1)
+        position[self.index] = np.arange(n_all)
+        order = position[np.random.default_rng(2).permutation(self.n_read)]
+        order = order[order >= 0]
         val, keep = np.sort(order[:n_val]), np.sort(order[n_val:])
-        rest = Dataset(
-            self.train_images[keep],
-            self.train_labels[keep],
-            self.test_images,
-            self.test_labels,
-            self.classes,
-            self.source,
-        )
-        return rest, self.train_images[val], self.train_labels[val]
+        return self.keep(keep), self.train_images[val], self.train_labels[val]
 
 
-def for_run(data: Dataset, subset: int, val_split: int) -> tuple[Dataset, np.ndarray, np.ndarray, list[str]]:
-    """``--subset`` then ``--val-split`` on a read set: (the training and test sets, the held-out
-    images and labels, lines for the log saying what was cut)."""
-    cut = data.subset(subset)
+def for_run(
+    data: Dataset, subset: int, val_split: int, mask: np.ndarray | None = None
+) -> tuple[Dataset, np.ndarray, np.ndarray, list[str]]:
+    """``--subset`` (or the subset ``mask``: ``subsets.chosen_mask``) then ``--val-split`` on a read
+    set: (the training and test sets, the held-out images and labels, lines for the log saying
+    what was cut)."""
     notes = []
+    if mask is not None:
+        cut = data.masked(mask, f"{data.source} (a subset)")
+        notes.append(f"subset: {int(mask.sum())} of {len(mask)} training images; the test set whole")
+    else:
+        cut = data.subset(subset)
     if len(cut.test_labels) < len(data.test_labels):
         notes.append(
             f"--subset {subset}: the test set is cut to the same fraction, {len(cut.test_labels)} of "

@@ -6,10 +6,10 @@ the padded set in place (``kernels/augment.py``).
 
 The training shard is copied to the device once and padded once (50,000 x 40 x 40 x 3 bytes =
 240 MB for the whole set), so an epoch moves no images from the host: each batch is a gather of
-indices and ``fastcifar.ops.augment`` does the rest. The epoch's order and random parameters come from
-``epoch_plan``, drawn on the host (the DALI loader's draws exactly) and copied to the device once
-per epoch (6 int64 per image, and 2 float32 with the jitter), while the GPU still runs the epoch
-before (``EpochAhead``).
+indices and ``fastcifar.ops.augment`` does the rest. The epoch's order and random parameters come
+from ``epoch_plan`` (the run's order and aug streams: ``core.streams``), drawn on the host (the
+DALI loader's draws exactly) and copied to the device once per epoch (6 int64 per image, and 2
+float32 with the jitter), while the GPU still runs the epoch before (``EpochAhead``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import itertools
 import numpy as np
 import torch
 
+from fastcifar.core.streams import Streams, as_streams, derive
 from fastcifar.ops.augment import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -33,31 +34,42 @@ from fastcifar.ops.augment import (
 )
 
 
-def epoch_seed(run_seed: int, rank: int, epoch: int) -> int:
-    """The seed of one rank's shuffle and augmentation in one epoch: distinct per (seed, rank, epoch)."""
-    return int(np.random.SeedSequence([run_seed, rank, epoch]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
 def epoch_plan(
-    run_seed: int,
+    seeds: Streams | int,
     rank: int,
     epoch: int,
-    n_shard: int,
     n: int,
     spec: AugmentSpec,
     *,
     shard_index: torch.Tensor,
+    n_read: int,
     size: int = 32,
 ):
-    """One rank's whole epoch, drawn once on the host: the order (the first ``n`` of a permutation
-    of the shard's ``n_shard`` slots) and every image's augmentation parameters (``spec``'s), from
-    one CPU generator seeded by ``epoch_seed``. Both loaders take their epoch from here, so a seed
-    gives the same batches with torch or DALI, on any device (a CUDA generator draws other numbers
-    than the CPU one). ``shard_index`` (CPU int64): each slot's data-set index, for alternating flips."""
-    g = torch.Generator().manual_seed(epoch_seed(run_seed, rank, epoch))
-    order = torch.randperm(n_shard, generator=g)[:n]
-    params = draw_params(n, spec, g, "cpu", size, index=shard_index[order], epoch=epoch, seed=run_seed)
-    return order, params
+    """One rank's whole epoch, drawn once on the host: the order (``n`` slots of the rank's shard)
+    and every image's augmentation parameters (``spec``'s). Both loaders take their epoch from
+    here, so the seeds give the same batches with torch or DALI, on any device (a CUDA generator
+    draws other numbers than the CPU one). ``seeds``: the run's ``Streams`` (or a run seed, all
+    streams derived from it); ``shard_index`` (CPU int64): each slot's data-set index, in
+    0..``n_read``-1 (the training set as read).
+
+    - order: a permutation of the whole training set as read, from the order stream, the rank and
+      the epoch, filtered to the shard's images: the same order seed gives the same sequence of
+      data-set indices whatever the other seeds, and a subset without some images the same
+      sequence without them (every later image moves up, across batch boundaries);
+    - augmentation: one draw of ``draw_params`` for every image of the training set as read, from
+      the aug stream and the epoch, read at the data-set index: an image gets the same crop, flip,
+      cutout and jitter in an epoch whatever the order, the subset, the rank and the rank count.
+    Drawing over the whole set costs the host ~1 ms for 50,000 images per epoch (a rank of 8
+    draws 8x its share), off the GPU's path (``EpochAhead``)."""
+    streams = as_streams(seeds)
+    slot = torch.full((n_read,), -1, dtype=torch.int64)
+    slot[shard_index] = torch.arange(len(shard_index))
+    order_draws = torch.Generator().manual_seed(derive(streams.order, rank, epoch))
+    slots = slot[torch.randperm(n_read, generator=order_draws)]
+    order = slots[slots >= 0][:n]
+    aug_draws = torch.Generator().manual_seed(derive(streams.aug, epoch))
+    every = draw_params(n_read, spec, aug_draws, "cpu", size, index=torch.arange(n_read), epoch=epoch, seed=streams.aug)
+    return order, every.take(shard_index[order])
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -84,6 +96,18 @@ def plan_to_device(order: torch.Tensor, params: AugmentParams, device: torch.dev
     return rows[0], AugmentParams(**on_device)
 
 
+def data_set_index(shard, n_images: int, index: np.ndarray | None, n_read: int | None) -> tuple[torch.Tensor, int]:
+    """A loader's keys for ``epoch_plan``: the data-set index of each slot of ``shard`` (CPU int64)
+    and the size of the training set as read. ``index``: each of the ``n_images`` images' data-set
+    index (None: its position); ``n_read``: None for ``n_images``."""
+    shard = torch.as_tensor(np.asarray(shard), dtype=torch.int64)
+    keys = shard if index is None else torch.as_tensor(np.asarray(index), dtype=torch.int64)[shard]
+    n_read = n_images if n_read is None else n_read
+    if len(keys) and (keys.min() < 0 or keys.max() >= n_read):
+        raise ValueError(f"data-set indices must lie in 0..{n_read - 1}")
+    return keys, n_read
+
+
 class EpochAhead:
     """One epoch's plan (order and augmentation draws, on the device) made before the epoch starts.
 
@@ -94,15 +118,15 @@ class EpochAhead:
     ``take`` returns the plan made ahead when it is the epoch asked for, else draws it then."""
 
     def __init__(self, make):
-        self.make = make  # (run_seed, epoch) -> the plan
+        self.make = make  # (streams, epoch) -> the plan
         self.key, self.plan = None, None
 
-    def prepare(self, run_seed: int, epoch: int) -> None:
-        self.key, self.plan = (run_seed, epoch), self.make(run_seed, epoch)
+    def prepare(self, streams: Streams, epoch: int) -> None:
+        self.key, self.plan = (streams, epoch), self.make(streams, epoch)
 
-    def take(self, run_seed: int, epoch: int):
-        if self.key != (run_seed, epoch):
-            return self.make(run_seed, epoch)
+    def take(self, streams: Streams, epoch: int):
+        if self.key != (streams, epoch):
+            return self.make(streams, epoch)
         plan, self.key, self.plan = self.plan, None, None
         return plan
 
@@ -110,7 +134,8 @@ class EpochAhead:
 class TrainLoader:
     """What the trainer asks of a training loader (``TorchLoader`` here, ``dali.DaliLoader``): the
     rank's fixed shard, ``len`` steps of ``batch_size`` an epoch, reshuffled every epoch from
-    ``(run_seed, epoch)``. The optional parts default to nothing, so the trainer calls them all."""
+    the run's streams and the epoch (``epoch_plan``). The optional parts default to nothing, so
+    the trainer calls them all."""
 
     batch_size: int
     steps: int
@@ -122,10 +147,12 @@ class TrainLoader:
     def __iter__(self):
         raise NotImplementedError
 
-    def set_epoch(self, run_seed: int, epoch: int) -> None:
-        self.run_seed, self.epoch = run_seed, epoch
+    def set_epoch(self, seeds: Streams | int, epoch: int) -> None:
+        """The epoch the next pass draws: ``seeds`` the run's ``Streams`` (or a run seed, every
+        stream derived from it)."""
+        self.streams, self.epoch = as_streams(seeds), epoch
 
-    def prepare(self, run_seed: int, epoch: int) -> None:
+    def prepare(self, seeds: Streams | int, epoch: int) -> None:
         """Draw that epoch's plan now, while the device still runs this one (default: at its start)."""
 
     def plain_images(self, n: int) -> torch.Tensor:
@@ -163,7 +190,11 @@ class TorchLoader(TrainLoader):
         mean=CIFAR10_MEAN,
         std=CIFAR10_STD,
         kernels: str = "torch",
+        index: np.ndarray | None = None,
+        n_read: int | None = None,
     ):
+        """``index``: each image's data-set index (``Dataset.index``; default its position) in
+        0..``n_read``-1, the training set as read (default: ``images`` are all of it)."""
         if steps_per_epoch * batch_size > len(shard):
             raise ValueError(
                 f"{steps_per_epoch} steps of {batch_size} need {steps_per_epoch * batch_size} "
@@ -181,7 +212,7 @@ class TorchLoader(TrainLoader):
             from fastcifar import kernels
 
             self.fused = kernels.module("augment").TritonAugment(augment, mean, std, dtype).to(device)
-        self.shard_index = torch.from_numpy(shard).to(torch.int64)  # host copy: epoch_plan hashes it
+        self.shard_index, self.n_read = data_set_index(shard, len(images), index, n_read)  # epoch_plan's keys
         self._ahead = EpochAhead(self._device_plan)
         self.set_epoch(0, 0)
 
@@ -193,20 +224,20 @@ class TorchLoader(TrainLoader):
         centre = self.images[:n, pad : pad + size, pad : pad + size]
         return normalize(centre, self.mean, self.std, torch.float32)
 
-    def prepare(self, run_seed: int, epoch: int) -> None:
+    def prepare(self, seeds: Streams | int, epoch: int) -> None:
         """Draw that epoch's plan now and start its copy to the device (``EpochAhead``)."""
-        self._ahead.prepare(run_seed, epoch)
+        self._ahead.prepare(as_streams(seeds), epoch)
 
-    def _device_plan(self, run_seed: int, epoch: int) -> tuple[torch.Tensor, AugmentParams]:
+    def _device_plan(self, streams: Streams, epoch: int) -> tuple[torch.Tensor, AugmentParams]:
         n = self.steps * self.batch_size
         order, plan = epoch_plan(
-            run_seed, self.rank, epoch, len(self.labels), n, self.augment, shard_index=self.shard_index
+            streams, self.rank, epoch, n, self.augment, shard_index=self.shard_index, n_read=self.n_read
         )
         return plan_to_device(order, plan, self.device)
 
     def __iter__(self):
         b = self.batch_size
-        order, plan = self._ahead.take(self.run_seed, self.epoch)
+        order, plan = self._ahead.take(self.streams, self.epoch)
         for step in range(self.steps):
             idx = order[step * b : (step + 1) * b]
             params = plan.part(step * b, (step + 1) * b)
@@ -220,7 +251,7 @@ class TorchLoader(TrainLoader):
 class EmulatedRanks(TrainLoader):
     """``--emulate-ranks N``: the loaders of N ranks in one process, each step's batch their batches
     side by side (rank 0's images first). Each is the loader rank r would have under torchrun (its
-    fixed shard, ``epoch_seed(seed, r, epoch)``'s order and augmentation draws), so one device
+    fixed shard, ``epoch_plan``'s order and augmentation draws for rank r), so one device
     sees exactly the images N ranks see, step by step; the network's batchnorm splits the batch
     back into the ranks' (``ops.norm_act_pool.PerRankStatistics``). The gradient of the batch's
     summed loss at the global batch is what N ranks' all-reduce averages, with the step rate the
@@ -236,14 +267,14 @@ class EmulatedRanks(TrainLoader):
         self.labels = torch.cat([loader.labels for loader in loaders])
         self.set_epoch(0, 0)
 
-    def set_epoch(self, run_seed: int, epoch: int) -> None:
-        super().set_epoch(run_seed, epoch)
+    def set_epoch(self, seeds: Streams | int, epoch: int) -> None:
+        super().set_epoch(seeds, epoch)
         for loader in self.loaders:
-            loader.set_epoch(run_seed, epoch)
+            loader.set_epoch(seeds, epoch)
 
-    def prepare(self, run_seed: int, epoch: int) -> None:
+    def prepare(self, seeds: Streams | int, epoch: int) -> None:
         for loader in self.loaders:
-            loader.prepare(run_seed, epoch)
+            loader.prepare(seeds, epoch)
 
     def quiesce(self) -> None:
         for loader in self.loaders:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from fastcifar.core.config import CHOICES
-from fastcifar.data import dali, shard_indices
+from fastcifar.data import dali, rank_shard
 from fastcifar.data.dali import DaliLoader, DaliUnavailableError
 from fastcifar.data.loader import EmulatedRanks, TorchLoader, TrainLoader
 from fastcifar.ops.augment import AugmentSpec
@@ -63,12 +63,17 @@ def make_train_loader(
     device: torch.device,
     rank: int = 0,
     emulate_ranks: int = 1,
+    index: np.ndarray | None = None,
+    n_read: int | None = None,
 ) -> TrainLoader:
     """The training loader ``resolve_loader`` chose: ``DaliLoader`` or ``TorchLoader`` (which
     augments with ``kernels``: the Triton kernel or the reference). ``emulate_ranks`` N > 1 (one
     process): N of them side by side (``loader.EmulatedRanks``), rank r's over its part of
-    ``shard`` (``shard_indices``: the whole set's shard r of N, as under torchrun) with
-    ``batch_size / N`` images a step."""
+    ``shard`` (``rank_shard``: the whole set's shard r of N, as under torchrun) with
+    ``batch_size / N`` images a step. ``index``: each image's data-set index in 0..``n_read``-1,
+    the training set as read (``Dataset.index``, ``Dataset.n_read``; default: the images are all of it)."""
+    index = np.arange(len(labels)) if index is None else index
+    n_read = len(labels) if n_read is None else n_read
     if emulate_ranks > 1:
         if rank:
             raise ValueError("emulated ranks run in one process, rank 0 of 1")
@@ -79,7 +84,7 @@ def make_train_loader(
                     name,
                     images,
                     labels,
-                    shard[shard_indices(len(shard), r, emulate_ranks)],
+                    shard[rank_shard(index[shard], n_read, r, emulate_ranks)],
                     per_rank,
                     steps,
                     augment=augment,
@@ -87,13 +92,25 @@ def make_train_loader(
                     dtype=dtype,
                     device=device,
                     rank=r,
+                    index=index,
+                    n_read=n_read,
                 )
                 for r in range(emulate_ranks)
             ]
         )
     if name == "dali":
         return DaliLoader(
-            images, labels, shard, batch_size, steps, augment=augment, dtype=dtype, device=device, rank=rank
+            images,
+            labels,
+            shard,
+            batch_size,
+            steps,
+            augment=augment,
+            dtype=dtype,
+            device=device,
+            rank=rank,
+            index=index,
+            n_read=n_read,
         )
     return TorchLoader(
         images,
@@ -106,4 +123,6 @@ def make_train_loader(
         device=device,
         rank=rank,
         kernels=kernels,
+        index=index,
+        n_read=n_read,
     )

@@ -70,6 +70,15 @@ class AugmentParams:
             }
         )
 
+    def take(self, index: torch.Tensor) -> AugmentParams:
+        """The parameters of the images at ``index`` (int64, on their device), in that order."""
+        return AugmentParams(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                for f in dataclasses.fields(self)
+            }
+        )
+
     @staticmethod
     def concat(parts: list[AugmentParams]) -> AugmentParams:
         """Batches' parameters one after the other (jittered all, or none)."""

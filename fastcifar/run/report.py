@@ -262,7 +262,7 @@ class EpochRecord:
 @dataclass
 class RunResult:
     run: int
-    seed: int
+    seed: int  # the run seed: --seed + run - 1
     test_acc: (
         float  # %, final epoch, with the recipe's evaluation (TTA if on); --val-split: the test set once, at the end
     )
@@ -280,6 +280,7 @@ class RunResult:
     # included), and its estimate before the first epoch (``estimate``); 0: not measured
     run_time: float = 0.0
     estimated_time: float = 0.0
+    streams: dict = field(default_factory=dict)  # the run's seed per stream (core.streams.Streams)
     model: object = field(default=None, repr=False, compare=False)  # the trained network, in memory (not logged)
 
 

@@ -38,6 +38,7 @@ from fastcifar.core.config import TRAJECTORY_FREE_FIELDS, Config, ConfigError, c
 from fastcifar.core.names import printable
 from fastcifar.core.presets import PRESETS
 from fastcifar.core.readfile import open_regular, why
+from fastcifar.core.streams import Streams
 from fastcifar.models.files import CheckpointError, _check_shapes, host_state, write_atomic
 from fastcifar.run.component import Component
 from fastcifar.run.report import EpochRecord
@@ -94,7 +95,7 @@ def save_state(path, *, cfg: Config, ctx, epochs_done: int, model, opt, schedule
     mine = {
         "rng": _rng_state(),
         "hooks": hooks.state_dict(),
-        "loader": {"seed": int(loader.run_seed), "epoch": int(loader.epoch)},
+        "loader": {"seed": int(loader.streams.run), "streams": loader.streams.as_dict(), "epoch": int(loader.epoch)},
     }
     ranks = [mine]
     if ctx.distributed:
@@ -341,6 +342,9 @@ def _check_progress(state: dict, cfg: Config, where: str) -> None:
             raise bad("ranks", f"entry {r}: loader seed {seed!r}, this run's is {cfg.seed}")
         if not _is_int(epoch) or not 0 <= epoch <= done:
             raise bad("ranks", f"entry {r}: loader epoch {epoch!r}, expected 0..{done}")
+        streams, expected = mine["loader"].get("streams"), Streams.for_run(cfg, cfg.seed).as_dict()
+        if streams is not None and streams != expected:  # a checkpoint without them: derived from its settings
+            raise bad("ranks", f"entry {r}: loader streams {streams!r}, this run's are {expected}")
     model = state["model"]
     if not isinstance(model, dict) or not all(
         isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in model.items()
@@ -445,7 +449,8 @@ def restore(state: dict, *, ctx, model, opt, schedule, hooks, loader, source: st
     except (ValueError, RuntimeError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise CheckpointError(f"--resume {source}: {_gist(exc)}") from None
     schedule.reset(state["schedule_step"])
-    loader.set_epoch(mine["loader"]["seed"], mine["loader"]["epoch"])
+    streams = mine["loader"].get("streams")
+    loader.set_epoch(mine["loader"]["seed"] if streams is None else Streams(**streams), mine["loader"]["epoch"])
     try:
         _set_rng_state(mine["rng"])
     except (ValueError, RuntimeError, KeyError, TypeError, IndexError, AttributeError) as exc:
