@@ -61,7 +61,12 @@ class Config:
         "cifar10", "which official set --download fetches: cifar10 | cifar100 (fine labels)", group="data"
     )
     cache_dir: str = setting("", 'decoded-image cache; "" = next to the data, else ~/.cache/fastcifar', group="data")
-    subset: int = setting(0, "training images to use, 0 = all; the test set is cut to the same fraction", group="basic")
+    subset: int = setting(
+        0,
+        "training images to use: a fixed sample, the same for every seed (a study: --subset-fraction or --subset-mask); "
+        "0 = all; the test set is cut to the same fraction",
+        group="basic",
+    )
     val_split: int = setting(
         0,
         "training images held out (fixed, seeded) for the per-epoch evaluation; the test set is then evaluated once, "
@@ -352,41 +357,6 @@ class Config:
     # runs and reporting
     runs: int = setting(1, "independent runs in one process (1..1000), seeds seed, seed+1, ...", group="basic")
     seed: int = setting(0, "seed of the first run", group="basic")
-    # controlled experiments (fastcifar.core.streams, fastcifar.data.subsets)
-    seed_init: int = setting(
-        -1, "seed of the initial weights; -1 = derived from --seed (run k: this + k - 1)", group="experiments"
-    )
-    seed_order: int = setting(
-        -1,
-        "seed of each epoch's image order, drawn over the whole training set and then filtered to the subset; -1 = "
-        "derived from --seed",
-        group="experiments",
-    )
-    seed_aug: int = setting(
-        -1,
-        "seed of the crops, flips, cutouts and jitter, per image (data-set index) and epoch; -1 = derived from --seed",
-        group="experiments",
-    )
-    seed_subset: int = setting(
-        -1, "seed of --subset-fraction's draw; -1 = derived from --seed (run 1's)", group="experiments"
-    )
-    subset_mask: str = setting(
-        "",
-        "the training images to use: a .npy of booleans (one per training image) or of indices; the test set stays "
-        'whole; "" = all',
-        group="experiments",
-    )
-    subset_fraction: float = setting(
-        0.0,
-        "share of the training images to use, in (0, 1], drawn from --seed-subset; the test set stays whole; 0 = all",
-        group="experiments",
-    )
-    steps: int = setting(
-        0,
-        "optimizer steps of a run, whatever the subset's size: --epochs becomes steps / steps-per-epoch (the warm-up "
-        "keeps its share); 0 = from --epochs",
-        group="experiments",
-    )
     target_acc: float = setting(94.0, "test accuracy (%, 0..100) a run must reach to count as reached", group="output")
     out_dir: str = setting("runs", "each invocation writes its logs to a new folder in here", group="basic")
     quiet: bool = setting(
@@ -433,6 +403,41 @@ class Config:
         "several ranks of a node may share its GPUs: local rank r on GPU r mod (the GPU count); a real run gives "
         "each rank its own GPU (scripts/rank_env.sh: the multi-rank NCCL path on one GPU)",
         group="testing",
+    )
+    # controlled experiments (fastcifar.core.streams, fastcifar.data.subsets)
+    seed_init: int = setting(
+        -1, "seed of the initial weights; -1 = derived from --seed (run k: this + k - 1)", group="experiments"
+    )
+    seed_order: int = setting(
+        -1,
+        "seed of each epoch's image order, drawn over the whole training set and then filtered to the subset; -1 = "
+        "derived from --seed",
+        group="experiments",
+    )
+    seed_aug: int = setting(
+        -1,
+        "seed of the crops, flips, cutouts and jitter, per image (data-set index) and epoch; -1 = derived from --seed",
+        group="experiments",
+    )
+    seed_subset: int = setting(
+        -1, "seed of --subset-fraction's draw; -1 = derived from --seed (run 1's)", group="experiments"
+    )
+    subset_mask: str = setting(
+        "",
+        "the training images to use: a .npy of booleans (one per training image) or of indices; the test set stays "
+        'whole; "" = all',
+        group="experiments",
+    )
+    subset_fraction: float = setting(
+        0.0,
+        "share of the training images to use, in (0, 1], drawn from --seed-subset; the test set stays whole; 0 = all",
+        group="experiments",
+    )
+    steps: int = setting(
+        0,
+        "optimizer steps of a run, whatever the subset's size: --epochs becomes steps / steps-per-epoch (the warm-up "
+        "keeps its share); 0 = from --epochs",
+        group="experiments",
     )
     # set by --preset (or the config file, the checkpoint); not a flag of its own
     preset: str = setting("resnet9", "the preset this started from", group=None)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastcifar.core.streams import Streams
 from fastcifar.data import dali as dl
 from fastcifar.data import shard_indices
 from fastcifar.data.dali import DaliLoader, DaliUnavailableError, JpegDecodeError, dali_available, decode_jpegs
@@ -373,7 +374,7 @@ def test_same_seed_same_batches_and_epochs_differ():
     b = DaliLoader(images, np.arange(64), None, 16, seed=7)
     first = [(x.clone(), y.clone()) for x, y in a]
     assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(first, b, strict=True))
-    assert a.run_seed == 7 and a.epoch == 0  # what a training checkpoint records (checkpoint.save_state)
+    assert a.streams == Streams.derived(7) and a.epoch == 0  # what a training checkpoint records (state.save_state)
     assert a.images.is_contiguous()  # pad_images returns contiguous NHWC: DALI gathers rows of it
     a.set_epoch(7, 1)
     assert not torch.equal(torch.cat([y for _, y in a]), torch.cat([y for _, y in first]))
@@ -390,7 +391,7 @@ def test_an_epoch_prepared_ahead_feeds_the_same_batches():
     want = [(x.clone(), y.clone()) for x, y in a]
     b.prepare(3, 1)
     b.set_epoch(3, 1)
-    assert b._ahead.key == (3, 1)
+    assert b._ahead.key == (Streams.derived(3), 1)
     got = [(x.clone(), y.clone()) for x, y in b]
     assert b._ahead.key is None, "the prepared plan was not the one used"
     assert len(got) == len(want) == 3

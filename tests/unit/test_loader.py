@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import uint8_images
 
+from fastcifar.core.streams import Streams
 from fastcifar.data.loader import EvalSet, TorchLoader
 from fastcifar.ops.augment import (
     AugmentSpec,
@@ -42,7 +43,7 @@ def test_a_jittering_loader_gives_the_reference_of_its_epochs_draws():
     loader = make("torch", brightness=0.3, contrast=0.2)
     loader.set_epoch(5, 1)
     spec = AugmentSpec(crop_pad=2, cutout=4, flip=True, flip_mode="random", brightness=0.3, contrast=0.2)
-    order, plan = epoch_plan(5, 0, 1, 12, 12, spec, shard_index=torch.arange(12))
+    order, plan = epoch_plan(5, 0, 1, 12, spec, shard_index=torch.arange(12), n_read=12)
     padded = pad_images(torch.from_numpy(images), 2, "reflect")
     batches = list(loader)
     for step, (x, y) in enumerate(batches):
@@ -97,7 +98,7 @@ def test_an_epoch_prepared_ahead_is_the_epoch_drawn_at_its_start(device):
     drawn_then.set_epoch(5, 2)
     want = list(drawn_then)
     made = []
-    ahead._ahead.make = lambda seed, epoch, draw=ahead._ahead.make: made.append((seed, epoch)) or draw(seed, epoch)
+    ahead._ahead.make = lambda s, epoch, draw=ahead._ahead.make: made.append((s.run, epoch)) or draw(s, epoch)
     ahead.prepare(5, 2)
     ahead.set_epoch(5, 1)
     list(ahead)  # another epoch: drawn at its start; the prepared one stays
@@ -218,7 +219,8 @@ def test_loader_alternates_each_images_flip_across_epochs():
     assert all(len(e) == n for e in epochs)
     for a, b in itertools.pairwise(epochs):
         assert all(a[i] != b[i] for i in range(n))
-    assert epochs[0] == {i: int(alternating_flip(torch.tensor([i]), 0, 7)) for i in range(n)}
+    aug = Streams.derived(7).aug  # the flips hash the aug stream's seed
+    assert epochs[0] == {i: int(alternating_flip(torch.tensor([i]), 0, aug)) for i in range(n)}
 
 
 def torch_loader(images, labels, shard, batch_size, steps, **settings):
