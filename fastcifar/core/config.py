@@ -63,8 +63,8 @@ class Config:
     cache_dir: str = setting("", 'decoded-image cache; "" = next to the data, else ~/.cache/fastcifar', group="data")
     subset: int = setting(
         0,
-        "training images to use: a fixed sample, the same for every seed (a study: --subset-fraction or --subset-mask); "
-        "0 = all; the test set is cut to the same fraction",
+        "training images to use: a fixed sample, the same for every seed (a study: --subset-fraction or "
+        "--subset-mask); 0 = all; the test set is cut to the same fraction",
         group="basic",
     )
     val_split: int = setting(
