@@ -235,9 +235,9 @@ def test_each_epoch_after_the_first_was_drawn_while_the_one_before_ran(learnable
     taken = []
     take = EpochAhead.take
 
-    def spy(self, run_seed, epoch):
-        taken.append((run_seed, epoch, self.key == (run_seed, epoch)))
-        return take(self, run_seed, epoch)
+    def spy(self, streams, epoch):
+        taken.append((streams.run, epoch, self.key == (streams, epoch)))
+        return take(self, streams, epoch)
 
     monkeypatch.setattr(EpochAhead, "take", spy)
     events = []  # the order of the clock's synchronizes and of the prepares
