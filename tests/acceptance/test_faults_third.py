@@ -1,0 +1,96 @@
+"""Faults, round three: a signal during a heavy import, an output onto its input, config files and
+launcher variables that crashed the reader, TensorBoard in the way, data that said nothing, model
+files from elsewhere. Each case ends in one line and a documented exit status, or the run goes on
+and says why; never a traceback, and never a file overwritten that was read."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cli import ROOT, env
+from conftest import one_line_error
+from models import tiny_model_file
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    return tiny_model_file(tmp_path_factory.mktemp("model") / "model.safetensors")
+
+
+def command(name: str, argv, capsys) -> tuple[int, str, str]:
+    """``fastcifar NAME ARGV`` in this process: (exit status, stderr, stdout); never a traceback."""
+    from fastcifar import cli
+
+    code = cli.main([name, *map(str, argv)])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    return code, out.err, out.out
+
+
+# --- a signal while an extension module initializes -------------------------------------------
+
+# An "onnx" whose import takes as long as the test wants, and which does what pybind11's and
+# nanobind's module initialization do with an exception raised inside it: turn it into ImportError
+# (onnxruntime), or worse. "started" says the import has begun; it ends when "go" appears.
+SLOW_ONNX = """\
+import os, time
+from pathlib import Path
+here = Path(os.environ["SLOW_IMPORT_DIR"])
+(here / "started").write_text("")
+try:
+    while not (here / "go").exists():
+        time.sleep(0.01)
+except BaseException as exc:
+    raise ImportError(f"initialization failed: {exc!r}") from exc
+(here / "finished").write_text("")
+"""
+
+
+def _no_signal_pending(pid: int) -> bool:
+    """Whether the kernel has handed every signal sent to ``pid`` to a handler (/proc's SigPnd and
+    ShdPnd: per thread and per process)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["SigPnd"], 16) == 0 and int(fields["ShdPnd"], 16) == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_an_extensions_import_is_taken_after_it(sig, model_file, tmp_path):
+    """Ctrl-C while export imports onnx: the import finishes undisturbed, then the run stops with
+    the interruption's line and 128 + the signal, not "cannot be imported" (exit 2) or a crash."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc to see that the signal was delivered")
+    fake = tmp_path / "site"
+    (fake / "onnx").mkdir(parents=True)
+    (fake / "onnx" / "__init__.py").write_text(SLOW_ONNX)
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    e = {**env(), "PYTHONPATH": f"{fake}{os.pathsep}{ROOT}", "SLOW_IMPORT_DIR": str(sync)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastcifar.export", str(model_file), "--onnx", str(out / "m.onnx")],
+        cwd=ROOT,
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (sync / "started").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (sync / "started").exists(), proc.communicate(timeout=60)[1][-3000:]
+    proc.send_signal(sig)
+    while not _no_signal_pending(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (sync / "go").write_text("")  # the handler has run by now, at the import's next bytecode
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert one_line_error(err) == f"fastcifar: interrupted by {signal.Signals(sig).name}"
+    assert (sync / "finished").exists(), "the import was left to finish"
+    assert list(out.iterdir()) == []
