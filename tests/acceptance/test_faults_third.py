@@ -94,3 +94,41 @@ def test_a_signal_during_an_extensions_import_is_taken_after_it(sig, model_file,
     assert one_line_error(err) == f"fastcifar: interrupted by {signal.Signals(sig).name}"
     assert (sync / "finished").exists(), "the import was left to finish"
     assert list(out.iterdir()) == []
+
+
+# --- an output onto an input -----------------------------------------------------------------
+
+# The commands that write a file, with their arguments ({f}: the model file, {out}: the output)
+WRITERS = [
+    ("export", ["{f}", "--onnx", "{out}"]),
+    ("export", ["{f}", "--onnx", "{out}", "--force"]),
+    ("checkpoint", ["seal", "{f}", "--out", "{out}"]),
+    ("checkpoint", ["restore", "{f}", "{f}", "--out", "{out}"]),
+]
+
+
+@pytest.mark.parametrize("how", ["same path", "hard link", "symlink"])
+@pytest.mark.parametrize("name, argv", WRITERS)
+def test_no_command_writes_its_output_onto_its_input(name, argv, how, model_file, tmp_path, capsys):
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(model_file.read_bytes())
+    before = model.read_bytes()
+    out = {"same path": model, "hard link": tmp_path / "link.safetensors", "symlink": tmp_path / "sym.onnx"}[how]
+    if how == "hard link":
+        os.link(model, out)
+    elif how == "symlink":
+        out.symlink_to(model)
+    code, err, _ = command(name, [a.format(f=model, out=out) for a in argv], capsys)
+    assert code == 2
+    assert one_line_error(err).endswith(f"{out} is the input {model}; write the output to another file")
+    assert model.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({model.name, out.name})
+
+
+@pytest.mark.parametrize("name, argv", WRITERS)
+def test_every_command_refuses_an_output_in_a_missing_folder_and_makes_none(name, argv, model_file, tmp_path, capsys):
+    out = tmp_path / "typo" / "out.file"
+    code, err, _ = command(name, [a.format(f=model_file, out=out) for a in argv], capsys)
+    assert code == 2
+    assert one_line_error(err) == f"fastcifar: error: {tmp_path / 'typo'}: no such folder (make it first)"
+    assert not (tmp_path / "typo").exists()
