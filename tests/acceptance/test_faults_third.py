@@ -132,3 +132,53 @@ def test_every_command_refuses_an_output_in_a_missing_folder_and_makes_none(name
     assert code == 2
     assert one_line_error(err) == f"fastcifar: error: {tmp_path / 'typo'}: no such folder (make it first)"
     assert not (tmp_path / "typo").exists()
+
+
+# --- config files that crashed the reader ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"preset": ["fast"]}', "preset must be a preset's name (a string), not an array"),
+        ('{"preset": {"name": "fast"}}', "preset must be a preset's name (a string), not an object"),
+        ('{"preset": 3}', "preset must be a preset's name (a string), not a number"),
+        ("[" * 200_000 + "]" * 200_000, "not a JSON file of settings (nested too deeply)"),
+        ('{"epochs": ' + "{" * 200_000, "not a JSON file of settings"),
+    ],
+)
+def test_a_config_file_that_crashed_the_reader_is_one_line(content, message, tmp_path, capsys):
+    from fastcifar.core.options import parse_command_line
+
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as stop:
+        parse_command_line(["--config", str(path)])
+    assert stop.value.code == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert line.startswith(f"fastcifar: error: --config {path}: {message}"), line
+
+
+def test_a_huge_config_file_is_refused_by_its_size_before_it_is_read(tmp_path, capsys, monkeypatch):
+    from fastcifar.core import readfile
+    from fastcifar.core.options import parse_command_line
+
+    path = tmp_path / "config.json"
+    with open(path, "wb") as f:
+        f.truncate(1 << 30)  # 1 GiB, sparse: no disk used
+    reads = []
+    real_fdopen = os.fdopen
+
+    def counted(fd, *args, **kwargs):
+        f = real_fdopen(fd, *args, **kwargs)
+        real_read = f.read
+        f.read = lambda n=-1: reads.append(n) or real_read(n)
+        return f
+
+    monkeypatch.setattr(readfile.os, "fdopen", counted)
+    with pytest.raises(SystemExit):
+        parse_command_line(["--config", str(path)])
+    line = one_line_error(capsys.readouterr().err)
+    want = f"fastcifar: error: --config {path}: 1,073,741,824 bytes, more than the 1,048,576 it may have"
+    assert line.startswith(want), line
+    assert reads == [], "refused by its size, not read"
