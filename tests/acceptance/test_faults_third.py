@@ -182,3 +182,61 @@ def test_a_huge_config_file_is_refused_by_its_size_before_it_is_read(tmp_path, c
     want = f"fastcifar: error: --config {path}: 1,073,741,824 bytes, more than the 1,048,576 it may have"
     assert line.startswith(want), line
     assert reads == [], "refused by its size, not read"
+
+
+# --- launcher variables out of range ---------------------------------------------------------
+
+SRUN_TASK = {
+    "SLURM_JOB_ID": "12345",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NUM_NODES": "1",
+}
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"WORLD_SIZE": "100000000000000000000"}, "WORLD_SIZE must lie in 1..1,048,576, not '100000000000000000000'"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE must lie in 1..1,048,576, not '0'"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE must be a whole number, not 'two'"),
+        ({"WORLD_SIZE": "\u0662"}, "WORLD_SIZE must be a whole number, not '\u0662'"),  # an Arabic-Indic 2
+        ({"WORLD_SIZE": "1" * 400}, "WORLD_SIZE must be a whole number, not '" + "1" * 400 + "'"),
+        ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK must lie in 0..1,048,576, not '-1'"),
+        ({"WORLD_SIZE": "2", "LOCAL_RANK": "99999999999"}, "LOCAL_RANK must lie in 0..1,048,576, not '99999999999'"),
+        ({"WORLD_SIZE": "2", "LOCAL_RANK": "2"}, "RANK 0, LOCAL_RANK 2, WORLD_SIZE 2 (RANK and LOCAL_RANK must lie"),
+    ],
+)
+def test_torchruns_variables_are_range_checked_before_any_process_group(changes, message, monkeypatch):
+    from fastcifar.core.errors import ConfigError
+    from fastcifar.parallel import distributed
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in changes.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: pytest.fail("a group was formed"))
+    with pytest.raises(ConfigError) as refused:
+        distributed.setup("cpu")
+    assert str(refused.value).startswith("bad torchrun environment: " + message), refused.value
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"SLURM_STEP_NUM_TASKS": "100000000000000000000"}, "SLURM_STEP_NUM_TASKS must lie in 1..1,048,576"),
+        ({"SLURM_STEP_NUM_TASKS": "-3"}, "SLURM_STEP_NUM_TASKS must lie in 1..1,048,576, not '-3'"),
+        ({"SLURM_STEP_NUM_TASKS": "x"}, "SLURM_STEP_NUM_TASKS must be a whole number, not 'x'"),
+        ({"SLURM_PROCID": "7"}, "SLURM_PROCID '7' is not below SLURM_STEP_NUM_TASKS 2"),
+        ({"SLURM_LOCALID": "-1"}, "SLURM_LOCALID must lie in 0..1,048,576, not '-1'"),
+        ({"SLURM_STEP_NUM_NODES": "\u00b2"}, "SLURM_STEP_NUM_NODES must be a whole number, not '\u00b2'"),
+    ],
+)
+def test_srun_task_counts_are_range_checked_in_one_line(changes, message):
+    from fastcifar.core.errors import ConfigError
+    from fastcifar.parallel.distributed import slurm_environment
+
+    with pytest.raises(ConfigError) as refused:
+        slurm_environment({**SRUN_TASK, **changes})
+    assert str(refused.value).startswith("bad srun environment: " + message), refused.value
