@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cli import ROOT, env
-from conftest import one_line_error
+from cli import ROOT, TINY, env, run_dirs
+from conftest import one_line_error, write_official
 from models import tiny_model_file
 
 
@@ -240,3 +240,78 @@ def test_srun_task_counts_are_range_checked_in_one_line(changes, message):
     with pytest.raises(ConfigError) as refused:
         slurm_environment({**SRUN_TASK, **changes})
     assert str(refused.value).startswith("bad srun environment: " + message), refused.value
+
+
+# --- TensorBoard in the way ------------------------------------------------------------------
+
+
+def test_tensorboard_that_cannot_write_is_one_line_and_the_run_goes_on(tmp_path, capfd, monkeypatch):
+    """``tensorboard`` in the run folder is a file: one line says the logger is off and why, and
+    the run ends as any other, with its summary.json."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[tensorboard]')")
+    from fastcifar.run import report
+    from fastcifar.train import main as train_main
+
+    real = report.RunLog._make_dir
+
+    def with_a_file_in_the_way(self):
+        real(self)
+        (self.dir / "tensorboard").write_text("not a folder")
+
+    monkeypatch.setattr(report.RunLog, "_make_dir", with_a_file_in_the_way)
+    data, _ = write_official(tmp_path / "data")
+    out = tmp_path / "runs"
+    code = train_main([*TINY, "--epochs", "1", "--data", str(data), "--out-dir", str(out), "--tensorboard"])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert "Traceback" not in err
+    (run_dir,) = run_dirs(out)
+    notes = [line for line in err.splitlines() if "tensorboard" in line.lower()]
+    assert notes == [
+        f"fastcifar: note: --tensorboard is off for this run: cannot write {run_dir / 'tensorboard' / 'run1'}: "
+        "Not a directory"
+    ]
+    assert (run_dir / "summary.json").is_file()
+    assert (run_dir / "tensorboard").read_text() == "not a folder"
+
+
+def test_tensorboard_in_a_folder_without_write_permission_is_one_line(tmp_path):
+    """The same for a ``tensorboard/`` folder the user may not write (root ignores modes: the test
+    drops that capability with setpriv, or is skipped)."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[tensorboard]')")
+    prefix = []
+    if os.geteuid() == 0:
+        caps = "-dac_override,-dac_read_search"
+        prefix = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--"]
+        try:
+            subprocess.run([*prefix, sys.executable, "-c", "pass"], check=True, timeout=60, capture_output=True)
+        except (OSError, subprocess.SubprocessError):
+            pytest.skip("root, and setpriv cannot drop the capability that overrides file modes")
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard").chmod(0o555)
+    script = (
+        "import sys, types\nfrom pathlib import Path\n"
+        "from fastcifar.core.config import from_preset\nfrom fastcifar.run.tensorboard import TensorBoard\n"
+        "tb = TensorBoard(from_preset('fast'), Path(sys.argv[1]), 1, 512, [10], {})\n"
+        "tb.start(types.SimpleNamespace(seed=0))\n"
+        "tb.epoch_done(0, types.SimpleNamespace(epoch=1, train_loss=1.0, test_loss=1.0, train_acc=0.5, "
+        "test_acc=0.5, lr=0.1, train_time=1.0, test_time=1.0))\n"
+        "tb.finish(None)\nprint('went on')\n"
+    )
+    try:
+        proc = subprocess.run(
+            [*prefix, sys.executable, "-c", script, str(tmp_path)],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        (tmp_path / "tensorboard").chmod(0o755)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "went on\n"
+    assert one_line_error(proc.stderr) == (
+        f"fastcifar: note: --tensorboard is off for this run: cannot write {tmp_path / 'tensorboard' / 'run1'}: "
+        "Permission denied"
+    )
