@@ -21,6 +21,7 @@ class Dataset:
     test_labels: np.ndarray
     classes: tuple[str, ...]
     source: str  # what was read, for logs and summaries
+    note: str = ""  # what the reader left out, for the log (an image folder's skipped files); "" when nothing
 
     def validate(self) -> Dataset:
         """Check shapes, dtypes, label range and class names (``core.names``); raise DataError

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from cli import ROOT, TINY, env, run_dirs
-from conftest import one_line_error, write_official
+from conftest import one_line_error, write_image_folder, write_official
 from models import tiny_model_file
 
 
@@ -315,3 +315,45 @@ def test_tensorboard_in_a_folder_without_write_permission_is_one_line(tmp_path):
         f"fastcifar: note: --tensorboard is off for this run: cannot write {tmp_path / 'tensorboard' / 'run1'}: "
         "Permission denied"
     )
+
+
+# --- image folders that said nothing ---------------------------------------------------------
+
+
+def test_an_image_folder_with_one_class_is_refused_in_one_line(tmp_path, capfd):
+    from fastcifar.train import main as train_main
+
+    folder, _ = write_image_folder(tmp_path / "data", n_train=20, n_test=10)
+    for split in ("train", "test"):
+        for cls in sorted((folder / split).iterdir())[1:]:
+            for f in cls.iterdir():
+                f.unlink()
+            cls.rmdir()
+    (only,) = [p.name for p in (folder / "train").iterdir()]
+    out = tmp_path / "runs"
+    assert train_main([*TINY, "--data", str(folder), "--out-dir", str(out)]) == 2
+    assert one_line_error(capfd.readouterr().err) == (
+        f"fastcifar: error: {folder}: one class folder under train/ ({only}); a classifier needs two or more"
+    )
+    assert not run_dirs(out)
+
+
+def test_images_an_image_folder_skips_are_counted_and_named_also_from_the_cache(tmp_path):
+    from fastcifar.data import load_dataset
+
+    folder, arrays = write_image_folder(tmp_path / "data", n_train=20, n_test=10)
+    cls = sorted((folder / "train").iterdir())[0]
+    (cls / "more" / "deeper").mkdir(parents=True)
+    for rel in ("more/a.png", "more/b.png", "more/deeper/c.png", "more/notes.txt"):
+        (cls / rel).write_bytes((cls / sorted(os.listdir(cls))[0]).read_bytes() if rel.endswith(".png") else b"x")
+    (folder / "test" / "stray.png").write_bytes(b"not read")
+    (folder / "train" / "README.txt").write_text("not an image: not data, not counted")
+    want = (
+        f"note: {folder}: skipped 4 image files not directly in train/<class>/ or test/<class>/: "
+        f"test/stray.png, train/{cls.name}/more/a.png, train/{cls.name}/more/b.png, ... (first 3)"
+    )
+    for _ in ("decoded", "from the cache"):
+        lines = []
+        ds = load_dataset(folder, cache_dir=tmp_path / "cache", log=lines.append)
+        assert [line for line in lines if "skipped" in line] == [want]
+        assert len(ds.train_labels) == len(arrays["train"][1]), "the skipped images are not read"
