@@ -32,7 +32,7 @@ from fastcifar.data.dataset import IMAGE_SHAPE, Dataset
 SPLITS = ("train", "test")
 # what PIL reads without plug-ins; a GIF or a multi-page TIFF gives its first frame
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff", ".gif"}
-CACHE_VERSION = 1  # bump when the decoded form changes, so stale caches are not read
+CACHE_VERSION = 2  # bump when the decoded form changes, so stale caches are not read (2: the skipped-files note)
 
 
 def find_split_root(path: Path) -> Path | None:
