@@ -47,9 +47,14 @@ def evaluate_state(state: dict[str, torch.Tensor], meta: dict[str, str], data: s
 def inspect_lines(path: str | Path) -> list[str]:
     tensors, meta = read_safetensors(path, "model file or sparse diff")
     size = Path(path).stat().st_size
+    n = sum(t.numel() for t in tensors.values())
     if meta.get("format") == MODEL_FORMAT:
-        n = sum(t.numel() for t in tensors.values())
         return [f"{printable(str(path))}: model file, {len(tensors)} tensors, {n:,} values, {size:,} bytes"]
+    if "format" not in meta:  # safetensors.torch.save_file's: neither a model file nor a diff
+        return [
+            f"{printable(str(path))}: plain safetensors file (no fastcifar metadata), {len(tensors)} tensors, "
+            f"{n:,} values, {size:,} bytes"
+        ]
     lines = [  # the metadata's text escaped: a control character in it cannot reach the terminal
         printable(
             f"{path}: sparse diff, epoch {meta.get('epoch')}, parent {meta.get('parent')}, "

@@ -5,8 +5,10 @@ and says why; never a traceback, and never a file overwritten that was read."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -357,3 +359,104 @@ def test_images_an_image_folder_skips_are_counted_and_named_also_from_the_cache(
         ds = load_dataset(folder, cache_dir=tmp_path / "cache", log=lines.append)
         assert [line for line in lines if "skipped" in line] == [want]
         assert len(ds.train_labels) == len(arrays["train"][1]), "the skipped images are not read"
+
+
+# --- model files from elsewhere --------------------------------------------------------------
+
+
+def _state_and_meta(path: Path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    return load_file(str(path)), meta
+
+
+@pytest.mark.parametrize("name", ["predict", "evaluate", "export"])
+def test_a_plain_safetensors_file_says_what_it_lacks_and_how_to_proceed(name, model_file, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    tensors, _ = _state_and_meta(model_file)
+    plain = tmp_path / "plain.safetensors"
+    save_file(tensors, str(plain))
+    argv = {"predict": [plain, tmp_path], "evaluate": [plain, "--data", tmp_path], "export": [plain, "--onnx", "x"]}
+    code, err, _ = command(name, argv[name], capsys)
+    assert code == 2
+    assert one_line_error(err) == (
+        f"fastcifar: error: {plain}: a plain safetensors file, not a fastcifar model file: its metadata lacks "
+        "the keys a model file needs (format 'fastcifar.model/1', config, classes, mean, std); write the state "
+        "dict with fastcifar.models.files.save_weights (docs/models.md), which records them and the digest "
+        "(checkpoint seal adds only the digest)"
+    )
+    code, _, out = command("checkpoint", ["inspect", plain], capsys)
+    assert code == 0 and "plain safetensors file (no fastcifar metadata)" in out, out
+
+
+def test_the_way_the_plain_file_line_names_makes_a_model_file(model_file, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from fastcifar.models.files import config_from_dict, save_weights
+
+    tensors, meta = _state_and_meta(model_file)
+    save_file(tensors, str(tmp_path / "plain.safetensors"))
+    cfg = config_from_dict(json.loads(meta["config"]))
+    save_weights(
+        tmp_path / "model.safetensors", tensors, cfg, json.loads(meta["classes"]), None, [125.0] * 3, [60.0] * 3
+    )
+    assert command("checkpoint", ["inspect", tmp_path / "model.safetensors"], capsys)[0] == 0
+
+
+def _rewritten(path: Path, out: Path, change) -> Path:
+    """``path`` with its JSON header parsed, passed through ``change`` and written back compactly,
+    padded with spaces to its old length (safetensors' own padding): the tensor bytes untouched."""
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = change(json.loads(blob[8 : 8 + n]))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    out.write_bytes(blob[:8] + text.ljust(n) + blob[8 + n :])
+    return out
+
+
+def _reversed(header: dict) -> dict:
+    meta = header["__metadata__"]
+    return {**dict(reversed(header.items())), "__metadata__": dict(reversed(meta.items()))}
+
+
+def test_a_model_file_whose_header_is_rewritten_in_another_order_is_refused(model_file, tmp_path, capsys):
+    """The same header content in another order: every byte of the file is covered, so it is refused
+    as any changed byte is; the original, and a rewrite that changes no byte, load."""
+    from fastcifar.models.files import CheckpointError, load_model
+
+    same = _rewritten(model_file, tmp_path / "same.safetensors", lambda h: h)
+    assert same.read_bytes() == model_file.read_bytes(), "the rewrite itself changes nothing"
+    load_model(same)
+    moved = _rewritten(model_file, tmp_path / "moved.safetensors", _reversed)
+    assert moved.read_bytes() != model_file.read_bytes()
+    with pytest.raises(CheckpointError, match="its contents do not match the digest written with them"):
+        load_model(moved)
+    code, err, _ = command("predict", [moved, tmp_path], capsys)
+    assert code == 2 and "do not match the digest" in one_line_error(err)
+
+
+def test_a_model_file_sealed_with_the_content_digest_of_before_still_loads(model_file, tmp_path):
+    from safetensors.torch import save
+
+    from fastcifar.models.files import DIGEST_KEY, digest, load_model
+
+    tensors, meta = _state_and_meta(model_file)
+    meta = {k: v for k, v in meta.items() if k != DIGEST_KEY}
+    older = tmp_path / "older.safetensors"
+    older.write_bytes(save(tensors, metadata={**meta, DIGEST_KEY: digest(save(tensors, metadata=meta))}))
+    net, info = load_model(older)
+    assert info.classes and net is not None
+
+
+def test_a_model_file_header_nested_thousands_deep_is_one_line(tmp_path, capsys):
+    header = b"[" * 100_000 + b"]" * 100_000
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    code, err, _ = command("predict", [path, tmp_path], capsys)
+    assert code == 2
+    assert one_line_error(err).startswith(f"fastcifar: error: {path}: not a readable model file")
