@@ -262,7 +262,8 @@ def _read(path, what: str, fmt: str | None, digest_required: bool) -> tuple[dict
         ) from None
     recorded = meta.get(DIGEST_KEY)
     # the digest of the bytes as written; a file written before it, the digest of its content
-    if recorded is not None and recorded not in (file_digest(blob, recorded), digest(blob, header)):
+    matches = recorded is None or file_digest(blob, recorded) == recorded or digest(blob, header) == recorded
+    if not matches:
         raise CheckpointError(
             f"{path}: its contents do not match the digest written with them (sha256): the file "
             f"changed after it was written (a damaged disk or copy, or an edit); refusing to use it"
