@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from fastcifar.cli import run_command
+from fastcifar.core.atomic import output_problem
 from fastcifar.core.names import printable
 from fastcifar.core.options import OneLineParser
 from fastcifar.evaluate import evaluate
@@ -46,9 +47,14 @@ def evaluate_state(state: dict[str, torch.Tensor], meta: dict[str, str], data: s
 def inspect_lines(path: str | Path) -> list[str]:
     tensors, meta = read_safetensors(path, "model file or sparse diff")
     size = Path(path).stat().st_size
+    n = sum(t.numel() for t in tensors.values())
     if meta.get("format") == MODEL_FORMAT:
-        n = sum(t.numel() for t in tensors.values())
         return [f"{printable(str(path))}: model file, {len(tensors)} tensors, {n:,} values, {size:,} bytes"]
+    if "format" not in meta:  # safetensors.torch.save_file's: neither a model file nor a diff
+        return [
+            f"{printable(str(path))}: plain safetensors file (no fastcifar metadata), {len(tensors)} tensors, "
+            f"{n:,} values, {size:,} bytes"
+        ]
     lines = [  # the metadata's text escaped: a control character in it cannot reach the terminal
         printable(
             f"{path}: sparse diff, epoch {meta.get('epoch')}, parent {meta.get('parent')}, "
@@ -108,10 +114,10 @@ def _run(args) -> int:
             print("\n".join(inspect_lines(f)))
         return 0
     if args.command == "seal":
+        _check_out(args.out, [args.file])
         return _seal(args.file, args.out)
-    # before the chain is read, which can take long; save_weights refuses it too, without a race
-    if args.out and Path(args.out).exists():
-        raise CheckpointError(f"{args.out} exists; not overwriting it")
+    if args.out:  # before the chain is read, which can take long
+        _check_out(args.out, [args.base, *args.diffs])
     state, meta = diffs.restore(args.base, args.diffs)  # meta: the restored model's (the last diff's test_acc)
     if args.out:
         info = model_info(meta, args.base)
@@ -120,6 +126,16 @@ def _run(args) -> int:
     if args.data:
         print(f"test_acc {evaluate_state(state, meta, args.data):.4f}")
     return 0
+
+
+def _check_out(out: str, inputs: list[str]) -> None:
+    """``--out`` onto one of the inputs, into a missing folder, or onto an existing file: one line
+    (save_weights refuses an existing file too, without a race)."""
+    problem = output_problem(out, inputs, "--out")
+    if problem is not None:
+        raise CheckpointError(problem)
+    if Path(out).exists():
+        raise CheckpointError(f"{out} exists; not overwriting it")
 
 
 def _seal(path: str, out: str) -> int:

@@ -33,7 +33,7 @@ import torch
 
 from fastcifar.cli import run_command
 from fastcifar.core import optional
-from fastcifar.core.atomic import write_atomic
+from fastcifar.core.atomic import output_problem, write_atomic
 from fastcifar.core.config import ConfigError
 from fastcifar.core.errors import first_line
 from fastcifar.core.options import OneLineParser
@@ -119,6 +119,9 @@ def export(model_path, out, *, opset: int = DEFAULT_OPSET, force: bool = False, 
         raise ConfigError(f"--opset must {allowed}, not {opset}")
     if out.is_dir():
         raise ConfigError(f"{out} is a folder; --onnx takes a file name, e.g. {out / 'model.onnx'}")
+    problem = output_problem(out, [model_path], "--onnx")  # the model itself: refused, --force or not
+    if problem is not None:
+        raise ConfigError(problem)
     if out.exists() and not force:
         raise ConfigError(f"{out} exists; pass --force to overwrite it")
     if out.exists() and not out.is_file():  # --force renames over it: never over /dev/null or a FIFO
@@ -138,8 +141,9 @@ def export(model_path, out, *, opset: int = DEFAULT_OPSET, force: bool = False, 
             f"the exported graph disagrees with the model (relative logit difference {diff:.3g} "
             f"> {CHECK_TOLERANCE:g} under onnxruntime); nothing written"
         )
-    if not out.parent.is_dir():  # a typo in the path would quietly make folders
-        raise ConfigError(f"{out.parent}: no such folder (make it first)")
+    problem = output_problem(out, [model_path], "--onnx")  # again: the export took seconds
+    if problem is not None:
+        raise ConfigError(problem)
     try:
         write_atomic(out, blob, replace=force)  # without --force, a file made meanwhile (another export) is kept
     except FileExistsError:

@@ -35,6 +35,25 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 
 
+def output_problem(out: str | Path, inputs, option: str) -> str | None:
+    """Why a command's output file ``out`` (named by ``option``) cannot be written, in one line, or
+    None: it is one of the command's ``inputs`` (the same path, a hard link or a symlink to one:
+    the same device and inode), which an output must never replace, --force or not; or its folder
+    does not exist. A command never makes that folder: a typo in the path would quietly make
+    folders, so every command that writes a file asks for one that exists."""
+    out = Path(out)
+    for source in inputs:
+        try:
+            same = os.path.samefile(out, source)
+        except (OSError, ValueError):  # either is missing or unreadable: not the same file
+            same = False
+        if same:
+            return f"{option} {out} is the input {source}; write the output to another file"
+    if not out.parent.is_dir():
+        return f"{out.parent}: no such folder (make it first)"
+    return None
+
+
 def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{_host()}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
 

@@ -857,6 +857,9 @@ def _typed(where: str, name: str, annotation: str, value):
     return tuple(value) if isinstance(value, list) else value
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a run folder's config.json is about 3 KB; a larger file is not one
+
+
 def read_config_file(path: str) -> Config:
     """The settings of a run folder's config.json (``--config FILE``), or ConfigError in one line: a
     file that cannot be read, is not JSON, or holds an unknown setting or a value of the wrong type.
@@ -866,11 +869,13 @@ def read_config_file(path: str) -> Config:
 
     where = f"--config {path}"
     try:
-        doc = json.loads(read_regular(path))
+        doc = json.loads(read_regular(path, max_bytes=MAX_CONFIG_BYTES))
     except OSError as exc:
         raise ConfigError(f"{where}: {why(exc)}") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise ConfigError(f"{where}: not a JSON file of settings ({exc})") from None
+    except RecursionError:  # arrays or objects nested thousands deep: json's parser recurses
+        raise ConfigError(f"{where}: not a JSON file of settings (nested too deeply)") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: not a JSON object of settings (a run folder's {CONFIG_FILE})")
     known = {f.name: f for f in fields(Config)}
@@ -880,6 +885,10 @@ def read_config_file(path: str) -> Config:
             f"{where}: unknown setting {unknown[0]!r} (the settings are the options' names, as in --help)"
         )
     preset = doc.get("preset", DEFAULT_PRESET)
+    if not isinstance(preset, str):  # a list or an object cannot be looked up (unhashable)
+        names = {list: "an array", dict: "an object", bool: "true or false", type(None): "null"}
+        what = names.get(type(preset), "a number")
+        raise ConfigError(f"{where}: preset must be a preset's name (a string), not {what}")
     if preset not in PRESETS:
         raise ConfigError(f"{where}: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     values = {k: _typed(where, k, str(known[k].type), v) for k, v in doc.items() if k != "resume"}

@@ -13,6 +13,7 @@ import importlib.util
 from types import ModuleType
 
 from fastcifar.core.errors import ConfigError, first_line
+from fastcifar.core.signals import held
 
 
 def reason(exc: BaseException) -> str:
@@ -25,7 +26,8 @@ def load(module: str, fix: str, needed_for: str) -> ModuleType:
     """``module`` imported, or ConfigError: "<needed_for> needs the <module> package, which cannot be
     imported (<why>): <fix>"."""
     try:
-        return importlib.import_module(module)
+        with held():  # a Ctrl-C meanwhile is taken when the import is over (``signals.held``)
+            return importlib.import_module(module)
     except Exception as exc:  # ImportError, or the RuntimeError / OSError of a broken install
         why = "not installed" if isinstance(exc, ModuleNotFoundError) and exc.name == module else reason(exc)
         raise ConfigError(f"{needed_for} needs the {module} package, which cannot be imported ({why}): {fix}") from None

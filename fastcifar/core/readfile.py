@@ -61,11 +61,24 @@ def check_regular(path: str | Path) -> None:
     os.close(_open_regular(path))
 
 
-def read_regular(path: str | Path) -> bytes:
+class TooLarge(OSError):
+    """The regular file is larger than its reader takes."""
+
+
+def read_regular(path: str | Path, max_bytes: int | None = None) -> bytes:
     """The bytes of the regular file ``path``; OSError (``NotRegularFile`` for a FIFO, a device, a
-    folder) otherwise."""
+    folder; ``TooLarge`` for more than ``max_bytes``, told by its size before it is read, and by
+    reading no more than one byte past the bound: a file that grows meanwhile) otherwise."""
     with os.fdopen(_open_regular(path), "rb") as f:
-        return f.read()
+        if max_bytes is None:
+            return f.read()
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise TooLarge(errno.EFBIG, f"{size:,} bytes, more than the {max_bytes:,} it may have", str(path))
+        blob = f.read(max_bytes + 1)
+        if len(blob) > max_bytes:  # it grew since
+            raise TooLarge(errno.EFBIG, f"more than the {max_bytes:,} bytes it may have", str(path))
+        return blob
 
 
 def hash_file(path: str | Path, h) -> str:

@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from fastcifar.core.environment import launcher_rank
 
@@ -64,6 +65,8 @@ STOP_TIMEOUT_S = 15.0
 RECORD_TIMEOUT_S = 10.0
 
 _stopping = False
+_importing = 0  # depth of ``held`` blocks in the main thread
+_held_signum: int | None = None  # the signal that came during one, taken when the outermost ends
 _handled = threading.Event()  # the main thread's handler ran: it is stopping the run itself
 _ending = threading.Lock()
 _watcher: _Watcher | None = None
@@ -73,6 +76,8 @@ def _early(signum, frame):
     """Before a command's ``main`` installs ``_handler``: the process is still importing (torch
     takes seconds), has written nothing, and the import cannot be unwound without runpy's
     traceback, so the one line and the exit status come at once."""
+    if _hold(signum):
+        return
     if launcher_rank() == "0":
         try:
             os.write(2, f"fastcifar: interrupted by {signal.Signals(signum).name}\n".encode())
@@ -92,9 +97,48 @@ def install_early() -> None:
             signal.signal(sig, _early)
 
 
+def _hold(signum: int) -> bool:
+    """Inside ``held``: note the signal for its end and return True (the handler then does nothing
+    more). The main thread has taken the signal, so the watcher waits for its stop, not the
+    blocked-thread timeout."""
+    global _held_signum
+    if not _importing:
+        return False
+    if _held_signum is None:
+        _held_signum = signum
+    _handled.set()
+    return True
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """Around an import that loads an extension module (onnx, onnxruntime, tensorboard, DALI): a
+    SIGINT or SIGTERM that comes meanwhile is taken when the import is over, not inside it. The
+    handler would otherwise raise in the middle of the extension's initialization: onnx's nanobind
+    module then aborted or crashed (exit 134, 139), and onnxruntime's pybind11 module turned the
+    interruption into an ImportError, reported as a package that cannot be imported (exit 2).
+    A Python handler cannot leave the stop for later itself without this flag: blocking the signals
+    (``pthread_sigmask``) holds them in the main thread only, and the process-directed signal then
+    lands on another thread, whose C handler still has the main thread run the Python one."""
+    global _importing, _held_signum
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _importing += 1
+    try:
+        yield
+    finally:
+        _importing -= 1
+        if not _importing and _held_signum is not None:
+            signum, _held_signum = _held_signum, None
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                handler(signum, None)  # ``_handler`` raises Interrupted here; ``_early`` ends the process
+
+
 def _handler(signum, frame):
     global _stopping
-    if _stopping:
+    if _stopping or _hold(signum):
         return
     _stopping = True
     _handled.set()

@@ -65,12 +65,19 @@ def _cached(
         if write:
             log(note)
         log(f"decoding {source}")
-        return read(source, decode)
+        ds = read(source, decode)
+        if ds.note:
+            log(ds.note)
+        return ds
     ds = load_cache(target, str(source))
     if ds is not None:
+        if ds.note:  # said again on every start: the cache holds it
+            log(ds.note)
         return ds
     log(f"decoding {source} once (cache: {target})")
     ds = read(source, decode)
+    if ds.note:
+        log(ds.note)
     if not write:
         return ds
     try:

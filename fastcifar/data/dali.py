@@ -38,6 +38,7 @@ import torch
 
 from fastcifar.core import optional
 from fastcifar.core.config import ConfigError
+from fastcifar.core.signals import held
 from fastcifar.core.streams import Streams, as_streams
 from fastcifar.data.loader import EpochAhead, TrainLoader, data_set_index, epoch_plan, to_device
 from fastcifar.ops.augment import (
@@ -65,9 +66,10 @@ class JpegDecodeError(ValueError):
 def dali_available() -> tuple[bool, str]:
     """(True, DALI's version) if DALI and its torch plugin import, else (False, why, in one line)."""
     try:
-        import nvidia.dali as dali
-        import nvidia.dali.fn  # noqa: F401
-        import nvidia.dali.plugin.pytorch  # noqa: F401
+        with held():  # a Ctrl-C meanwhile is taken after the import, not inside libdali's init
+            import nvidia.dali as dali
+            import nvidia.dali.fn  # noqa: F401
+            import nvidia.dali.plugin.pytorch  # noqa: F401
     except Exception as exc:  # ImportError, or OSError/RuntimeError from a broken libdali
         return False, optional.reason(exc)
     return True, f"DALI {dali.__version__}"

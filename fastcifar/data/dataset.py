@@ -25,6 +25,7 @@ class Dataset:
     # which images of the training set as read these training images are (its data-set indices):
     # bool [n as read]; None = all of them, in order
     kept: np.ndarray | None = None
+    note: str = ""  # what the reader left out, for the log (an image folder's skipped files); "" when nothing
 
     @property
     def n_read(self) -> int:

@@ -25,14 +25,14 @@ from PIL import Image, UnidentifiedImageError
 
 from fastcifar.core import environment
 from fastcifar.core.errors import DataError
-from fastcifar.core.names import check_class_names
+from fastcifar.core.names import check_class_names, printable
 from fastcifar.core.readfile import read_regular, why
 from fastcifar.data.dataset import IMAGE_SHAPE, Dataset
 
 SPLITS = ("train", "test")
 # what PIL reads without plug-ins; a GIF or a multi-page TIFF gives its first frame
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff", ".gif"}
-CACHE_VERSION = 1  # bump when the decoded form changes, so stale caches are not read
+CACHE_VERSION = 2  # bump when the decoded form changes, so stale caches are not read (2: the skipped-files note)
 
 
 def find_split_root(path: Path) -> Path | None:
@@ -45,17 +45,42 @@ def find_split_root(path: Path) -> Path | None:
     return None
 
 
+SKIPPED_NAMED = 3  # skipped files named in the note; the rest are counted
+
+
+def skipped_note(skipped: list[PurePosixPath], source: str) -> str:
+    """One line counting and naming (the first SKIPPED_NAMED) the image files under train/ or test/
+    that are not directly in a class folder, so not read; "" when there are none."""
+    if not skipped:
+        return ""
+    names = ", ".join(printable(str(p)) for p in sorted(skipped)[:SKIPPED_NAMED])
+    more = f", ... (first {SKIPPED_NAMED})" if len(skipped) > SKIPPED_NAMED else ""
+    return (
+        f"note: {printable(source)}: skipped {len(skipped)} image file{'s' if len(skipped) > 1 else ''} "
+        f"not directly in train/<class>/ or test/<class>/: {names}{more}"
+    )
+
+
 def _split_files(entries: list[tuple[PurePosixPath, object]], source: str):
-    """Group (relative path, handle) pairs into {split: {class: [handle, ...]}} and check classes."""
+    """Group (relative path, handle) pairs into {split: {class: [handle, ...]}} and check classes;
+    also the note on the image files left out (``skipped_note``)."""
     tree: dict[str, dict[str, list]] = {s: {} for s in SPLITS}
+    skipped = []
     for rel, handle in entries:
-        if len(rel.parts) != 3 or rel.parts[0] not in SPLITS or rel.suffix.lower() not in IMAGE_SUFFIXES:
+        if rel.suffix.lower() not in IMAGE_SUFFIXES or not rel.parts or rel.parts[0] not in SPLITS:
+            continue  # not an image (a README, .DS_Store) or not under train/ or test/: not data
+        if len(rel.parts) != 3:  # in a class's subfolder, or in train/ itself: an image that was meant to count
+            skipped.append(rel)
             continue
         split, cls, _ = rel.parts
         tree[split].setdefault(cls, []).append((rel, handle))
     train_classes, test_classes = sorted(tree["train"]), sorted(tree["test"])
     if not train_classes:
         raise DataError(f"{source}: no images under train/<class>/")
+    if len(train_classes) == 1:  # every label the same: 100% accuracy that says nothing
+        raise DataError(
+            f"{source}: one class folder under train/ ({printable(train_classes[0])}); a classifier needs two or more"
+        )
     if train_classes != test_classes:
         only_train = sorted(set(train_classes) - set(test_classes))
         only_test = sorted(set(test_classes) - set(train_classes))
@@ -65,7 +90,7 @@ def _split_files(entries: list[tuple[PurePosixPath, object]], source: str):
         )
     # before any image is decoded: the folder names become the model file's class names
     check_class_names(train_classes, f"{source}: class folders under train/", DataError)
-    return tree, tuple(train_classes)
+    return tree, tuple(train_classes), skipped_note(skipped, source)
 
 
 MAX_HEADER_PIXELS = 1 << 26  # 8192x8192: predict resizes up to this; larger is refused before decoding
@@ -125,7 +150,7 @@ def decode_with_pil(raws: list[bytes], wheres: list[str]) -> np.ndarray:
 BatchDecoder = Callable[[list, list], np.ndarray | None]
 
 
-def _decode_tree(tree, classes, read, source: str, decode: BatchDecoder | None = None) -> Dataset:
+def _decode_tree(tree, classes, read, source: str, decode: BatchDecoder | None = None, note: str = "") -> Dataset:
     arrays = {}
     for split in SPLITS:
         items = [
@@ -139,7 +164,7 @@ def _decode_tree(tree, classes, read, source: str, decode: BatchDecoder | None =
         if images is None:
             images = decode_with_pil(raws, wheres)
         arrays[split] = (images, np.array([lab for _, _, lab in items], dtype=np.int64))
-    return Dataset(*arrays["train"], *arrays["test"], classes, source).validate()
+    return Dataset(*arrays["train"], *arrays["test"], classes, source, note=note).validate()
 
 
 def _scan(folder: Path) -> list[os.DirEntry]:
@@ -159,23 +184,29 @@ def _is_dir(entry: os.DirEntry) -> bool:
 
 def _folder_entries(root: Path) -> list[tuple[PurePosixPath, Path]]:
     """Every ``<split>/<class>/<file>`` under ``root`` that is not a folder (a FIFO or a symlink
-    loop among the images is kept, and refused by name when read)."""
+    loop among the images is kept, and refused by name when read), and every file deeper, in a
+    class's subfolders or directly in ``<split>/`` (not read: ``_split_files`` counts them)."""
     entries = []
     for split in _scan(root):
         if split.name not in SPLITS or not _is_dir(split):
             continue
         for cls in _scan(Path(split.path)):
-            if _is_dir(cls):
-                entries += [
-                    (PurePosixPath(split.name, cls.name, f.name), Path(f.path))
-                    for f in _scan(Path(cls.path))
-                    if not _is_dir(f)
-                ]
+            if not _is_dir(cls):
+                entries.append((PurePosixPath(split.name, cls.name), Path(cls.path)))
+                continue
+            for f in _scan(Path(cls.path)):
+                rel = PurePosixPath(split.name, cls.name, f.name)
+                if not _is_dir(f):
+                    entries.append((rel, Path(f.path)))
+                    continue
+                for folder, _, files in os.walk(f.path):  # symlinked folders are not followed: no loops
+                    inner = PurePosixPath(rel, Path(folder).relative_to(f.path).as_posix())
+                    entries += [(PurePosixPath(inner, name), Path(folder, name)) for name in files]
     return entries
 
 
 def read_folder(root: Path, decode: BatchDecoder | None = None) -> Dataset:
-    tree, classes = _split_files(_folder_entries(root), str(root))
+    tree, classes, note = _split_files(_folder_entries(root), str(root))
 
     def read(p: Path, where: str) -> bytes:
         try:
@@ -183,7 +214,7 @@ def read_folder(root: Path, decode: BatchDecoder | None = None) -> Dataset:
         except OSError as exc:
             raise DataError(f"{where}: cannot read image: {why(exc)}") from None
 
-    return _decode_tree(tree, classes, read, str(root), decode)
+    return _decode_tree(tree, classes, read, str(root), decode, note)
 
 
 def tar_split_prefix(names: list[str]) -> str | None:
@@ -212,7 +243,7 @@ def read_folder_archive(
         for n, m in zip(names, members, strict=True)
         if m.isfile() and len(PurePosixPath(n).parts) > strip
     ]
-    tree, classes = _split_files(entries, str(path))
+    tree, classes, note = _split_files(entries, str(path))
 
     def read(member: tarfile.TarInfo, where: str) -> bytes:
         try:
@@ -220,7 +251,7 @@ def read_folder_archive(
         except Exception as exc:
             raise DataError(f"{where}: truncated or corrupt archive ({exc})") from None
 
-    return _decode_tree(tree, classes, read, str(path), decode)
+    return _decode_tree(tree, classes, read, str(path), decode, note)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +321,7 @@ def load_cache(path: Path, source: str) -> Dataset | None:
                 z["test_labels"],
                 tuple(str(c) for c in z["classes"]),
                 source,
+                note=str(z["note"]) if "note" in z.files else "",
             ).validate()
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, DataError):
         return None  # an unreadable cache is rebuilt, never trusted
@@ -307,6 +339,7 @@ def save_cache(path: Path, ds: Dataset) -> None:
                 test_images=ds.test_images,
                 test_labels=ds.test_labels,
                 classes=np.array(ds.classes),
+                note=np.array(ds.note),
             )
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache is as readable as the data
         os.replace(tmp, path)

@@ -128,13 +128,46 @@ def save_weights(
     return write_safetensors(path, tensors, metadata, replace)
 
 
+# The digest's place in a file being written: 64 zeros, replaced by the digest of the bytes with
+# them in it. Same length, so no offset or padding changes.
+DIGEST_PLACEHOLDER = "0" * 64
+
+
+def _digest_at(blob, value: str) -> int | None:
+    """Where in ``blob``'s header the 64 hex digits of ``"sha256":"<value>"`` start; None unless it
+    occurs there exactly once (a metadata value holding that text has its quotes escaped)."""
+    if len(blob) < 8 or len(value) != 64 or not value.isascii():
+        return None
+    (n,) = struct.unpack("<Q", bytes(blob[:8]))
+    needle = f'"{DIGEST_KEY}":"{value}"'.encode()
+    header = bytes(blob[8 : 8 + n])
+    at = header.find(needle)
+    if at < 0 or header.find(needle, at + 1) >= 0:
+        return None
+    return 8 + at + len(needle) - 65
+
+
+def file_digest(blob, recorded: str) -> str | None:
+    """The digest of a file's bytes as written, its digest's 64 digits (``recorded``) read as
+    zeros: any byte changed anywhere, the header's order and spacing included, changes it. None
+    when the file holds no ``"sha256":"<recorded>"`` in its header."""
+    at = _digest_at(blob, recorded)
+    if at is None:
+        return None
+    view = memoryview(blob)
+    h = hashlib.sha256(view[:at])
+    h.update(DIGEST_PLACEHOLDER.encode())
+    h.update(view[at + 64 :])
+    return h.hexdigest()
+
+
 def digest(blob: bytes, header: dict | None = None) -> str | None:
-    """The digest of a safetensors file's bytes: SHA-256 over its header as canonical JSON (sorted
-    keys, no spaces; the ``sha256`` metadata key left out, since it holds the result) and then its
-    tensor bytes, in file order. None when ``blob`` has no readable header (safetensors then says
-    what is wrong). Canonical JSON, not the header's own bytes: safetensors pads the header, and
-    adding the key changes its length but neither the tensors' offsets nor their bytes.
-    ``header``: the blob's header as a reader parsed it already (``_read_sized``), not parsed again."""
+    """The digest that model files written before ``file_digest`` carry (still accepted): SHA-256
+    over the header as canonical JSON (sorted keys, no spaces; the ``sha256`` metadata key left
+    out) and then the tensor bytes, in file order. It covers the header's content, not its bytes:
+    the same header written in another order keeps it, which ``file_digest`` does not. None when
+    ``blob`` has no readable header. ``header``: the blob's header as a reader parsed it already
+    (``_read_sized``), not parsed again."""
     header = _header(blob) if header is None else header
     if header is None:
         return None
@@ -167,8 +200,11 @@ def write_safetensors(path, tensors: dict, metadata: dict[str, str], replace: bo
     from safetensors.torch import save
 
     metadata = {k: v for k, v in metadata.items() if k != DIGEST_KEY}
-    sealed = {**metadata, DIGEST_KEY: digest(save(tensors, metadata=metadata))}
-    return write_atomic(path, save(tensors, metadata=sealed), replace)
+    blob = bytearray(save(tensors, metadata={**metadata, DIGEST_KEY: DIGEST_PLACEHOLDER}))
+    value = file_digest(blob, DIGEST_PLACEHOLDER)
+    at = _digest_at(blob, DIGEST_PLACEHOLDER)
+    blob[at : at + 64] = value.encode()
+    return write_atomic(path, bytes(blob), replace)
 
 
 def load_model(path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelInfo]:
@@ -225,16 +261,33 @@ def _read(path, what: str, fmt: str | None, digest_required: bool) -> tuple[dict
             f"{path}: not a readable {what} ({type(exc).__name__}: {first_line(str(exc))[:200]})"
         ) from None
     recorded = meta.get(DIGEST_KEY)
-    if recorded is not None and recorded != digest(blob, header):
+    # the digest of the bytes as written; a file written before it, the digest of its content
+    matches = recorded is None or file_digest(blob, recorded) == recorded or digest(blob, header) == recorded
+    if not matches:
         raise CheckpointError(
             f"{path}: its contents do not match the digest written with them (sha256): the file "
             f"changed after it was written (a damaged disk or copy, or an edit); refusing to use it"
         )
+    if fmt is not None and "format" not in meta:
+        raise CheckpointError(plain_file_problem(path, what, fmt))
     if fmt is not None and meta.get("format") != fmt:
         raise CheckpointError(f"{path}: not a fastcifar {what} (format {meta.get('format')!r}, expected {fmt!r})")
     if digest_required:
         require_digest(path, meta, what)
     return tensors, meta, blob
+
+
+def plain_file_problem(path, what: str, fmt: str) -> str:
+    """The line for a safetensors file without fastcifar's metadata (``safetensors.torch.save_file``
+    of a state dict writes none): what it lacks and how to make a model file of it."""
+    if fmt != MODEL_FORMAT:
+        return f"{path}: a plain safetensors file, not a fastcifar {what}: its metadata has no format ({fmt!r})"
+    return (
+        f"{path}: a plain safetensors file, not a fastcifar model file: its metadata lacks the keys a model "
+        f"file needs (format {MODEL_FORMAT!r}, config, classes, mean, std); write the state dict with "
+        f"fastcifar.models.files.save_weights (docs/models.md), which records them and the digest "
+        f"(checkpoint seal adds only the digest)"
+    )
 
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
@@ -256,7 +309,7 @@ def _read_sized(path: Path, what: str) -> tuple[bytes, dict | None]:
             header = json.loads(text)
             ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
             expected = 8 + n + max(ends, default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
             return head + text, None  # not a header
         if expected != size:
             raise CheckpointError(

@@ -146,6 +146,25 @@ def first_host(nodelist: str) -> str:
     return head + ranges.split(",")[0].split("-")[0] + tail
 
 
+# Ranks in one job: 2**20, ten times the largest GPU jobs run; c10d keeps ranks in 32-bit ints, so
+# a WORLD_SIZE of 10**20 ended in torch's own traceback when the group was formed.
+MAX_RANKS = 1 << 20
+
+
+def _whole(environ, name: str, default: str, lowest: int, launcher: str) -> int:
+    """The launcher variable ``name`` as a whole number in ``lowest``..MAX_RANKS, or ConfigError in
+    one line naming it: read before any process group, which would fail on it with a traceback."""
+    value = environ.get(name, default)
+    text = value.strip()
+    digits = text[1:] if text.startswith("-") else text
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 30):
+        raise ConfigError(f"bad {launcher} environment: {name} must be a whole number, not {value!r}")
+    number = int(text)
+    if not lowest <= number <= MAX_RANKS:
+        raise ConfigError(f"bad {launcher} environment: {name} must lie in {lowest}..{MAX_RANKS:,}, not {value!r}")
+    return number
+
+
 def slurm_environment(environ) -> dict[str, str]:
     """torchrun's variables for a process that ``srun`` started as one task of a step, from Slurm's;
     empty when torchrun's are set (``torchrun`` inside an allocation sets its own) or when srun did
@@ -159,13 +178,22 @@ def slurm_environment(environ) -> dict[str, str]:
         return {}
     if "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
         return {}
+    tasks = _whole(environ, "SLURM_STEP_NUM_TASKS", "1", 1, "srun")
+    for name in ("SLURM_PROCID", "SLURM_LOCALID"):
+        if not _whole(environ, name, "0", 0, "srun") < tasks:
+            raise ConfigError(
+                f"bad srun environment: {name} {environ[name]!r} is not below SLURM_STEP_NUM_TASKS {tasks}"
+            )
+    for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
+        if name in environ:
+            _whole(environ, name, "1", 1, "srun")
     # one node's tasks must be numbered contiguously, as torchrun numbers them: the data is read once
     # per node by rank - local rank's task (load_once_per_node), and task 0's node is the first. With
     # no more tasks than nodes (one task, or one a node) every layout is that; srun then often sets
     # SLURM_DISTRIBUTION=cyclic itself, although no --distribution was given
     layout = environ.get("SLURM_DISTRIBUTION", "block").split(":")[0]
     nodes = environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1"))
-    one_a_node = nodes.isdigit() and int(environ["SLURM_STEP_NUM_TASKS"]) <= int(nodes)
+    one_a_node = tasks <= int(nodes)
     if layout not in ("block", "") and not one_a_node:
         raise ConfigError(
             f"srun --distribution {environ['SLURM_DISTRIBUTION']}: fastcifar needs each node's tasks numbered "
@@ -188,10 +216,10 @@ def slurm_environment(environ) -> dict[str, str]:
         if "SLURM_JOB_ID" not in environ:
             raise ConfigError("srun without SLURM_JOB_ID: export MASTER_PORT")
         job = environ["SLURM_JOB_ID"].split("_")[0]  # an array task's id reads JOB_TASK in some tools
-        if not job.isdigit():
+        if not (job.isascii() and job.isdigit()):
             raise ConfigError(f"SLURM_JOB_ID {environ['SLURM_JOB_ID']!r} is not a number: export MASTER_PORT")
         step = environ.get("SLURM_STEP_ID", "0")  # two steps of one job at once: two rendezvous
-        step = int(step) if step.isdigit() else 0
+        step = int(step) if step.isascii() and step.isdigit() else 0
         mapped["MASTER_PORT"] = str(SLURM_PORT_BASE + (int(job) + step) % SLURM_PORT_SPAN)
     return mapped
 
@@ -204,16 +232,13 @@ def setup(requested_device: str, timeout_s: float = 300.0, group: str = "auto", 
     ``settings``: the run's Config, whose --loader and --compress the preflight checks against the GPU."""
     slurm = slurm_environment(os.environ)
     os.environ.update(slurm)  # where init_process_group's env:// rendezvous and the logs read them
-    try:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    except ValueError as exc:
-        raise ConfigError(f"bad torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {exc}") from None
-    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+    world_size = _whole(os.environ, "WORLD_SIZE", "1", 1, "torchrun")
+    rank = _whole(os.environ, "RANK", "0", 0, "torchrun")
+    local_rank = _whole(os.environ, "LOCAL_RANK", "0", 0, "torchrun")
+    if not (rank < world_size and local_rank < world_size):
         raise ConfigError(
             f"bad torchrun environment: RANK {rank}, LOCAL_RANK {local_rank}, WORLD_SIZE {world_size} "
-            f"(WORLD_SIZE must be positive, RANK in 0..WORLD_SIZE-1, LOCAL_RANK not negative)"
+            f"(RANK and LOCAL_RANK must lie in 0..WORLD_SIZE-1)"
         )
     if world_size > 1 or "MASTER_ADDR" in os.environ:  # a group will be formed at MASTER_ADDR:MASTER_PORT
         _check_master_port()

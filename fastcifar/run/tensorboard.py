@@ -6,12 +6,16 @@ train and test (or --val-split validation) loss and accuracy, the learning rate 
 column), the training rate in images a second, the mean step time and the epoch's training and
 evaluation times; at the start, the settings as text. torch's ``SummaryWriter`` writes the files;
 it needs the ``tensorboard`` package (``pip install -e '.[tensorboard]'``), which ``check`` asks
-for before anything is read or written.
+for before anything is read or written. A folder it cannot write (``tensorboard`` in the run folder
+is a file, or a folder without write permission; a disk that fills later) turns the logger off with
+one line on stderr, and the run goes on: its log.txt and summary.json are the record, TensorBoard
+a view of it.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 from fastcifar.core import optional
 from fastcifar.core.config import Config, config_file_text
@@ -32,16 +36,39 @@ class TensorBoard(Component):
 
     def __init__(self, cfg: Config, folder, run: int, images_per_step: int, steps: list[int], names: dict):
         SummaryWriter = optional.load("torch.utils.tensorboard", FIX, "--tensorboard").SummaryWriter
-        self.writer = SummaryWriter(log_dir=str(folder / "tensorboard" / f"run{run}"))
         self.cfg, self.images_per_step, self.steps = cfg, images_per_step, steps
         self.evaluated = "val" if names else "test"  # --val-split: the epochs' evaluation is on held-out images
+        self.folder = folder / "tensorboard" / f"run{run}"
+        self.writer = None
+        try:
+            self.writer = SummaryWriter(log_dir=str(self.folder))
+        except OSError as exc:
+            self._off(exc)
+
+    def _off(self, exc: OSError) -> None:
+        """One line, and no more TensorBoard for this run; the run itself goes on."""
+        self.writer = None
+        why = exc.strerror or type(exc).__name__
+        print(f"fastcifar: note: --tensorboard is off for this run: cannot write {self.folder}: {why}", file=sys.stderr)
 
     def start(self, result) -> None:
-        # markdown: a code block keeps the JSON's lines
-        self.writer.add_text("settings", "```\n" + config_file_text(self.cfg) + "```", 0)
-        self.writer.add_text("seed", json.dumps(result.seed), 0)
+        if self.writer is None:
+            return
+        try:  # markdown: a code block keeps the JSON's lines
+            self.writer.add_text("settings", "```\n" + config_file_text(self.cfg) + "```", 0)
+            self.writer.add_text("seed", json.dumps(result.seed), 0)
+        except OSError as exc:
+            self._off(exc)
 
     def epoch_done(self, epoch: int, record) -> None:
+        if self.writer is None:
+            return
+        try:
+            self._epoch(epoch, record)
+        except OSError as exc:
+            self._off(exc)
+
+    def _epoch(self, epoch: int, record) -> None:
         step, steps = record.epoch, self.steps[epoch]
         scalars = {
             "loss/train": record.train_loss,
@@ -59,4 +86,8 @@ class TensorBoard(Component):
         self.writer.flush()  # a stopped run keeps every finished epoch, as timing_log.tsv does
 
     def finish(self, result) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except OSError as exc:
+                self._off(exc)

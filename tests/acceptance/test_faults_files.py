@@ -460,7 +460,7 @@ def test_a_thread_count_beyond_any_machine_is_refused():
         ({"MASTER_PORT": "abc"}, "MASTER_PORT must be a port number 1..65535, not 'abc'"),
         ({"MASTER_PORT": "99999"}, "MASTER_PORT must be a port number 1..65535, not '99999'"),
         ({"RANK": "3"}, "RANK 3, LOCAL_RANK 0, WORLD_SIZE 2"),
-        ({"WORLD_SIZE": "-2"}, "WORLD_SIZE -2 (WORLD_SIZE must be positive"),
+        ({"WORLD_SIZE": "-2"}, "WORLD_SIZE must lie in 1..1,048,576, not '-2'"),
         ({"MASTER_ADDR": None}, "environment variable MASTER_ADDR expected, but not set"),
     ],
 )

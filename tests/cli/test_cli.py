@@ -292,7 +292,7 @@ def test_export_refuses_an_existing_file_unless_force(trained, tmp_path, capsys)
 )
 def test_export_errors_are_one_line_and_write_nothing(case, trained, tmp_path, capsys, monkeypatch):
     model, _, _ = trained
-    argv = [str(model), "--onnx", str(tmp_path / "out" / "m.onnx")]
+    argv = [str(model), "--onnx", str(tmp_path / "m.onnx")]  # its folder exists: a missing one is refused first
     if case == "no onnx":
         monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
         message = "export needs the onnx package, which cannot be imported (not installed): pip install onnx"

@@ -126,3 +126,29 @@ def test_a_forked_child_does_not_signal_through_the_parents_wakeup_pipe(tmp_path
     proc, _ = run_script(code, record, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "still here", proc.stderr
     assert not record.exists()
+
+
+def test_a_signal_inside_held_is_taken_when_the_outermost_block_ends():
+    """``held`` around an import: the handler does not raise inside it (an extension's
+    initialization would turn the interruption into an ImportError, or crash); ``Interrupted``
+    comes when the outermost block ends, once, for the first signal."""
+    import os
+    import signal
+
+    from fastcifar.core import signals
+
+    previous = signals.install()
+    reached = []
+    try:
+        with pytest.raises(signals.Interrupted) as stopped:
+            with signals.held():
+                with signals.held():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), signal.SIGINT)
+                    sum(range(1000))  # bytecodes, at which a handler that raised would have
+                    reached.append("inner")
+                reached.append("outer")
+        assert stopped.value.exit_code == 143
+    finally:
+        signals.restore(previous)
+    assert reached == ["inner", "outer"]
