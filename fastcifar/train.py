@@ -153,12 +153,13 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     dtype = torch.float16 if half else torch.float32
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv algorithm once
-        distributed.apply_determinism(cfg)  # the harness's --deterministic (gpu_visit.sh nccl2)
+    determinism = distributed.apply_determinism(cfg, ctx.device)  # --deterministic: what it covers, in one line
 
     kernels = resolve_kernels(cfg.kernels, ctx.device, cfg.fused_conv)  # refused before anything is written
     components.check(cfg)  # an option's library that cannot be imported (--tensorboard): one line, nothing written
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
     for note in (
+        determinism,
         report.cpu_note(cfg, ctx.device),
         report.cpu_threads_note(ctx.device),
         notice,
@@ -187,11 +188,10 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         )
 
     doing = "downloading or reading the data" if cfg.download else "reading the data"
-    data, val_images, val_labels, notes = for_run(  # every rank's data read before the model handshake
-        distributed.load_once_per_node(read_data, ctx, doing, distributed.data_timeout(cfg.dist_timeout_s)),
-        cfg.subset,
-        cfg.val_split,
-    )  # --subset, then --val-split's held-out images, before any sharding
+    # every rank's data read before the model handshake; kept whole for --save-outputs train
+    whole = distributed.load_once_per_node(read_data, ctx, doing, distributed.data_timeout(cfg.dist_timeout_s))
+    # --subset, then --val-split's held-out images, before any sharding
+    data, val_images, val_labels, notes = for_run(whole, cfg.subset, cfg.val_split)
     # whose shard and draws this rank trains on: its own (the harness's --rank0-data: rank 0's)
     data_rank, data_world = distributed.data_ranks(cfg, ctx)
     per_rank_batch = cfg.batch_size // data_world
@@ -267,7 +267,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     for note in notes:
         log.line(note)
     session = components.Session(
-        cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs, tuple(data.classes), resume, eval_set
+        cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs, tuple(data.classes), resume, eval_set, whole
     )
     quiet = components.Session(
         cfg,
