@@ -14,13 +14,15 @@ from conftest import write_official
 from safetensors.torch import load_file
 
 from fastcifar.data import load_dataset
+from fastcifar.data.dali import dali_available
 from fastcifar.evaluate import logits_of
 from fastcifar.models.files import load_model
 
-# the default preset made small (its whitening conv, lookahead and jitter all draw or average)
+# the default preset made small (its whitening conv, lookahead and jitter all draw or average); the
+# loader is the CPU's default (DALI's CPU pipeline where DALI imports, else torch's)
 ARGS = [
     *("--device", "cpu", "--widths", "16,32,32", "--batch-size", "100", "--epochs", "1"),
-    *("--warmup-steps", "1", "--eval-batch-size", "150", "--whiten-images", "100", "--loader", "torch"),
+    *("--warmup-steps", "1", "--eval-batch-size", "150", "--whiten-images", "100"),
     *("--quiet", "--deterministic"),
 ]
 OUTPUTS = ("test_logits", "test_margins", "train_logits", "train_margins")
@@ -60,12 +62,15 @@ def test_two_deterministic_runs_with_one_seed_end_with_the_same_weights(tmp_path
     assert unequal(b / "model-run1.safetensors", b / "model-run2.safetensors") != []
     lines = [line for line in (a / "log.txt").read_text().splitlines() if "deterministic: " in line]
     assert len(lines) == 1 and "thread count (1 here" in lines[0], lines
+    assert "engine: loader dali" in (a / "log.txt").read_text() or not dali_available()[0]
 
 
 @pytest.mark.slow  # four gloo ranks' runs
 def test_two_gloo_ranks_deterministic_and_their_outputs_in_the_sets_order(tmp_path):
     data, _ = write_official(tmp_path / "data", per_batch=80, n_test=200)
-    extra = ("--save-outputs", "both", "--tta", "1")  # share 1: a one-process evaluation gives the same rows
+    # the torch loader here (the one-process test above takes the default); TTA share 1: a
+    # one-process evaluation of the model file gives the same rows
+    extra = ("--save-outputs", "both", "--tta", "1", "--loader", "torch")
     for name in ("a", "b"):
         train(torchrun(), tmp_path / name, data, *extra)
     (a,), (b,) = run_dirs(tmp_path / "a"), run_dirs(tmp_path / "b")
