@@ -4,6 +4,7 @@
     cfg = fastcifar.from_preset("fast", data="data", epochs=2)
     (run,) = fastcifar.train(cfg)                  # validated exactly as the command line validates
     run.model, run.test_acc, run.metrics.epochs    # the trained network in memory, and its records
+    run.outputs.test_margins                       # save_outputs="test": per-example arrays (numpy)
     model, info = fastcifar.load_model(run.model_path)
     fastcifar.evaluate((model, info), "data").accuracy
     fastcifar.predict(run.model_path, ["cat.png"])
@@ -44,6 +45,12 @@ class TrainedRun:
     @property
     def model_path(self) -> str:
         return self.metrics.model_path
+
+    @property
+    def outputs(self):
+        """``--save-outputs``' arrays (``run.outputs.PerExample``: test_logits, test_margins,
+        train_logits, train_margins, None where not asked for), from memory; None without it."""
+        return self.metrics.outputs
 
 
 def train(config: Config) -> list[TrainedRun]:

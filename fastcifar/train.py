@@ -155,12 +155,13 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     dtype = torch.float16 if half else torch.float32
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv algorithm once
-        distributed.apply_determinism(cfg)  # the harness's --deterministic (gpu_visit.sh nccl2)
+    determinism = distributed.apply_determinism(cfg, ctx.device)  # --deterministic: what it covers, in one line
 
     kernels = resolve_kernels(cfg.kernels, ctx.device, cfg.fused_conv)  # refused before anything is written
     components.check(cfg)  # an option's library that cannot be imported (--tensorboard): one line, nothing written
     loader_name, notice = resolve_loader(cfg.loader, ctx.device)
     for note in (
+        determinism,
         report.cpu_note(cfg, ctx.device),
         report.cpu_threads_note(ctx.device),
         notice,
@@ -191,7 +192,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     doing = "downloading or reading the data" if cfg.download else "reading the data"
     read = distributed.load_once_per_node(read_data, ctx, doing, distributed.data_timeout(cfg.dist_timeout_s))
     subset = chosen_mask(cfg, read.n_read, Streams.for_run(cfg, cfg.seed).subset)  # one for all --runs
-    # the subset, then --val-split's held-out images, before any sharding; every rank's before the model handshake
+    # the subset, then --val-split's held-out images, before any sharding; every rank's before the
+    # model handshake; ``read`` stays whole for --save-outputs train
     data, val_images, val_labels, notes = for_run(read, cfg.subset, cfg.val_split, subset)
     # whose shard and draws this rank trains on: its own (the harness's --rank0-data: rank 0's)
     data_rank, data_world = distributed.data_ranks(cfg, ctx)
@@ -278,7 +280,7 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     for note in [*notes, schedule_text]:
         log.line(note)
     session = components.Session(
-        cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs, tuple(data.classes), resume, eval_set
+        cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs, tuple(data.classes), resume, eval_set, read
     )
     quiet = components.Session(
         cfg,

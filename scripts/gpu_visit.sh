@@ -17,6 +17,7 @@
 #   bash scripts/gpu_visit.sh nccl2                    # (g) two NCCL ranks on the one GPU: match one process, survive a kill -9
 #   bash scripts/gpu_visit.sh conv                     # (h) official data: the fused conv (--fused-conv) beside cuDNN: kernel, step, runs
 #   bash scripts/gpu_visit.sh screen                   # (i) official data: the default preset beside variants of it (SCREEN), x10 each
+#   bash scripts/gpu_visit.sh deterministic            # (j) the default preset twice with --deterministic: same weights? its cost
 #   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
 #
 # Race (scripts/race.py): fastcifar's default preset (RACE_PRESETS names others), then each public
@@ -59,6 +60,11 @@
 # commit). The default runs once, first: a time ratio within about 3% needs confirming (the same
 # default timed 2.4% apart in two calls: official.jsonl, calls "visit 9" and "visit 9b"). Confirm a
 # winner with SCREEN="ITS FLAGS" SCREEN_RUNS=25 before it becomes the default.
+# deterministic: the default preset as it runs, then twice with --deterministic (DETERMINISTIC_RUNS,
+# 3, runs each from seed 0, one process each): the two must agree bit for bit, per-epoch figures
+# and every model file; their train time beside the normal one's is the mode's cost. The table and
+# one row in bench/results/deterministic.jsonl (DETERMINISTIC_CALL and DETERMINISTIC_COMMIT name
+# the call and the commit). Official data when staged, else the synthetic set.
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines, bench and nccl2 stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -71,8 +77,8 @@
 set -uo pipefail
 stage=${1:-}
 case "$stage" in
-  check|engines|bench|kernels|accuracy|race|emulated|nccl2|conv|screen|dali) ;;
-  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|nccl2|conv|screen|dali" >&2; exit 2 ;;
+  check|engines|bench|kernels|accuracy|race|emulated|nccl2|conv|screen|deterministic|dali) ;;
+  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|nccl2|conv|screen|deterministic|dali" >&2; exit 2 ;;
 esac
 tag=$stage
 [ "$stage" = accuracy ] && tag="accuracy-${2:-}"
@@ -405,6 +411,24 @@ screen)
     contender "$name" "$limit" "${extra[@]}"
   done
   race_table screen-table 40 "${SCREEN_CALL:-}" "${SCREEN_COMMIT:-}"
+  ;;
+deterministic)
+  ensure_data
+  default=$(default_preset) || { note "the default preset could not be read (default-preset.log)"; failed=1; exit; }
+  preset=${default% *}
+  runs=${DETERMINISTIC_RUNS:-3}
+  # each invocation: its start-up (capture, warm-up, ~30 s) and 3 runs of a few seconds; a stuck one
+  # may take no more than its share of what is left but 60 s for the checks
+  left=3
+  for name in normal a b; do
+    flag=(); [ "$name" != normal ] && flag=(--deterministic)
+    limit=$(((budget - SECONDS - 60) / left)); [ "$limit" -gt 150 ] && limit=150
+    left=$((left - 1))
+    contender "deterministic-$name" "$limit" "${flag[@]}"
+  done
+  step deterministic-checks 60 "$py" scripts/gpu_visit_report.py deterministic "$work/runs" --data "$data" \
+    --jsonl bench/results/deterministic.jsonl --call "${DETERMINISTIC_CALL:-}" --commit "${DETERMINISTIC_COMMIT:-}" \
+    --out "$work/figures.md"
   ;;
 dali)
   if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi

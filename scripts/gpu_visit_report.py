@@ -6,6 +6,8 @@
                                        [--commit C] [--out FIGURES.md]
     python scripts/gpu_visit_report.py nccl2 RUNS_DIR --log RANKS_LOG --kill KILL_JSON [--ended FILE] [--jsonl FILE]
                                        [--call NAME] [--commit C] [--out FIGURES.md]
+    python scripts/gpu_visit_report.py deterministic RUNS_DIR [--data PATH] [--jsonl FILE] [--call NAME]
+                                       [--commit C] [--out FIGURES.md]
 
 ``engines``: one row per engine combination (the folder name under RUNS_DIR: k-KERNELS-g-GRAPHS,
 nccl-1rank, dali-g-GRAPHS), its per-epoch train loss, final test accuracy and train time; fails
@@ -26,7 +28,10 @@ failed, NCCL's refusal from its log, and the kill test's verdict (scripts/kill_r
 kill.json); the 2 ranks fed rank 0's data against one process, bit for bit (figures and
 weights), a ``--muon-shard`` 2-rank run against the unsharded one (1%), and the exit after the
 graphed 2-rank run (``--ended``: its launcher's end, from its summary.json's write); one row per
-check appended to ``--jsonl``. The race's report is scripts/race.py.
+check appended to ``--jsonl``. ``deterministic``: the default preset's two ``--deterministic``
+invocations against each other, bit for bit (per-epoch figures, every model file's tensors), and
+their train time beside the normal invocation's; one row appended to ``--jsonl``
+(bench/results/deterministic.jsonl). The race's report is scripts/race.py.
 """
 
 from __future__ import annotations
@@ -433,17 +438,112 @@ def nccl2(
     return lines, rows, problems
 
 
+# gpu_visit.sh deterministic's run folders: the default preset as it runs, then twice with --deterministic
+NORMAL, DET_A, DET_B = "deterministic-normal", "deterministic-a", "deterministic-b"
+
+
+def model_files(root: Path, name: str) -> dict[str, Path]:
+    """{file name: path} of the model files under root/NAME (model.safetensors, model-run<N>.safetensors)."""
+    return {p.name: p for p in sorted((root / name).glob("**/model*.safetensors"))}
+
+
+def deterministic(
+    root: Path, data: Path | None = None, call: str = "", commit: str = "", today: str | None = None
+) -> tuple[list[str], list[dict], list[str]]:
+    """(table lines, jsonl rows, problems) of gpu_visit.sh deterministic: the two --deterministic
+    invocations must agree bit for bit, per-epoch figures and every weight tensor of every run's
+    model file; their train time beside the normal invocation's is the mode's cost."""
+    runs = load_runs(root)
+    some = next((results[0] for results in runs.values() if results), {})
+    lines = [
+        "--deterministic: the default preset twice with it, beside the preset as it runs",
+        "",
+        "| invocation | runs | test acc % (mean) | train s (mean) | train s / normal |",
+        "|---|---|---|---|---|",
+    ]
+    times = {}
+    for name in (NORMAL, DET_A, DET_B):
+        results = runs.get(name, [])
+        if not results:
+            lines.append(f"| {name} | 0: no summary.json (see its log) | | | |")
+            continue
+        times[name] = statistics.mean(r["train_time"] for r in results)
+        ratio = f"{times[name] / times[NORMAL]:.3f}" if NORMAL in times else ""
+        acc = statistics.mean(r["test_acc"] for r in results)
+        lines.append(f"| {name} | {len(results)} | {acc:.2f} | {times[name]:.3f} | {ratio} |")
+    problems = []
+    a, b = runs.get(DET_A, []), runs.get(DET_B, [])
+    if not a or not b:
+        ok, message = False, f"no {DET_A if not a else DET_B} runs to compare (see its log)"
+    elif not all(r["_config"].get("deterministic") for r in a + b):
+        ok, message = False, "a compared run did not have --deterministic in its config"
+    else:
+        figures = [[[tuple(e[k] for k in EPOCH_KEYS) for e in r["epochs"]] for r in rs] for rs in (a, b)]
+        files = [model_files(root, DET_A), model_files(root, DET_B)]
+        problems_here = []
+        if figures[0] != figures[1]:
+            problems_here.append("per-epoch figures differ (train loss, train acc, test loss, test acc)")
+        if not files[0] or files[0].keys() != files[1].keys():
+            problems_here.append(f"model files differ in number or name: {sorted(files[0])} vs {sorted(files[1])}")
+        else:
+            from safetensors.torch import load_file  # the GPU machine has the trainer's packages
+
+            for fname in files[0]:
+                differ = unequal_tensors(load_file(files[0][fname]), load_file(files[1][fname]))
+                if differ:
+                    problems_here.append(f"{fname}: {len(differ)} tensors differ ({', '.join(differ[:3])})")
+        ok = not problems_here
+        message = (
+            "; ".join(problems_here)
+            if problems_here
+            else f"{len(a)} runs each: per-epoch figures and all tensors of {len(files[0])} model files the same bits"
+        )
+    lines.append(f"\ntwo --deterministic invocations, bit for bit: {'ok' if ok else 'FAIL'}: {message}")
+    if not ok:
+        problems.append(f"deterministic: {message}")
+    normal = times.get(NORMAL)
+    slower = [times[n] / normal for n in (DET_A, DET_B) if n in times] if normal else []
+    row = {
+        "call": call,
+        "date": today or dt.date.today().isoformat(),
+        "device": some.get("_device", {}).get("name"),
+        "driver": some.get("_provenance", {}).get("driver"),
+        "torch": some.get("_versions", {}).get("torch"),
+        "triton": some.get("_versions", {}).get("triton"),
+        "commit": commit or None,
+        "data": data_name(data) if data is not None else None,
+        "preset": some.get("_config", {}).get("preset"),
+        "check": "deterministic-bit-exact",
+        "ok": ok,
+        "message": message,
+        "runs": len(a),
+        "train_s_normal": normal,
+        "train_s_deterministic": [times.get(DET_A), times.get(DET_B)],
+        "time_ratio": round(statistics.mean(slower), 4) if slower else None,
+    }
+    if slower:
+        lines.append(f"\ncost: --deterministic trains in x{statistics.mean(slower):.3f} the normal time (mean of both)")
+    return lines, [row], problems
+
+
+EPOCH_KEYS = ("train_loss", "train_acc", "test_loss", "test_acc")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("engines", "accuracy", "emulated", "nccl2"))
+    p.add_argument("what", choices=("engines", "accuracy", "emulated", "nccl2", "deterministic"))
     p.add_argument("roots", nargs="+", type=Path)
     p.add_argument("--out", type=Path, help="also write the table here")
     p.add_argument("--tol", type=float, default=0.05, help="graphed vs eager final train loss, relative")
-    p.add_argument("--data", type=Path, help="emulated: the data set the runs read (names it in the rows)")
-    p.add_argument("--jsonl", type=Path, help="emulated, nccl2: append one row per set (check) here")
-    p.add_argument("--call", default="", help="emulated, nccl2: names this call in the rows")
     p.add_argument(
-        "--commit", default="", help="emulated, nccl2: the project's commit (the GPU machine's copy has no .git)"
+        "--data", type=Path, help="emulated, deterministic: the data set the runs read (names it in the rows)"
+    )
+    p.add_argument("--jsonl", type=Path, help="emulated, nccl2, deterministic: append one row per set (check) here")
+    p.add_argument("--call", default="", help="emulated, nccl2, deterministic: names this call in the rows")
+    p.add_argument(
+        "--commit",
+        default="",
+        help="emulated, nccl2, deterministic: the project's commit (the GPU machine's copy has no .git)",
     )
     p.add_argument("--log", type=Path, help="nccl2: the 2-rank run's log (NCCL's transport or refusal)")
     p.add_argument("--kill", type=Path, help="nccl2: scripts/kill_rank.py's kill.json")
@@ -456,6 +556,8 @@ def main(argv=None) -> int:
         lines, problems = accuracy(args.roots)
     elif args.what == "emulated":
         lines, rows, problems = emulated(args.roots, args.data, args.call, args.commit)
+    elif args.what == "deterministic":
+        lines, rows, problems = deterministic(args.roots[0], args.data, args.call, args.commit)
     else:
         lines, rows, problems = nccl2(args.roots[0], args.log, args.kill, args.call, args.commit, ended=args.ended)
     write_report(lines, problems, rows, args.out, args.jsonl)

@@ -38,7 +38,7 @@ HELP_GROUPS = {
     "sparse": "sparse training and local SGD",
     "checkpoints": "checkpoints and model files",
     "output": "output and logging",
-    "experiments": "controlled experiments: seed streams and training subsets (docs/experiments.md)",
+    "experiments": "controlled experiments: seed streams, subsets, outputs, determinism (docs/experiments.md)",
     # the test harness's switches: a flag each, left out of --help (they change what a run means)
     "testing": None,
 }
@@ -383,6 +383,21 @@ class Config:
         '"" = start fresh',
         group="checkpoints",
     )
+    # controlled experiments (docs/experiments.md)
+    save_outputs: str = setting(
+        "none",
+        "per-example outputs, .npy files in the run folder's outputs/ (outputs-run<N>/ with --runs N): test = the "
+        "test set's logits (fp16) as the reported accuracy counts them, TTA included, and margins (fp32); train = "
+        "plain-view logits and margins of every training image of the data set, in its order; both; none",
+        group="experiments",
+    )
+    deterministic: bool = setting(
+        False,
+        "two runs with the same seed end with the same weights, bit for bit (same device model, rank count and "
+        "versions): cuDNN's deterministic algorithms without the benchmark search, torch's deterministic kernels, "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8 when unset; a start-up line names what stays outside",
+        group="experiments",
+    )
     # the test harness's switches (scripts/gpu_visit.sh nccl2, tests/distributed/test_same_data.py): flags that
     # --help leaves out, never for training
     rank0_data: int = setting(
@@ -390,12 +405,6 @@ class Config:
         "every rank trains on the data that rank 0 of N ranks trains on (its shard, shuffle and draws, batch / N "
         "images a step): the ranks' gradients are then equal and their average each one's bit for bit, so a run on "
         "N ranks must equal one process given the same N; 0 = off",
-        group="testing",
-    )
-    deterministic: bool = setting(
-        False,
-        "on a GPU, deterministic cuDNN algorithms (no benchmark search) and torch's deterministic kernels where they "
-        "exist (cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment)",
         group="testing",
     )
     share_gpu: bool = setting(
@@ -481,6 +490,7 @@ TRAJECTORY_FREE_FIELDS = (
     "quiet",
     "tensorboard",
     "share_gpu",
+    "save_outputs",
 )
 
 
@@ -517,6 +527,7 @@ CHOICES = {
     "lr_at": ("end", "start"),
     "lookahead_epoch_end": ("fold", "reset"),
     "optimizer": ("sgd", "muon"),
+    "save_outputs": ("none", "test", "train", "both"),  # fastcifar.run.outputs reads it
 }
 
 # Every numeric field's range, in one place: field -> (low, high, brackets). None is unbounded on

@@ -36,6 +36,23 @@ def interpreter_allowed() -> bool:
     return os.environ.get(ALLOW_INTERPRETER) == "1"
 
 
+# --deterministic on a GPU: cuBLAS's reductions repeat only with a fixed workspace per stream; torch
+# asks for ":4096:8" (8 buffers of 4 MiB) or ":16:8" and reads the variable when it makes the
+# process's first cuBLAS handle, so a later change does nothing there.
+CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
+DETERMINISTIC_CUBLAS = ":4096:8"
+
+
+def deterministic_cublas() -> tuple[str, bool]:
+    """(the ``CUBLAS_WORKSPACE_CONFIG`` in force, whether it was set here): the user's own when
+    set, else ``DETERMINISTIC_CUBLAS``, set for this process and the ones it starts."""
+    value = os.environ.get(CUBLAS_WORKSPACE, "")
+    if value:
+        return value, False
+    os.environ[CUBLAS_WORKSPACE] = DETERMINISTIC_CUBLAS
+    return DETERMINISTIC_CUBLAS, True
+
+
 def launcher_rank() -> str:
     """This process's rank as its launcher set it (torchrun's ``RANK``), "0" without one: whether
     to print a line before the process group exists or after it is gone."""

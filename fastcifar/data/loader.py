@@ -310,6 +310,7 @@ class EvalSet:
         std=CIFAR10_STD,
     ):
         mine = slice(rank, None, world_size)
+        self.total = len(labels)  # images over all ranks
         self.images = normalize(torch.from_numpy(images[mine]).to(device), mean, std, dtype)
         self.labels = torch.from_numpy(labels[mine]).to(device)
         self.batch_size = batch_size

@@ -35,7 +35,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from fastcifar.core import gpu, signals
+from fastcifar.core import environment, gpu, signals
 from fastcifar.core.config import ConfigError
 from fastcifar.core.errors import DataError, first_line
 
@@ -100,13 +100,34 @@ def data_ranks(cfg, ctx: DistContext) -> tuple[int, int]:
     return (0, cfg.rank0_data) if cfg.rank0_data else (ctx.rank, ctx.world_size)
 
 
-def apply_determinism(cfg) -> None:
-    """``--deterministic``: deterministic cuDNN algorithms and torch's deterministic kernels where
-    they exist (cuBLAS reads CUBLAS_WORKSPACE_CONFIG, which gpu_visit.sh sets); otherwise nothing."""
-    if cfg.deterministic:
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cudnn.deterministic = True
-        torch.use_deterministic_algorithms(True, warn_only=True)
+def apply_determinism(cfg, device: torch.device) -> str:
+    """``--deterministic``: torch's deterministic kernels where it has them (it warns, naming the op,
+    where it has none; --compile's inductor follows into its deterministic mode: no autotuning),
+    and on a GPU cuDNN's deterministic algorithms without the benchmark search and cuBLAS's fixed
+    workspace (``environment.deterministic_cublas``, before the run's first matmul). Returns the
+    run's one start-up line on what is and what is not covered ("" without the flag, which
+    changes nothing: torch's settings are the process's, so a Python caller's earlier
+    deterministic run leaves them on). The Triton kernels sum in a fixed order (no atomics: a
+    test checks kernels/ for any), so they need no variant."""
+    if not cfg.deterministic:
+        return ""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if device.type != "cuda":
+        return (
+            f"deterministic: torch's deterministic kernels; equal to the bit only with the same torch build, CPU "
+            f"type and thread count ({torch.get_num_threads()} here: oneDNN and the reductions split their sums "
+            f"by thread) and, with several ranks, the same rank count"
+        )
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    cublas, set_here = environment.deterministic_cublas()
+    return (
+        f"deterministic: cuDNN's deterministic algorithms (no benchmark search), torch's deterministic kernels "
+        f"(a warning names any op without one), {environment.CUBLAS_WORKSPACE}={cublas} "
+        f"({'set for this run' if set_here else 'as given'}), the Triton kernels atomic-free; not covered: another "
+        f"GPU model, rank count or torch/CUDA/cuDNN/NCCL version (each fixes its own summation order: NCCL's "
+        f"all-reduce by rank count and topology), image folders decoded by DALI's nvJPEG without a decode cache"
+    )
 
 
 # The rendezvous port of an srun launch when MASTER_PORT is not exported: every task derives the
@@ -704,3 +725,18 @@ def all_sum(values: list[float], ctx: DistContext, device: torch.device) -> list
     if ctx.distributed:
         dist.all_reduce(t)
     return t.tolist()
+
+
+def all_gather_dealt(rows: torch.Tensor, total: int, ctx: DistContext) -> torch.Tensor:
+    """A set dealt out to the ranks as evaluation deals it (rank r holds items r, r + N, r + 2N, ...
+    of ``total``: ``data.loader.EvalSet``), put back together in the set's order on every rank.
+    One all-gather: each rank pads its rows to the largest rank's count (the counts differ by at
+    most one), and the padding lands past ``total``."""
+    if not ctx.distributed:
+        return rows
+    most = -(-total // ctx.world_size)
+    padded = rows.new_zeros((most, *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    parts = [torch.empty_like(padded) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, padded)
+    return torch.stack(parts, 1).reshape(most * ctx.world_size, *rows.shape[1:])[:total]

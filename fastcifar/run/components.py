@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from fastcifar.core.config import Config
+from fastcifar.data.dataset import Dataset
 from fastcifar.data.loader import EvalSet, TrainLoader
 from fastcifar.models import files
 from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
 from fastcifar.parallel import compress, distributed
 from fastcifar.parallel.sync import GradientSync
-from fastcifar.run import profiling, report, tensorboard
+from fastcifar.run import outputs, profiling, report, tensorboard
 from fastcifar.run.component import Component, Components
 from fastcifar.run.guard import LossGuard
 from fastcifar.run.progress import Progress
@@ -46,6 +47,7 @@ class Session:
     classes: tuple[str, ...]
     resume: dict | None = None  # a checked training state (run.state.load_state), for run 1..N
     eval_set: EvalSet | None = None  # each epoch's evaluation: test_set, or --val-split's held-out images
+    whole: Dataset | None = None  # the data set as read, before --subset and --val-split (--save-outputs train)
 
     def __post_init__(self):
         if self.eval_set is None:
@@ -176,6 +178,8 @@ def for_run(
     members.append(SyncCleanup(sync, log, run))
     if session.eval_set is not session.test_set:  # --val-split
         members.append(FinalTest(session, parts["model"], eval_step, run))
+    if cfg.save_outputs != "none" and run:  # after the test set's last evaluation; gathers over the ranks
+        members.append(outputs.Outputs(session, parts["model"], eval_step, run, len(lengths), watchdog.dog.beat))
     members.append(watchdog)  # last to hear of each step; closed before the model file is written
     if cfg.save_model and log.dir is not None:  # rank 0 alone, no collective: a slow disk ends no rank
         members.append(ModelFile(session, run))

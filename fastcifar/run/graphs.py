@@ -213,6 +213,8 @@ class EvalStep(_BatchStep):
     def __init__(self, model: torch.nn.Module, batch: StaticBatch, tta: int, capture: bool, tta_share: float = 1.0):
         super().__init__(batch, capture)
         self.model, self.tta, self.tta_share = model, tta, tta_share
+        self.logits: torch.Tensor | None = None  # the last batch's fp32 logits: a captured graph's own output
+        self.kept: list[torch.Tensor] | None = None  # ``keep_logits``: each batch's real rows since ``reset``
 
     @torch.no_grad()
     def _body(self) -> None:
@@ -221,6 +223,23 @@ class EvalStep(_BatchStep):
         loss = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
         self.loss_sum.add_((loss * valid).sum())
         self.correct.add_(((logits.argmax(1) == labels) & valid).sum())
+        self.logits = logits  # a reference, no work: each replay rewrites the tensor its capture made
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        rows = self.batch.load(images, labels)
+        self.replay()
+        if self.kept is not None:  # a copy of the logits the counts above just took, before the next batch
+            self.kept.append(self.logits[:rows].clone())
+
+    def keep_logits(self) -> None:
+        """From the next evaluation on, keep each batch's logits (``kept``, one tensor per batch in
+        the order given): the very values its loss and correct count were summed from."""
+        self.kept = []
+
+    def reset(self) -> None:
+        super().reset()
+        if self.kept is not None:
+            self.kept = []
 
     def prepare(self) -> None:
         """Capture (after two eager warm-up batches on a side stream) when capturing; the

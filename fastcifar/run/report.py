@@ -282,16 +282,22 @@ class RunResult:
     estimated_time: float = 0.0
     streams: dict = field(default_factory=dict)  # the run's seed per stream (core.streams.Streams)
     model: object = field(default=None, repr=False, compare=False)  # the trained network, in memory (not logged)
+    # --save-outputs: the files written, name -> path in the run folder (summary.json), and the arrays
+    # themselves in memory (run.outputs.PerExample, not logged)
+    output_files: dict = field(default_factory=dict)
+    outputs: object = field(default=None, repr=False, compare=False)
 
 
 def record(r: RunResult, names: dict | None = None) -> dict:
     """A run's metrics as plain data, without the in-memory model or the class names (summary.json
     holds those once, as "classes": every run of an invocation trains on the same data).
     ``names``: epoch fields renamed (``epoch_names``); no val_acc without --val-split."""
-    doc = dataclasses.asdict(dataclasses.replace(r, model=None))
-    del doc["model"], doc["classes"]
+    doc = dataclasses.asdict(dataclasses.replace(r, model=None, outputs=None))
+    del doc["model"], doc["classes"], doc["outputs"]
     if doc["val_acc"] is None:
         del doc["val_acc"]
+    if not doc["output_files"]:  # no --save-outputs
+        del doc["output_files"]
     doc["epochs"] = [rename(e, names) for e in doc["epochs"]]
     return doc
 

@@ -184,3 +184,65 @@ def test_an_api_run_that_diverges_closes_its_log_as_the_cli_does(learnable_data,
     assert not report._OPEN
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "diverged"
+
+
+@pytest.mark.parametrize("tta, share, val_split", [(2, 0.5, 0), pytest.param(1, 1.0, 100, marks=pytest.mark.slow)])
+def test_per_example_outputs_are_what_the_accuracy_counted_in_memory_and_on_disk(
+    learnable_data, tmp_path, tta, share, val_split
+):
+    """--save-outputs both, two runs on a --subset: each run's test logits give its reported
+    accuracy to the image (TTA share and a padded last batch included; with --val-split, the test
+    set's one evaluation), the margins' signs say the same, the training outputs cover every
+    training image of the data set in its order, plain view; the API's arrays are the files'."""
+    import json
+
+    from fastcifar.data import load_dataset
+    from fastcifar.evaluate import logits_of
+    from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
+
+    out = tmp_path / "runs"
+    cfg = from_preset(
+        "resnet9",
+        data=str(learnable_data),
+        out_dir=str(out),
+        device="cpu",
+        widths=(8, 16, 32, 64),
+        batch_size=100,
+        epochs=1,
+        warmup_steps=1,
+        subset=700,  # the test set is cut to 280: batches of 150 + 130, the last one padded
+        eval_batch_size=150,
+        tta=tta,
+        tta_share=share,
+        val_split=val_split,
+        runs=2,
+        save_outputs="both",
+        quiet=True,
+    )
+    runs = fastcifar.train(cfg)
+    whole = load_dataset(str(learnable_data))
+    test_labels = whole.subset(700).test_labels
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for n, run in enumerate(runs, 1):
+        o = run.outputs
+        assert o.test_logits.dtype == o.train_logits.dtype == np.float16
+        assert o.test_margins.dtype == o.train_margins.dtype == np.float32
+        assert o.test_logits.shape == (280, 10) and o.train_logits.shape == (1000, 10)
+        correct = int((o.test_logits.argmax(1) == test_labels).sum())
+        assert 100.0 * correct / 280 == run.test_acc  # the evaluation's own arithmetic: equal to the bit
+        assert int((o.test_margins > 0).sum()) == correct
+        files = summary["results"][n - 1]["output_files"]
+        assert files == {
+            name: f"outputs-run{n}/{name}.npy"
+            for name in ("test_logits", "test_margins", "train_logits", "train_margins")
+        }
+        for name, path in files.items():
+            on_disk = np.load(run_dir / path, mmap_mode="r")
+            assert on_disk.dtype == getattr(o, name).dtype and np.array_equal(on_disk, getattr(o, name))
+        plain = logits_of(run.model, whole.train_images, mean=CIFAR10_MEAN, std=CIFAR10_STD, tta=0, batch_size=150)
+        np.testing.assert_allclose(o.train_logits.astype(np.float32), plain.numpy(), rtol=2e-3, atol=2e-3)
+        labels = torch.from_numpy(whole.train_labels)
+        expected = plain.gather(1, labels[:, None])[:, 0] - plain.scatter(1, labels[:, None], -np.inf).amax(1)
+        np.testing.assert_allclose(o.train_margins, expected.numpy(), rtol=1e-4, atol=1e-5)
+    assert not np.array_equal(runs[0].outputs.test_logits, runs[1].outputs.test_logits)  # two seeds, two files

@@ -5,6 +5,7 @@ train exactly what one process given the same flag trains (fp32 on the CPU: no r
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -80,14 +81,39 @@ def test_two_ranks_fed_rank_0s_data_equal_one_process_bit_for_bit(tmp_path):
 
 def test_deterministic_takes_torchs_deterministic_algorithms_and_nothing_without_it(monkeypatch):
     monkeypatch.setenv("FASTCIFAR_TEST_DETERMINISTIC", "1")  # the former switch: no variable changes a run
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     torch.backends.cudnn.benchmark = True
     try:
-        distributed.apply_determinism(Config())
+        assert distributed.apply_determinism(Config(), torch.device("cuda")) == ""
         assert torch.backends.cudnn.benchmark and not torch.are_deterministic_algorithms_enabled()
-        distributed.apply_determinism(parse_args(["--deterministic"]))
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        # the CPU: torch's kernels, cuDNN left alone; the line names the thread count it holds for
+        line = distributed.apply_determinism(parse_args(["--deterministic"]), torch.device("cpu"))
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
+        assert f"thread count ({torch.get_num_threads()} here" in line and "\n" not in line
+        # a GPU (the settings only; nothing runs on it): cuDNN's deterministic algorithms, no search,
+        # cuBLAS's workspace set before the run's first matmul when the user has not set it
+        line = distributed.apply_determinism(parse_args(["--deterministic"]), torch.device("cuda"))
         assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
-        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and "=:4096:8 (set for this run)" in line
+        assert "not covered: " in line and "NCCL" in line and "\n" not in line
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own is kept, and named
+        line = distributed.apply_determinism(parse_args(["--deterministic"]), torch.device("cuda"))
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and "=:16:8 (as given)" in line
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before
+
+
+def test_no_triton_kernel_sums_with_atomics():
+    """--deterministic gives the Triton kernels no variant of their own: every reduction in kernels/
+    runs in a fixed order (two-stage sums, no atomics). A kernel that adds an atomic needs an
+    order-fixed variant chosen under --deterministic (and a line in apply_determinism) first."""
+    found = [
+        f"{path.name}:{n}"
+        for path in sorted((ROOT / "kernels").glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "atomic_" in line and not line.lstrip().startswith("#")
+    ]
+    assert found == [], found

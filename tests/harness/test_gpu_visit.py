@@ -33,6 +33,7 @@ STAGES = [
     ["nccl2"],
     ["conv"],
     ["screen"],
+    ["deterministic"],
 ]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 
@@ -461,6 +462,27 @@ def test_spent_budget_skips_steps_and_says_so(tmp_path):
     assert "skipped: stage budget spent" in (out / "check-table.md").read_text()
 
 
+def test_deterministic_stage_runs_the_default_then_twice_deterministic_and_files_a_row(tmp_path):
+    proc, out = visit(tmp_path, "deterministic", DETERMINISTIC_CALL="visit 13", DETERMINISTIC_COMMIT="abc1234")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("dry run:")]
+    runs = [line for line in lines if "fastcifar.train" in line]
+    assert [line.split("--out-dir ")[1].split()[0].rsplit("/", 1)[1] for line in runs] == [
+        "deterministic-normal",
+        "deterministic-a",
+        "deterministic-b",
+    ]
+    for line, deterministic in zip(runs, (False, True, True), strict=True):
+        assert f"--preset {DEFAULT_PRESET} --seed 0 --runs 3 --quiet" in line
+        assert f"--data {tmp_path / 'cifar.tar.gz'}" in line
+        assert line.endswith("--deterministic") is deterministic, line
+    (checks,) = [line for line in lines if "gpu_visit_report.py deterministic" in line]
+    for part in ("--jsonl bench/results/deterministic.jsonl", "--call visit 13", "--commit abc1234"):
+        assert part in checks, checks
+    proc, _ = visit(tmp_path, "deterministic", DETERMINISTIC_RUNS="5")
+    assert proc.stdout.count(f"--preset {DEFAULT_PRESET} --seed 0 --runs 5 --quiet") == 6  # logged and dry-run
+
+
 def test_unknown_stage_is_refused(tmp_path):
     proc, _ = visit(tmp_path, "everything")
     assert proc.returncode == 2 and proc.stderr.startswith("usage:")
@@ -657,3 +679,29 @@ def test_a_relative_python_is_the_callers_in_the_copy_the_stage_runs_from(tmp_pa
     assert proc.returncode == 0, proc.stdout[-2000:]
     runs = [line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "/py " in line]
     assert runs and all(f"{wrapper} " in line and " bin/py " not in line for line in runs), runs
+
+
+def test_deterministic_report_passes_the_same_bits_and_names_a_differing_tensor(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    weights = {"conv.weight": torch.arange(6.0).view(2, 3), "head.weight": torch.ones(3)}
+    signed = torch.arange(6.0).view(2, 3)
+    signed[0, 0] = -0.0  # the same values as conv.weight, other bits
+    for case, b_weights in (("same", weights), ("apart", {**weights, "conv.weight": signed})):
+        root = tmp_path / case / "runs"
+        for name, tensors, det in (("normal", weights, False), ("a", weights, True), ("b", b_weights, True)):
+            write_run(root, f"deterministic-{name}", [1.9, 1.4], config={"deterministic": det}, device={"name": "H100"})
+            (folder,) = (root / f"deterministic-{name}").iterdir()
+            save_file(tensors, folder / "model.safetensors")
+        jsonl = tmp_path / case / "deterministic.jsonl"
+        proc = report("deterministic", root, "--jsonl", jsonl, "--call", "visit 13")
+        (row,) = [json.loads(line) for line in jsonl.read_text().splitlines()]
+        assert row["check"] == "deterministic-bit-exact" and row["call"] == "visit 13" and row["device"] == "H100"
+        assert row["time_ratio"] == 1.0 and row["runs"] == 1
+        if case == "same":
+            assert proc.returncode == 0 and row["ok"], proc.stdout
+            assert "| deterministic-a | 1 | 91.00 | 2.000 | 1.000 |" in proc.stdout
+        else:
+            assert proc.returncode == 1 and not row["ok"]
+            assert "model.safetensors: 1 tensors differ (conv.weight)" in row["message"], row

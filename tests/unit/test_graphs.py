@@ -202,6 +202,33 @@ def test_eval_step_gives_its_tta_share_to_the_least_confident_valid_rows():
     assert ev.loss_sum.item() == pytest.approx(F.cross_entropy(logits, y, reduction="sum").item(), rel=1e-5)
 
 
+def test_eval_step_keeps_the_logits_it_counted_only_when_asked():
+    """--save-outputs: the kept rows are the very logits the correct count was summed from (TTA
+    share and padded last batch included), one tensor per batch; reset starts over; unasked, no
+    copy is made."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 10, 3), torch.nn.Flatten(), torch.nn.LazyLinear(10)).eval()
+    x, y = torch.randn(11, 3, 32, 32), torch.randint(0, 10, (11,))
+    model(x[:1])
+    ev = EvalStep(model, StaticBatch(4, torch.float32, CPU), tta=2, capture=False, tta_share=0.5)
+    ev.prepare()
+    ev(x[:4], y[:4])
+    assert ev.kept is None
+    ev.keep_logits()
+    for _ in range(2):  # a second evaluation replaces the first's rows
+        ev.reset()
+        for start in range(0, 11, 4):  # 4 + 4 + 3: the last batch is padded and masked
+            ev(x[start : start + 4], y[start : start + 4])
+        assert [len(k) for k in ev.kept] == [4, 4, 3]
+    kept = torch.cat(ev.kept)
+    with torch.no_grad():
+        expected = torch.cat([tta_logits(model, x[s : s + 4], 2, share=0.5) for s in (0, 4, 8)])
+    torch.testing.assert_close(kept, expected, rtol=1e-5, atol=1e-6)  # a padded batch of 4 rounds as it likes
+    assert ev.correct.item() == (kept.argmax(1) == y).sum().item()
+    ev(x[:4], y[:4])
+    assert ev.kept[-1].data_ptr() != ev.logits.data_ptr()  # a copy: the next batch cannot overwrite it
+
+
 @pytest.mark.parametrize("level, share", [(0, 1.0), (1, 1.0), (2, 1.0), (1, 0.5), (2, 0.25), (0, 0.25)])
 def test_passes_per_image_counts_the_images_tta_logits_runs_through_the_model(level, share):
     """The run's estimate scales a timed forward by ``passes_per_image``: it must be what
