@@ -30,13 +30,16 @@ def check(cfg: Config) -> None:
 class TensorBoard(Component):
     """Run ``run``'s epochs into ``folder`` (rank 0's run folder / tensorboard / run<N>)."""
 
-    def __init__(self, cfg: Config, folder, run: int, images_per_step: int, steps: list[int], names: dict):
+    def __init__(self, cfg: Config, folder, run: int, images_per_step: int, steps: list[int], names: dict, say=print):
         SummaryWriter = optional.load("torch.utils.tensorboard", FIX, "--tensorboard").SummaryWriter
-        self.writer = SummaryWriter(log_dir=str(folder / "tensorboard" / f"run{run}"))
-        self.cfg, self.images_per_step, self.steps = cfg, images_per_step, steps
+        self.events = folder / "tensorboard" / f"run{run}"
+        self.writer = SummaryWriter(log_dir=str(self.events))
+        self.cfg, self.images_per_step, self.steps, self.say = cfg, images_per_step, steps, say
         self.evaluated = "val" if names else "test"  # --val-split: the epochs' evaluation is on held-out images
 
     def start(self, result) -> None:
+        # where the events go, before the first epoch: TensorBoard can watch the run as it trains
+        self.say(f"tensorboard: events in {self.events} (tensorboard --logdir {self.events.parent.parent.parent})")
         # markdown: a code block keeps the JSON's lines
         self.writer.add_text("settings", "```\n" + config_file_text(self.cfg) + "```", 0)
         self.writer.add_text("seed", json.dumps(result.seed), 0)
