@@ -116,6 +116,10 @@ def test_console_scripts_and_extras_in_pyproject():
         d.startswith("onnx>") for d in extras["onnx"]
     )
     assert not any(d.startswith("onnx") for d in project["dependencies"]), "training must not need onnx"
+    # Triton (0.9 GB) is an extra: a CPU install trains without it; torch's CUDA wheels bring their own
+    assert not any(d.startswith("triton") for d in project["dependencies"])
+    assert [d.split(">")[0] for d in extras["triton"]] == ["triton"]
+    assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]  # SPDX: PEP 639
 
 
 def test_python_m_fastcifar_is_the_same_command():
