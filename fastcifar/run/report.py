@@ -140,7 +140,7 @@ def cpu_threads_note(device: torch.device) -> str:
         return ""
     return (
         f"note: load average {load:.1f} on {cores} cores: other work is running, and torch uses {threads} "
-        f"threads; OMP_NUM_THREADS=1 is usually much faster on a shared machine (README, Quick start)"
+        f"threads; OMP_NUM_THREADS=1 is usually much faster on a shared machine (README, CPU runs)"
     )
 
 
