@@ -161,7 +161,6 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     for note in (
         report.cpu_note(cfg, ctx.device),
         report.cpu_threads_note(ctx.device),
-        report.emulated_note(cfg),
         notice,
         graphs_note,
         profiling.graphs_note(cfg.nvtx, use_graphs),
@@ -265,8 +264,9 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     )
     log.follow(distributed.from_rank0(str(log.dir or ""), ctx), ctx.rank)  # a killed rank 0 still gets a summary
 
-    for note in notes:
-        log.line(note)
+    for note in [*notes, report.emulated_note(cfg)]:  # after the header: the run's own settings
+        if note:
+            log.line(note)
     session = components.Session(
         cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs, tuple(data.classes), resume, eval_set
     )
