@@ -67,11 +67,13 @@ def test_without_triton_the_cpu_trains_and_the_triton_kernels_are_one_line(tmp_p
     import sys
 
     from cli import ROOT, env
-    from conftest import write_official
+    from conftest import make_images, write_official
+    from PIL import Image
 
     from fastcifar.models.blocks import resolve_kernels
 
     data, _ = write_official(tmp_path / "data", per_batch=100, n_test=100)
+    Image.fromarray(make_images(1, seed=5)[0][0]).save(tmp_path / "cat.png")
     code = f"""
 import sys
 sys.modules["triton"] = None  # `import triton` raises ImportError, as where it is not installed
@@ -79,6 +81,12 @@ from fastcifar.train import main
 args = ["--data", {str(data)!r}, "--out-dir", {str(tmp_path / "runs")!r}, "--device", "cpu", "--subset", "200",
         "--epochs", "1", "--widths", "8,8,8", "--batch-size", "100", "--warmup-steps", "1", "--quiet"]
 assert main(args) == 0
+import glob
+import fastcifar
+(model,) = glob.glob({str(tmp_path / "runs" / "*" / "model.safetensors")!r})
+fastcifar.evaluate(model, {str(data)!r})  # the model file's commands too: evaluate, predict
+(guess,) = fastcifar.predict(model, [{str(tmp_path / "cat.png")!r}])
+assert guess.top
 assert sys.modules["triton"] is None and not [m for m in sys.modules if m.startswith("triton.")]
 print("TRAINED WITHOUT TRITON")
 """
