@@ -3,6 +3,7 @@ with other presets.
 
     python bench/bench_train.py --runs 25 --compare fast resnet9 -- --data data   # the default preset first
     torchrun --nproc_per_node 8 bench/bench_train.py --preset apple8 --runs 25 -- --data data
+    python bench/bench_train.py --smoke          # two tiny presets on the CPU, made-up data: nothing written
 
 Everything after ``--`` is passed to every preset's trainer command line (``--data``, ``--device``,
 any field); ``--args-for "PRESET=FLAGS"`` adds flags for one preset only. Each preset runs as
@@ -13,7 +14,9 @@ measured runs with seeds seed, seed+1, ...; the trainer writes its usual logs un
 Rank 0 then prints a markdown table (accuracy mean, std, min, runs below the bar; train time mean,
 std, median, min, max; the first measured run's wall time, which includes loading and the warm-up
 run), appends one row per preset to ``--results`` (JSON lines: date, device, versions, data,
-config, the summary, every run's per-epoch test accuracy and train time), and draws ``--plot``:
+config, the summary, every run's per-epoch test accuracy and train time; by default
+``train.jsonl`` in ``--out-dir``, the user's own folder; ``--record`` appends to the project's
+record, ``bench/results/train.jsonl``, instead), and draws ``--plot``:
 accuracy against train time per run, and test accuracy per epoch against train time. The plot
 needs matplotlib (``pip install 'fastcifar[plot]'``); without it the data is still written and one
 line says the plot was skipped.
@@ -33,6 +36,7 @@ import json
 import shlex
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,16 +78,29 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--bar-preset", default=None, help="count runs below this preset's mean (default: resnet9 when it runs)"
     )
     p.add_argument(
-        "--results",
-        default=str(ROOT / "bench" / "results" / "train.jsonl"),
-        help="JSON lines file the rows are appended to",
+        "--results", default=None, help="JSON lines file the rows are appended to (default: train.jsonl in --out-dir)"
+    )
+    p.add_argument(
+        "--record", action="store_true", help=f"append the rows to the project's record, {RECORD.relative_to(ROOT)}"
     )
     p.add_argument("--plot", default=None, help="PNG path (default: beside --results, named by date)")
-    p.add_argument("--out-dir", default="runs/bench", help="where the trainer's own logs go")
+    p.add_argument("--out-dir", default="runs/bench", help="where the trainer's own logs and the rows go")
+    p.add_argument("--smoke", action="store_true", help="two tiny presets on the CPU, made-up data; nothing written")
     args = p.parse_args(argv)
     if args.runs <= 0 or args.warmup_runs < 0:
         p.error("--runs must be positive and --warmup-runs not negative")
+    if args.record and args.results is not None:
+        p.error("--record appends to the project's record; --results names another file: give one")
+    if args.smoke and (args.record or args.results is not None or args.plot is not None):
+        p.error("--smoke writes nothing: leave out --record, --results and --plot")
     return args, passthrough
+
+
+RECORD = ROOT / "bench" / "results" / "train.jsonl"
+# --smoke: the whole script on made-up data, two narrowed presets of a few steps, on the CPU
+SMOKE_ARGS = ["--device", "cpu", "--batch-size", "100", "--epochs", "1", "--warmup-steps", "1"]
+SMOKE_ARGS += ["--eval-batch-size", "100", "--target-acc", "50", "--loader", "torch"]
+SMOKE_PRESETS = {"fast": ["--widths", "8,16,16", "--whiten-images", "100"], "resnet9": ["--widths", "8,8,8,8"]}
 
 
 def run_stats(results: list[RunResult], target: float, bar: float | None) -> dict:
@@ -203,6 +220,24 @@ def bench_row(
 
 def main(argv: list[str] | None = None) -> int:
     args, passthrough = parse(sys.argv[1:] if argv is None else list(argv))
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from conftest import write_official
+
+            data, _ = write_official(Path(tmp) / "data", per_batch=40, n_test=100)
+            args.preset, args.compare, args.runs, args.warmup_runs = "fast", ["resnet9"], 2, 1
+            args.args_for = [f"{name}={shlex.join(flags)}" for name, flags in SMOKE_PRESETS.items()]
+            args.out_dir, args.results = tmp, str(Path(tmp) / "train.jsonl")
+            code = measure(args, ["--data", str(data), *SMOKE_ARGS], smoke=True)
+        print("\nsmoke run: figures meaningless, nothing written")
+        return code
+    if args.results is None:
+        args.results = str(RECORD if args.record else Path(args.out_dir) / "train.jsonl")
+    return measure(args, passthrough)
+
+
+def measure(args: argparse.Namespace, passthrough: list[str], smoke: bool = False) -> int:
     presets = list(dict.fromkeys([args.preset, *args.compare]))
     extra = {}
     for spec in args.args_for:
@@ -261,9 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         f"bar: {bar_preset + ' mean' if bar is not None else 'none'}\n"
     )
     print(table(rows))
-    print(f"\nrows: {results_path}")
-    plot_path = Path(args.plot) if args.plot else results_path.with_name(f"train-{stamp}.png")
-    print(plot(rows, plot_path, cfgs[0].target_acc))
+    if not smoke:  # its rows and logs are in a temporary folder, removed
+        print(f"\nrows: {results_path}")
+        plot_path = Path(args.plot) if args.plot else results_path.with_name(f"train-{stamp}.png")
+        print(plot(rows, plot_path, cfgs[0].target_acc))
     return 0
 
 

@@ -114,6 +114,19 @@ def help_text(prog: str = "fastcifar") -> str:
     return "\n".join(lines)
 
 
+def _say(text: str) -> int:
+    """Print ``text`` to stdout: 0, or quietly the shell's 141 when the reader has left
+    (``fastcifar --help | head -1``), as the commands end; flushed here, where the error is caught,
+    not at the interpreter's exit, where it would be a traceback."""
+    from fastcifar.core import signals
+
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        return signals.stdout_gone()
+    return 0
+
+
 def main(argv: list[str] | None = None, prog: str = "fastcifar") -> int:
     """``fastcifar COMMAND ARGS``: the exit status of the command; 2 with the usage (no command) or
     one line (an unknown one); 0 after ``--help``."""
@@ -123,13 +136,11 @@ def main(argv: list[str] | None = None, prog: str = "fastcifar") -> int:
         return 2
     name, rest = argv[0], argv[1:]
     if name in ("-h", "--help") and not rest:
-        print(help_text(prog))
-        return 0
+        return _say(help_text(prog))
     if name == "--version" and not rest:
         from fastcifar import __version__
 
-        print(f"fastcifar {__version__}")
-        return 0
+        return _say(f"fastcifar {__version__}")
     if name not in COMMANDS:
         print(
             f"fastcifar: error: unknown command {name!r}; choose from {', '.join(COMMANDS)} "

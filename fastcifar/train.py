@@ -277,8 +277,9 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     if log.dir is not None:  # the images this invocation trains on, for a study to read back
         save_mask(log.dir, data.mask())
 
-    for note in [*notes, schedule_text]:
-        log.line(note)
+    for note in [*notes, schedule_text, report.emulated_note(cfg)]:  # after the header: the run's own settings
+        if note:
+            log.line(note)
     session = components.Session(
         cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs, tuple(data.classes), resume, eval_set, read
     )
@@ -372,10 +373,14 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     run_parts = components.for_run(session, run, network_parts, parts, sync, sparse, lengths, eval_step, watchdog)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0, streams=streams.as_dict())
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
-    # the run's first line: what it will take in all, from the step and evaluation timed above
+    # the run's first line: what it will take in all, from the step and evaluation timed above; with
+    # --val-split the test set's one evaluation after the last epoch too
     todo, eval_batches = lengths[start_epoch:], len(session.eval_set)
-    result.estimated_time = report.estimate(time.perf_counter() - set_up, todo, step_s, eval_batches, eval_s)
-    log.line(report.estimate_line(run, result.estimated_time, todo, step_s, eval_batches, eval_s))
+    final_batches = len(session.test_set) if session.eval_set is not session.test_set else 0
+    result.estimated_time = report.estimate(
+        time.perf_counter() - set_up, todo, step_s, eval_batches * len(todo) + final_batches, eval_s
+    )
+    log.line(report.estimate_line(run, result.estimated_time, todo, step_s, eval_batches, eval_s, final_batches))
     total_train_time = result.epochs[-1].total_train_time if result.epochs else 0.0
     for epoch in range(start_epoch, len(lengths)):
         epoch_steps = lengths[epoch]

@@ -2,10 +2,11 @@
 # Each GPU generation's install line of README's Install table, resolved against the registry without
 # installing anything (pip install --dry-run --report, in a throwaway venv under /tmp), and the resolved
 # torch's arch list checked against the compute capabilities the line claims; the DALI build too.
-# One row goes to bench/results/installs.jsonl (date, pip version, what each line resolved to).
-# Needs the registry, so it is not a CI test.
+# One row (date, pip version, what each line resolved to) goes to runs/installs.jsonl, the user's own
+# (ignored) folder, or with --record to the project's record, bench/results/installs.jsonl; OUT=FILE names
+# another file. Needs the registry, so it is not a CI test.
 #
-#   bash scripts/check_installs.sh              # PYTHON: a Python with the project's requirements (its
+#   bash scripts/check_installs.sh [--record]   # PYTHON: a Python with the project's requirements (its
 #                                               # fastcifar.core.gpu rules judge the arch lists); default .venv's
 #
 # pip reads each wheel's metadata by HTTP range requests (--use-feature=fast-deps): a plain dry run
@@ -16,7 +17,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-OUT=${OUT:-bench/results/installs.jsonl}
+record=runs/installs.jsonl
+for arg in "$@"; do
+  case $arg in
+    --record) record=bench/results/installs.jsonl ;;
+    *) echo "check_installs.sh: error: unknown argument '$arg' (usage: check_installs.sh [--record])" >&2; exit 2 ;;
+  esac
+done
+OUT=${OUT:-$record}
+mkdir -p "$(dirname "$OUT")"
 work=$(mktemp -d /tmp/fastcifar-installs.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 

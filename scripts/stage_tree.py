@@ -43,7 +43,8 @@ SKIP = {
     ".whl",
     ".cache",
 }
-SKIP_PATTERNS = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "*.npz", "*.npy", "*.pt")
+# at any depth: CI's venv is .ci/venv (.ci/run)
+SKIP_PATTERNS = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "*.npz", "*.npy", "*.pt", "venv", ".venv")
 LINKED = ("bench/results", ".stage")  # shared with the checkout, not copied
 
 

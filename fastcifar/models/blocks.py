@@ -45,6 +45,12 @@ def resolve_kernels(requested: str, device: torch.device, fused_conv: bool = Fal
             f"--kernels triton without a GPU runs Triton's interpreter, minutes per epoch (it is "
             f"there for tests): use --kernels torch, or set {ALLOW_INTERPRETER}=1 to run it anyway"
         )
+    if kernels == "triton" and importlib.util.find_spec("triton") is None:
+        # a CPU install leaves Triton out (pyproject's triton extra); torch's CUDA wheels bring it
+        raise ConfigError(
+            "--kernels triton needs the triton package, which this install leaves out: pip install -e "
+            "'.[triton]' (torch's CUDA wheels on Linux bring it), or use --kernels torch"
+        )
     if kernels == "triton" and importlib.util.find_spec("fastcifar.kernels") is None:
         # pyproject maps kernels/ into the package at install; a checkout's fastcifar/ found first
         # (python -m run in it beside a non-editable install, or no install at all) has none

@@ -79,17 +79,6 @@ def tta_logits(
     return plain.index_copy(0, order, views)
 
 
-VIEWS = {0: 1, 1: 2, 2: 6}  # forward passes per image of each level, given to every image
-
-
-def passes_per_image(level: int, share: float = 1.0) -> float:
-    """Forward passes an evaluated image costs on average: the level's views, or with ``share`` < 1
-    one plain pass for all and the views for that share (level 2 at 0.25: 1 + 6 x 0.25 = 2.5)."""
-    if level == 0 or share == 1.0:
-        return float(VIEWS[level])
-    return 1.0 + VIEWS[level] * share
-
-
 def _all_views(model: torch.nn.Module, images: torch.Tensor, level: int) -> torch.Tensor:
     if level == 0:
         return model(images).float()

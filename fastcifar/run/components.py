@@ -170,7 +170,7 @@ def for_run(
     members.append(profiling.StepWindow(cfg.profile_steps if run == 1 else ""))  # nsys range, profiler steps
     if cfg.tensorboard and log.dir is not None and run:  # rank 0; before the guard: a diverged epoch is shown too
         images_per_step = session.train_loader.batch_size * session.ctx.world_size
-        members.append(tensorboard.TensorBoard(cfg, log.dir, run, images_per_step, lengths, log.names))
+        members.append(tensorboard.TensorBoard(cfg, log.dir, run, images_per_step, lengths, log.names, log.line))
     members.append(LossGuard(num_classes=len(session.classes)))  # NaN or exploded loss ends the run
     members.append(
         Checkpoints(cfg, log, parts, len(lengths), session.resume if run else None, cfg.checkpoint_every if run else 0)

@@ -34,9 +34,9 @@ def check(cfg: Config) -> None:
 class TensorBoard(Component):
     """Run ``run``'s epochs into ``folder`` (rank 0's run folder / tensorboard / run<N>)."""
 
-    def __init__(self, cfg: Config, folder, run: int, images_per_step: int, steps: list[int], names: dict):
+    def __init__(self, cfg: Config, folder, run: int, images_per_step: int, steps: list[int], names: dict, say=print):
         SummaryWriter = optional.load("torch.utils.tensorboard", FIX, "--tensorboard").SummaryWriter
-        self.cfg, self.images_per_step, self.steps = cfg, images_per_step, steps
+        self.cfg, self.images_per_step, self.steps, self.say = cfg, images_per_step, steps, say
         self.evaluated = "val" if names else "test"  # --val-split: the epochs' evaluation is on held-out images
         self.folder = folder / "tensorboard" / f"run{run}"
         self.writer = None
@@ -54,6 +54,8 @@ class TensorBoard(Component):
     def start(self, result) -> None:
         if self.writer is None:
             return
+        # where the events go, before the first epoch: TensorBoard can watch the run as it trains
+        self.say(f"tensorboard: events in {self.folder} (tensorboard --logdir {self.folder.parent.parent.parent})")
         try:  # markdown: a code block keeps the JSON's lines
             self.writer.add_text("settings", "```\n" + config_file_text(self.cfg) + "```", 0)
             self.writer.add_text("seed", json.dumps(result.seed), 0)

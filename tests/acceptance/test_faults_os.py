@@ -469,8 +469,8 @@ def test_a_fresh_runs_line_is_unchanged(tmp_path):
     log.run_done(RunResult(run=1, seed=0, test_acc=60.0, train_time=2.0, wall_time=9.0, epochs=[rec]), 50.0)
     log.stop("interrupted", "test")
     assert (
-        "run 1: test_acc 60.00% train 2.00 s wall 9.00 s setup 0.00 s (target 50.00%: reached)"
-        in (log.dir / "log.txt").read_text()
+        "run 1: test_acc 60.00% train 2.00 s of training steps, wall 9.00 s since the process started, setup 0.00 s "
+        "(target 50.00%: reached)" in (log.dir / "log.txt").read_text()
     )
 
 

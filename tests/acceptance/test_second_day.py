@@ -97,7 +97,9 @@ def test_the_console_gives_the_estimate_each_evaluation_the_checkpoints_and_the_
     (result,) = summary["results"]
     took = next(ln for ln in lines if ln.startswith("run 1: took "))
     assert lines.index(took) == next(i for i, ln in enumerate(lines) if ln.startswith("run 1: test_acc")) + 1
-    assert took.startswith(f"run 1: took {result['run_time']:.1f} s in all (setup {result['setup_time']:.1f} s")
+    assert took.startswith(
+        f"run 1: took {result['run_time']:.1f} s in all, set-up to model file (setup {result['setup_time']:.1f} s"
+    )
     assert f"estimated {result['estimated_time']:.1f} s)" in took
     spent = result["setup_time"] + sum(e["train_time"] + e["test_time"] for e in result["epochs"])
     assert result["run_time"] >= spent > 0, "the total holds the set-up, every epoch and every evaluation"
@@ -206,6 +208,8 @@ def test_tensorboard_events_read_back(data, tmp_path):
     assert {"accuracy/train", "loss/test", "time/epoch_train_s", "time/epoch_eval_s"} <= set(scalars)
     (settings,) = events.Tensors("settings/text_summary")
     assert '"tensorboard": true' in settings.tensor_proto.string_val[0].decode()
+    said = f"tensorboard: events in {run_dir / 'tensorboard' / 'run1'} (tensorboard --logdir {tmp_path})"
+    assert said in proc.stdout.splitlines(), "where the events went, on the console"
 
 
 def test_tensorboard_without_the_package_is_one_line(data, tmp_path, monkeypatch, capsys):

@@ -34,13 +34,14 @@ def test_readme_example_runs_and_train_is_callable_before_and_after_import(tmp_p
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("### Python API") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    write_official(tmp_path / "data", per_batch=100, n_test=200)  # ./data, as the example reads it
+    write_official(tmp_path / "data", per_batch=400, n_test=200)  # ./data, 2,000 images: the example's subset
     Image.fromarray(make_images(1, seed=5)[0][0]).save(tmp_path / "cat.png")
     before = "import sys\nimport fastcifar\nassert 'fastcifar.train' not in sys.modules, 'imported too early'\n"
     after = """
 import torch
-assert isinstance(run.model, torch.nn.Module) and len(run.metrics.epochs) == 2
+assert isinstance(run.model, torch.nn.Module) and len(run.metrics.epochs) == 4
 assert abs(acc - run.test_acc) < 1e-9, (acc, run.test_acc)
+assert cfg.subset == 2000 and cfg.device == "cpu"  # a short CPU run, not the whole set
 assert run.test_acc > 50 and info.classes[0] == "airplane" and len(p.top) == 3
 import fastcifar.train
 from fastcifar import train
@@ -52,6 +53,7 @@ print("EXAMPLE OK")
     proc = python(before + code + after, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "EXAMPLE OK" in proc.stdout and "cat.png [(" in proc.stdout
+    assert f"evaluated again: {proc.stdout.split('%', 1)[0].split()[-1]}%" in proc.stdout, "the accuracy, shown"
 
 
 @pytest.mark.parametrize("module", ["fastcifar.train", "fastcifar.evaluate", "fastcifar.predict", "fastcifar.export"])

@@ -362,8 +362,8 @@ def test_a_resumed_runs_line_says_what_each_clock_counts(tmp_path):
     log.finish([RunResult(run=1, seed=0, test_acc=60.0, train_time=25.0, wall_time=12.0, epochs=records)])
     line = next(ln for ln in (log.dir / "log.txt").read_text().splitlines() if ln.startswith("run 1:"))
     assert line == (
-        "run 1: test_acc 60.00% train 25.00 s over 5 epochs (15.00 s in the 3 before the resume, "
-        "10.00 s in this process) wall 12.00 s in this process setup 0.00 s (target 94.00%: missed)"
+        "run 1: test_acc 60.00% train 25.00 s of training steps over 5 epochs (15.00 s in the 3 before the resume, "
+        "10.00 s in this process), wall 12.00 s since the process started, setup 0.00 s (target 94.00%: missed)"
     )
     assert "resumed run" in TIMING_PROTOCOL
 

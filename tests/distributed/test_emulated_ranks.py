@@ -110,6 +110,9 @@ def test_emulated_ranks_equal_two_gloo_ranks(data, plain, tmp_path):
     assert gloo["device"]["world_size"] == 2 and gloo["per_rank_batch"] == 100
     emulated, weights = _train_here(data, tmp_path / "emulated", "--emulate-ranks", "2")
     assert emulated["device"]["world_size"] == 1 and emulated["config"]["emulate_ranks"] == 2
+    (run_dir,) = run_dirs(tmp_path / "emulated")
+    said = [ln for ln in (run_dir / "log.txt").read_text().splitlines() if ln.startswith("emulated ranks: ")]
+    assert len(said) == 1 and "the recipe of 2 real ranks, up to the order of floating-point sums" in said[0]
 
     test_images = 400
     for mine, theirs in zip(_epochs(emulated), _epochs(gloo), strict=True):
@@ -127,6 +130,8 @@ def test_emulated_ranks_equal_two_gloo_ranks(data, plain, tmp_path):
 
 def test_emulate_ranks_1_is_the_plain_run_bit_for_bit(data, plain, tmp_path):
     summary, weights = _train_here(data, tmp_path / "one", "--emulate-ranks", "1")
+    (run_dir,) = run_dirs(tmp_path / "one")
+    assert "emulated ranks" not in (run_dir / "log.txt").read_text()
     assert all(torch.equal(t, plain[1][k]) for k, t in weights.items())
     keys = ("train_loss", "train_acc", "test_loss", "test_acc")
     assert [[e[k] for k in keys] for e in _epochs(summary)] == [[e[k] for k in keys] for e in _epochs(plain[0])]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from broken_imports import break_import
@@ -107,3 +108,20 @@ def test_bad_arguments(tmp_path):
         text=True,
     )
     assert proc.returncode == 2 and "not among the presets" in proc.stderr
+
+
+def test_rows_go_to_the_users_folder_and_the_record_only_when_asked(monkeypatch, tmp_path):
+    """A user's rows go to train.jsonl in their --out-dir (runs/bench by default), never into the
+    checkout's bench/results/ unless --record asks; --smoke writes nothing and takes neither."""
+    bench = load_script("bench/bench_train.py")
+    seen = []
+    monkeypatch.setattr(bench, "measure", lambda args, passthrough, smoke=False: seen.append(args.results) or 0)
+    assert bench.main(["--out-dir", str(tmp_path), "--", "--data", "d"]) == 0
+    assert bench.main(["--", "--data", "d"]) == 0
+    assert bench.main(["--record", "--", "--data", "d"]) == 0
+    assert seen == [str(tmp_path / "train.jsonl"), str(Path("runs/bench/train.jsonl")), str(bench.RECORD)]
+    assert bench.RECORD == ROOT / "bench" / "results" / "train.jsonl"
+    for argv in (["--record", "--results", "x.jsonl"], ["--smoke", "--record"], ["--smoke", "--results", "x"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(argv)
+        assert exit_.value.code == 2, argv

@@ -5,6 +5,9 @@ and is not a CI test; bench/results/installs.jsonl holds its rows). Reports made
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,3 +78,32 @@ def test_main_appends_one_row_and_fails_on_a_bad_line(tmp_path):
     )
     assert [r["ok"] for r in first["lines"]] == [True, True] and [r["ok"] for r in second["lines"]] == [False]
     assert first["date"] and "commit" in first
+
+
+@pytest.mark.parametrize("args, out", [([], "runs/installs.jsonl"), (["--record"], "bench/results/installs.jsonl")])
+def test_the_row_goes_to_the_users_folder_unless_recorded(args, out, tmp_path):
+    """check_installs.sh in a copy whose python3, pip and judging Python only record their calls: the
+    row goes to runs/ (the user's, ignored by git), to bench/results/ only with --record; an unknown
+    argument is one line, exit 2."""
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "check_installs.sh", tree / "scripts")
+    bin_, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_.mkdir()
+    fakes = {
+        # python3 -m venv DIR: a venv whose pip does nothing; python3 -c ...: 0 bytes received
+        "python3": 'if [ "$1" = -m ]; then mkdir -p "$3/bin"; printf "#!/bin/sh\\n" > "$3/bin/pip"; '
+        'chmod +x "$3/bin/pip"; else echo 0; fi\n',
+        "judge": f'echo "$3" >> {calls}\n',  # scripts/check_installs.py WORK OUT ...
+    }
+    for name, body in fakes.items():
+        (bin_ / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_ / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", PYTHON=str(bin_ / "judge"))
+    env.pop("OUT", None)
+    script = ["bash", "scripts/check_installs.sh"]
+    proc = subprocess.run([*script, *args], cwd=tree, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert calls.read_text().splitlines() == [out] and (tree / out).parent.is_dir()
+    proc = subprocess.run([*script, "--bogus"], cwd=tree, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "unknown argument '--bogus'" in proc.stderr

@@ -53,6 +53,8 @@ def test_lays_out_the_package_as_installed(tmp_path):
     assert (tree / "pyproject.toml").is_file() and (tree / "tests" / "conftest.py").is_file()
     assert not (tree / ".git").exists() and not (tree / ".venv").exists()
     assert not list(tree.rglob("__pycache__"))
+    # CI's venv (.ci/venv) is left out at any depth
+    assert (tree / ".ci" / "run").is_file() and stage_tree.SKIP_PATTERNS(".ci", ["run", "venv"]) == {"venv"}
 
 
 def test_refuses_a_folder_that_exists_or_sits_inside_the_checkout(tmp_path, capsys):
@@ -67,6 +69,7 @@ def test_refuses_a_folder_that_exists_or_sits_inside_the_checkout(tmp_path, caps
 @pytest.mark.slow  # a Python that imports torch, triton and the entry points: over 2 s on 2 cores
 def test_a_python_without_the_install_imports_the_copy(tmp_path):
     tree = stage_tree.stage(tmp_path / "tree")
+    venvs = (str(ROOT / ".venv"), sys.prefix)  # a developer's venv, or CI's (.ci/venv): inside the checkout
     # each entry point as `python FILE` imports it: its folder first on sys.path
     code = f"""
 import importlib, os, sys
@@ -75,7 +78,7 @@ for path in {ENTRY_POINTS!r}:
     sys.path.insert(0, os.path.join({str(tree)!r}, os.path.dirname(path)))
     importlib.import_module(os.path.basename(path)[:-3])
 files = [getattr(m, "__file__", None) or "" for m in list(sys.modules.values())]
-checkout = [f for f in files if f.startswith({str(ROOT) + os.sep!r}) and not f.startswith({str(ROOT / ".venv")!r})]
+checkout = [f for f in files if f.startswith({str(ROOT) + os.sep!r}) and not f.startswith({venvs!r})]
 print(fastcifar.kernels.__file__.startswith({str(tree)!r}), "from the checkout:", checkout,
       "finders:", [f.__name__ for f in sys.meta_path if "editable" in f.__name__])
 """

@@ -56,3 +56,48 @@ def test_auto_on_cuda_fuses_every_block(arch):
     assert norm_blocks("torch", cuda) is NormActPool
     assert set(fused.state_dict()) == set(make_network(cfg, NormActPool).state_dict())
     assert compiled.norm_for(norm_blocks("auto", cuda), True).__name__ == "CompiledNormActPool"
+
+
+@pytest.mark.slow  # trains a run in a fresh interpreter
+def test_without_triton_the_cpu_trains_and_the_triton_kernels_are_one_line(tmp_path, monkeypatch):
+    """A CPU install leaves Triton out (pyproject's triton extra): the default preset's CPU run,
+    with the default preset's FastNet and its whitening, the loader's augmentation and TTA, imports
+    no triton; --kernels triton says in one line which extra brings it."""
+    import subprocess
+    import sys
+
+    from cli import ROOT, env
+    from conftest import make_images, write_official
+    from PIL import Image
+
+    from fastcifar.models.blocks import resolve_kernels
+
+    data, _ = write_official(tmp_path / "data", per_batch=100, n_test=100)
+    Image.fromarray(make_images(1, seed=5)[0][0]).save(tmp_path / "cat.png")
+    code = f"""
+import sys
+sys.modules["triton"] = None  # `import triton` raises ImportError, as where it is not installed
+from fastcifar.train import main
+args = ["--data", {str(data)!r}, "--out-dir", {str(tmp_path / "runs")!r}, "--device", "cpu", "--subset", "200",
+        "--epochs", "1", "--widths", "8,8,8", "--batch-size", "100", "--warmup-steps", "1", "--quiet"]
+assert main(args) == 0
+import glob
+import fastcifar
+(model,) = glob.glob({str(tmp_path / "runs" / "*" / "model.safetensors")!r})
+fastcifar.evaluate(model, {str(data)!r})  # the model file's commands too: evaluate, predict
+(guess,) = fastcifar.predict(model, [{str(tmp_path / "cat.png")!r}])
+assert guess.top
+assert sys.modules["triton"] is None and not [m for m in sys.modules if m.startswith("triton.")]
+print("TRAINED WITHOUT TRITON")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and "TRAINED WITHOUT TRITON" in proc.stdout, proc.stderr[-3000:]
+
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setenv("FASTCIFAR_ALLOW_INTERPRETER", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"needs the triton package.*pip install -e '\.\[triton\]'"):
+        resolve_kernels("triton", torch.device("cpu"))
+    assert resolve_kernels("auto", torch.device("cpu")) == "torch"

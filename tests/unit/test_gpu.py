@@ -387,7 +387,8 @@ def test_capability_install_lines_are_the_readmes_and_pyprojects():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## Install") : readme.index("## Quick start")]
+    start = readme.index("\n## Install\n")
+    table = readme[start : readme.index("\n## ", start + 1)]
     for _, _, command in gpu.INSTALLS:
         assert command.replace("pip", ".venv/bin/pip", 1) in table, command
         extra = command.split("[")[1].split("]")[0]

@@ -229,37 +229,27 @@ def test_eval_step_keeps_the_logits_it_counted_only_when_asked():
     assert ev.kept[-1].data_ptr() != ev.logits.data_ptr()  # a copy: the next batch cannot overwrite it
 
 
-@pytest.mark.parametrize("level, share", [(0, 1.0), (1, 1.0), (2, 1.0), (1, 0.5), (2, 0.25), (0, 0.25)])
-def test_passes_per_image_counts_the_images_tta_logits_runs_through_the_model(level, share):
-    """The run's estimate scales a timed forward by ``passes_per_image``: it must be what
-    ``tta_logits`` costs, counted here as the rows it sends through the model."""
-    from fastcifar.ops.tta import passes_per_image
-
-    rows = []
-    model = tiny_model().eval()
-    model.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
-    with torch.no_grad():
-        tta_logits(model, torch.randn(8, 3, 32, 32), level, share)  # share x 8 is whole: no rounding up
-    assert sum(rows) == passes_per_image(level, share) * 8
-
-
 def test_timed_eval_times_a_slice_on_the_cpu_and_the_whole_batch_elsewhere(monkeypatch):
-    """On the CPU the estimate times the second forward of 64 of the batch's images, scaled to the
-    batch and its TTA passes (a whole CPU batch cost a third of a short run); a captured step, or
-    any evaluation on a GPU, is timed whole (``timed``): a slice there is launch-bound, and scaled
-    up it would overstate the batch. Eager on a GPU, one batch runs untimed first: the first at its
-    shape carries cuDNN's algorithm search and Triton's compiles."""
+    """On the CPU the estimate times the step's own TTA (its views, shifts and stacking) of 64 of the
+    batch's images, the second of two times, scaled to the whole padded batch (a whole CPU batch
+    cost a third of a short run); a captured step, or any evaluation on a GPU, is timed whole
+    (``timed``): a slice there is launch-bound, and scaled up it would overstate the batch. Eager on
+    a GPU, one batch runs untimed first: the first at its shape carries cuDNN's algorithm search and
+    Triton's compiles."""
     from fastcifar.run import step as step_module
 
-    seen = []
+    seen, views = [], []
     model = tiny_model().eval()
     model.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+    real = step_module.tta_logits
+    monkeypatch.setattr(step_module, "tta_logits", lambda *a: views.append(a[2:4]) or real(*a))
     ev = EvalStep(model, StaticBatch(200, torch.float32, CPU), tta=2, capture=False, tta_share=0.25)
-    ev.batch.load(torch.randn(200, 3, 32, 32), torch.randint(0, 10, (200,)))
+    ev.batch.load(torch.randn(150, 3, 32, 32), torch.randint(0, 10, (150,)))  # 50 rows of padding
     clock = iter([10.0, 10.5])
     monkeypatch.setattr(step_module.time, "perf_counter", lambda: next(clock))
-    assert step_module.timed_eval(ev, CPU) == pytest.approx(0.5 * 200 / 64 * (1 + 6 * 0.25))
-    assert seen == [64, 64]  # one forward to set up, one timed; no TTA views run
+    assert step_module.timed_eval(ev, CPU) == pytest.approx(0.5 * 200 / 64)
+    assert views == [(2, 0.25), (2, 0.25)]  # the step's level and share, twice: one to set up, one timed
+    assert seen[0] == 64 and sum(seen) == 2 * (64 + 6 * 16)  # the plain view, then the 16 least sure's six
 
     calls = []
     monkeypatch.setattr(step_module, "timed", lambda step, device: calls.append(("timed", step, device)) or 7.0)

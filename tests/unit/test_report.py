@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from fastcifar.core.config import from_preset
@@ -49,3 +51,37 @@ def test_gpu_name_from_torch_and_driver_from_nvidia_smi_by_uuid(monkeypatch):
 
     monkeypatch.setattr(report.subprocess, "run", missing)
     assert report.gpu_identity(torch.device("cuda", 0)) == ("torch's name of 0", None)
+
+
+# --- what the run's lines say --------------------------------------------------------------------
+
+
+def test_emulated_ranks_say_so_and_what_is_the_same():
+    """--emulate-ranks N: one line naming the emulation, each rank's batchnorm batch, and that the
+    recipe (not the exact numbers) is the one N real ranks train; none without it."""
+    assert report.emulated_note(from_preset("fast")) == ""
+    line = report.emulated_note(from_preset("fast", batch_size=2000, emulate_ranks=8))
+    assert line.startswith("emulated ranks: 8 ranks in this one process") and "over 250 images" in line
+    assert "the recipe of 8 real ranks, up to the order of floating-point sums" in line and "\n" not in line
+
+
+def test_the_estimate_counts_every_evaluation_and_says_what_it_leaves_out():
+    """The estimate holds the set-up, every step, each epoch's evaluation and (--val-split) the test
+    set's once at the end; its line names the total's span and the line that gives the time taken."""
+    assert report.estimate(2.0, [10, 10, 5], 0.1, 3 * 2 + 4, 0.5) == pytest.approx(2.0 + 2.5 + 5.0)
+    line = report.estimate_line(1, 9.5, [10, 10, 5], 0.1, 2, 0.5, final_batches=4)
+    assert line.startswith("run 1: about 9.5 s in all (set-up to model file; its 'took' line gives the time taken)")
+    assert "25 steps at 0.1 s and 2 evaluation batches an epoch and 4 for the test set at the end at 0.5 s" in line
+    assert "not counted: " in line
+    assert "for the test set" not in report.estimate_line(1, 9.5, [10, 10], 0.1, 1, 0.5)
+
+
+def test_the_omp_advice_points_at_a_readme_section_that_exists(monkeypatch):
+    """The busy-CPU note names a README section; that heading must be in README.md."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(report.os, "getloadavg", lambda: (50.0, 50.0, 50.0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    note = report.cpu_threads_note(torch.device("cpu"))
+    section = re.search(r"\(README, ([^)]+)\)", note).group(1)
+    assert f"## {section}\n" in (ROOT / "README.md").read_text(), section
