@@ -97,8 +97,17 @@ class Config:
         5000, "fastnet: training images whose patches set the first conv, on the clock; 0 = random init", group="model"
     )
     whiten_frozen: bool = setting(True, "fastnet: the whitening conv's weights are not trained", group="model")
-    whiten_bias_epochs: int = setting(
-        3, "fastnet: epochs the whitening conv's bias trains before it is frozen", group="model"
+    whiten_bias_epochs: float = setting(
+        3,
+        "fastnet: epochs the whitening conv's bias trains before it is frozen; a fraction freezes it mid-epoch, at "
+        "step ceil(epochs x steps per epoch) (0.19: the record script's)",
+        group="model",
+    )
+    whiten_bias_decay: bool = setting(
+        False,
+        "fastnet: the whitening bias's rate falls linearly to 0 over its --whiten-bias-epochs window (x the run's "
+        "schedule), as in airbench94_muon; off: it follows the run's schedule until frozen",
+        group="model",
     )
     bn_momentum: float = setting(
         0.1, "weight of each batch in batchnorm's running statistics (torch convention)", group="model"
@@ -171,6 +180,12 @@ class Config:
         "probability); the rest count the plain view",
         group="recipe",
     )
+    tta_scope: str = setting(
+        "batch",
+        "where --tta-share < 1 picks its least confident images: batch (within each evaluation batch) | test (over "
+        "the rank's whole test set, as the record script does: a plain pass over it all first)",
+        group="recipe",
+    )
     # recipe: airbench94's conventions, and Muon
     bn_eps: float = setting(
         1e-5, "added to the batch variance in batchnorm (torch: 1e-5; airbench: 1e-12)", group="parity"
@@ -206,6 +221,12 @@ class Config:
     )
     muon_momentum: float = setting(0.6, "muon: Nesterov momentum of the filters", group="parity")
     muon_ns_steps: int = setting(3, "muon: Newton-Schulz iterations per orthogonalization", group="parity")
+    newton_schulz: str = setting(
+        "loop",
+        "muon: loop (one stack per filter shape) | stacked (every filter zero-padded into one stack: one set of "
+        "kernels a step; the same map, to rounding)",
+        group="engine",
+    )
     muon_shard: bool = setting(
         False,
         "muon, several ranks: each orthogonalizes every world-th filter, one all-reduce shares them",
@@ -475,6 +496,8 @@ CHOICES = {
     "lr_at": ("end", "start"),
     "lookahead_epoch_end": ("fold", "reset"),
     "optimizer": ("sgd", "muon"),
+    "tta_scope": ("batch", "test"),  # fastcifar.ops.tta.TTA_SCOPES reads it
+    "newton_schulz": ("loop", "stacked"),  # fastcifar.run.optim.NEWTON_SCHULZ reads it
 }
 
 # Every numeric field's range, in one place: field -> (low, high, brackets). None is unbounded on
