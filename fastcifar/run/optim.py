@@ -328,9 +328,12 @@ class Muon:
             raise ValueError(f"the Newton-Schulz layout must be one of {', '.join(NEWTON_SCHULZ)}, not {layout!r}")
         self.stack = None
         if layout == "stacked" and self.groups:  # a rank past the last filter has none to stack
+            if len({p.dtype for p in self.params}) > 1:
+                raise ValueError("a stacked Newton-Schulz needs filters of one dtype")
             self.mine = list(range(self.rank, len(self.params), self.world))
             shapes = [(len(self.params[i]), self.params[i][0].numel()) for i in self.mine]
             self.stack = PaddedStack(shapes, self.params[0].dtype, self.params[0].device)
+            self.flat_filters = [self.params[i].view(shape) for i, shape in zip(self.mine, shapes, strict=True)]
 
     @torch.no_grad()
     def step(self) -> None:
@@ -345,11 +348,23 @@ class Muon:
         torch._foreach_reciprocal_(factors)
         torch._foreach_mul_(factors, self.scales)
         torch._foreach_mul_(self.params, factors)
-        orthogonal = self._orthogonalize(updates)
         rate = self.lr_source * self.lr_ratio
+        if self.stack is not None and self.world == 1:
+            self._step_stacked(updates, rate)
+            return
+        orthogonal = self._orthogonalize(updates)
         lr = {dtype: rate.to(dtype) for dtype in {p.dtype for p in self.params}}  # once per step, not per filter
         for p, o in zip(self.params, orthogonal, strict=True):
             p.sub_(o.reshape(p.shape).to(p.dtype).mul_(lr[p.dtype]))  # o is this step's scratch: scaled in place
+
+    def _step_stacked(self, updates: list[torch.Tensor], rate: torch.Tensor) -> None:
+        """w <- w - rate x newton_schulz(u) for every filter at once: the stack cast to the filters'
+        dtype and scaled in it (as the loop casts and scales each filter's result), then one list
+        subtraction from each filter's 2-D view: 3 ops where the loop takes 4 a filter."""
+        stack = self.stack.fill([u.reshape(shape) for u, shape in zip(updates, self.stack.shapes, strict=True)])
+        out = newton_schulz(stack, self.ns_steps, dtype=self.ns_dtype).to(self.params[0].dtype)
+        out.mul_(rate.to(out.dtype))
+        torch._foreach_sub_(self.flat_filters, self.stack.unpack(out))
 
     def _orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each update flattened to out x in*k*k and orthogonalized; filters of one shape as one

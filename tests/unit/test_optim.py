@@ -22,6 +22,7 @@ from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.parallel.distributed import DistContext
 from fastcifar.run import graphs, recipe
 from fastcifar.run.optim import (
+    NEWTON_SCHULZ,
     NS_COEFFICIENTS,
     Maskable,
     Muon,
@@ -332,6 +333,33 @@ def test_stacked_newton_schulz_equals_the_loop_on_each_presets_shapes(name, dtyp
     if dtype != torch.float32 and from_preset(name).optimizer != "muon":
         pytest.skip("low precision only where a preset runs Muon (its GPU precision); fp32 covers the rest's shapes")
     check_stacked_equals_loop(preset_filter_shapes(name), dtype)
+
+
+@pytest.mark.parametrize("dtype, ns_dtype, tol", [(torch.float32, None, 1e-5), (torch.float16, torch.bfloat16, 2e-3)])
+def test_stacked_muon_steps_the_filters_as_the_loop_does(dtype, ns_dtype, tol):
+    """Three Muon steps (momentum, renormalized weights, a rate from the source tensor) leave every
+    filter where the loop leaves it, to the precision's rounding: the stacked step's cast, scale and
+    list subtraction are the loop's per-filter ones; filters of one dtype only."""
+    torch.manual_seed(6)
+    shapes = [(8, 3, 3, 3), (16, 8, 3, 3), (16, 16, 3, 3), (16, 16, 3, 3), (30, 2)]
+    start = [torch.randn(s).to(dtype) for s in shapes]
+    rate = torch.tensor(0.3)
+    opts = {}
+    for layout in NEWTON_SCHULZ:
+        params = [w.clone().requires_grad_() for w in start]
+        opts[layout] = (params, Muon(params, rate, 0.5, ns_dtype=ns_dtype, layout=layout))
+    for _ in range(3):
+        grads = [torch.randn(s).to(dtype) for s in shapes]
+        for params, muon in opts.values():
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            muon.step()
+    for k, (a, b) in enumerate(zip(opts["loop"][0], opts["stacked"][0], strict=True)):
+        assert not torch.equal(a, start[k]), "the filter took no step"
+        torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=tol, msg=f"filter {k} {shapes[k]}")
+    mixed = [torch.zeros(4, 3, requires_grad=True), torch.zeros(4, 3, dtype=torch.float16, requires_grad=True)]
+    with pytest.raises(ValueError, match="one dtype"):
+        Muon(mixed, rate, 1.0, layout="stacked")
 
 
 def test_stacked_muon_runs_one_newton_schulz_for_all_its_filters(monkeypatch):
