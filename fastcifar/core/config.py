@@ -176,8 +176,8 @@ class Config:
     )
     tta_share: float = setting(
         1.0,
-        "share of each evaluation batch (per rank) given the TTA views, least confident first (the plain view's top "
-        "probability); the rest count the plain view",
+        "share of each evaluation batch (per rank; of the rank's test set with --tta-scope test) given the TTA views, "
+        "least confident first (the plain view's top probability); the rest count the plain view",
         group="recipe",
     )
     tta_scope: str = setting(
@@ -295,8 +295,8 @@ class Config:
     )
     eval_batch_size: int = setting(
         1000,
-        "images per evaluation batch, per rank (1..65536); with --tta-share < 1 it decides which images share the "
-        "views",
+        "images per evaluation batch, per rank (1..65536); with --tta-share < 1 and --tta-scope batch it decides "
+        "which images share the views",
         group="engine",
     )
     warmup_steps: int = setting(
