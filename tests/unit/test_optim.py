@@ -335,14 +335,20 @@ def test_stacked_newton_schulz_equals_the_loop_on_each_presets_shapes(name, dtyp
     check_stacked_equals_loop(preset_filter_shapes(name), dtype)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype, ns_dtype, tol", [(torch.float32, None, 1e-5), (torch.float16, torch.bfloat16, 2e-3)])
-def test_stacked_muon_steps_the_filters_as_the_loop_does(dtype, ns_dtype, tol):
+def test_stacked_muon_steps_the_filters_as_the_loop_does(dtype, ns_dtype, tol, layout):
     """Three Muon steps (momentum, renormalized weights, a rate from the source tensor) leave every
     filter where the loop leaves it, to the precision's rounding: the stacked step's cast, scale and
-    list subtraction are the loop's per-filter ones; filters of one dtype only."""
+    list subtraction are the loop's per-filter ones, in the trainer's channels-last filters too;
+    filters of one dtype only."""
     torch.manual_seed(6)
     shapes = [(8, 3, 3, 3), (16, 8, 3, 3), (16, 16, 3, 3), (16, 16, 3, 3), (30, 2)]
-    start = [torch.randn(s).to(dtype) for s in shapes]
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    start = [
+        torch.randn(s).to(dtype).contiguous(memory_format=fmt if len(s) == 4 else torch.contiguous_format)
+        for s in shapes
+    ]
     rate = torch.tensor(0.3)
     opts = {}
     for layout in NEWTON_SCHULZ:
