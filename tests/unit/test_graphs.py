@@ -592,3 +592,34 @@ def test_tta_scope_test_gives_the_views_to_the_least_sure_of_the_whole_test_set(
         assert loss == pytest.approx(F.cross_entropy(full, y).item(), rel=1e-5)
     else:
         assert results["batch"][0] != pytest.approx(loss, rel=1e-5), "the batch scope chose the same rows"
+
+
+@pytest.mark.cuda
+def test_captured_whole_test_set_eval_equals_eager_and_makes_no_host_sync():
+    """--tta-scope test on the GPU: its two captured passes count what its eager passes count, and
+    the eager ones (sort, gathers, chunks of a count known on the host) never synchronize."""
+    model, _ = trained(False)
+    model.eval()
+    rng = np.random.default_rng(4)
+    test_set = EvalSet(
+        rng.integers(0, 256, (104, 32, 32, 3), dtype=np.uint8),  # batches of 48 + 48 + 8 (padded)
+        rng.integers(0, 10, 104),
+        48,
+        dtype=torch.float16,
+        device=CUDA,
+    )
+    counts = []
+    for capture in (False, True):
+        ev = make_eval_step(model, StaticBatch(48, torch.float16, CUDA), 2, capture, tta_share=0.25, tta_scope="test")
+        ev.batch.load(*next(iter(test_set)))
+        ev.prepare()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if not capture else "default")
+        try:
+            ev.run(test_set, test_set)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        counts.append((ev.correct.item(), ev.loss_sum.item()))
+    assert counts[0][0] == counts[1][0]
+    assert counts[0][1] == pytest.approx(counts[1][1], rel=1e-3)
