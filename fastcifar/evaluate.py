@@ -29,7 +29,7 @@ from fastcifar.core.options import OneLineParser
 from fastcifar.data import DataError, Dataset, load_dataset
 from fastcifar.data.loader import EvalSet
 from fastcifar.models.files import ModelInfo, load_model
-from fastcifar.ops.tta import tta_logits
+from fastcifar.ops.tta import share_views, tta_logits, views_logits
 
 
 @dataclass
@@ -62,10 +62,12 @@ def logits_of(
     batch_size: int,
     device="cpu",
     tta_share: float = 1.0,
+    tta_scope: str = "batch",
 ) -> torch.Tensor:
     """(N, classes) fp32 logits on the CPU of uint8 NHWC ``images``, batched, normalized and laid
     out as the trainer's evaluation lays them out (channels-last, the model's dtype); the TTA views
-    go to the ``tta_share`` of each batch least sure of its class, as in the trainer."""
+    go to the ``tta_share`` of each batch least sure of its class, as in the trainer, or with
+    ``tta_scope`` "test" to that share of all of ``images``."""
     model.eval()
     batches = EvalSet(
         images,
@@ -76,6 +78,13 @@ def logits_of(
         mean=mean,
         std=std,
     )
+    if tta_scope == "test" and tta and tta_share < 1.0:
+        plain = torch.cat([model(x).float() for x, _ in batches])
+
+        def views(rows: torch.Tensor) -> torch.Tensor:
+            return views_logits(model, batches.images.index_select(0, rows), tta)
+
+        return share_views(plain, tta_share, batch_size, views).cpu()
     return torch.cat([tta_logits(model, x, tta, tta_share).float().cpu() for x, _ in batches])
 
 
@@ -91,10 +100,19 @@ def evaluate_arrays(
     batch_size: int = 1000,
     device="cpu",
     tta_share: float = 1.0,
+    tta_scope: str = "batch",
 ) -> Evaluation:
     """Accuracy of ``model`` on uint8 NHWC ``images`` with integer ``labels``."""
     logits = logits_of(
-        model, images, mean=mean, std=std, tta=tta, batch_size=batch_size, device=device, tta_share=tta_share
+        model,
+        images,
+        mean=mean,
+        std=std,
+        tta=tta,
+        batch_size=batch_size,
+        device=device,
+        tta_share=tta_share,
+        tta_scope=tta_scope,
     )
     loss = F.cross_entropy(logits, torch.from_numpy(labels).long(), reduction="sum").item()
     pred = logits.argmax(1).numpy()
@@ -148,11 +166,13 @@ def evaluate(
         batch_size=batch_size or cfg.eval_batch_size,
         device=device,
         tta_share=cfg.tta_share,
-    )  # the run's: its views went to that share of each batch
+        tta_scope=cfg.tta_scope,
+    )  # the run's: its views went to that share of each batch, or of the test set
 
 
-def _share(share: float) -> str:
-    return f" on the least sure {share:.0%} of each batch" if share < 1 else ""
+def _share(cfg) -> str:
+    where = "the test set" if cfg.tta_scope == "test" else "each batch"
+    return f" on the least sure {cfg.tta_share:.0%} of {where}" if cfg.tta_share < 1 else ""
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.evaluate") -> int:
@@ -193,7 +213,7 @@ def _report(args) -> int:
     recorded = "none recorded" if info.test_acc is None else f"recorded test_acc {info.test_acc:.2f}%"
     print(
         f"model: {args.model} ({cfg.arch} {','.join(map(str, cfg.widths))}, {len(info.classes)} classes, "
-        f"{recorded} with TTA {cfg.tta}{_share(cfg.tta_share)})"
+        f"{recorded} with TTA {cfg.tta}{_share(cfg)})"
     )
     result = evaluate(
         (net, info),
@@ -206,7 +226,7 @@ def _report(args) -> int:
         log=print,
     )
     print(
-        f"test_acc {result.accuracy:.2f}% (TTA {result.tta}{_share(cfg.tta_share) if result.tta else ''}, "
+        f"test_acc {result.accuracy:.2f}% (TTA {result.tta}{_share(cfg) if result.tta else ''}, "
         f"{result.count} images), loss {result.loss:.4f}"
     )
     width = max(len(name) for name in info.classes)

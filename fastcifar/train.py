@@ -50,7 +50,7 @@ from fastcifar.ops.augment import AugmentSpec
 from fastcifar.parallel import distributed
 from fastcifar.parallel.sync import GradientSync, capture_blocker
 from fastcifar.run import components, graphs, profiling, recipe, report, state, whitening
-from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep
+from fastcifar.run.graphs import StaticBatch, TrainStep, make_eval_step
 from fastcifar.run.progress import Progress, chunked_decoder
 from fastcifar.run.report import EpochRecord, RunLog, RunResult, device_info, process_start_time, provenance, versions
 from fastcifar.run.schedule import DeviceSchedule, epoch_lengths, lr_schedule
@@ -337,12 +337,13 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), sync.buckets, watchdog.dog.beat)
     train_step = TrainStep(step, StaticBatch(per_rank_batch, session.dtype, ctx.device), capture=session.use_graphs)
     loader.bind_static(train_step.batch.images, train_step.batch.labels)  # DALI: the one copy, into the step's buffers
-    eval_step = EvalStep(
+    eval_step = make_eval_step(  # --tta-scope test: the share over the rank's whole test set
         model,
         StaticBatch(cfg.eval_batch_size, session.dtype, ctx.device),
         cfg.tta,
         capture=session.use_graphs,
         tta_share=cfg.tta_share,
+        tta_scope=cfg.tta_scope,
     )
 
     # Off the clock: warm-up steps (cuDNN's algorithm search, first allocations) and graph capture

@@ -104,8 +104,17 @@ class Config:
         5000, "fastnet: training images whose patches set the first conv, on the clock; 0 = random init", group="model"
     )
     whiten_frozen: bool = setting(True, "fastnet: the whitening conv's weights are not trained", group="model")
-    whiten_bias_epochs: int = setting(
-        3, "fastnet: epochs the whitening conv's bias trains before it is frozen", group="model"
+    whiten_bias_epochs: float = setting(
+        3,
+        "fastnet: epochs the whitening conv's bias trains before it is frozen; a fraction freezes it mid-epoch, at "
+        "step ceil(epochs x steps per epoch) (0.19: the record script's)",
+        group="model",
+    )
+    whiten_bias_decay: bool = setting(
+        False,
+        "fastnet: the whitening bias's rate falls linearly to 0 over its --whiten-bias-epochs window (x the run's "
+        "schedule), as in airbench94_muon; off: it follows the run's schedule until frozen",
+        group="model",
     )
     bn_momentum: float = setting(
         0.1, "weight of each batch in batchnorm's running statistics (torch convention)", group="model"
@@ -174,8 +183,14 @@ class Config:
     )
     tta_share: float = setting(
         1.0,
-        "share of each evaluation batch (per rank) given the TTA views, least confident first (the plain view's top "
-        "probability); the rest count the plain view",
+        "share of each evaluation batch (per rank; of the rank's test set with --tta-scope test) given the TTA views, "
+        "least confident first (the plain view's top probability); the rest count the plain view",
+        group="recipe",
+    )
+    tta_scope: str = setting(
+        "batch",
+        "where --tta-share < 1 picks its least confident images: batch (within each evaluation batch) | test (over "
+        "the rank's whole test set, as the record script does: a plain pass over it all first)",
         group="recipe",
     )
     # recipe: airbench94's conventions, and Muon
@@ -213,6 +228,12 @@ class Config:
     )
     muon_momentum: float = setting(0.6, "muon: Nesterov momentum of the filters", group="parity")
     muon_ns_steps: int = setting(3, "muon: Newton-Schulz iterations per orthogonalization", group="parity")
+    newton_schulz: str = setting(
+        "loop",
+        "muon: loop (one stack per filter shape) | stacked (every filter zero-padded into one stack: one set of "
+        "kernels a step; the same map, to rounding)",
+        group="engine",
+    )
     muon_shard: bool = setting(
         False,
         "muon, several ranks: each orthogonalizes every world-th filter, one all-reduce shares them",
@@ -281,8 +302,8 @@ class Config:
     )
     eval_batch_size: int = setting(
         1000,
-        "images per evaluation batch, per rank (1..65536); with --tta-share < 1 it decides which images share the "
-        "views",
+        "images per evaluation batch, per rank (1..65536); with --tta-share < 1 and --tta-scope batch it decides "
+        "which images share the views",
         group="engine",
     )
     warmup_steps: int = setting(
@@ -528,6 +549,8 @@ CHOICES = {
     "lookahead_epoch_end": ("fold", "reset"),
     "optimizer": ("sgd", "muon"),
     "save_outputs": ("none", "test", "train", "both"),  # fastcifar.run.outputs reads it
+    "tta_scope": ("batch", "test"),  # fastcifar.ops.tta.TTA_SCOPES reads it
+    "newton_schulz": ("loop", "stacked"),  # fastcifar.run.optim.NEWTON_SCHULZ reads it
 }
 
 # Every numeric field's range, in one place: field -> (low, high, brackets). None is unbounded on

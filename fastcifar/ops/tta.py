@@ -20,11 +20,19 @@ the real rows alone would get, and never to padding. The share is taken per eval
 rank), not over the whole test set as the record script takes it: with share < 1 the figure
 depends a little on how the test set is cut into batches (``--eval-batch-size``, the rank count),
 and ``fastcifar evaluate`` reproduces a one-process run's.
+
+``--tta-scope test`` takes the share over the whole test set instead, as the record script does:
+``share_views`` replaces the plain logits of the ceil(share x N) least sure of all N images
+(``least_sure``) with their views' (``views_logits``), in batches of the evaluation's size. Under
+torchrun "whole" is the rank's part of the test set (every world-th image): each rank chooses among
+its own images, with no collective; one process chooses over the whole test set, as the record
+does, and the figure no longer depends on ``--eval-batch-size``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +40,7 @@ import torch.nn.functional as F
 from fastcifar.core.config import CHOICES
 
 TTA_LEVELS = CHOICES["tta"]
+TTA_SCOPES = CHOICES["tta_scope"]  # where the share is taken: each evaluation batch, or the test set
 
 
 def translations(images: torch.Tensor, pixels: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,3 +104,27 @@ def _all_views(model: torch.nn.Module, images: torch.Tensor, level: int) -> torc
     ]
     logits = _stacked(model, views).view(3, 2, images.shape[0], -1).mean(1)  # flip mean per view
     return 0.5 * logits[0] + 0.25 * (logits[1] + logits[2])
+
+
+def views_logits(model: torch.nn.Module, images: torch.Tensor, level: int) -> torch.Tensor:
+    """Float32 logits (B, classes) of an NCHW batch with every view of TTA ``level``, for every row."""
+    return _all_views(model, images, level)
+
+
+def least_sure(logits: torch.Tensor, share: float) -> torch.Tensor:
+    """Row indices of the ceil(share x rows) rows of ``logits`` whose top softmax probability is
+    lowest, least sure first; a stable sort (ties in row order), NaN (an fp16 overflow) least sure."""
+    confidence = logits.float().softmax(1).amax(1).nan_to_num(nan=-1.0)
+    return torch.sort(confidence, stable=True).indices[: math.ceil(share * logits.shape[0])]
+
+
+def share_views(
+    logits: torch.Tensor, share: float, batch_size: int, views: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``--tta-scope test``: ``logits`` (N, classes), the plain view's of a whole test set, with the
+    rows of its ``share`` least sure (``least_sure``) replaced, in place, by ``views(rows)``: the
+    logits of all the level's views of those rows' images, asked for ``batch_size`` rows at a time
+    (the evaluation batch: the memory and, captured, the shape of one TTA pass)."""
+    for rows in least_sure(logits, share).split(batch_size):
+        logits.index_copy_(0, rows, views(rows))
+    return logits

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fastcifar.core.config import ConfigError
-from fastcifar.ops.tta import tta_logits
+from fastcifar.ops.tta import share_views, tta_logits, views_logits
 
 
 def resolve(setting: str, device: torch.device, blocker: tuple[str, str] = ("", "")) -> tuple[bool, str]:
@@ -247,3 +247,89 @@ class EvalStep(_BatchStep):
         if self.capture and self.graph is None:
             self.graph = capture(self._body, 2)
         self.reset()
+
+    def run(self, batches, test_set) -> None:
+        """Add every batch of ``batches`` (``test_set``'s, in order, maybe under a progress bar)
+        to the sums."""
+        for images, labels in batches:
+            self(images, labels)
+
+
+class WholeTestEvalStep(EvalStep):
+    """``--tta-scope test``: the TTA views go to the ``tta_share`` of the rank's whole test set
+    least sure of its class (``ops.tta.share_views``), not of each batch. Two passes, each over
+    fixed batches, each its own captured graph: the plain view of every batch into one logits
+    table, then the views of the chosen rows, ``batch`` rows at a time, over their plain logits;
+    the loss and hits of the table count each image once. Nothing is read back to the host: the
+    chosen count, ceil(share x the rank's images), is known there."""
+
+    def __init__(self, model: torch.nn.Module, batch: StaticBatch, tta: int, capture: bool, tta_share: float):
+        super().__init__(model, batch, tta, capture, tta_share)
+        self.views_graph: torch.cuda.CUDAGraph | None = None
+
+    def _body(self) -> None:  # the plain pass of one batch; a capture keeps its output tensor
+        self.plain = self.model(self.batch.images).float()
+
+    def _views_body(self) -> None:
+        self.views = views_logits(self.model, self.batch.images, self.tta)
+
+    def prepare(self) -> None:
+        if self.capture and self.graph is None:
+            self.graph = capture(self._body, 2)
+            self.views_graph = capture(self._views_body, 2)
+        self.reset()
+
+    def replay(self) -> None:
+        """One batch of each pass (the run's estimate times this for every batch: an upper bound,
+        as only the share's batches take the views)."""
+        self._replay(self.graph, self._body)
+        self._replay(self.views_graph, self._views_body)
+
+    @staticmethod
+    def _replay(graph, body) -> None:
+        if graph is not None:
+            graph.replay()
+        else:
+            body()
+
+    @torch.no_grad()
+    def run(self, batches, test_set) -> None:
+        count = len(test_set.labels)
+        if count == 0:
+            return
+        logits, start = None, 0
+        for images, labels in batches:
+            rows = self.batch.load(images, labels)
+            self._replay(self.graph, self._body)
+            if logits is None:
+                logits = torch.empty(count, self.plain.shape[1], dtype=torch.float32, device=self.plain.device)
+            logits[start : start + rows].copy_(self.plain[:rows])
+            start += rows
+
+        def views(rows: torch.Tensor) -> torch.Tensor:
+            n = self.batch.load(test_set.images.index_select(0, rows), test_set.labels.index_select(0, rows))
+            self._replay(self.views_graph, self._views_body)
+            return self.views[:n]
+
+        share_views(logits, self.tta_share, self.batch.capacity, views)
+        labels = test_set.labels
+        self.loss_sum.add_(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+        self.correct.add_((logits.argmax(1) == labels).sum())
+        if self.kept is not None:  # --save-outputs: the table the counts above were taken from, one tensor
+            self.kept.append(logits)
+
+
+def make_eval_step(
+    model: torch.nn.Module,
+    batch: StaticBatch,
+    tta: int,
+    capture: bool,
+    tta_share: float = 1.0,
+    tta_scope: str = "batch",
+) -> EvalStep:
+    """The run's evaluation step: ``WholeTestEvalStep`` where ``--tta-scope test`` chooses among
+    images (a TTA level and a share below 1), else ``EvalStep`` (a share of 1 gives every image the
+    views whatever the scope: the same step)."""
+    if tta_scope == "test" and tta and tta_share < 1.0:
+        return WholeTestEvalStep(model, batch, tta, capture, tta_share)
+    return EvalStep(model, batch, tta, capture, tta_share)

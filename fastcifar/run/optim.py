@@ -233,6 +233,43 @@ def newton_schulz(g: torch.Tensor, steps: int = 3, eps: float = 1e-7, dtype: tor
     return x if stack else x[0]
 
 
+class PaddedStack:
+    """Matrices of several shapes as one zero-padded stack, so Newton-Schulz runs on all of them in
+    one set of kernels: each is laid in the top-left corner of a (rows, cols) slot, the larger
+    shape over all, taken on its shorter side first (a tall matrix transposed), as ``newton_schulz``
+    takes it alone.
+
+    Zero padding is exact for Newton-Schulz: with X = [[A, 0], [0, 0]], X X^T = [[A A^T, 0], [0, 0]],
+    so every product of an iteration keeps A's block where A's own iteration puts it and zeros
+    elsewhere; the Frobenius norm that scales each slot is A's (the zeros add nothing), and the
+    norm is taken per slot. Only the rounding differs (longer sums of the same terms and zeros).
+    The default's six filters (64 x 216, 64 x 576, 256 x 576, three 256 x 2304) take four stacks
+    when grouped by shape and one here: 6 x 256 x 2304, 1.7x the arithmetic of the four, which an
+    H100 runs in a few microseconds against a step's 168 Newton-Schulz kernels."""
+
+    def __init__(self, shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device):
+        self.shapes = list(shapes)
+        self.tall = [r > c for r, c in self.shapes]
+        sides = [(c, r) if t else (r, c) for (r, c), t in zip(self.shapes, self.tall, strict=True)]
+        rows, cols = max(r for r, _ in sides), max(c for _, c in sides)
+        self.buffer = torch.zeros(len(sides), rows, cols, dtype=dtype, device=device)  # padding stays 0
+        self.slots = [self.buffer[i, :r, :c] for i, (r, c) in enumerate(sides)]
+
+    def fill(self, matrices: list[torch.Tensor]) -> torch.Tensor:
+        """The stack holding ``matrices`` (of ``shapes``, in order), written into its slots."""
+        torch._foreach_copy_(self.slots, [m.mT if t else m for m, t in zip(matrices, self.tall, strict=True)])
+        return self.buffer
+
+    def unpack(self, stack: torch.Tensor) -> list[torch.Tensor]:
+        """Each matrix's block of a stack of this layout, as a view in its own shape."""
+        blocks = [stack[i, : s.shape[0], : s.shape[1]] for i, s in enumerate(self.slots)]
+        return [b.mT if t else b for b, t in zip(blocks, self.tall, strict=True)]
+
+
+# --newton-schulz: how Muon lays its filters out for the orthogonalization
+NEWTON_SCHULZ = ("loop", "stacked")
+
+
 class Muon:
     """Orthogonalized Nesterov momentum for conv filters (each flattened to out x in*k*k):
 
@@ -247,6 +284,9 @@ class Muon:
     ``u``. By default every rank orthogonalizes every filter (no communication, identical results);
     with ``shard=(rank, world_size)`` rank r orthogonalizes filters r, r + world, ... into a zeroed
     flat buffer and one all-reduce (``reduce``, a sum in place) shares the updates.
+
+    ``layout``: "loop" orthogonalizes one stack per filter shape; "stacked" all of the rank's
+    filters as one zero-padded stack (``PaddedStack``: the same map to rounding, one set of kernels).
     """
 
     def __init__(
@@ -260,6 +300,7 @@ class Muon:
         ns_dtype: torch.dtype | None = None,
         shard: tuple[int, int] = (0, 1),
         reduce=None,
+        layout: str = "loop",
     ):
         self.params = [p for p in params if p.requires_grad]
         if not self.params or any(p.dim() < 2 for p in self.params):
@@ -283,6 +324,16 @@ class Muon:
         for i in range(self.rank, len(self.params), self.world):
             p = self.params[i]
             self.groups.setdefault((len(p), p[0].numel()), []).append(i)
+        if layout not in NEWTON_SCHULZ:
+            raise ValueError(f"the Newton-Schulz layout must be one of {', '.join(NEWTON_SCHULZ)}, not {layout!r}")
+        self.stack = None
+        if layout == "stacked" and self.groups:  # a rank past the last filter has none to stack
+            if len({p.dtype for p in self.params}) > 1:
+                raise ValueError("a stacked Newton-Schulz needs filters of one dtype")
+            self.mine = list(range(self.rank, len(self.params), self.world))
+            shapes = [(len(self.params[i]), self.params[i][0].numel()) for i in self.mine]
+            self.stack = PaddedStack(shapes, self.params[0].dtype, self.params[0].device)
+            self.stacked_params = [self.params[i] for i in self.mine]
 
     @torch.no_grad()
     def step(self) -> None:
@@ -297,22 +348,46 @@ class Muon:
         torch._foreach_reciprocal_(factors)
         torch._foreach_mul_(factors, self.scales)
         torch._foreach_mul_(self.params, factors)
-        orthogonal = self._orthogonalize(updates)
         rate = self.lr_source * self.lr_ratio
+        if self.stack is not None and self.world == 1:
+            self._step_stacked(updates, rate)
+            return
+        orthogonal = self._orthogonalize(updates)
         lr = {dtype: rate.to(dtype) for dtype in {p.dtype for p in self.params}}  # once per step, not per filter
         for p, o in zip(self.params, orthogonal, strict=True):
             p.sub_(o.reshape(p.shape).to(p.dtype).mul_(lr[p.dtype]))  # o is this step's scratch: scaled in place
+
+    def _step_stacked(self, updates: list[torch.Tensor], rate: torch.Tensor) -> None:
+        """w <- w - rate x newton_schulz(u) for every filter at once: the stack cast to the filters'
+        dtype and scaled in it (as the loop casts and scales each filter's result), then one list
+        subtraction of each filter's block, viewed in the filter's shape (a channels-last filter
+        takes it through strides: no copy): 3 ops where the loop takes 4 a filter."""
+        stack = self.stack.fill([u.reshape(shape) for u, shape in zip(updates, self.stack.shapes, strict=True)])
+        out = newton_schulz(stack, self.ns_steps, dtype=self.ns_dtype).to(self.params[0].dtype)
+        out.mul_(rate.to(out.dtype))
+        blocks = self.stack.unpack(out)
+        torch._foreach_sub_(
+            self.stacked_params, [b.view(p.shape) for b, p in zip(blocks, self.stacked_params, strict=True)]
+        )
 
     def _orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each update flattened to out x in*k*k and orthogonalized; filters of one shape as one
         stack (the default's three 256 x 2304 filters: one set of kernels, not three). Sharded, rank
         r does filters r, r + world, ... and the all-reduce fills in the rest."""
         out: list[torch.Tensor | None] = [None] * len(updates)
-        for shape, idx in self.groups.items():
-            parts = [updates[i].reshape(shape) for i in idx]
-            stack = torch.stack(parts) if len(parts) > 1 else parts[0].unsqueeze(0)  # one alone: no copy
-            for i, o in zip(idx, newton_schulz(stack, self.ns_steps, dtype=self.ns_dtype), strict=True):
+        if self.stack is not None:  # --newton-schulz stacked: the rank's filters in one padded stack
+            stack = self.stack.fill(
+                [updates[i].reshape(shape) for i, shape in zip(self.mine, self.stack.shapes, strict=True)]
+            )
+            orthogonal = self.stack.unpack(newton_schulz(stack, self.ns_steps, dtype=self.ns_dtype))
+            for i, o in zip(self.mine, orthogonal, strict=True):
                 out[i] = o
+        else:
+            for shape, idx in self.groups.items():
+                parts = [updates[i].reshape(shape) for i in idx]
+                stack = torch.stack(parts) if len(parts) > 1 else parts[0].unsqueeze(0)  # one alone: no copy
+                for i, o in zip(idx, newton_schulz(stack, self.ns_steps, dtype=self.ns_dtype), strict=True):
+                    out[i] = o
         if self.world == 1:
             return out
         self.flat.zero_()

@@ -91,6 +91,7 @@ def muon(groups: list[dict], cfg, peak: float, ctx=None) -> Optimizer:
         ns_dtype=gpu.newton_schulz_dtype(filters[0].device),
         shard=shard,
         reduce=reduce,
+        layout=cfg.newton_schulz,
     )
     return MuonSGD(sgd_part, filters_part)
 

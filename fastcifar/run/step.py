@@ -68,8 +68,7 @@ def evaluate(model, eval_step: EvalStep, test_set: EvalSet, ctx, progress=None, 
     model.eval()
     eval_step.reset()
     batches = progress.steps(test_set, len(test_set), desc, unit="batch") if progress is not None else test_set
-    for images, labels in batches:
-        eval_step(images, labels)
+    eval_step.run(batches, test_set)
     total_loss, total_correct, count = distributed.all_sum(
         [eval_step.loss_sum.item(), float(eval_step.correct.item()), float(len(test_set.labels))], ctx, ctx.device
     )

@@ -4,7 +4,12 @@
 - at epoch 0's start, the data-dependent init: the conv's weights from the first ``whiten_images``
   training images (``init_whitening``);
 - at ``whiten_bias_epochs``, the bias freeze: its param group's rate goes to 0 and, where nothing
-  else needs its gradient, backward ends at the conv (a second captured step, selected there);
+  else needs its gradient, backward ends at the conv (a second captured step, selected there). A
+  whole number of epochs freezes it at that epoch's start; a fraction at step ceil(epochs x steps
+  per epoch), the record script's count (0.19 of 25 steps: after 5 steps), mid-epoch;
+- with ``whiten_bias_decay``, over that window the bias's rate multiplier falls linearly from 1
+  (step 0) toward 0 (1 - step / window steps, as airbench94_muon and the record script decay it),
+  written from the host before each step of the window (a device fill: a captured step reads it);
 - before the clock, the first-time work of both (``warm_up``).
 
 Timing (DAWNBench): the whitening init reads training images, so it is part of training and runs
@@ -116,7 +121,55 @@ class Whitening(Component):
             torch.distributed.broadcast(self.model.whiten.weight.data, src=0)
 
 
+class WhiteningWindow(Whitening):
+    """The whitening component of a bias window that ends mid-epoch or decays: it counts steps
+    (``after_step``, which a whole-epoch window without decay does not pay for on every step) and
+    freezes the bias after step ``window_steps`` - 1, decaying its rate before each step of the
+    window when ``whiten_bias_decay`` is set. ``steps_per_epoch``: the loader's batches an epoch
+    (every epoch but a fractional last one is whole, so epoch e starts at step e x steps)."""
+
+    def __init__(
+        self, cfg, model: WhiteningNetwork, opt: Optimizer, train_loader, ctx, step=None, steps_per_epoch=None
+    ):
+        super().__init__(cfg, model, opt, train_loader, ctx, step)
+        self.steps_per_epoch = len(train_loader) if steps_per_epoch is None else steps_per_epoch
+        self.window_steps = bias_window_steps(cfg.whiten_bias_epochs, self.steps_per_epoch)
+        self.step_index = 0
+
+    def epoch_start(self, epoch: int) -> None:
+        if epoch == 0 and self.cfg.whiten_images:
+            self.init_whitening()
+        self.step_index = epoch * self.steps_per_epoch  # a resume starts at an epoch's first step
+        self._before_step()
+
+    def after_step(self) -> None:
+        if not self.bias_frozen:
+            self.step_index += 1
+            self._before_step()
+
+    def _before_step(self) -> None:
+        """The bias's state for the step at ``step_index``: frozen from the window's end on, else
+        (with decay) its rate at 1 - step / window."""
+        if self.bias_frozen:
+            return
+        if self.step_index >= self.window_steps:
+            self.freeze_bias()
+        elif self.cfg.whiten_bias_decay:
+            self.opt.set_lr_scale("whiten_bias", 1.0 - self.step_index / self.window_steps)
+
+
+def bias_window_steps(epochs: float, steps_per_epoch: int) -> int:
+    """Steps the whitening bias trains: ceil(epochs x steps per epoch), as ``schedule.epoch_lengths``
+    counts a fractional run (round first: 0.2 x 25 is 5.000000000000001 in floats)."""
+    return math.ceil(round(epochs * steps_per_epoch, 9))
+
+
 def for_model(cfg, model, opt: Optimizer, train_loader, ctx, step=None) -> list[Whitening]:
     """The run's whitening component when ``model`` has a whitening conv (the
-    ``WhiteningNetwork`` contract), none otherwise."""
-    return [Whitening(cfg, model, opt, train_loader, ctx, step)] if keeps(model, WhiteningNetwork) else []
+    ``WhiteningNetwork`` contract), none otherwise: ``WhiteningWindow`` when its bias window ends
+    mid-epoch or decays, else the whole-epoch ``Whitening``."""
+    if not keeps(model, WhiteningNetwork):
+        return []
+    if cfg.whiten_bias_decay or cfg.whiten_bias_epochs != int(cfg.whiten_bias_epochs):
+        return [WhiteningWindow(cfg, model, opt, train_loader, ctx, step)]
+    return [Whitening(cfg, model, opt, train_loader, ctx, step)]

@@ -188,9 +188,12 @@ def test_an_api_run_that_diverges_closes_its_log_as_the_cli_does(learnable_data,
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "diverged"
 
 
-@pytest.mark.parametrize("tta, share, val_split", [(2, 0.5, 0), pytest.param(1, 1.0, 100, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "tta, share, scope, val_split",
+    [(2, 0.5, "batch", 0), (2, 0.5, "test", 0), pytest.param(1, 1.0, "batch", 100, marks=pytest.mark.slow)],
+)
 def test_per_example_outputs_are_what_the_accuracy_counted_in_memory_and_on_disk(
-    learnable_data, tmp_path, tta, share, val_split
+    learnable_data, tmp_path, tta, share, scope, val_split
 ):
     """--save-outputs both, two runs on a --subset: each run's test logits give its reported
     accuracy to the image (TTA share and a padded last batch included; with --val-split, the test
@@ -216,6 +219,7 @@ def test_per_example_outputs_are_what_the_accuracy_counted_in_memory_and_on_disk
         eval_batch_size=150,
         tta=tta,
         tta_share=share,
+        tta_scope=scope,  # "test": the share of the whole test set, one table of logits
         val_split=val_split,
         runs=2,
         save_outputs="both",

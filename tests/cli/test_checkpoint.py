@@ -170,9 +170,12 @@ def test_evaluate_reproduces_the_recorded_accuracy(trained, capsys):
 
 
 @pytest.mark.slow  # trains, then evaluates with TTA
-def test_evaluate_reproduces_an_accuracy_recorded_with_a_tta_share(tmp_path):
+@pytest.mark.parametrize("scope", ["batch", "test"])
+def test_evaluate_reproduces_an_accuracy_recorded_with_a_tta_share(tmp_path, scope):
     """--tta-share 0.3: the trainer gives the views to 30% of each padded evaluation batch's real
-    rows (128 + 128 + 44 of 300 test images), evaluate to 30% of each unpadded batch: the same rows."""
+    rows (128 + 128 + 44 of 300 test images), evaluate to 30% of each unpadded batch: the same rows;
+    with --tta-scope test both to the least sure 90 of all 300 (the trainer's two captured passes,
+    evaluate's eager ones)."""
     data, _ = write_noisy_official(tmp_path / "data")
     out = tmp_path / "runs"
     assert (
@@ -189,6 +192,8 @@ def test_evaluate_reproduces_an_accuracy_recorded_with_a_tta_share(tmp_path):
                     "1",
                     "--tta-share",
                     "0.3",
+                    "--tta-scope",
+                    scope,
                     "--quiet",
                 ]
             ]
@@ -199,7 +204,7 @@ def test_evaluate_reproduces_an_accuracy_recorded_with_a_tta_share(tmp_path):
     (result,) = json.loads((run_dir / "summary.json").read_text())["results"]
     recorded = result["test_acc"]
     net, info = load_model(run_dir / "model.safetensors")
-    assert info.config.tta_share == 0.3 and info.config.tta == 2
+    assert info.config.tta_share == 0.3 and info.config.tta == 2 and info.config.tta_scope == scope
     mine = evaluate((net, info), str(data))
     assert mine.accuracy == pytest.approx(recorded, abs=1e-9)
     # the loss moves with every row's logits: a row given the views that should not have been shows here

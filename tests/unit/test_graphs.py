@@ -6,7 +6,9 @@ agree, replays do not grow memory, and the captured evaluation counts what eager
 from __future__ import annotations
 
 import contextlib
+import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,17 +17,19 @@ from conftest import one_line_error
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastcifar.core.config import Config, ConfigError, from_preset, validate
+from fastcifar.data.loader import EvalSet
 from fastcifar.models.network import build_model
 from fastcifar.models.resnet9 import ResNet9
-from fastcifar.ops.tta import tta_logits
+from fastcifar.ops.tta import tta_logits, views_logits
 from fastcifar.parallel import comm
 from fastcifar.parallel.compress import why_not_capturable
+from fastcifar.parallel.distributed import DistContext
 from fastcifar.parallel.sync import capture_blocker
 from fastcifar.run import recipe
-from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep, resolve
+from fastcifar.run.graphs import EvalStep, StaticBatch, TrainStep, WholeTestEvalStep, make_eval_step, resolve
 from fastcifar.run.optim import NesterovSGD
 from fastcifar.run.schedule import DeviceSchedule, lr_schedule
-from fastcifar.run.step import make_step
+from fastcifar.run.step import evaluate, make_step
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -564,3 +568,75 @@ def test_eval_step_is_sync_free(tta, share):
     with SyncFree():
         ev._body()
     assert int(ev.correct) <= 7 and float(ev.loss_sum) > 0
+
+
+@pytest.mark.parametrize("share", [0.25, 1.0])
+def test_tta_scope_test_gives_the_views_to_the_least_sure_of_the_whole_test_set(share):
+    """--tta-scope test over 37 images in batches of 10 (the last padded): the views go to the
+    ceil(share x 37) least sure of all 37, each image counted once, against a plain-PyTorch
+    reference; the batch scope picks among each batch's and counts another loss. With share 1 both
+    scopes are the same step: full TTA."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 10, 3), torch.nn.Flatten(), torch.nn.LazyLinear(10)).eval()
+    rng = np.random.default_rng(0)
+    test_set = EvalSet(
+        rng.integers(0, 256, (37, 32, 32, 3), dtype=np.uint8),
+        rng.integers(0, 10, 37),
+        10,
+        dtype=torch.float32,
+        device=CPU,
+    )
+    x, y = test_set.images, test_set.labels
+    with torch.no_grad():
+        model(x[:1])
+        plain, full = model(x), views_logits(model, x, 2)
+    least = plain.softmax(1).amax(1).argsort()[: math.ceil(share * 37)]
+    want = plain.clone()
+    want[least] = full[least]
+    ctx = DistContext(0, 1, 0, CPU, None)
+    results = {}
+    for scope in ("batch", "test"):
+        ev = make_eval_step(model, StaticBatch(10, torch.float32, CPU), 2, False, tta_share=share, tta_scope=scope)
+        assert isinstance(ev, WholeTestEvalStep) is (scope == "test" and share < 1)
+        ev.prepare()
+        results[scope] = evaluate(model, ev, test_set, ctx)
+        results[scope] = evaluate(model, ev, test_set, ctx)  # a second evaluation starts from zero sums
+    loss, acc = results["test"]
+    assert loss == pytest.approx(F.cross_entropy(want, y).item(), rel=1e-5)
+    assert acc == pytest.approx(100.0 * (want.argmax(1) == y).sum().item() / 37)
+    if share == 1.0:
+        assert results["batch"] == results["test"]
+        assert loss == pytest.approx(F.cross_entropy(full, y).item(), rel=1e-5)
+    else:
+        assert results["batch"][0] != pytest.approx(loss, rel=1e-5), "the batch scope chose the same rows"
+
+
+@pytest.mark.cuda
+def test_captured_whole_test_set_eval_equals_eager_and_makes_no_host_sync():
+    """--tta-scope test on the GPU: its two captured passes count what its eager passes count, and
+    the eager ones (sort, gathers, chunks of a count known on the host) never synchronize."""
+    model, _ = trained(False)
+    model.eval()
+    rng = np.random.default_rng(4)
+    test_set = EvalSet(
+        rng.integers(0, 256, (104, 32, 32, 3), dtype=np.uint8),  # batches of 48 + 48 + 8 (padded)
+        rng.integers(0, 10, 104),
+        48,
+        dtype=torch.float16,
+        device=CUDA,
+    )
+    counts = []
+    for capture in (False, True):
+        ev = make_eval_step(model, StaticBatch(48, torch.float16, CUDA), 2, capture, tta_share=0.25, tta_scope="test")
+        ev.batch.load(*next(iter(test_set)))
+        ev.prepare()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if not capture else "default")
+        try:
+            ev.run(test_set, test_set)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        counts.append((ev.correct.item(), ev.loss_sum.item()))
+    assert counts[0][0] == counts[1][0]
+    assert counts[0][1] == pytest.approx(counts[1][1], rel=1e-3)

@@ -16,12 +16,22 @@ from cli import run_train, torchrun
 
 from fastcifar import train as trainer
 from fastcifar.core.config import CHOICES, ConfigError, from_preset, validate
-from fastcifar.core.presets import DEFAULT_PRESET
+from fastcifar.core.presets import DEFAULT_PRESET, PRESETS
 from fastcifar.models.network import make_network
 from fastcifar.ops.norm_act_pool import NormActPool
 from fastcifar.parallel.distributed import DistContext
 from fastcifar.run import graphs, recipe
-from fastcifar.run.optim import NS_COEFFICIENTS, Maskable, Muon, MuonSGD, NesterovSGD, Optimizer, newton_schulz
+from fastcifar.run.optim import (
+    NEWTON_SCHULZ,
+    NS_COEFFICIENTS,
+    Maskable,
+    Muon,
+    MuonSGD,
+    NesterovSGD,
+    Optimizer,
+    PaddedStack,
+    newton_schulz,
+)
 from fastcifar.run.recipe import conv_filters, make_optimizer, param_groups
 from fastcifar.run.schedule import DeviceSchedule
 from fastcifar.run.sparse import fisher
@@ -255,6 +265,133 @@ def test_muon_orthogonalizes_filters_of_one_shape_as_one_stack(monkeypatch):
     assert sorted(calls) == sorted([(1, 8, 27), (2, 16, 72), (3, 16, 144), (1, 6, 40)])
     for u, o in zip(updates, out, strict=True):
         torch.testing.assert_close(o, plain(u.reshape(len(u), -1), 3), rtol=0, atol=1e-6)
+
+
+def test_zero_padding_is_exact_for_newton_schulz():
+    """A matrix in the corner of a zero-padded slot comes out as it does alone (float64: no rounding
+    to hide behind), a tall one taken on its shorter side as ``newton_schulz`` takes it alone, and
+    the padding stays exactly 0: X X^T of [[A, 0], [0, 0]] is [[A A^T, 0], [0, 0]], and the
+    Frobenius norm that scales each slot is its own matrix's (norms 1e-3 to 1e3 apart: one norm for
+    the whole stack would leave the small one's singular values near 0)."""
+    torch.manual_seed(4)
+    shapes = [(5, 12), (9, 4), (16, 40), (16, 40), (3, 3)]
+    scales = [1e-3, 1e3, 1.0, 30.0, 0.5]
+    mats = [torch.randn(s, dtype=torch.float64) * k for s, k in zip(shapes, scales, strict=True)]
+    stack = PaddedStack(shapes, torch.float64, torch.device("cpu"))
+    filled = stack.fill(mats)
+    assert filled.shape == (5, 16, 40) and stack.tall == [False, True, False, False, False]
+    for steps in (3, 5):
+        out = newton_schulz(filled, steps)
+        blocks = stack.unpack(out)
+        for m, o in zip(mats, blocks, strict=True):
+            assert o.shape == m.shape
+            torch.testing.assert_close(o, newton_schulz(m, steps), rtol=0, atol=1e-12)
+        for k, s in enumerate(stack.slots):
+            outside = out[k].clone()
+            outside[: s.shape[0], : s.shape[1]] = 0
+            assert torch.count_nonzero(outside) == 0, f"slot {k}: the padding took a value"
+
+
+def preset_filter_shapes(name: str, widths=None) -> list[tuple[int, ...]]:
+    cfg = from_preset(name, **({"widths": widths} if widths else {}))
+    return [tuple(p.shape) for p in conv_filters(param_groups(make_network(cfg, NormActPool), cfg, 8))[1]]
+
+
+# each dtype's bound on |stacked - loop| / max |loop| over a filter: a few units of its last place
+# grown by three iterations (the quintic's slope reaches 3.4). Measured on the CPU: fp32 9e-7,
+# fp16 3.4e-4 on the full shapes and 2.6e-3 on an 8 x 27 filter (sums of other lengths round
+# differently), bf16 0 (its products accumulate in fp32, and the padding adds exact zeros)
+ROUNDING = {torch.float32: 1e-5, torch.float16: 8e-3, torch.bfloat16: 8e-3}
+
+
+def check_stacked_equals_loop(shapes, dtype, seed=5):
+    torch.manual_seed(seed)
+    params = [torch.zeros(s, requires_grad=True) for s in shapes]
+    updates = [torch.randn(s) * 10 ** torch.empty(()).uniform_(-3, 3) for s in shapes]  # norms far apart
+    loop = Muon(params, torch.tensor(0.1), 1.0, ns_dtype=dtype)._orthogonalize(updates)
+    stacked = Muon(params, torch.tensor(0.1), 1.0, ns_dtype=dtype, layout="stacked")._orthogonalize(updates)
+    for k, (a, b) in enumerate(zip(loop, stacked, strict=True)):
+        assert b.dtype == a.dtype and b.shape == a.shape
+        err = ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+        assert err <= ROUNDING[dtype], f"filter {k} {tuple(shapes[k])} {dtype}: stacked differs by {err:.2e} of its max"
+
+
+@pytest.mark.parametrize("dtype", list(ROUNDING))
+@pytest.mark.parametrize("name", ["resnet9", "alexnet", "fast", "fast-muon320", DEFAULT_PRESET])
+def test_stacked_newton_schulz_equals_the_loop_on_each_presets_narrowed_shapes(name, dtype):
+    """Every preset's filters (their shapes at an eighth of the widths: odd, tall and wide ones
+    alike), in each precision the optimizer runs Newton-Schulz in: one padded stack gives each
+    filter the loop's result to that precision's rounding."""
+    widths = tuple(max(w // 8, 1) for w in from_preset(name).widths)
+    check_stacked_equals_loop(preset_filter_shapes(name, widths), dtype)
+
+
+@pytest.mark.slow  # full widths: 512 x 4608 stacks in fp16 and bf16 on the CPU take minutes
+@pytest.mark.parametrize("dtype", list(ROUNDING))
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_stacked_newton_schulz_equals_the_loop_on_each_presets_shapes(name, dtype):
+    if dtype != torch.float32 and from_preset(name).optimizer != "muon":
+        pytest.skip("low precision only where a preset runs Muon (its GPU precision); fp32 covers the rest's shapes")
+    check_stacked_equals_loop(preset_filter_shapes(name), dtype)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype, ns_dtype, tol", [(torch.float32, None, 1e-5), (torch.float16, torch.bfloat16, 2e-3)])
+def test_stacked_muon_steps_the_filters_as_the_loop_does(dtype, ns_dtype, tol, layout):
+    """Three Muon steps (momentum, renormalized weights, a rate from the source tensor) leave every
+    filter where the loop leaves it, to the precision's rounding: the stacked step's cast, scale and
+    list subtraction are the loop's per-filter ones, in the trainer's channels-last filters too;
+    filters of one dtype only."""
+    torch.manual_seed(6)
+    shapes = [(8, 3, 3, 3), (16, 8, 3, 3), (16, 16, 3, 3), (16, 16, 3, 3), (30, 2)]
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    start = [
+        torch.randn(s).to(dtype).contiguous(memory_format=fmt if len(s) == 4 else torch.contiguous_format)
+        for s in shapes
+    ]
+    rate = torch.tensor(0.3)
+    opts = {}
+    for layout in NEWTON_SCHULZ:
+        params = [w.clone().requires_grad_() for w in start]
+        opts[layout] = (params, Muon(params, rate, 0.5, ns_dtype=ns_dtype, layout=layout))
+    for _ in range(3):
+        grads = [torch.randn(s).to(dtype) for s in shapes]
+        for params, muon in opts.values():
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            muon.step()
+    for k, (a, b) in enumerate(zip(opts["loop"][0], opts["stacked"][0], strict=True)):
+        assert not torch.equal(a, start[k]), "the filter took no step"
+        torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=tol, msg=f"filter {k} {shapes[k]}")
+    mixed = [torch.zeros(4, 3, requires_grad=True), torch.zeros(4, 3, dtype=torch.float16, requires_grad=True)]
+    with pytest.raises(ValueError, match="one dtype"):
+        Muon(mixed, rate, 1.0, layout="stacked")
+
+
+def test_stacked_muon_runs_one_newton_schulz_for_all_its_filters(monkeypatch):
+    """--newton-schulz stacked: one call, on one padded stack of the rank's filters; sharded, rank r
+    stacks filters r, r + world, ... alone and leaves the others to the all-reduce; the optimizer
+    built from the config takes the layout."""
+    from fastcifar.run import optim
+
+    calls = []
+    plain = optim.newton_schulz
+    monkeypatch.setattr(optim, "newton_schulz", lambda g, *a, **k: calls.append(tuple(g.shape)) or plain(g, *a, **k))
+    shapes = [(8, 3, 3, 3), (16, 8, 3, 3), (16, 16, 3, 3), (30, 2)]
+    params = [torch.zeros(s, requires_grad=True) for s in shapes]
+    muon = Muon(params, torch.tensor(0.1), 1.0, layout="stacked")
+    muon._orthogonalize([torch.randn(s) for s in shapes])
+    assert calls == [(4, 16, 144)]  # (30, 2) taken as 2 x 30
+    calls.clear()
+    shard = Muon(params, torch.tensor(0.1), 1.0, layout="stacked", shard=(1, 2), reduce=lambda flat: None)
+    out = shard._orthogonalize([torch.randn(s) for s in shapes])
+    assert calls == [(2, 16, 72)] and torch.count_nonzero(out[0]) == 0 and torch.count_nonzero(out[1]) > 0
+    with pytest.raises(ValueError, match="layout"):
+        Muon(params, torch.tensor(0.1), 1.0, layout="fused")
+    cfg = tiny_muon(newton_schulz="stacked")
+    opt = make_optimizer(make_network(cfg, NormActPool), cfg, 50, peak=0.053, ctx=CPU)
+    assert opt.muon.stack is not None and tiny_muon().newton_schulz == "loop"
+    assert make_optimizer(make_network(tiny_muon(), NormActPool), tiny_muon(), 50, 0.053, CPU).muon.stack is None
 
 
 def tiny_muon(**overrides):

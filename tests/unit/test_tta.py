@@ -4,10 +4,13 @@ the model fed channels-last under CUDA's pad layouts (``cuda_layouts``, tests/co
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
-from fastcifar.ops.tta import translations, tta_logits
+from fastcifar.ops.tta import least_sure, share_views, translations, tta_logits, views_logits
 
 CL = torch.channels_last
 
@@ -108,3 +111,43 @@ def test_tta_feeds_the_model_channels_last_under_cuda_layouts(cuda_layouts, leve
     batch = torch.randn(4, 3, 8, 8).contiguous(memory_format=CL)
     tta_logits(model, batch, level)
     assert seen and all(seen)
+
+
+def test_least_sure_picks_the_globally_least_confident_rows():
+    """ceil(share x N) rows of lowest top probability over all N, least sure first, ties in row
+    order, NaN (an overflow) least sure of all; against a plain argsort."""
+    torch.manual_seed(3)
+    logits = torch.randn(37, 10) * 3
+    logits[5] = logits[9]  # a tie: row 5 before row 9 wherever they fall
+    logits[20, 0] = float("nan")
+    for share in (0.01, 0.25, 0.5, 1.0):
+        picked = least_sure(logits, share)
+        confidence = logits.softmax(1).amax(1).nan_to_num(nan=-1.0).numpy()
+        want = np.argsort(confidence, kind="stable")[: math.ceil(share * 37)]
+        assert picked.tolist() == want.tolist()
+        assert picked[0].item() == 20
+    assert least_sure(logits, 0.25).shape == (10,)
+
+
+def test_share_views_replaces_the_least_sure_rows_of_the_whole_set_only():
+    """--tta-scope test: the views' logits, asked for a batch of rows at a time, go to the least sure
+    share of all rows, in place; every other row keeps its plain logits; a plain-PyTorch reference."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 10, 3), torch.nn.Flatten(), torch.nn.LazyLinear(10)).eval()
+    x = torch.randn(23, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    asked = []
+    with torch.no_grad():
+        plain = model(x)
+        full = views_logits(model, x, 2)
+
+        def views(rows):
+            asked.append(len(rows))
+            return views_logits(model, x[rows], 2)
+
+        shared = share_views(plain.clone(), 0.3, 4, views)
+    least = plain.softmax(1).amax(1).argsort()[:7]  # ceil(0.3 x 23)
+    want = plain.clone()
+    want[least] = full[least]
+    torch.testing.assert_close(shared, want)
+    assert asked == [4, 3]
+    assert not torch.allclose(full[least], plain[least])

@@ -19,7 +19,7 @@ from fastcifar.parallel.distributed import DistContext
 from fastcifar.run import whitening
 from fastcifar.run.optim import NesterovSGD
 from fastcifar.run.recipe import param_groups
-from fastcifar.run.whitening import Whitening
+from fastcifar.run.whitening import Whitening, WhiteningWindow
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"), None)
 
@@ -202,3 +202,59 @@ def test_whitening_init_runs_at_epoch_zero_from_the_loader(eps):
     w = model.whiten.weight.detach().double()
     out = F.conv2d(plain.double(), w)[:, :12].permute(0, 2, 3, 1).reshape(-1, 12)
     assert torch.cov(out.T).diag().max() < 1.0 + 1e-3  # whitened: unit variance at most (eps shrinks)
+
+
+@pytest.mark.parametrize("epochs, steps, window", [(0.19, 25, 5), (0.2, 25, 5), (0.5, 7, 4), (1.5, 10, 15), (0, 10, 0)])
+def test_a_fractional_bias_window_freezes_after_its_steps(epochs, steps, window):
+    """ceil(epochs x steps) steps train the bias (the record script's count; 0.2 x 25 is 5 in floats
+    after rounding, not 6), then the freeze, mid-epoch: the rate goes to 0 and the step switches
+    once; the step index crosses epochs (1.5 x 10: frozen after step 15, the 6th of epoch 1)."""
+    cfg = tiny_fast(whiten_bias_epochs=epochs, whiten_images=0, lookahead_steps=0)
+    model = make_network(cfg, NormActPool)
+    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)
+    step = RecordingStep()
+    hooks = WhiteningWindow(cfg, model, opt, None, CPU, step, steps_per_epoch=steps)
+    assert hooks.window_steps == window == whitening.bias_window_steps(epochs, steps)
+    trained = 0  # steps run with the bias trainable
+    for epoch in range(3):
+        hooks.epoch_start(epoch)
+        for _ in range(steps):
+            trained += opt.lr_scales["whiten_bias"].item() > 0
+            assert hooks.bias_frozen is (trained < epoch * steps + _ + 1), "frozen exactly when the window ends"
+            hooks.after_step()
+    assert trained == window
+    assert step.selected == [Whitening.BIAS_FROZEN] and not model.whiten.bias.requires_grad
+
+
+def test_the_decayed_bias_rate_falls_linearly_to_zero_over_the_window():
+    """1 - step / window before each step of the window (the record's linear decay), 0 after; a
+    resume at an epoch inside the window starts at that epoch's value."""
+    cfg = tiny_fast(whiten_bias_epochs=2, whiten_bias_decay=True, whiten_images=0, lookahead_steps=0)
+    model = make_network(cfg, NormActPool)
+    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)
+    hooks = WhiteningWindow(cfg, model, opt, None, CPU, RecordingStep(), steps_per_epoch=4)
+    seen = []
+    for epoch in range(3):
+        hooks.epoch_start(epoch)
+        for _ in range(4):
+            seen.append(opt.lr_scales["whiten_bias"].item())
+            hooks.after_step()
+    assert seen == pytest.approx([1 - i / 8 for i in range(8)] + [0.0] * 4, abs=1e-7)
+    resumed = WhiteningWindow(cfg, model, opt := NesterovSGD(param_groups(model, cfg, 8), lr=0.0), None, CPU, None, 4)
+    resumed.epoch_start(1)
+    assert opt.lr_scales["whiten_bias"].item() == pytest.approx(0.5) and not resumed.bias_frozen
+
+
+@pytest.mark.parametrize(
+    "epochs, decay, kind",
+    [(3, False, Whitening), (0, False, Whitening), (0.2, False, WhiteningWindow), (3, True, WhiteningWindow)],
+)
+def test_only_a_mid_epoch_or_decayed_window_counts_steps(epochs, decay, kind):
+    """A whole-epoch window without decay keeps the epoch-start freeze (no per-step hook, the same
+    run bit for bit); the others get the step-counting component."""
+    cfg = tiny_fast(whiten_bias_epochs=epochs, whiten_bias_decay=decay)
+    model = make_network(cfg, NormActPool)
+    opt = NesterovSGD(param_groups(model, cfg, 8), lr=0.0)
+    loader = [None] * 25  # only its length is read
+    (part,) = whitening.for_model(cfg, model, opt, loader, CPU)
+    assert type(part) is kind
