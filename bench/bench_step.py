@@ -135,7 +135,7 @@ def build_step(cfg: Config, batch: int, graphs: bool, device, dtype, ctx: DistCo
     schedule = DeviceSchedule([peak] * 10_000, device)
     net, buckets = (sync.net, sync.buckets) if sync is not None else (model, None)
     step = TrainStep(
-        make_step(net, opt, schedule, cfg.label_smoothing, buckets=buckets),
+        make_step(net, opt, schedule, cfg.label_smoothing, buckets=buckets, grads_to_none=cfg.grads_to_none),
         StaticBatch(batch, dtype, device),
         capture=graphs,
     )
