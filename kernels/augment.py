@@ -144,6 +144,16 @@ def _check_vector(t, name, n, device, dtypes=(torch.int32, torch.int64)):
         raise ValueError(f"{name} is on {t.device}, the images on {device}")
 
 
+def _check_out(out, shape, dtype, device) -> None:
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be {dtype} {shape}, got {got}")
+    if not out.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError(f"out must be channels-last contiguous, got strides {out.stride()}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, the images on {device}")
+
+
 def channel_constants(values, channels: int, device) -> torch.Tensor:
     """Mean or std as a contiguous fp32 (C,) tensor on ``device`` (a tuple, or a tensor already)."""
     t = torch.as_tensor(values, dtype=torch.float32, device=device).contiguous()
@@ -161,13 +171,16 @@ def augment(
     dtype: torch.dtype = torch.float16,
     size: int = 32,
     index: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launcher. ``data``: padded NHWC uint8 images, (D, size+2*pad, size+2*pad, C) contiguous -- the
     batch itself, or (better) the whole padded data set with ``index`` (B,) picking the batch.
     ``params``: drawn from ``spec`` (``fastcifar.ops.augment.draw_params``), on the data's device.
     Returns (B, C, size, size) ``dtype``, channels-last, equal to ``augment_reference(data[index], ...)``.
     Pass ``mean``/``std`` as fp32 (C,) device tensors (see ``channel_constants``) on the hot path to
-    skip the per-call host-to-device copy of the tuples."""
+    skip the per-call host-to-device copy of the tuples. ``out``: write there instead (that shape and
+    dtype, channels-last contiguous, on the data's device) and return it: the training step's input
+    buffer, so the batch is written once and never copied into it (2000 x 3072 x 2 bytes a step)."""
     if data.dim() != 4 or data.dtype != torch.uint8:
         raise ValueError(f"data must be NHWC uint8 images (D, H, W, C), got {data.dtype} {tuple(data.shape)}")
     if not data.is_contiguous():
@@ -194,7 +207,11 @@ def augment(
     mean_t = channel_constants(mean, c, data.device)
     std_t = channel_constants(std, c, data.device)
     lanes, rows = tile(size, c)
-    y = _empty((b, c, size, size), dtype, data.device)
+    if out is None:
+        y = _empty((b, c, size, size), dtype, data.device)
+    else:
+        _check_out(out, (b, c, size, size), dtype, data.device)
+        y = out
     if y.numel():
         jitter = (params.shift, params.scale) if params.jitter else (mean_t, mean_t)  # unread without JITTER
         _augment_kernel[(b, triton.cdiv(size, rows))](
@@ -242,8 +259,14 @@ class TritonAugment(nn.Module):
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32), persistent=False)
 
     @torch.no_grad()
-    def forward(self, data: torch.Tensor, params: AugmentParams, index: torch.Tensor | None = None) -> torch.Tensor:
-        return augment(data, params, self.spec, self.mean, self.std, self.dtype, self.size, index)
+    def forward(
+        self,
+        data: torch.Tensor,
+        params: AugmentParams,
+        index: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return augment(data, params, self.spec, self.mean, self.std, self.dtype, self.size, index, out)
 
     def extra_repr(self) -> str:
         return f"{self.spec}, dtype={self.dtype}, size={self.size}"
