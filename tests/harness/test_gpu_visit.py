@@ -712,3 +712,14 @@ def test_levers_stage_leaves_out_an_extra_the_candidate_already_is(tmp_path):
     assert "--epochs 8.0" not in "\n".join(line for line in proc.stdout.splitlines() if line.startswith("dry run:"))
     assert any(name.startswith("fast-muon --epochs 8.0") for name in table_steps(out, "levers"))
     assert proc.returncode == 0, proc.stdout[-2000:]
+
+
+def test_levers_stage_leaves_out_what_no_longer_fits_and_still_reports(tmp_path):
+    """Past the record and the step bench, the augmentation bench and the extra runs start only
+    if they fit beside the table's 40 s; the table runs whatever was left out."""
+    proc, out = visit(tmp_path, "levers", LEVERS_PRESET="fast-muon9", STAGE_BUDGET_S="95")
+    table = (out / "levers-table.md").read_text()
+    for name in ("bench-augment", "fast-muon9-batch-size-1536", "fast-muon9-epochs-8.0"):
+        assert f"| {name} | left out: no time left | 0 |" in table, table
+    assert table_steps(out, "levers")[-1] == "levers-table"
+    assert "bench_augment.py" not in proc.stdout
