@@ -67,7 +67,7 @@
 # batch, graphed: the default, each lever alone (every field where the candidate differs from the
 # default: scripts/race.py levers, read from the presets table) and all of them, with what each
 # removed per phase (rows in step.jsonl), and bench/bench_augment.py (the augmentation is no part of
-# bench_step's step); then with the time left the candidate at batch 1536 and at 8.0 epochs,
+# bench_step's step); then, each only where it fits, the candidate at batch 1536 and at 8.0 epochs,
 # LEVERS_EXTRA_RUNS (10) each. One table over every run, rows in official.jsonl (LEVERS_CALL and
 # LEVERS_COMMIT name the call and the commit). A missing candidate, or a lever the trainer refuses,
 # ends the stage in one failed row before any GPU work.
@@ -451,9 +451,10 @@ levers)
   race="$work/race"
   if step export-tensors 120 "$py" scripts/export_tensors.py --data "$data" --out "$race/cifar10" &&
      step prepare-peers 30 "$py" scripts/race.py prepare "${RACE_SCRIPTS:-.stage/race}" "$race" --images "$race/cifar10" --runs "$runs"; then
-    # 130 s kept: the step bench (90) and the table (40). Visit 9's hiverge took 225 s to warm up and
-    # about 5 s a run after it: past 2 x 25 fastcifar runs it may be cut short (its finished runs count)
-    limit=$((budget - SECONDS - 130))
+    # 150 s kept: the step and augmentation benches (90 + 20 at most) and the table (40). Visit 9's
+    # hiverge took 225 s to warm up and about 5 s a run after it: past 2 x 25 fastcifar runs it may
+    # be cut short (its finished runs count)
+    limit=$((budget - SECONDS - 150))
     if [ "$dry" != 1 ] && [ ! -f "$race/hiverge/cifar10_speedrun.py" ]; then
       rows+=("| hiverge | FAIL: not staged (prepare-peers.log) | 0 |"); failed=1
     elif [ "$limit" -lt 30 ]; then
@@ -468,11 +469,12 @@ levers)
   [ "${#levers[@]}" -gt 1 ] && variant_args+=("--variant=${levers[*]}")
   step bench-levers 90 "$py" bench/bench_step.py --preset "$base" --batches "${default#* }" --graphs on \
     --kernels auto "${variant_args[@]}"
+  # the augmentation kernel (no part of bench_step's step), without torch.compile's baseline (timed in
+  # visits/visit-12.md, 12e; its compiles would take most of the step's 20 s)
+  step bench-augment 45 "$py" bench/bench_augment.py --no-compile
   # 3. with the time left, each only if it fits beside the table's 40 s (left out, not failed, else):
-  # the augmentation (its kernel is no part of bench_step's step), then the candidate at the
-  # record's batch and at 8 epochs
+  # the candidate at the record's batch and at 8 epochs
   left() { [ $((budget - SECONDS - 40)) -ge "$1" ] || { rows+=("| $2 | left out: no time left | 0 |"); return 1; }; }
-  left 60 bench-augment && step bench-augment 60 "$py" bench/bench_augment.py
   preset=$candidate
   runs=${LEVERS_EXTRA_RUNS:-10}
   for flags in "${extras[@]}"; do

@@ -694,6 +694,7 @@ def test_levers_stage_runs_the_stack_the_default_and_the_record_then_each_levers
         f"--preset {DEFAULT_PRESET} --batches {batch} --graphs on --kernels auto --variant=--epochs 9 "
         "--variant=--brightness 0.0 --variant=--contrast 0.0 --variant=--epochs 9 --brightness 0.0 --contrast 0.0"
     ), bench
+    assert any(line.endswith("bench/bench_augment.py --no-compile") for line in lines)
     report = next(line for line in lines if "race.py report" in line)
     assert "--jsonl bench/results/official.jsonl --call visit 13 --commit abc1234" in report
 
@@ -715,11 +716,11 @@ def test_levers_stage_leaves_out_an_extra_the_candidate_already_is(tmp_path):
 
 
 def test_levers_stage_leaves_out_what_no_longer_fits_and_still_reports(tmp_path):
-    """Past the record and the step bench, the augmentation bench and the extra runs start only
-    if they fit beside the table's 40 s; the table runs whatever was left out."""
+    """Past the record and the benches, the extra runs start only if they fit beside the table's
+    40 s; the table runs whatever was left out."""
     proc, out = visit(tmp_path, "levers", LEVERS_PRESET="fast-muon9", STAGE_BUDGET_S="95")
     table = (out / "levers-table.md").read_text()
-    for name in ("bench-augment", "fast-muon9-batch-size-1536", "fast-muon9-epochs-8.0"):
+    for name in ("fast-muon9-batch-size-1536", "fast-muon9-epochs-8.0"):
         assert f"| {name} | left out: no time left | 0 |" in table, table
     assert table_steps(out, "levers")[-1] == "levers-table"
-    assert "bench_augment.py" not in proc.stdout
+    assert "--batch-size 1536" not in "".join(line for line in proc.stdout.splitlines() if line.startswith("dry run:"))
