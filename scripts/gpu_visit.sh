@@ -425,10 +425,11 @@ levers)
   candidate=${LEVERS_PRESET:-fast-levers}
   # each lever alone, one line of flags each; the candidate missing (or equal to the default) ends
   # the stage here, in one row, before anything runs on the GPU
-  if ! "$py" scripts/race.py levers "$candidate" --base "$base" >"$work/levers.log" 2>&1; then
+  # (their flags alone on stdout: a warning on stderr must not become a lever)
+  if ! "$py" scripts/race.py levers "$candidate" --base "$base" >"$work/levers.txt" 2>"$work/levers.log"; then
     cat "$work/levers.log"; rows+=("| levers | FAIL: $(tail -n 1 "$work/levers.log") | 0 |"); failed=1; exit
   fi
-  mapfile -t levers <"$work/levers.log"
+  mapfile -t levers <"$work/levers.txt"
   note "levers of $candidate over $base: $(printf '[%s] ' "${levers[@]}")"
   check_variants lever-flags "$base" "${levers[@]}"
   # the extras: a variant the candidate already is (its own batch or epochs) is left out, not failed

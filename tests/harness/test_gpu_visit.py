@@ -724,3 +724,15 @@ def test_levers_stage_leaves_out_what_no_longer_fits_and_still_reports(tmp_path)
         assert f"| {name} | left out: no time left | 0 |" in table, table
     assert table_steps(out, "levers")[-1] == "levers-table"
     assert "--batch-size 1536" not in "".join(line for line in proc.stdout.splitlines() if line.startswith("dry run:"))
+
+
+def test_levers_stage_takes_the_levers_from_stdout_alone(tmp_path):
+    """A warning the helper prints on stderr (a library's deprecation, say) is no lever."""
+    python = tmp_path / "python"
+    warn = '[ "$2" = levers ] && echo "SomeWarning: a library speaks" >&2'
+    python.write_text(f'#!/bin/sh\n{warn}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    proc, out = visit(tmp_path, "levers", LEVERS_PRESET="fast-muon9", PYTHON=str(python))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    bench = next(line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "bench_step.py" in line)
+    assert "SomeWarning" not in bench and bench.count("--variant=") == 4, bench
