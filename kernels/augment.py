@@ -43,7 +43,9 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # sm_90 (Triton 3.8, no GPU), the jitter variant: 72 registers, no spills, 960 SASS instructions a
 # thread, so 123k an image. At 8 warps the first draft of this layout took 94 registers and 205k
 # instructions an image, at 16 warps 62 and 360k (each thread recomputes the row-wise vectors for
-# the lanes it holds). Not yet timed on a GPU.
+# the lanes it holds). sm_70 to sm_90: 64-77 registers, no spills (bench/results/kernel_registers.md).
+# Not yet timed on a GPU; its floor at the default's batch is 18.4 MB of traffic, about 0.006 ms on
+# an H100 (bench_augment.py's floor_ms).
 NUM_WARPS = 4
 
 
