@@ -13,7 +13,9 @@ mean/std tensors the loader holds. The parameters are not drawn here: the loader
 epoch's on the host once (``loader.epoch_plan``), not per step. Forward only: uint8 has no gradient.
 Cutout (the presets with one): on the (B, 3, 32, 32) fp16 input batch, forward, backward and both.
 GB/s from the minimal bytes (read each input byte once, write each output once) beside the measured
-copy bandwidth. Rows are appended to bench/results/augment.jsonl.
+copy bandwidth, and the device's floor for the row: those bytes at the copy bandwidth (``floor_ms``;
+the default's batch: 18.4 MB, about 0.006 ms at the 3.0 TB/s an H100 copied at in augment.jsonl). Rows are appended to
+bench/results/augment.jsonl.
 """
 
 from __future__ import annotations
@@ -93,7 +95,13 @@ def _row(op, preset, n, impl, direction, t, nbytes, copy_gbs):
         **{k: round(v, 4) for k, v in t.items()},
         "GB/s (min bytes)": round(gbs, 1),
         "% copy": round(100 * gbs / copy_gbs, 1),
+        "floor_ms": round(floor_ms(nbytes, copy_gbs), 4),
     }
+
+
+def floor_ms(nbytes: int, copy_gbs: float) -> float:
+    """The least time ``nbytes`` of traffic takes on this device: moved at its measured copy rate."""
+    return nbytes / (copy_gbs * 1e9) * 1e3
 
 
 def bench_augment(device, presets, num_images, compile_ref, copy_gbs):
@@ -204,6 +212,7 @@ def main():
                 "impl",
                 "dir",
                 "median_ms",
+                "floor_ms",
                 "p20_ms",
                 "p80_ms",
                 "GB/s (min bytes)",

@@ -28,7 +28,14 @@ in bench/results/ price that).
     python bench/bench_step.py --preset fast-jitter --fake-world 8 --graphs on --kernels auto  # rank 0 of 8: 250 images
     python bench/bench_step.py --preset fast-jitter --batches 2000 --graphs on --kernels auto --fused-conv
                                                     # the same with the convs that take their BN statistics
+    python bench/bench_step.py --preset fast-jitter --batches 2000 --graphs on --kernels auto \
+        --variant="--tta-scope test" --variant="--whiten-bias-epochs 0.2"   # each beside the preset
     python bench/bench_step.py --smoke              # the script's logic on the CPU, tiny, nothing written
+
+``--variant=FLAGS`` (repeatable): the preset's step, then each variant's (the preset with those flags, as the trainer
+parses them), each row named by its flags (the jsonl field ``variant``, "" for the preset), and a
+table of what each variant removed from the preset's step at the same batch, kernels and graphs:
+ms per step by phase, idle and the whole step, and kernels per step (the row's ``removed``).
 
 The step is the trainer's own (``fastcifar.run.step.make_step`` inside ``fastcifar.run.graphs.TrainStep``),
 on a fixed random batch: loader time, augmentation included, is not in these figures
@@ -38,8 +45,11 @@ on a fixed random batch: loader time, augmentation included, is not in these fig
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import io
+import itertools
 import os
 import re
 import statistics
@@ -66,7 +76,8 @@ SMOKE = smoke_mode()
 
 import torch
 
-from fastcifar.core.config import Config, from_preset
+from fastcifar.core.config import Config, ConfigError, from_preset, validate
+from fastcifar.core.options import parse_command_line
 from fastcifar.models.network import build_model
 from fastcifar.ops.norm_act_pool import ConvBlock
 from fastcifar.parallel.distributed import DistContext
@@ -124,7 +135,7 @@ def build_step(cfg: Config, batch: int, graphs: bool, device, dtype, ctx: DistCo
     schedule = DeviceSchedule([peak] * 10_000, device)
     net, buckets = (sync.net, sync.buckets) if sync is not None else (model, None)
     step = TrainStep(
-        make_step(net, opt, schedule, cfg.label_smoothing, buckets=buckets),
+        make_step(net, opt, schedule, cfg.label_smoothing, buckets=buckets, grads_to_none=cfg.grads_to_none),
         StaticBatch(batch, dtype, device),
         capture=graphs,
     )
@@ -375,6 +386,42 @@ def graph_node_gap_us(nodes: int = 200, replays: int = 10) -> dict:
     }
 
 
+def variant_config(preset: str | None, flags: str) -> Config:
+    """The config the trainer would run for ``--preset PRESET FLAGS`` (split on blanks); ValueError,
+    in one line, for a flag it refuses or a value it rejects."""
+    if preset is None:
+        raise ValueError("--variant needs --preset: each variant is that preset with its flags")
+    said = io.StringIO()  # the parser's own one line, "fastcifar: error: ..."
+    try:
+        with contextlib.redirect_stderr(said):
+            cfg, _ = parse_command_line(["--preset", preset, *flags.split()])
+        validate(cfg)
+    except SystemExit:
+        raise ValueError(f"variant {flags!r}: {said.getvalue().strip().removeprefix('fastcifar: error: ')}") from None
+    except ConfigError as exc:
+        raise ValueError(f"variant {flags!r}: {exc}") from None
+    return cfg
+
+
+REMOVED = [f"{p}_ms" for p in PHASES] + ["idle_ms", "step_ms", "kernels_per_step"]
+
+
+def add_removed(rows: list[dict]) -> None:
+    """Each variant's row gets ``removed``: the preset's row (variant "", same batch, kernels,
+    graphs) less its own, for each of REMOVED the two rows have (positive: the variant saved it)."""
+    base = {(r["batch"], r["kernels"], r["graphs"]): r for r in rows if r.get("variant") == ""}
+    for r in rows:
+        b = base.get((r["batch"], r["kernels"], r["graphs"]))
+        if r.get("variant") and b is not None:
+            r["removed"] = {k: b[k] - r[k] for k in REMOVED if b.get(k) is not None and r.get(k) is not None}
+
+
+def removed_table(rows: list[dict]) -> str:
+    keys = ["variant", "batch", "kernels", "graphs", *REMOVED]
+    flat = [{**r, **r["removed"]} for r in rows if "removed" in r]
+    return markdown_table(flat, keys) if flat else "(no variant row has a preset row to compare with)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -410,6 +457,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the trainer's --fused-conv: convs that take their batchnorm statistics (Triton kernels)",
     )
+    parser.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help='with --preset, repeatable: also the preset with FLAGS, given after "=" (--variant="--tta-scope test": '
+        "a value that starts with a dash), and what each removed from the preset's step",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of the script's logic; writes nothing")
     args = parser.parse_args(argv)
 
@@ -419,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_step: --fused-conv needs the Triton kernels: --kernels triton or auto, not torch", file=sys.stderr)
         return 2
     base = from_preset(args.preset) if args.preset else Config()
+    try:  # every variant parsed before anything is measured, as the trainer refuses a bad flag
+        configs = [("", base), *((flags, variant_config(args.preset, flags)) for flags in args.variants)]
+    except ValueError as exc:
+        print(f"bench_step: {exc}", file=sys.stderr)
+        return 2
     world = args.fake_world or 1
     if args.batches is None:
         args.batches = [base.batch_size] if args.fake_world else [256, 512]
@@ -464,10 +525,16 @@ def main(argv: list[str] | None = None) -> int:
     ctx = fake_group(args.fake_world, device) if args.fake_world else None  # a rank's step: buckets, collectives
     rows = []
     eager_origins = {}  # (batch, kernels) -> launched_by of the eager step, for its graphed row
-    for global_batch in args.batches:
+    for (variant, vcfg), global_batch in itertools.product(configs, args.batches):
         batch = global_batch // world  # images per GPU per step
         for kernels in args.kernels:
-            cfg = dataclasses.replace(base, widths=widths, kernels=kernels, comm="bucketed", fused_conv=args.fused_conv)
+            cfg = dataclasses.replace(
+                vcfg,
+                widths=widths if SMOKE else vcfg.widths,
+                kernels=kernels,
+                comm="bucketed",
+                fused_conv=args.fused_conv or vcfg.fused_conv,
+            )
             for graphs in args.graphs:
                 model, step, images, labels, sync = build_step(cfg, batch, graphs == "on", device, dtype, ctx)
                 flops = 3 * conv_flops_per_image(model, device, dtype) * batch
@@ -490,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(
                     {
                         "net": net,
+                        **({"variant": variant} if args.variants else {}),
                         "batch": batch,
                         **ranks,
                         "kernels": kernels,
@@ -512,9 +580,12 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+    if args.variants:
+        add_removed(rows)
     per_rank = ["world_size", "global_batch", "buckets"] if ctx is not None else []
     columns = [
         "net",
+        *(["variant"] if args.variants else []),
         "batch",
         *per_rank,
         "kernels",
@@ -551,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print("| kernel | launched by (eager trace) | launches per step | ms per step |\n|---|---|---|---|")
                 print("\n".join(lines))
+    if args.variants:
+        print("\n### What each variant removed from the preset's step (ms per step; negative: added)\n")
+        print(removed_table(rows))
     if SMOKE:
         print("\n(smoke run on the CPU: timings meaningless, nothing written)")
     else:

@@ -334,7 +334,9 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     sparse = SparseRun(cfg, model, opt, loader, ctx, log, run, seed)  # masks, diffs, local SGD
     opt = sparse.optimizer  # masked when --sparse-mask is set
     push, pop = profiling.markers(cfg.nvtx)
-    step = make_step(net, opt, schedule, cfg.label_smoothing, (push, pop), sync.buckets, watchdog.dog.beat)
+    step = make_step(
+        net, opt, schedule, cfg.label_smoothing, (push, pop), sync.buckets, watchdog.dog.beat, cfg.grads_to_none
+    )
     train_step = TrainStep(step, StaticBatch(per_rank_batch, session.dtype, ctx.device), capture=session.use_graphs)
     loader.bind_static(train_step.batch.images, train_step.batch.labels)  # DALI: the one copy, into the step's buffers
     eval_step = make_eval_step(  # --tta-scope test: the share over the rank's whole test set

@@ -43,7 +43,9 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # sm_90 (Triton 3.8, no GPU), the jitter variant: 72 registers, no spills, 960 SASS instructions a
 # thread, so 123k an image. At 8 warps the first draft of this layout took 94 registers and 205k
 # instructions an image, at 16 warps 62 and 360k (each thread recomputes the row-wise vectors for
-# the lanes it holds). Not yet timed on a GPU.
+# the lanes it holds). sm_70 to sm_90: 64-77 registers, no spills (bench/results/kernel_registers.md).
+# Not yet timed on a GPU; its floor at the default's batch is 18.4 MB of traffic, about 0.006 ms on
+# an H100 (bench_augment.py's floor_ms).
 NUM_WARPS = 4
 
 
@@ -144,6 +146,16 @@ def _check_vector(t, name, n, device, dtypes=(torch.int32, torch.int64)):
         raise ValueError(f"{name} is on {t.device}, the images on {device}")
 
 
+def _check_out(out, shape, dtype, device) -> None:
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be {dtype} {shape}, got {got}")
+    if not out.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError(f"out must be channels-last contiguous, got strides {out.stride()}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, the images on {device}")
+
+
 def channel_constants(values, channels: int, device) -> torch.Tensor:
     """Mean or std as a contiguous fp32 (C,) tensor on ``device`` (a tuple, or a tensor already)."""
     t = torch.as_tensor(values, dtype=torch.float32, device=device).contiguous()
@@ -161,13 +173,16 @@ def augment(
     dtype: torch.dtype = torch.float16,
     size: int = 32,
     index: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launcher. ``data``: padded NHWC uint8 images, (D, size+2*pad, size+2*pad, C) contiguous -- the
     batch itself, or (better) the whole padded data set with ``index`` (B,) picking the batch.
     ``params``: drawn from ``spec`` (``fastcifar.ops.augment.draw_params``), on the data's device.
     Returns (B, C, size, size) ``dtype``, channels-last, equal to ``augment_reference(data[index], ...)``.
     Pass ``mean``/``std`` as fp32 (C,) device tensors (see ``channel_constants``) on the hot path to
-    skip the per-call host-to-device copy of the tuples."""
+    skip the per-call host-to-device copy of the tuples. ``out``: write there instead (that shape and
+    dtype, channels-last contiguous, on the data's device) and return it: the training step's input
+    buffer, so the batch is written once and never copied into it (2000 x 3072 x 2 bytes a step)."""
     if data.dim() != 4 or data.dtype != torch.uint8:
         raise ValueError(f"data must be NHWC uint8 images (D, H, W, C), got {data.dtype} {tuple(data.shape)}")
     if not data.is_contiguous():
@@ -194,7 +209,11 @@ def augment(
     mean_t = channel_constants(mean, c, data.device)
     std_t = channel_constants(std, c, data.device)
     lanes, rows = tile(size, c)
-    y = _empty((b, c, size, size), dtype, data.device)
+    if out is None:
+        y = _empty((b, c, size, size), dtype, data.device)
+    else:
+        _check_out(out, (b, c, size, size), dtype, data.device)
+        y = out
     if y.numel():
         jitter = (params.shift, params.scale) if params.jitter else (mean_t, mean_t)  # unread without JITTER
         _augment_kernel[(b, triton.cdiv(size, rows))](
@@ -242,8 +261,14 @@ class TritonAugment(nn.Module):
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32), persistent=False)
 
     @torch.no_grad()
-    def forward(self, data: torch.Tensor, params: AugmentParams, index: torch.Tensor | None = None) -> torch.Tensor:
-        return augment(data, params, self.spec, self.mean, self.std, self.dtype, self.size, index)
+    def forward(
+        self,
+        data: torch.Tensor,
+        params: AugmentParams,
+        index: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return augment(data, params, self.spec, self.mean, self.std, self.dtype, self.size, index, out)
 
     def extra_repr(self) -> str:
         return f"{self.spec}, dtype={self.dtype}, size={self.size}"

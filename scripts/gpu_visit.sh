@@ -17,7 +17,8 @@
 #   bash scripts/gpu_visit.sh nccl2                    # (g) two NCCL ranks on the one GPU: match one process, survive a kill -9
 #   bash scripts/gpu_visit.sh conv                     # (h) official data: the fused conv (--fused-conv) beside cuDNN: kernel, step, runs
 #   bash scripts/gpu_visit.sh screen                   # (i) official data: the default preset beside variants of it (SCREEN), x10 each
-#   bash scripts/gpu_visit.sh deterministic            # (j) the default preset twice with --deterministic: same weights? its cost
+#   bash scripts/gpu_visit.sh levers                   # (j) official data: the candidate stack beside the default and the record, each lever's step
+#   bash scripts/gpu_visit.sh deterministic            # (k) the default preset twice with --deterministic: same weights? its cost
 #   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
 #
 # Race (scripts/race.py): fastcifar's default preset (RACE_PRESETS names others), then each public
@@ -60,6 +61,17 @@
 # commit). The default runs once, first: a time ratio within about 3% needs confirming (the same
 # default timed 2.4% apart in two calls: official.jsonl, calls "visit 9" and "visit 9b"). Confirm a
 # winner with SCREEN="ITS FLAGS" SCREEN_RUNS=25 before it becomes the default.
+# levers: the candidate preset (LEVERS_PRESET, default fast-levers: the default with the no-risk
+# levers) against the default and the record, in one call of at most 9 minutes, in this order: the
+# candidate x LEVERS_RUNS (25), the default x LEVERS_RUNS, hiverge's record script x LEVERS_RUNS on
+# the same arrays (staged and run as the race runs it); then bench/bench_step.py at the default's
+# batch, graphed: the default, each lever alone (every field where the candidate differs from the
+# default: scripts/race.py levers, read from the presets table) and all of them, with what each
+# removed per phase (rows in step.jsonl), and bench/bench_augment.py (the augmentation is no part of
+# bench_step's step); then, each only where it fits, the candidate at batch 1536 and at 8.0 epochs,
+# LEVERS_EXTRA_RUNS (10) each. One table over every run, rows in official.jsonl (LEVERS_CALL and
+# LEVERS_COMMIT name the call and the commit). A missing candidate, or a lever the trainer refuses,
+# ends the stage in one failed row before any GPU work.
 # deterministic: the default preset as it runs, then twice with --deterministic (DETERMINISTIC_RUNS,
 # 3, runs each from seed 0, one process each): the two must agree bit for bit, per-epoch figures
 # and every model file; their train time beside the normal one's is the mode's cost. The table and
@@ -77,8 +89,8 @@
 set -uo pipefail
 stage=${1:-}
 case "$stage" in
-  check|engines|bench|kernels|accuracy|race|emulated|nccl2|conv|screen|deterministic|dali) ;;
-  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|nccl2|conv|screen|deterministic|dali" >&2; exit 2 ;;
+  check|engines|bench|kernels|accuracy|race|emulated|nccl2|conv|screen|levers|deterministic|dali) ;;
+  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|nccl2|conv|screen|levers|deterministic|dali" >&2; exit 2 ;;
 esac
 tag=$stage
 [ "$stage" = accuracy ] && tag="accuracy-${2:-}"
@@ -411,6 +423,75 @@ screen)
     contender "$name" "$limit" "${extra[@]}"
   done
   race_table screen-table 40 "${SCREEN_CALL:-}" "${SCREEN_COMMIT:-}"
+  ;;
+levers)
+  [ -e "$data" ] || { note "levers needs real data: \$DATA (official CIFAR-10, bash ../shared/device/stage.sh cifar10)"; failed=1; exit; }
+  default=$(default_preset) || { note "the default preset could not be read (default-preset.log)"; failed=1; exit; }
+  base=${default% *}
+  candidate=${LEVERS_PRESET:-fast-levers}
+  # each lever alone, one line of flags each; the candidate missing (or equal to the default) ends
+  # the stage here, in one row, before anything runs on the GPU
+  # (their flags alone on stdout: a warning on stderr must not become a lever)
+  if ! "$py" scripts/race.py levers "$candidate" --base "$base" >"$work/levers.txt" 2>"$work/levers.log"; then
+    cat "$work/levers.log"; rows+=("| levers | FAIL: $(tail -n 1 "$work/levers.log") | 0 |"); failed=1; exit
+  fi
+  mapfile -t levers <"$work/levers.txt"
+  note "levers of $candidate over $base: $(printf '[%s] ' "${levers[@]}")"
+  check_variants lever-flags "$base" "${levers[@]}"
+  # the extras: a variant the candidate already is (its own batch or epochs) is left out, not failed
+  extras=()
+  for flags in "--batch-size 1536" "--epochs 8.0"; do
+    if "$py" scripts/race.py variants "$candidate" -- "$flags" >"$work/extra-flags.log" 2>&1; then
+      extras+=("$flags")
+    else
+      rows+=("| $candidate $flags | skipped: $(tail -n 1 "$work/extra-flags.log") | 0 |")
+    fi
+  done
+  runs=${LEVERS_RUNS:-25}
+  # 1. the three trainers, same arrays; each fastcifar set at most about 4 s a run beyond its
+  # process's start (2.1 s a run on an H100: visits/visit-12.md), so a stuck one leaves the record
+  # its time; 160 s kept for the record's shortest useful limit (30), the step bench and the table
+  for preset in "$candidate" "$base"; do
+    limit=$((budget - SECONDS - 160)); [ "$limit" -gt $((runs * 4 + 60)) ] && limit=$((runs * 4 + 60))
+    contender "$preset-x$runs" "$limit"
+  done
+  race="$work/race"
+  if step export-tensors 120 "$py" scripts/export_tensors.py --data "$data" --out "$race/cifar10" &&
+     step prepare-peers 30 "$py" scripts/race.py prepare "${RACE_SCRIPTS:-.stage/race}" "$race" --images "$race/cifar10" --runs "$runs"; then
+    # 150 s kept: the step and augmentation benches (90 + 20 at most) and the table (40). Visit 9's
+    # hiverge took 225 s to warm up and about 5 s a run after it: past 2 x 25 fastcifar runs it may
+    # be cut short (its finished runs count)
+    limit=$((budget - SECONDS - 150))
+    if [ "$dry" != 1 ] && [ ! -f "$race/hiverge/cifar10_speedrun.py" ]; then
+      rows+=("| hiverge | FAIL: not staged (prepare-peers.log) | 0 |"); failed=1
+    elif [ "$limit" -lt 30 ]; then
+      rows+=("| hiverge | skipped: stage budget spent | 0 |"); failed=1
+    else
+      step hiverge "$limit" bash -c "cd '$race/hiverge' && exec '$py' cifar10_speedrun.py"
+    fi
+  fi
+  # 2. each lever's step and the stack's, beside the default's, at the default's batch, graphed
+  variant_args=()
+  for flags in "${levers[@]}"; do variant_args+=("--variant=$flags"); done
+  [ "${#levers[@]}" -gt 1 ] && variant_args+=("--variant=${levers[*]}")
+  step bench-levers 90 "$py" bench/bench_step.py --preset "$base" --batches "${default#* }" --graphs on \
+    --kernels auto "${variant_args[@]}"
+  # the augmentation kernel (no part of bench_step's step), without torch.compile's baseline (timed in
+  # visits/visit-12.md, 12e; its compiles would take most of the step's 20 s)
+  step bench-augment 45 "$py" bench/bench_augment.py --no-compile
+  # 3. with the time left, each only if it fits beside the table's 40 s (left out, not failed, else):
+  # the candidate at the record's batch and at 8 epochs
+  left() { [ $((budget - SECONDS - 40)) -ge "$1" ] || { rows+=("| $2 | left out: no time left | 0 |"); return 1; }; }
+  preset=$candidate
+  runs=${LEVERS_EXTRA_RUNS:-10}
+  for flags in "${extras[@]}"; do
+    read -ra extra <<<"$flags"
+    name="$candidate$(printf '%s' "$flags" | tr -c 'A-Za-z0-9.' '-' | tr -s '-')"
+    left 60 "$name" || continue
+    limit=$((budget - SECONDS - 40)); [ "$limit" -gt $((runs * 8 + 90)) ] && limit=$((runs * 8 + 90))
+    contender "$name" "$limit" "${extra[@]}"
+  done
+  race_table levers-table 40 "${LEVERS_CALL:-}" "${LEVERS_COMMIT:-}"
   ;;
 deterministic)
   ensure_data

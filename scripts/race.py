@@ -3,6 +3,7 @@ same images, in one call (scripts/gpu_visit.sh race runs it).
 
     python scripts/race.py prepare SCRIPTS_DIR WORK_DIR --images DIR [--runs N]
     python scripts/race.py variants PRESET -- [FLAGS ...]
+    python scripts/race.py levers CANDIDATE [--base PRESET]
     python scripts/race.py report WORK_DIR --fastcifar RUNS_DIR --data PATH [--bar 94]
                                   [--jsonl bench/results/official.jsonl] [--call NAME] [--commit C] [--out MD]
 
@@ -16,6 +17,11 @@ match exactly once, is refused (exit 2).
 
 ``variants PRESET -- [FLAGS ...]``: refuses (exit 2, one line) a variant the screen stage of
 scripts/gpu_visit.sh cannot race (``check_variants``), before any run.
+
+``levers CANDIDATE``: the flags of each field where preset CANDIDATE differs from --base (the
+default preset), one line each, in field order: each line is one lever alone, the base preset with
+that one field changed (gpu_visit.sh's levers stage times each, then all of them together). Exit 2,
+one line, when CANDIDATE is not a preset or does not differ from the base.
 
 ``report``: every trainer's runs (fastcifar from its summary.json files, each public script from the
 log its run printed, WORK_DIR/NAME.log; a cut-off log gives the runs it finished), the statistics
@@ -41,9 +47,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
-from fastcifar.core.config import ConfigError, validate
+from fastcifar.core.config import ConfigError, from_preset, validate
 from fastcifar.core.options import parse_command_line, recipe_flags
-from fastcifar.core.presets import PRESETS
+from fastcifar.core.presets import DEFAULT_PRESET, PRESETS
 from fastcifar.core.stats import p_above
 
 BAR = 94.0  # % official test accuracy, the record scripts' bar
@@ -233,6 +239,21 @@ def check_variants(preset: str, variants: list[str]) -> None:
         if name in seen:
             raise RaceError(f"variant {flags!r} refused: it trains the same recipe as {seen[name]!r}")
         seen[name] = flags
+
+
+def lever_variants(candidate: str, base: str = DEFAULT_PRESET) -> list[str]:
+    """Each field where preset ``candidate`` differs from preset ``base``, as the flags that make
+    ``base`` take that field's value alone (``recipe_flags`` over the base: a candidate's epochs
+    keep the base's warm-up fraction, as on the command line), in field order. Read from
+    ``fastcifar.core.presets`` at each call, so a field added to the candidate is a lever at once.
+    RaceError when either is not a preset, or they train the same recipe."""
+    for name in (candidate, base):
+        if name not in PRESETS:
+            raise RaceError(f"no preset {name!r} (presets: {', '.join(PRESETS)})")
+    flags = recipe_flags({**dataclasses.asdict(from_preset(candidate)), "preset": base})
+    if not flags:
+        raise RaceError(f"preset {candidate!r} trains the {base} recipe itself: no lever to time")
+    return flags
 
 
 # --- prepare ----------------------------------------------------------------------------------
@@ -437,6 +458,9 @@ def main(argv=None) -> int:
     var = sub.add_parser("variants", help="refuse, in one line, a variant of PRESET the screen stage cannot race")
     var.add_argument("preset")
     var.add_argument("variants", nargs="*", help="each variant's flags, one argument each, after --")
+    lev = sub.add_parser("levers", help="the flags of each field where CANDIDATE differs from the base preset")
+    lev.add_argument("candidate")
+    lev.add_argument("--base", default=DEFAULT_PRESET, help="the preset each lever is added to (the default)")
     rep = sub.add_parser("report", help="the race's table and jsonl rows")
     rep.add_argument("work", type=Path, help="the folder holding each public script's NAME.log")
     rep.add_argument("--fastcifar", type=Path, required=True, help="the fastcifar runs' out-dirs, under one folder")
@@ -455,6 +479,9 @@ def main(argv=None) -> int:
             return 0
         if args.what == "variants":
             check_variants(args.preset, args.variants)
+            return 0
+        if args.what == "levers":
+            print("\n".join(lever_variants(args.candidate, args.base)))
             return 0
         lines, rows, problems = report(args.work, args.fastcifar, args.data, args.bar, args.call, args.commit)
     except (RaceError, OSError) as exc:

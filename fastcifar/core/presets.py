@@ -125,6 +125,8 @@ CURRENT_PRESETS: dict[str, dict[str, Any]] = {
         "newton_schulz": "stacked",
         "whiten_bias_epochs": 0.19,
         "whiten_bias_decay": True,
+        # the step's 7 strided adds and 19 memsets of gradients zeroed in place (docs/step-fixed-cost.md)
+        "grads_to_none": True,
     },
 }
 

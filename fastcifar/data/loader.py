@@ -214,6 +214,7 @@ class TorchLoader(TrainLoader):
             self.fused = kernels.module("augment").TritonAugment(augment, mean, std, dtype).to(device)
         self.shard_index, self.n_read = data_set_index(shard, len(images), index, n_read)  # epoch_plan's keys
         self._ahead = EpochAhead(self._device_plan)
+        self.static: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's buffers (bind_static)
         self.set_epoch(0, 0)
 
     def plain_images(self, n: int) -> torch.Tensor:
@@ -228,6 +229,24 @@ class TorchLoader(TrainLoader):
         """Draw that epoch's plan now and start its copy to the device (``EpochAhead``)."""
         self._ahead.prepare(as_streams(seeds), epoch)
 
+    def bind_static(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """With the Triton augmentation: write each batch into the step's buffers and yield them, so
+        the step copies nothing in (``run.graphs.StaticBatch.load``). Buffers of another batch size,
+        dtype or layout are left unbound (the step copies). Each batch then overwrites the last:
+        the training loop takes one at a time, in stream order."""
+        if self.fused is None:
+            return
+        b = self.batch_size
+        if (
+            images.shape[0] == b
+            and labels.shape == (b,)
+            and images.dtype == self.dtype
+            and labels.dtype == self.labels.dtype
+            and images.device == labels.device == self.images.device
+            and images.is_contiguous(memory_format=torch.channels_last)
+        ):
+            self.static = (images, labels)
+
     def _device_plan(self, streams: Streams, epoch: int) -> tuple[torch.Tensor, AugmentParams]:
         n = self.steps * self.batch_size
         order, plan = epoch_plan(
@@ -241,11 +260,17 @@ class TorchLoader(TrainLoader):
         for step in range(self.steps):
             idx = order[step * b : (step + 1) * b]
             params = plan.part(step * b, (step + 1) * b)
-            if self.fused is not None:
-                images = self.fused(self.images, params, index=idx)
+            if self.static is not None:  # written once, where the step reads it
+                images, labels = self.static
+                yield (
+                    self.fused(self.images, params, index=idx, out=images),
+                    torch.index_select(self.labels, 0, idx, out=labels),
+                )
+            elif self.fused is not None:
+                yield self.fused(self.images, params, index=idx), self.labels[idx]
             else:
                 images = augment_reference(self.images[idx], params, self.augment, self.mean, self.std, self.dtype)
-            yield images, self.labels[idx]
+                yield images, self.labels[idx]
 
 
 class EmulatedRanks(TrainLoader):

@@ -28,19 +28,25 @@ def make_step(
     markers=NO_MARKERS,
     buckets=None,
     beat=None,
+    grads_to_none: bool = False,
 ):
     """One training step on a batch: the function that runs eagerly or is captured. ``buckets``
     (several ranks, --comm bucketed: ``parallel.comm.GradBuckets``) average the gradients during
     backward; ``markers`` (push, pop) put NVTX ranges around its phases for nsys (no-ops unless
     --nvtx on CUDA). ``beat``: called as each eager step starts (the warm-up steps; a captured step's
-    replays run no Python): the progress watchdog's, so warm-up and capture are watched too."""
+    replays run no Python): the progress watchdog's, so warm-up and capture are watched too.
+    ``grads_to_none`` (``Config.grads_to_none``; ignored with ``buckets``, which own the gradients):
+    ``GradReset``'s drop instead of the optimizer's in-place zeroing."""
     push, pop = markers
+    reset = GradReset(net) if grads_to_none and buckets is None else None
 
     def step(images, labels):
         if beat is not None:
             beat()
         if buckets is not None:
             buckets.begin()  # a parameter frozen since the last step leaves its bucket (host-only, eager)
+        if reset is not None:
+            reset.before()
         schedule.apply(opt.lr)  # device-side: the captured graph reads each step's rate
         push("forward")
         logits = net(images)
@@ -55,11 +61,45 @@ def make_step(
             pop()
         push("optimizer")
         opt.step()
-        opt.zero_grad()  # in place, so bucketed gradients stay views into their buckets
+        if reset is None:
+            opt.zero_grad()  # in place, so bucketed gradients stay views into their buckets
+        else:
+            reset.after()
         pop()
         return loss.detach(), (logits.argmax(1) == labels).sum()
 
     return step
+
+
+class GradReset:
+    """Gradients dropped after each step instead of zeroed in place. A parameter whose ``.grad`` is
+    None takes backward's gradient tensor as it is (autograd's AccumulateGrad), where a zeroed one
+    costs a memset and an add (0 + g: the same value, so the same weights). The parameters trained
+    when the step is built (``requires_grad``) are the optimizer's; one frozen later (the whitening
+    bias after its epochs) gets no gradient from backward, while the optimizer still reads one (its
+    rate scaled to 0): it keeps a zero gradient, zeroed in place as before. That tensor is made once
+    per parameter and held here for the step's life: a graph captured while the parameter was frozen
+    reads it at its address, and a later eager step (another graph's warm-up) drops ``.grad`` again."""
+
+    def __init__(self, net: torch.nn.Module):
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.zeros: dict[int, torch.Tensor] = {}  # by index into params: a frozen one's gradient
+
+    def before(self) -> None:
+        """Before backward: the zero gradient of each parameter frozen since it was dropped."""
+        for i, p in enumerate(self.params):
+            if p.grad is None and not p.requires_grad:
+                if i not in self.zeros:
+                    self.zeros[i] = torch.zeros_like(p)
+                p.grad = self.zeros[i]
+
+    def after(self) -> None:
+        """After the optimizer's step: drop the trained parameters' gradients, zero the frozen ones'."""
+        for p in self.params:
+            if p.requires_grad:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
 
 def evaluate(model, eval_step: EvalStep, test_set: EvalSet, ctx, progress=None, desc="") -> tuple[float, float]:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a su
     "script, args, expect",
     [
         ("bench_step.py", ["--smoke"], "| batch | kernels | graphs | step_ms"),
-        ("bench_augment.py", ["--smoke"], "smoke run"),
+        ("bench_augment.py", ["--smoke"], "| impl | dir | median_ms | floor_ms |"),  # the floor beside it
         ("bench_muon.py", ["--smoke"], "| layout | filters | stacks | aten_ops | compute_ops | kernels |"),
         ("bench_conv_stats.py", ["--smoke"], "| batch | conv | impl | dir | timing | median_ms"),
         ("sweep_bn_act_pool.py", ["--smoke"], "| block | base | w2 | best |"),

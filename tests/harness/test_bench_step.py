@@ -303,3 +303,47 @@ def test_launched_by_names_the_op_and_its_autograd_node(bench_step):
         "mul_kernel": "aten::mul x1; aten::mul in MulBackward0 x0.5",
         "nvjet": "aten::mm in aten::matmul",
     }
+
+
+def test_variants_are_timed_beside_the_preset_with_what_each_removed(bench_step, monkeypatch, capsys):
+    """--variants: the preset's step, then each variant's built from the preset and its flags, and
+    each variant's row says what it removed from the preset's step at the same batch."""
+    import torch
+
+    built = []
+    real_build = bench_step.build_step
+
+    def build(cfg, *a, **k):
+        built.append(cfg)
+        return real_build(cfg, *a, **k)
+
+    # the variant's trace has one "other" kernel fewer: 30 us of 590 over one step
+    full = [
+        ("sm90_xmma_fprop_implicit_gemm", 0.0, 500.0),
+        ("void at::native::reduce_kernel<512, 1>", 500.0, 530.0),
+        ("nvjet_hsh_128x256", 560.0, 590.0),
+    ]
+    traces = iter([full, full[:1] + full[2:]])
+    monkeypatch.setattr(bench_step, "SMOKE", True)
+    monkeypatch.setattr(bench_step, "build_step", build)
+    monkeypatch.setattr(bench_step, "profile_steps", lambda *a, **k: bench_step.breakdown(next(traces), 1))
+    monkeypatch.setattr(bench_step, "time_steps", lambda *a, **k: 1.0)
+    assert bench_step.main(["--smoke", "--preset", DEFAULT_PRESET, "--variant=--label-smoothing 0.1"]) == 0
+    out = capsys.readouterr().out
+    assert [c.label_smoothing for c in built] == [bench_step.from_preset(DEFAULT_PRESET).label_smoothing, 0.1]
+    assert "What each variant removed from the preset's step" in out
+    removed = next(line for line in out.splitlines() if line.startswith("| --label-smoothing 0.1 | 4 |"))
+    # other 0.030 ms fewer, the gap it left counted as idle (0.030 more), the step as timed, 1 kernel fewer
+    assert removed.endswith("| 0.000 | 0.000 | 0.000 | 0.030 | -0.030 | 0.000 | 1.000 |"), out
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_variants_are_refused_in_one_line_before_anything_is_measured(bench_step, capsys, monkeypatch):
+    monkeypatch.setattr(bench_step, "SMOKE", True)
+    monkeypatch.setattr(bench_step, "build_step", lambda *a, **k: pytest.fail("measured a refused variant"))
+    argv = ["--smoke", "--preset", DEFAULT_PRESET, "--variant=--label-smoothing 0.1", "--variant=--no-such"]
+    assert bench_step.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench_step: variant '--no-such': unrecognized arguments") and "\n" not in err, err
+    assert bench_step.main(["--smoke", "--variant=--epochs 7"]) == 2
+    assert "--variant needs --preset" in capsys.readouterr().err

@@ -705,3 +705,82 @@ def test_deterministic_report_passes_the_same_bits_and_names_a_differing_tensor(
         else:
             assert proc.returncode == 1 and not row["ok"]
             assert "model.safetensors: 1 tensors differ (conv.weight)" in row["message"], row
+
+
+def test_levers_stage_runs_the_stack_the_default_and_the_record_then_each_levers_step(tmp_path):
+    """The levers of a candidate preset (here fast-muon9 against the default, fast-jitter: its epochs
+    and its jitter off) come from the presets table: each alone and all together in the step bench."""
+    proc, out = visit(tmp_path, "levers", LEVERS_PRESET="fast-muon9", LEVERS_CALL="visit 13", LEVERS_COMMIT="abc1234")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    files = [p for p in tree(out) if p.is_file()]
+    assert {p.name for p in files} == {"levers-table.md", "levers-logs.tar.gz", "levers-results.tar.gz"}
+    assert table_steps(out, "levers") == [
+        "fast-muon9-x25",
+        f"{DEFAULT_PRESET}-x25",
+        "export-tensors",
+        "prepare-peers",
+        "hiverge",
+        "bench-levers",
+        "bench-augment",
+        "fast-muon9-batch-size-1536",
+        "fast-muon9-epochs-8.0",
+        "levers-table",
+    ]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("dry run:")]
+    runs = [line for line in lines if "fastcifar.train" in line]
+    assert runs[0].endswith("--preset fast-muon9 --seed 0 --runs 25 --quiet")
+    assert runs[1].endswith(f"--preset {DEFAULT_PRESET} --seed 0 --runs 25 --quiet")
+    assert runs[2].endswith("--preset fast-muon9 --seed 0 --runs 10 --quiet --batch-size 1536")
+    assert runs[3].endswith("--preset fast-muon9 --seed 0 --runs 10 --quiet --epochs 8.0")
+    folder = next(line for line in lines if "export_tensors.py" in line).split("--out ")[1].strip()
+    assert any("race.py prepare .stage/race" in line and f"--images {folder} --runs 25" in line for line in lines)
+    record = next(line for line in lines if "cifar10_speedrun.py" in line)
+    assert f"cd '{folder[: -len('cifar10')]}hiverge'" in record
+    bench = next(line for line in lines if "bench_step.py" in line)
+    batch = from_preset().batch_size
+    assert bench.endswith(
+        f"--preset {DEFAULT_PRESET} --batches {batch} --graphs on --kernels auto --variant=--epochs 9 "
+        "--variant=--brightness 0.0 --variant=--contrast 0.0 --variant=--epochs 9 --brightness 0.0 --contrast 0.0"
+    ), bench
+    assert any(line.endswith("bench/bench_augment.py --no-compile") for line in lines)
+    report = next(line for line in lines if "race.py report" in line)
+    assert "--jsonl bench/results/official.jsonl --call visit 13 --commit abc1234" in report
+
+
+def test_levers_stage_without_its_candidate_fails_in_one_row_before_any_run(tmp_path):
+    proc, out = visit(tmp_path, "levers", LEVERS_PRESET="no-such-stack")
+    assert proc.returncode == 1
+    assert "dry run:" not in proc.stdout
+    assert table_steps(out, "levers") == ["levers"]
+    assert "FAIL: race: no preset 'no-such-stack'" in (out / "levers-table.md").read_text()
+
+
+def test_levers_stage_leaves_out_an_extra_the_candidate_already_is(tmp_path):
+    """A candidate at 8.0 epochs has no "--epochs 8.0" variant: that extra is skipped, the rest runs."""
+    proc, out = visit(tmp_path, "levers", LEVERS_PRESET="fast-muon")
+    assert "--epochs 8.0" not in "\n".join(line for line in proc.stdout.splitlines() if line.startswith("dry run:"))
+    assert any(name.startswith("fast-muon --epochs 8.0") for name in table_steps(out, "levers"))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+
+
+def test_levers_stage_leaves_out_what_no_longer_fits_and_still_reports(tmp_path):
+    """Past the record and the benches, the extra runs start only if they fit beside the table's
+    40 s; the table runs whatever was left out."""
+    proc, out = visit(tmp_path, "levers", LEVERS_PRESET="fast-muon9", STAGE_BUDGET_S="95")
+    table = (out / "levers-table.md").read_text()
+    for name in ("fast-muon9-batch-size-1536", "fast-muon9-epochs-8.0"):
+        assert f"| {name} | left out: no time left | 0 |" in table, table
+    assert table_steps(out, "levers")[-1] == "levers-table"
+    assert "--batch-size 1536" not in "".join(line for line in proc.stdout.splitlines() if line.startswith("dry run:"))
+
+
+def test_levers_stage_takes_the_levers_from_stdout_alone(tmp_path):
+    """A warning the helper prints on stderr (a library's deprecation, say) is no lever."""
+    python = tmp_path / "python"
+    warn = '[ "$2" = levers ] && echo "SomeWarning: a library speaks" >&2'
+    python.write_text(f'#!/bin/sh\n{warn}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    proc, out = visit(tmp_path, "levers", LEVERS_PRESET="fast-muon9", PYTHON=str(python))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    bench = next(line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "bench_step.py" in line)
+    assert "SomeWarning" not in bench and bench.count("--variant=") == 4, bench

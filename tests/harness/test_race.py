@@ -314,3 +314,32 @@ def test_report_without_fastcifar_runs_fails_but_files_the_public_scripts(tmp_pa
     assert rows[0] == {"earlier": "row"}  # appended, never rewritten
     assert [r["trainer"] for r in rows[1:]] == ["airbench94@f1c599c"] and rows[1]["data"] == "other:jpeg"
     assert rows[1]["device"]  # the machine it ran on, as torch names it ("cpu" here)
+
+
+# --- levers -----------------------------------------------------------------------------------
+
+
+def test_levers_are_the_fields_where_the_candidate_differs_each_alone(monkeypatch):
+    """gpu_visit.sh levers times each field where the candidate preset differs from the base alone:
+    read from the presets table, so a field the candidate gains is a lever with no edit here."""
+    levers = race.lever_variants("fast-jitter", base="fast-muon9")
+    assert levers == ["--epochs 8.5", "--brightness 0.14", "--contrast 0.13"]
+    # a candidate added to the table later (here: the base with two fields changed)
+    monkeypatch.setitem(race.PRESETS, "cand", {**race.PRESETS["fast-muon9"], "label_smoothing": 0.1, "tta": 1})
+    levers = race.lever_variants("cand", base="fast-muon9")
+    assert levers == ["--label-smoothing 0.1", "--tta 1"]
+    race.check_variants("fast-muon9", levers)  # each alone a recipe of its own the stage can race
+    assert race.main(["levers", "cand", "--base", "fast-muon9"]) == 0
+
+
+@pytest.mark.parametrize(
+    "candidate, base, says",
+    [
+        ("no-such-preset", None, "no preset 'no-such-preset'"),
+        ("fast-muon9", "fast-muon9", "trains the fast-muon9 recipe itself"),
+    ],
+)
+def test_levers_of_a_missing_or_equal_preset_are_refused_in_one_line(capsys, candidate, base, says):
+    assert race.main(["levers", candidate, *(["--base", base] if base else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("race: ") and says in err and err.count("\n") == 1, err

@@ -114,6 +114,20 @@ def test_module_with_device_constants():
     assert_close(mod(data, params, index), want, 0.0, "TritonAugment")
 
 
+@pytest.mark.parametrize("jitter", [False, True])
+def test_writes_into_the_buffer_it_is_given(jitter):
+    """out=: the step's input buffer (poisoned here: an unwritten element fails) written in place
+    and returned, equal to the reference."""
+    data = _data(6, 4, "reflect", seed=7)
+    index = torch.tensor([2, 5, 0], device=DEVICE)
+    params = _params(3, 4, 8, seed=8, brightness=0.2 * jitter, contrast=0.1 * jitter)
+    spec = AugmentSpec(cutout=8, brightness=0.2 * jitter, contrast=0.1 * jitter)
+    buf = torch.full((3, 3, 32, 32), float("nan"), device=DEVICE).contiguous(memory_format=CL)
+    got = TritonAugment(spec, dtype=torch.float32).to(DEVICE)(data, params, index, out=buf)
+    assert got is buf
+    assert_close(buf, augment_indexed_reference(data, params, spec, index=index), 0.0, "augment into out")
+
+
 def test_index_past_the_data_set_reads_nothing():
     """An index outside the data set (-1, or its length) reads no byte: the image is that of an
     all-zero image (the masked load's ``other``), the in-range images of the batch are unchanged. The
@@ -169,6 +183,9 @@ def test_other_sides_and_channel_counts(size, channels, pad, monkeypatch):
         ("cutout", ValueError, "cutout must be"),
         ("params_len", ValueError, "params.cy must be a 1-D tensor of length 4"),
         ("index_float", TypeError, "index must be one of"),
+        ("out_shape", ValueError, "out must be torch.float16 (4, 3, 32, 32)"),
+        ("out_dtype", ValueError, "out must be torch.float16"),
+        ("out_nchw", ValueError, "out must be channels-last contiguous"),
     ],
 )
 def test_launcher_rejects(case, error, message):
@@ -190,6 +207,12 @@ def test_launcher_rejects(case, error, message):
         params = AugmentParams(params.dy, params.dx, params.flip, params.cy[:3], params.cx)
     elif case == "index_float":
         index = index.float()
+    elif case == "out_shape":
+        kw["out"] = torch.empty(5, 3, 32, 32, dtype=torch.float16, device=DEVICE).contiguous(memory_format=CL)
+    elif case == "out_dtype":
+        kw["out"] = torch.empty(4, 3, 32, 32, dtype=torch.float32, device=DEVICE).contiguous(memory_format=CL)
+    elif case == "out_nchw":
+        kw["out"] = torch.empty(4, 3, 32, 32, dtype=torch.float16, device=DEVICE)
     with pytest.raises(error) as info:
         augment(data, params, index=index, **kw)
     assert message in str(info.value), str(info.value)

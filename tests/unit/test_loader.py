@@ -151,6 +151,37 @@ def test_loader_with_triton_kernels_equals_the_reference():
         assert torch.equal(ya, yb)
 
 
+def test_loader_with_triton_kernels_writes_each_batch_into_the_bound_step_buffers():
+    """bind_static: the Triton augmentation writes each batch into the step's buffers, which the
+    step then takes without a copy; the batches are those of an unbound loader."""
+    from fastcifar.run.graphs import StaticBatch
+
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def make():
+        return torch_loader(images, np.arange(6), np.arange(6), 3, 2, device=device, kernels="triton")
+
+    bound, free = make(), make()
+    batch = StaticBatch(3, torch.float32, device)
+    batch.images.fill_(float("nan"))  # an unwritten element shows
+    bound.bind_static(batch.images, batch.labels)
+    for (a, ya), (b, yb) in zip(bound, free, strict=True):
+        assert a.data_ptr() == batch.images.data_ptr() and ya.data_ptr() == batch.labels.data_ptr()
+        assert torch.equal(a, b) and torch.equal(ya, yb)
+        # the step's load sees its own buffers: nothing copied (a copy would not show; a changed
+        # buffer would: the load returns before touching them)
+        assert batch.load(a, ya) == 3 and torch.equal(batch.images, b)
+    # buffers of another batch size stay unbound: the loader allocates, the step copies
+    other = make()
+    other.bind_static(StaticBatch(4, torch.float32, device).images, torch.zeros(4, dtype=torch.int64, device=device))
+    assert other.static is None
+    ref = torch_loader(images, np.arange(6), np.arange(6), 3, 2, device=device, kernels="torch")
+    ref.bind_static(batch.images, batch.labels)
+    assert ref.static is None  # the reference path keeps its batches (and the step copies them)
+
+
 def test_loader_rejects_too_many_steps():
     with pytest.raises(ValueError, match="need 30 images"):
         torch_loader(np.zeros((10, 32, 32, 3), np.uint8), np.zeros(10, np.int64), np.arange(10), 10, 3)

@@ -73,3 +73,65 @@ def test_emulated_ranks_steps_equal_ranks_averaging_their_gradients():
         if buf.is_floating_point():  # what average_buffers leaves after the epoch
             mean = torch.stack([dict(r.named_buffers())[name] for r in replicas]).mean(0)
             torch.testing.assert_close(buf, mean, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _train(grads_to_none: bool, steps: int = 4, freeze_at: int = 2):
+    """The default preset's step (FastNet, Muon + Nesterov SGD, weight decay) for ``steps`` steps,
+    the whitening bias frozen from step ``freeze_at`` as ``run.whitening`` freezes it."""
+    cfg = from_preset(widths=(8, 16, 16), batch_size=8, kernels="torch")
+    torch.manual_seed(0)
+    model = build_model(cfg, CPU, torch.float32)
+    peak = recipe.peak_rate(cfg, cfg.batch_size)
+    opt = recipe.make_optimizer(model, cfg, cfg.batch_size, peak)
+    schedule = DeviceSchedule(lr_schedule(cfg, max(steps, 1), peak), CPU)
+    step = make_step(model, opt, schedule, cfg.label_smoothing, grads_to_none=grads_to_none)
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        if i == freeze_at:
+            opt.set_lr_scale("whiten_bias", 0.0)
+            model.whiten.bias.requires_grad_(False)
+        images = torch.randn(cfg.batch_size, 3, 32, 32, generator=g).contiguous(memory_format=CL)
+        step(images, torch.randint(0, 10, (cfg.batch_size,), generator=g))
+    return model, opt
+
+
+def test_dropping_the_gradients_trains_the_same_weights_bit_for_bit():
+    """--grads-to-none: backward's gradients handed over instead of added to zeroed ones (0 + g is
+    g), across the whitening bias's freeze: every weight, buffer and momentum equal."""
+    zeroed, opt_zeroed = _train(False)
+    dropped, opt_dropped = _train(True)
+    start = _train(False, steps=0)[0]
+    for (name, p), q, p0 in zip(zeroed.named_parameters(), dropped.parameters(), start.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        if p0.requires_grad:  # trained (the whitening weight and the norms' scales are frozen)
+            assert not torch.equal(p, p0), f"{name} did not move: the comparison proves nothing"
+    for (name, b), c in zip(zeroed.named_buffers(), dropped.buffers(), strict=True):
+        assert torch.equal(b, c), name
+
+    def tensors(opt):  # the optimizer's momentum buffers, in its state_dict's order
+        return [t for t in torch.utils._pytree.tree_leaves(opt.state_dict()) if isinstance(t, torch.Tensor)]
+
+    momenta = list(zip(tensors(opt_zeroed), tensors(opt_dropped), strict=True))
+    assert momenta and all(torch.equal(a, b) for a, b in momenta)
+    # dropped: the trained weights' gradients are gone, the frozen bias keeps a zero one
+    assert dropped.blocks[0].conv1.conv.weight.grad is None and dropped.fc.weight.grad is None
+    assert torch.equal(dropped.whiten.bias.grad, torch.zeros_like(dropped.whiten.bias))
+    assert zeroed.fc.weight.grad is not None  # in place: kept, zeroed
+
+
+def test_a_frozen_parameters_zero_gradient_is_made_once():
+    """A graph captured while the bias is frozen reads its gradient at one address: dropped and
+    frozen again, the bias gets the same tensor back."""
+    from fastcifar.run.step import GradReset
+
+    net = torch.nn.Linear(3, 2)
+    reset = GradReset(net)
+    net.bias.requires_grad_(False)
+    reset.before()
+    first = net.bias.grad
+    net.bias.requires_grad_(True)
+    reset.after()
+    assert net.bias.grad is None
+    net.bias.requires_grad_(False)
+    reset.before()
+    assert net.bias.grad is first and net.weight.grad is None
