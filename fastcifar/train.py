@@ -346,6 +346,7 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
         capture=session.use_graphs,
         tta_share=cfg.tta_share,
         tta_scope=cfg.tta_scope,
+        test_rows=len(session.test_set.labels),  # the final evaluation's, the one on the clock
     )
 
     # Off the clock: warm-up steps (cuDNN's algorithm search, first allocations) and graph capture

@@ -458,10 +458,10 @@ levers)
   race="$work/race"
   if step export-tensors 120 "$py" scripts/export_tensors.py --data "$data" --out "$race/cifar10" &&
      step prepare-peers 30 "$py" scripts/race.py prepare "${RACE_SCRIPTS:-.stage/race}" "$race" --images "$race/cifar10" --runs "$runs"; then
-    # 150 s kept: the step and augmentation benches (90 + 20 at most) and the table (40). Visit 9's
-    # hiverge took 225 s to warm up and about 5 s a run after it: past 2 x 25 fastcifar runs it may
-    # be cut short (its finished runs count)
-    limit=$((budget - SECONDS - 150))
+    # the record's 25 runs rank above the benches below, which get what it leaves: it keeps all but
+    # the table's 45 s. Visit 9's hiverge took 225 s to warm up and about 5 s a run after it: past
+    # 2 x 25 fastcifar runs it may still be cut short (its finished runs count)
+    limit=$((budget - SECONDS - 45))
     if [ "$dry" != 1 ] && [ ! -f "$race/hiverge/cifar10_speedrun.py" ]; then
       rows+=("| hiverge | FAIL: not staged (prepare-peers.log) | 0 |"); failed=1
     elif [ "$limit" -lt 30 ]; then
@@ -470,18 +470,21 @@ levers)
       step hiverge "$limit" bash -c "cd '$race/hiverge' && exec '$py' cifar10_speedrun.py"
     fi
   fi
-  # 2. each lever's step and the stack's, beside the default's, at the default's batch, graphed
+  # 2. with the time left, each only if it fits beside the table's 40 s (left out, not failed, else):
+  # each lever's step and the stack's, beside the default's, at the default's batch, graphed
+  left() { [ $((budget - SECONDS - 40)) -ge "$1" ] || { rows+=("| $2 | left out: no time left | 0 |"); return 1; }; }
+  upto() { local l=$((budget - SECONDS - 40)); [ "$l" -gt "$1" ] && l=$1; echo "$l"; }  # a limit that keeps the table's time
   variant_args=()
   for flags in "${levers[@]}"; do variant_args+=("--variant=$flags"); done
   [ "${#levers[@]}" -gt 1 ] && variant_args+=("--variant=${levers[*]}")
-  step bench-levers 90 "$py" bench/bench_step.py --preset "$base" --batches "${default#* }" --graphs on \
-    --kernels auto "${variant_args[@]}"
+  if left 45 bench-levers; then
+    step bench-levers "$(upto 90)" "$py" bench/bench_step.py --preset "$base" --batches "${default#* }" --graphs on \
+      --kernels auto "${variant_args[@]}"
+  fi
   # the augmentation kernel (no part of bench_step's step), without torch.compile's baseline (timed in
   # visits/visit-12.md, 12e; its compiles would take most of the step's 20 s)
-  step bench-augment 45 "$py" bench/bench_augment.py --no-compile
-  # 3. with the time left, each only if it fits beside the table's 40 s (left out, not failed, else):
-  # the candidate at the record's batch and at 8 epochs
-  left() { [ $((budget - SECONDS - 40)) -ge "$1" ] || { rows+=("| $2 | left out: no time left | 0 |"); return 1; }; }
+  left 20 bench-augment && step bench-augment "$(upto 45)" "$py" bench/bench_augment.py --no-compile
+  # 3. the candidate at the record's batch and at 8 epochs
   preset=$candidate
   runs=${LEVERS_EXTRA_RUNS:-10}
   for flags in "${extras[@]}"; do

@@ -120,8 +120,10 @@ def build_parser(base: Config, prog: str = "python -m fastcifar.train") -> argpa
             kwargs.update(type=int, nargs="?", const=1)
         elif isinstance(default, tuple):
             kwargs["type"] = _parse_widths
-        elif f.name == "epochs":  # whole (24) or fractional (9.9)
+        elif f.name in ("epochs", "whiten_bias_epochs"):  # whole (24, 3) or fractional (9.9, 0.19)
             kwargs["type"] = _parse_epochs
+        elif f.type == "float":  # a preset's whole default (lr 1) must not make the flag refuse 0.5
+            kwargs["type"] = float
         else:
             kwargs["type"] = type(default)
         if f.name in CHOICES:

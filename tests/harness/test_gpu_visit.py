@@ -34,6 +34,7 @@ STAGES = [
     ["conv"],
     ["screen"],
     ["deterministic"],
+    ["levers"],  # the real candidate, fast-levers: its every lever must parse over the default
 ]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 

@@ -611,6 +611,48 @@ def test_tta_scope_test_gives_the_views_to_the_least_sure_of_the_whole_test_set(
         assert results["batch"][0] != pytest.approx(loss, rel=1e-5), "the batch scope chose the same rows"
 
 
+def test_tta_scope_test_sizes_its_views_batch_to_the_chosen_rows_and_keeps_no_autograd_graph():
+    """The views pass takes the chosen ceil(share x rows) in as few batches as the evaluation's
+    size allows, each as full as it can be (2,500 of 10,000 at 1000: three of 834, not 3,000 rows
+    with 500 of padding through every view); the counts are the reference's all the same. Both
+    passes run without autograd even when called in grad mode (captured, a graph's saved tensors
+    would stay alive in its pool)."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 10, 3), torch.nn.Flatten(), torch.nn.LazyLinear(10))
+    big = make_eval_step(model, StaticBatch(1000, torch.float32, CPU), 2, False, 0.25, "test", test_rows=10_000)
+    assert big.views_batch.capacity == 834 and big.batch.capacity == 1000
+    unsized = make_eval_step(model, StaticBatch(10, torch.float32, CPU), 2, False, 0.25, "test")
+    assert unsized.views_batch is unsized.batch  # the rank's count unknown: the evaluation's own buffers
+    torch.manual_seed(2)
+    model.eval()
+    rng = np.random.default_rng(0)
+    test_set = EvalSet(
+        rng.integers(0, 256, (37, 32, 32, 3), dtype=np.uint8),
+        rng.integers(0, 10, 37),
+        8,
+        dtype=torch.float32,
+        device=CPU,
+    )
+    x, y = test_set.images, test_set.labels
+    with torch.no_grad():
+        model(x[:1])
+        plain, full = model(x), views_logits(model, x, 2)
+    want = plain.clone()
+    least = plain.softmax(1).amax(1).argsort()[:10]  # ceil(0.25 x 37)
+    want[least] = full[least]
+    ev = make_eval_step(model, StaticBatch(8, torch.float32, CPU), 2, False, 0.25, "test", test_rows=37)
+    assert ev.views_batch.capacity == 5  # 10 chosen rows: two batches of 5, not two of 8
+    ev.prepare()
+    loss, acc = evaluate(model, ev, test_set, DistContext(0, 1, 0, CPU, None))
+    assert loss == pytest.approx(F.cross_entropy(want, y).item(), rel=1e-5)
+    assert acc == pytest.approx(100.0 * (want.argmax(1) == y).sum().item() / 37)
+    ev.batch.load(x[:8], y[:8])
+    ev.views_batch.load(x[:5], y[:5])
+    with torch.enable_grad():
+        ev._body()
+        ev._views_body()
+    assert not ev.plain.requires_grad and not ev.views.requires_grad
+
+
 @pytest.mark.cuda
 def test_captured_whole_test_set_eval_equals_eager_and_makes_no_host_sync():
     """--tta-scope test on the GPU: its two captured passes count what its eager passes count, and

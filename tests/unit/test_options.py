@@ -19,7 +19,7 @@ import pytest
 from fastcifar import train
 from fastcifar.core.config import HELP_GROUPS, Config, from_preset, setting, training_settings
 from fastcifar.core.options import build_parser, parse_args, parse_command_line, recipe_flags
-from fastcifar.core.presets import DEFAULT_PRESET
+from fastcifar.core.presets import DEFAULT_PRESET, PRESETS
 
 RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "train_help.txt"
 
@@ -149,3 +149,19 @@ def test_parse_command_line_names_only_the_options_given():
     assert given == {"lr": 0.5, "tta": 0, "data": "x"}
     assert cfg.preset == DEFAULT_PRESET and cfg.lr == 0.5
     assert parse_command_line(["--preset", "fast"])[1] == {"preset": "fast"}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_float_field_takes_a_fraction_over_every_preset(preset):
+    """A flag's type comes from the preset's default: a whole default (3 epochs of whitening bias)
+    must not make it refuse the fraction another preset sets (fast-levers' 0.19), or a lever named
+    by scripts/race.py levers is refused before the GPU runs it; a whole value given stays whole."""
+    for f in fields(Config):
+        if f.type != "float" or f.metadata["group"] is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        cfg = parse_args(["--preset", preset, flag, "0.25"])
+        assert getattr(cfg, f.name) == 0.25, (preset, flag)
+    for name in ("epochs", "whiten_bias_epochs"):
+        cfg = parse_args(["--preset", preset, "--" + name.replace("_", "-"), "3"])
+        assert getattr(cfg, name) == 3 and isinstance(getattr(cfg, name), int)
