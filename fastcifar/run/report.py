@@ -166,11 +166,11 @@ def estimate_line(
     counts it; what it is made of, and what it leaves out."""
     epochs = f"{len(lengths)} epochs of {lengths[0]} steps" if len(set(lengths)) == 1 else f"{sum(lengths)} steps"
     final = f" and {final_batches} for the test set at the end" if final_batches else ""
+    # under 200 characters, as every line a run prints (its 'took' line counts the same span)
     return (
-        f"run {run}: about {about(total)} in all (set-up to model file; its 'took' line gives the time taken): "
-        f"{epochs} at {step_s:.3g} s and {eval_batches} evaluation batch{'es' if eval_batches != 1 else ''} an "
-        f"epoch{final} at {eval_s:.3g} s, timed after the warm-up; not counted: the data loader's per-epoch "
-        f"work and a busy machine's slowdowns"
+        f"run {run}: about {about(total)} in all, set-up to model file: {epochs} at {step_s:.3g} s, "
+        f"{eval_batches} evaluation batch{'es' if eval_batches != 1 else ''} an epoch{final} at {eval_s:.3g} s; "
+        f"not counted: the loader's per-epoch work, a busy machine"
     )
 
 

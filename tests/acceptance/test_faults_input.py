@@ -38,7 +38,8 @@ def _train_cli(argv, tmp_path, capfd):
 
 # --- items 1 and 6: every numeric option has a range, checked before any work ------------------
 
-NOT_IN_TABLE = {"seed", "whiten_kernel", "tta"}  # seed: 0..2^63-1-runs (validate); the others: CHOICES
+NOT_IN_TABLE = {"seed", "seed_init", "seed_order", "seed_aug", "seed_subset", "whiten_kernel", "tta"}
+# the seeds: 0..2^63-1-runs, the streams also -1 (validate); the others: CHOICES
 
 
 def test_every_numeric_field_has_a_range_in_one_table():
