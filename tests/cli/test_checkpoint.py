@@ -131,7 +131,14 @@ def test_checkpoint_state_is_complete(trained):
     state = torch.load(trained["dir"] / "checkpoint.pt", weights_only=True)
     assert state["epochs_done"] == 2 and state["schedule_step"] == 2 * state["steps_per_epoch"]
     (rank,) = state["ranks"]
-    assert rank["loader"] == {"seed": 0, "epoch": 1}
+    assert rank["loader"]["seed"] == 0 and rank["loader"]["epoch"] == 1  # and the streams it resumes with
+    assert rank["loader"]["streams"]["run"] == 0 and set(rank["loader"]["streams"]) == {
+        "run",
+        "init",
+        "order",
+        "aug",
+        "subset",
+    }
     assert rank["hooks"]["lookahead"]["steps"] == 2 * state["steps_per_epoch"]
     assert set(rank["rng"]) == {"torch", "cuda", "numpy", "python"}
     assert state["optimizer"]["lr_scales"]["whiten_bias"] == 1.0  # frozen only from epoch 3 (index 2)

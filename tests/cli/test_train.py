@@ -108,8 +108,9 @@ def test_several_runs_give_a_summary_table(learnable_data, tmp_path):
         or s["results"][0]["epochs"][0]["train_loss"] != s["results"][1]["epochs"][0]["train_loss"]
     )
     assert "acc_mean" in proc.stdout and "2/2" in proc.stdout
-    accs = [r["test_acc"] for r in s["results"]]  # the t-test of "mean > --target-acc 0": far below 0.05
-    assert s["summary"]["p_above_target"] == pytest.approx(p_above(accs, 0.0)) and s["summary"]["p_above_target"] < 0.05
+    accs = [r["test_acc"] for r in s["results"]]  # the t-test of "mean > --target-acc 0" over 2 runs: 1 degree
+    # of freedom, so how far below 0.5 depends on the two runs' spread
+    assert s["summary"]["p_above_target"] == pytest.approx(p_above(accs, 0.0)) and s["summary"]["p_above_target"] < 0.5
 
 
 def test_help_lists_every_field():
