@@ -8,9 +8,10 @@ Why the rates: fp32 sums in a different order on each side (a conv's gradient ov
 one call, or 100 on each rank and an all-reduce), and at the preset's rates this tiny network is
 chaotic: at batch 100 the same emulated run on 1 and on 2 CPU threads ended 0.1 apart in some
 weights after 12 steps (2026-11-26; a max-pool's near tie going the other way, growing from there).
-At a fifth of the rates the two sides stayed within 1e-6 over these 10 steps; the tolerances below
-are 20x that, and the plain run (every image in one batchnorm, another order of images) is 1e-2 or
-more away. With the per-rank batchnorm switched off, or every rank drawing rank 0's augmentations,
+At a fifth of the rates the two sides stayed within 1e-6 over these 10 steps under the draws of
+2026-11-26, and within 7e-5 (one filter element; the losses within 1e-7 relative) under the seed
+streams' draws of 2026-12-07; the tolerances below are about 3x that, and the plain run (every image
+in one batchnorm, another order of images) is 1e-2 or more away. With the per-rank batchnorm switched off, or every rank drawing rank 0's augmentations,
 the comparison fails at the first epoch's losses (tried, 2026-11-26)."""
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ RECIPE = [
     "200",
     "--quiet",
 ]
-RTOL, ATOL = 2e-5, 2e-5  # 20x what the two sides differ by (module docstring)
+RTOL, ATOL = 2e-4, 2e-4  # about 3x what the two sides differ by, 50x below the plain run (module docstring)
 
 
 @pytest.fixture(scope="module")
