@@ -1,0 +1,225 @@
+"""``fastcifar sweep``: run a study, see where it stands, compare two arms.
+
+    fastcifar sweep SPEC --store DIR [--devices all|0,1,...|cpu] [--per-device K]
+    fastcifar sweep status DIR
+    fastcifar sweep compare DIR ARM_A ARM_B
+
+The first starts one worker process per slot (``sweep.worker``: K per device) and draws one
+progress line for the study from the store's table until every run is done or failed. Run again, it
+continues where the store stands. SIGINT or SIGTERM stops every worker within seconds (each puts
+its run back to pending); a worker that dies on its own has its run put back at once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fastcifar.cli import run_command
+from fastcifar.core import signals
+from fastcifar.core.config import ConfigError
+from fastcifar.core.options import OneLineParser
+from fastcifar.sweep import report
+from fastcifar.sweep.spec import read
+from fastcifar.sweep.store import LEASE_S, Table, open_store, prepare, worker_name
+
+POLL_S = 0.5  # the launcher's look at its workers and the table
+STOP_WAIT_S = 10.0  # SIGTERM, then this long before SIGKILL: a worker's stop takes about a second
+LOG_FOLDER = "logs"
+
+
+def parse_devices(text: str) -> list[tuple[str, str | None]]:
+    """``--devices``: [(device, CUDA_VISIBLE_DEVICES for the worker)]."""
+    if text == "cpu":
+        return [("cpu", None)]
+    import torch
+
+    count = torch.cuda.device_count()
+    if text == "all":
+        return [("cuda", str(i)) for i in range(count)] or [("cpu", None)]
+    try:
+        ids = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--devices takes all, cpu or GPU numbers such as 0,1, not {text!r}") from None
+    bad = [i for i in ids if not 0 <= i < count]
+    if bad or len(set(ids)) != len(ids):
+        raise ConfigError(f"--devices {text}: this machine has {count} GPUs (0..{count - 1}), each named once")
+    return [("cuda", str(i)) for i in ids]
+
+
+class Line:
+    """The study's one progress line: a tqdm bar on a terminal, else a plain line when it changes."""
+
+    def __init__(self, total: int, done_before: int):
+        self.total, self.before, self.start = total, done_before, time.monotonic()
+        self.last = None
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=done_before, desc="sweep", unit="model", file=sys.stderr)
+
+    def show(self, counts: dict) -> None:
+        finished = counts["done"] + counts["failed"]
+        now = finished - self.before
+        elapsed = time.monotonic() - self.start
+        rate = now / elapsed * 3600 if elapsed > 0 and now > 0 else 0.0
+        left = self.total - finished
+        eta = f"{left / rate * 3600:.0f} s" if rate else "?"
+        text = f"{counts['done']} done, {counts['failed']} failed of {self.total}; {rate:.0f} models/h; ETA {eta}"
+        if self.bar is not None:
+            self.bar.n = finished
+            self.bar.set_postfix_str(f"{counts['failed']} failed, {rate:.0f}/h")
+            return
+        if text.split(";")[0] != (self.last or "").split(";")[0]:
+            print(f"sweep: {text}", file=sys.stderr, flush=True)
+            self.last = text
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _start(folder: Path, slot: int, device: str, visible: str | None, lease_s: float, threads: int | None):
+    env = dict(os.environ)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    if threads is not None and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(threads)  # K CPU workers share the cores instead of each taking all
+    log = open(folder / LOG_FOLDER / f"worker-{slot}.log", "ab")
+    cmd = [sys.executable, "-m", "fastcifar.sweep.worker", "--store", str(folder), "--slot", str(slot)]
+    cmd += ["--device", device, "--lease-s", str(lease_s)]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log.close()
+    return proc
+
+
+def _stop_all(procs: dict) -> None:
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + STOP_WAIT_S
+    for proc, _ in procs.values():
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_study(args) -> int:
+    if args.per_device < 1:
+        raise ConfigError(f"--per-device must be 1 or more, not {args.per_device}")
+    if args.lease_s <= 0:
+        raise ConfigError(f"--lease-s must be positive, not {args.lease_s}")
+    spec = read(args.spec)
+    devices = parse_devices(args.devices)
+    folder = prepare(args.store, spec)
+    table = Table(folder)
+    counts = table.counts()
+    total = sum(counts.values())
+    todo = counts["pending"] + counts["running"]
+    slots = [d for d in devices for _ in range(args.per_device)][: max(1, todo)]
+    if not todo:
+        print(f"sweep: all {total} runs of {args.store} are done or failed ({counts['failed']} failed)")
+        return 0 if not counts["failed"] else 1
+    (folder / LOG_FOLDER).mkdir(exist_ok=True)
+    cpu_slots = sum(d == "cpu" for d, _ in slots)
+    threads = max(1, (os.cpu_count() or 1) // cpu_slots) if cpu_slots else None
+    print(
+        f"sweep: {total} runs ({len(spec.arms)} arms x {spec.runs}), {todo} to go; {len(slots)} workers "
+        f"({', '.join(sorted({d if v is None else f'cuda:{v}' for d, v in slots}))}); logs in {folder / LOG_FOLDER}",
+        file=sys.stderr,
+        flush=True,
+    )
+    line = Line(total, counts["done"] + counts["failed"])
+    procs = {}
+    try:
+        for slot, (device, visible) in enumerate(slots):
+            proc = _start(folder, slot, device, visible, args.lease_s, threads if device == "cpu" else None)
+            procs[slot] = (proc, worker_name(slot, proc.pid))
+        while procs:
+            time.sleep(POLL_S)
+            for slot, (proc, name) in list(procs.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del procs[slot]
+                if code != 0:  # died (SIGKILL, a crash): its run goes back now, not at its lease's end
+                    table.release_worker(name)
+            line.show(table.counts())
+    except signals.StopRun:
+        _stop_all(procs)
+        for _, name in procs.values():
+            table.release_worker(name)
+        raise
+    finally:
+        line.close()
+    counts = table.counts()
+    table.close()
+    print(
+        f"sweep: {counts['done']} of {total} runs done, {counts['failed']} failed, {counts['pending']} pending"
+        + (f" (fastcifar sweep status {args.store} says why)" if counts["failed"] else ""),
+        file=sys.stderr,
+    )
+    return 0 if counts["done"] == total else 1
+
+
+def _status(argv: list[str], prog: str) -> int:
+    parser = OneLineParser(prog=prog, description="Where a study stands: per arm, runs done, failed, pending.")
+    parser.add_argument("store")
+    args = parser.parse_args(argv)
+
+    def body():
+        view = open_store(args.store)
+        print("\n".join(report.status_lines(view.spec, view.runs)))
+        return 0
+
+    return run_command(body)
+
+
+def _compare(argv: list[str], prog: str) -> int:
+    parser = OneLineParser(
+        prog=prog, description="The paired difference of two arms' mean test accuracy over the runs both finished."
+    )
+    parser.add_argument("store")
+    parser.add_argument("arm_a", help="an arm's name (as status prints it) or number")
+    parser.add_argument("arm_b")
+    args = parser.parse_args(argv)
+
+    def body():
+        view = open_store(args.store)
+        print(report.compare_line(view.spec, view.runs, args.arm_a, args.arm_b))
+        return 0
+
+    return run_command(body)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.sweep") -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["status"]:
+        return _status(argv[1:], f"{prog} status")
+    if argv[:1] == ["compare"]:
+        return _compare(argv[1:], f"{prog} compare")
+    parser = OneLineParser(
+        prog=prog,
+        description=(
+            "Train a study of many runs (a spec: docs/sweeps.md) into a store, one worker process per slot; "
+            f"'{prog} status DIR' and '{prog} compare DIR A B' read a store."
+        ),
+    )
+    parser.add_argument("spec", help="the study's spec, .toml or .json")
+    parser.add_argument("--store", required=True, help="the store folder (made, or continued)")
+    parser.add_argument("--devices", default="all", help="all (every GPU, else the CPU) | cpu | GPU numbers: 0,1")
+    parser.add_argument("--per-device", type=int, default=1, help="worker processes per device (default 1)")
+    parser.add_argument(
+        "--lease-s",
+        type=float,
+        default=LEASE_S,
+        help=f"seconds without a worker's heartbeat before its run is another's (default {LEASE_S:.0f})",
+    )
+    args = parser.parse_args(argv)
+    return run_command(lambda: run_study(args))
