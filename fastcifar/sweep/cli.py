@@ -29,6 +29,7 @@ from fastcifar.sweep.store import LEASE_S, Table, open_store, prepare, worker_na
 POLL_S = 0.5  # the launcher's look at its workers and the table
 STOP_WAIT_S = 10.0  # SIGTERM, then this long before SIGKILL: a worker's stop takes about a second
 LOG_FOLDER = "logs"
+MAX_RESTARTS_PER_SLOT = 3  # a slot's worker that keeps dying is not restarted forever
 
 
 def parse_devices(text: str) -> list[tuple[str, str | None]]:
@@ -137,6 +138,7 @@ def run_study(args) -> int:
     )
     line = Line(total, counts["done"] + counts["failed"])
     procs = {}
+    restarts = 0
     try:
         for slot, (device, visible) in enumerate(slots):
             proc = _start(folder, slot, device, visible, args.lease_s, threads if device == "cpu" else None)
@@ -148,8 +150,18 @@ def run_study(args) -> int:
                 if code is None:
                     continue
                 del procs[slot]
-                if code != 0:  # died (SIGKILL, a crash): its run goes back now, not at its lease's end
-                    table.release_worker(name)
+                if code == 0:  # nothing left to take
+                    continue
+                # died (SIGKILL, a crash): its run goes back now, not at its lease's end, and a new
+                # worker takes the slot while there is work (a bounded number of times: a worker that
+                # cannot start at all, exit 2, is not restarted)
+                table.release_worker(name)
+                left = table.counts()
+                if code != 2 and restarts < MAX_RESTARTS_PER_SLOT * len(slots) and left["pending"] + left["running"]:
+                    restarts += 1
+                    device, visible = slots[slot]
+                    proc = _start(folder, slot, device, visible, args.lease_s, threads if device == "cpu" else None)
+                    procs[slot] = (proc, worker_name(slot, proc.pid))
             line.show(table.counts())
     except signals.StopRun:
         _stop_all(procs)
