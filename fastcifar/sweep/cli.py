@@ -23,7 +23,7 @@ from fastcifar.core import signals
 from fastcifar.core.config import ConfigError
 from fastcifar.core.options import OneLineParser
 from fastcifar.sweep import report
-from fastcifar.sweep.spec import read
+from fastcifar.sweep.spec import check_masks, read
 from fastcifar.sweep.store import LEASE_S, Table, open_store, prepare, worker_name
 
 POLL_S = 0.5  # the launcher's look at its workers and the table
@@ -111,6 +111,18 @@ def _stop_all(procs: dict) -> None:
             proc.wait()
 
 
+def training_images(spec) -> int:
+    """The training images the spec's data holds, as read (the masks' length): read once here, so a
+    masks file of the wrong length is one line before any worker starts, not a failure per run."""
+    from fastcifar.data import DataError, load_dataset
+
+    cfg = spec.config(spec.arms[0], 0, "runs", "cpu")
+    try:
+        return load_dataset(cfg.data, cfg.download, cfg.cache_dir or None, log=lambda text: None).n_read
+    except DataError as exc:
+        raise ConfigError(f"[settings] data: {exc}") from None
+
+
 def run_study(args) -> int:
     if args.per_device < 1:
         raise ConfigError(f"--per-device must be 1 or more, not {args.per_device}")
@@ -118,6 +130,8 @@ def run_study(args) -> int:
         raise ConfigError(f"--lease-s must be positive, not {args.lease_s}")
     spec = read(args.spec)
     devices = parse_devices(args.devices)
+    if spec.policy == "masks":
+        check_masks(spec.masks, spec.runs, training_images(spec))
     folder = prepare(args.store, spec)
     table = Table(folder)
     counts = table.counts()

@@ -137,3 +137,14 @@ def test_the_progress_line_without_a_terminal(capsys):
         "sweep: 2 done, 0 failed of 10; 0 models/h; ETA ?",
         "sweep: 5 done, 1 failed of 10; 4 models/h; ETA 3600 s",
     ]
+
+
+def test_masks_of_the_wrong_length_for_the_data_are_one_line_before_any_worker(tmp_path, official_dir, capsys):
+    data, arrays = official_dir
+    np.save(tmp_path / "masks.npy", np.ones((2, len(arrays["train"][1]) + 1), bool))
+    settings = {**DOC["settings"], "data": str(data)}
+    spec = write_spec(tmp_path, settings=settings, subset={"policy": "masks", "masks": "masks.npy"})
+    assert cli.main(["sweep", str(spec), "--store", str(tmp_path / "store"), "--devices", "cpu"]) == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert "rows of 201 images, but the data has 200 training images" in line
+    assert not (tmp_path / "store").exists()

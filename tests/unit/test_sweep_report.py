@@ -11,9 +11,7 @@ from fastcifar.core.config import ConfigError
 from fastcifar.sweep import report
 from fastcifar.sweep.spec import parse
 
-SPEC = parse(
-    {"preset": "fast", "runs": 3, "settings": {"data": "d"}, "axes": {"lr": [0.2, 0.4]}}, "spec.json", "."
-)
+SPEC = parse({"preset": "fast", "runs": 3, "settings": {"data": "d"}, "axes": {"lr": [0.2, 0.4]}}, "spec.json", ".")
 
 
 def row(idx, arm, rep, status, acc=None, first=0, wall=3.0, train=1.0, reason=None):
