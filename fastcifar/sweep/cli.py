@@ -21,8 +21,9 @@ from pathlib import Path
 from fastcifar.cli import run_command
 from fastcifar.core import signals
 from fastcifar.core.config import ConfigError
+from fastcifar.core.environment import slurm_array_task
 from fastcifar.core.options import OneLineParser
-from fastcifar.sweep import report
+from fastcifar.sweep import files, report
 from fastcifar.sweep.spec import check_masks, read
 from fastcifar.sweep.store import LEASE_S, Table, open_store, prepare, worker_name
 
@@ -84,15 +85,15 @@ class Line:
             self.bar.close()
 
 
-def _start(folder: Path, slot: int, device: str, visible: str | None, lease_s: float, threads: int | None):
+def _start(folder: Path, slot: int, device: str, visible: str | None, extra: list, threads: int | None, tag: str):
     env = dict(os.environ)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     if threads is not None and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(threads)  # K CPU workers share the cores instead of each taking all
-    log = open(folder / LOG_FOLDER / f"worker-{slot}.log", "ab")
+    log = open(folder / LOG_FOLDER / f"worker-{tag}{slot}.log", "ab")
     cmd = [sys.executable, "-m", "fastcifar.sweep.worker", "--store", str(folder), "--slot", str(slot)]
-    cmd += ["--device", device, "--lease-s", str(lease_s)]
+    cmd += ["--device", device, *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log.close()
     return proc
@@ -123,29 +124,103 @@ def training_images(spec) -> int:
         raise ConfigError(f"[settings] data: {exc}") from None
 
 
+class TableMode:
+    """One machine (or a local disk): workers claim runs from the SQLite table; a dead worker's run
+    goes back at once."""
+
+    def __init__(self, folder: Path, lease_s: float):
+        self.table, self.lease_s = Table(folder), lease_s
+
+    def counts(self) -> dict:
+        return self.table.counts()
+
+    def todo(self) -> int:
+        c = self.table.counts()
+        return c["pending"] + c["running"]
+
+    def worker_args(self, slot: int, slots: int) -> list[str]:
+        return ["--lease-s", str(self.lease_s)]
+
+    def died(self, name: str) -> None:
+        self.table.release_worker(name)
+
+    def close(self) -> None:
+        self.table.close()
+
+
+class FilesMode:
+    """A shared filesystem (``sweep.files``): this launch is worker ``index`` of ``count``; its K
+    slots split its fixed share again (slot s: share index x K + s of count x K)."""
+
+    def __init__(self, folder: Path, spec, index: int, count: int, slots: int):
+        self.folder, self.spec, self.index, self.count, self.slots = folder, spec, index, count, slots
+        self.mine = set(files.share(spec, index, count))
+
+    def counts(self) -> dict:
+        return files.counts(self.folder, self.spec)
+
+    def todo(self) -> int:
+        return len(self.mine - set(files.finished(self.folder, self.spec)))
+
+    def worker_args(self, slot: int, slots: int) -> list[str]:
+        return ["--share", f"{self.index * slots + slot}/{self.count * slots}"]
+
+    def died(self, name: str) -> None:
+        pass  # its share's runs have no file: the restarted worker trains them
+
+    def close(self) -> None:
+        pass
+
+
+def worker_of(args) -> tuple[int, int] | None:
+    """(I, N) of --worker I --workers N, else of a Slurm job array's task; None: one machine."""
+    if (args.worker is None) != (args.workers is None):
+        raise ConfigError("--worker I and --workers N go together")
+    if args.workers is not None:
+        if args.workers < 1 or not 0 <= args.worker < args.workers:
+            raise ConfigError(f"--worker {args.worker} --workers {args.workers}: the index must lie in 0..N-1, N >= 1")
+        return args.worker, args.workers
+    try:
+        return slurm_array_task()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def run_study(args) -> int:
     if args.per_device < 1:
         raise ConfigError(f"--per-device must be 1 or more, not {args.per_device}")
     if args.lease_s <= 0:
         raise ConfigError(f"--lease-s must be positive, not {args.lease_s}")
+    share = worker_of(args)
     spec = read(args.spec)
     devices = parse_devices(args.devices)
     if spec.policy == "masks":
         check_masks(spec.masks, spec.runs, training_images(spec))
-    folder = prepare(args.store, spec)
-    table = Table(folder)
-    counts = table.counts()
+    slots = [d for d in devices for _ in range(args.per_device)]
+    if share is None:
+        folder = prepare(args.store, spec)
+        mode = TableMode(folder, args.lease_s)
+        slots = slots[: max(1, mode.todo())]  # more workers than runs: the rest would find nothing
+    else:
+        folder = files.prepare_files(args.store, spec)
+        mode = FilesMode(folder, spec, *share, len(slots))
+    counts = mode.counts()
     total = sum(counts.values())
-    todo = counts["pending"] + counts["running"]
-    slots = [d for d in devices for _ in range(args.per_device)][: max(1, todo)]
-    if not todo:
+    todo = mode.todo()
+    whose = "" if share is None else f" (worker {share[0]} of {share[1]})"
+    if not todo and share is None:
         print(f"sweep: all {total} runs of {args.store} are done or failed ({counts['failed']} failed)")
         return 0 if not counts["failed"] else 1
+    if not todo:
+        print(
+            f"sweep: worker {share[0]} of {share[1]}: each of its {len(mode.mine)} runs of {total} has its result file"
+        )
+        return 0
     (folder / LOG_FOLDER).mkdir(exist_ok=True)
     cpu_slots = sum(d == "cpu" for d, _ in slots)
     threads = max(1, (os.cpu_count() or 1) // cpu_slots) if cpu_slots else None
     print(
-        f"sweep: {total} runs ({len(spec.arms)} arms x {spec.runs}), {todo} to go; {len(slots)} workers "
+        f"sweep: {total} runs ({len(spec.arms)} arms x {spec.runs}), {todo} to go{whose}; {len(slots)} workers "
         f"({', '.join(sorted({d if v is None else f'cuda:{v}' for d, v in slots}))}); logs in {folder / LOG_FOLDER}",
         file=sys.stderr,
         flush=True,
@@ -153,10 +228,17 @@ def run_study(args) -> int:
     line = Line(total, counts["done"] + counts["failed"])
     procs = {}
     restarts = 0
+    tag = "" if share is None else f"w{share[0]}-"
+
+    def start(slot):
+        device, visible = slots[slot]
+        extra = mode.worker_args(slot, len(slots))
+        proc = _start(folder, slot, device, visible, extra, threads if device == "cpu" else None, tag)
+        procs[slot] = (proc, worker_name(slot, proc.pid))
+
     try:
-        for slot, (device, visible) in enumerate(slots):
-            proc = _start(folder, slot, device, visible, args.lease_s, threads if device == "cpu" else None)
-            procs[slot] = (proc, worker_name(slot, proc.pid))
+        for slot in range(len(slots)):
+            start(slot)
         while procs:
             time.sleep(POLL_S)
             for slot, (proc, name) in list(procs.items()):
@@ -169,29 +251,39 @@ def run_study(args) -> int:
                 # died (SIGKILL, a crash): its run goes back now, not at its lease's end, and a new
                 # worker takes the slot while there is work (a bounded number of times: a worker that
                 # cannot start at all, exit 2, is not restarted)
-                table.release_worker(name)
-                left = table.counts()
-                if code != 2 and restarts < MAX_RESTARTS_PER_SLOT * len(slots) and left["pending"] + left["running"]:
+                mode.died(name)
+                if code != 2 and restarts < MAX_RESTARTS_PER_SLOT * len(slots) and mode.todo():
                     restarts += 1
-                    device, visible = slots[slot]
-                    proc = _start(folder, slot, device, visible, args.lease_s, threads if device == "cpu" else None)
-                    procs[slot] = (proc, worker_name(slot, proc.pid))
-            line.show(table.counts())
+                    start(slot)
+            line.show(mode.counts())
     except signals.StopRun:
         _stop_all(procs)
         for _, name in procs.values():
-            table.release_worker(name)
+            mode.died(name)
         raise
     finally:
         line.close()
-    counts = table.counts()
-    table.close()
+    counts, todo = mode.counts(), mode.todo()
+    mode.close()
+    if share is None:
+        print(
+            f"sweep: {counts['done']} of {total} runs done, {counts['failed']} failed, {counts['pending']} pending"
+            + (f" (fastcifar sweep status {args.store} says why)" if counts["failed"] else ""),
+            file=sys.stderr,
+        )
+        return 0 if counts["done"] == total else 1
     print(
-        f"sweep: {counts['done']} of {total} runs done, {counts['failed']} failed, {counts['pending']} pending"
-        + (f" (fastcifar sweep status {args.store} says why)" if counts["failed"] else ""),
+        f"sweep: worker {share[0]} of {share[1]}: its share finished, {todo} left; the study: {counts['done']} of "
+        f"{total} done, {counts['failed']} failed (fastcifar sweep status {args.store} merges the result files)",
         file=sys.stderr,
     )
-    return 0 if counts["done"] == total else 1
+    return 0 if not todo else 1
+
+
+def merge_files(store: str) -> None:
+    """A shared-filesystem study's result files into its table and arrays (``sweep.files.merge``)."""
+    if files.has_results(Path(store)):
+        files.merge(store)
 
 
 def _status(argv: list[str], prog: str) -> int:
@@ -200,6 +292,7 @@ def _status(argv: list[str], prog: str) -> int:
     args = parser.parse_args(argv)
 
     def body():
+        merge_files(args.store)
         view = open_store(args.store)
         print("\n".join(report.status_lines(view.spec, view.runs)))
         return 0
@@ -217,6 +310,7 @@ def _compare(argv: list[str], prog: str) -> int:
     args = parser.parse_args(argv)
 
     def body():
+        merge_files(args.store)
         view = open_store(args.store)
         print(report.compare_line(view.spec, view.runs, args.arm_a, args.arm_b))
         return 0
@@ -241,6 +335,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.sweep")
     parser.add_argument("--store", required=True, help="the store folder (made, or continued)")
     parser.add_argument("--devices", default="all", help="all (every GPU, else the CPU) | cpu | GPU numbers: 0,1")
     parser.add_argument("--per-device", type=int, default=1, help="worker processes per device (default 1)")
+    parser.add_argument(
+        "--worker",
+        type=int,
+        help="with --workers N: this launch is worker I (0..N-1) on a shared filesystem, a fixed share of the runs "
+        "written as result files, no database (docs/sweeps.md); a Slurm array task reads its own",
+    )
+    parser.add_argument("--workers", type=int, help="the count of launches sharing the study (--worker)")
     parser.add_argument(
         "--lease-s",
         type=float,

@@ -139,12 +139,11 @@ def prepare(folder: str, spec: Spec) -> Path:
                         f"--store {folder} has {old['runs']} runs per arm; a spec may add runs, not drop them "
                         f"(runs = {spec.runs})"
                     )
-                if spec.runs > old["runs"]:
-                    _add_runs(con, spec, old["runs"])
-                    _grow_arrays(path, con)
-                    write_atomic(path / SPEC_FILE, json.dumps(spec.as_dict(), indent=1))
-            else:
-                _add_runs(con, spec, 0)
+            # the table has the spec's runs (a store of result files, sweep.files, gets its table here)
+            have = con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] // len(spec.arms)
+            if spec.runs > have:
+                _add_runs(con, spec, have)
+                _grow_arrays(path, con)
                 write_atomic(path / SPEC_FILE, json.dumps(spec.as_dict(), indent=1))
         con.close()
     except sqlite3.Error as exc:
@@ -296,51 +295,68 @@ class Table:
             row = self.con.execute("SELECT status, worker FROM runs WHERE idx=?", (idx,)).fetchone()
             if row is None or row["status"] != "running" or row["worker"] != worker:
                 return False
-            meta = _meta(self.con)
-            test = result.test_margins if result.test_margins is not None else result.test_logits
-            n_test = 0 if test is None else len(test)
-            if "n_train" not in meta:
-                meta = {"n_train": len(result.mask), "n_test": n_test, "classes": result.classes}
-                self.con.executemany(
-                    "INSERT INTO meta (key, value) VALUES (?, ?)", [(k, json.dumps(v)) for k, v in meta.items()]
-                )
-                runs = self.con.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
-                for name, (shape, dtype) in _shapes(runs, meta, keep).items():
-                    if not (self.folder / f"{name}.npy").exists():
-                        _make_array(self.folder / f"{name}.npy", shape, dtype)
-            if len(result.mask) != meta["n_train"] or (n_test and n_test != meta["n_test"]):
-                raise ConfigError(
-                    f"its outputs cover {len(result.mask)} training and {n_test} test images, the store's "
-                    f"{meta['n_train']} and {meta['n_test']}: every run of a study must read the same data"
-                )
-            rows = {"masks": result.mask}
-            for name in ("test_margins", "test_logits", "train_margins"):
-                if name in keep:
-                    rows[name] = getattr(result, name)
-            for name, values in rows.items():
-                arr = np.load(self.folder / f"{name}.npy", mmap_mode="r+")
-                arr[idx] = values
-                arr.flush()
-                del arr
-            done = np.load(self.folder / "completed.npy", mmap_mode="r+")
-            done[idx] = True  # last: a reader trusts the rows of a run whose flag is set
-            done.flush()
-            del done
-            self.con.execute(
-                "UPDATE runs SET status='done', ended=?, lease_until=NULL, test_acc=?, train_time=?, setup_time=?, "
-                "wall_time=?, first_of_worker=?, run_dir=? WHERE idx=?",
-                (
-                    time.time(),
-                    result.test_acc,
-                    result.train_time,
-                    result.setup_time,
-                    result.wall_time,
-                    int(result.first),
-                    result.run_dir,
-                    idx,
-                ),
-            )
+            self._write(idx, result, keep)
         return True
+
+    def merge(self, idx: int, result: Result | str, keep) -> bool:
+        """A result file's run (``sweep.files``) into the table and arrays, unless it is there
+        already: its rows and flag, or its failure's reason (``result`` a str)."""
+        with write_lock(self.con):
+            row = self.con.execute("SELECT status FROM runs WHERE idx=?", (idx,)).fetchone()
+            if row is None or row["status"] in ("done", "failed"):
+                return False
+            if isinstance(result, str):
+                self.con.execute("UPDATE runs SET status='failed', reason=? WHERE idx=?", (result, idx))
+            else:
+                self._write(idx, result, keep)
+        return True
+
+    def _write(self, idx: int, result: Result, keep) -> None:
+        """Inside the write lock: the run's rows, flushed, its completed flag, then its row "done"."""
+        meta = _meta(self.con)
+        test = result.test_margins if result.test_margins is not None else result.test_logits
+        n_test = 0 if test is None else len(test)
+        if "n_train" not in meta:
+            meta = {"n_train": len(result.mask), "n_test": n_test, "classes": result.classes}
+            self.con.executemany(
+                "INSERT INTO meta (key, value) VALUES (?, ?)", [(k, json.dumps(v)) for k, v in meta.items()]
+            )
+            runs = self.con.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+            for name, (shape, dtype) in _shapes(runs, meta, keep).items():
+                if not (self.folder / f"{name}.npy").exists():
+                    _make_array(self.folder / f"{name}.npy", shape, dtype)
+        if len(result.mask) != meta["n_train"] or (n_test and n_test != meta["n_test"]):
+            raise ConfigError(
+                f"its outputs cover {len(result.mask)} training and {n_test} test images, the store's "
+                f"{meta['n_train']} and {meta['n_test']}: every run of a study must read the same data"
+            )
+        rows = {"masks": result.mask}
+        for name in ("test_margins", "test_logits", "train_margins"):
+            if name in keep:
+                rows[name] = getattr(result, name)
+        for name, values in rows.items():
+            arr = np.load(self.folder / f"{name}.npy", mmap_mode="r+")
+            arr[idx] = values
+            arr.flush()
+            del arr
+        done = np.load(self.folder / "completed.npy", mmap_mode="r+")
+        done[idx] = True  # last: a reader trusts the rows of a run whose flag is set
+        done.flush()
+        del done
+        self.con.execute(
+            "UPDATE runs SET status='done', ended=?, lease_until=NULL, test_acc=?, train_time=?, setup_time=?, "
+            "wall_time=?, first_of_worker=?, run_dir=?, reason=NULL WHERE idx=?",
+            (
+                time.time(),
+                result.test_acc,
+                result.train_time,
+                result.setup_time,
+                result.wall_time,
+                int(result.first),
+                result.run_dir,
+                idx,
+            ),
+        )
 
     def counts(self) -> dict:
         out = {"pending": 0, "running": 0, "done": 0, "failed": 0}

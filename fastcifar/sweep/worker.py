@@ -4,6 +4,9 @@ from the store's table one at a time and trains them back to back through ``fast
 in this one process, so imports, Triton's and inductor's compiles and cuDNN's choices are paid by
 its first run only (the table's ``first_of_worker`` keeps the first run's times apart).
 
+With ``--share I/N`` it trains a fixed share of the runs and writes each as a result file instead
+(``sweep.files``: a store on a shared filesystem, no database).
+
 A run's failure of its own (its settings, its data: any exception out of the trainer) is recorded
 with its reason and the worker goes on to the next. SIGINT or SIGTERM ends the worker within
 seconds: the run it was training goes back to pending, not counted as an attempt. While its run
@@ -27,6 +30,7 @@ from fastcifar.core import signals
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.errors import ConfigError, first_line
 from fastcifar.core.names import printable
+from fastcifar.sweep import files
 from fastcifar.sweep.spec import Arm, Spec, check_masks
 from fastcifar.sweep.store import LEASE_S, Result, Table, read_spec, worker_name
 
@@ -123,13 +127,39 @@ def work(folder: Path, slot: int, device: str, lease_s: float) -> int:
                 table.release(idx, name)
                 raise
             except Exception as exc:  # the run's own failure: recorded, and on to the next
-                reason = printable(first_line(str(exc)) or type(exc).__name__)
-                table.fail(idx, name, f"{type(exc).__name__}: {reason}")
+                table.fail(idx, name, f"{type(exc).__name__}: {reason_of(exc)}")
             finally:
                 beat.stop()
             trained += 1
     finally:
         table.close()
+
+
+def work_share(folder: Path, index: int, count: int, slot: int, device: str) -> int:
+    """The shared-filesystem mode (``sweep.files``): train share ``index`` of ``count``, each run
+    without a result file, one file per run; the count trained."""
+    spec = read_spec(folder)
+    arms = spec.arms
+    name = worker_name(slot)
+    trained = 0
+    for idx in files.share(spec, index, count):
+        if files.result_file(folder, idx).exists() or files.failure_file(folder, idx).exists():
+            continue
+        row = files.row_of(spec, idx)
+        try:
+            result = train_run(spec, arms[row["arm"]], row, folder, device, first=trained == 0)
+        except signals.StopRun:
+            raise
+        except Exception as exc:  # the run's own failure: recorded, and on to the next
+            files.save_failure(folder, idx, f"{type(exc).__name__}: {reason_of(exc)}", name)
+        else:
+            files.save_result(folder, idx, result, name)
+        trained += 1
+    return trained
+
+
+def reason_of(exc: Exception) -> str:
+    return printable(first_line(str(exc)) or type(exc).__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,10 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slot", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--lease-s", type=float, default=LEASE_S)
+    parser.add_argument("--share", default="", help="I/N: the shared-filesystem mode's fixed share (sweep.files)")
     args = parser.parse_args(argv)
     previous = signals.install()
     try:
-        work(Path(args.store), args.slot, args.device, args.lease_s)
+        if args.share:
+            work_share(Path(args.store), *files.worker_share(args.share), args.slot, args.device)
+        else:
+            work(Path(args.store), args.slot, args.device, args.lease_s)
         return 0
     except ConfigError as exc:
         print(f"fastcifar: error: {printable(str(exc))}", file=sys.stderr)

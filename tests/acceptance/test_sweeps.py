@@ -204,3 +204,31 @@ def test_more_workers_than_runs_and_masks_from_a_file(data, tmp_path):
     view = fastcifar.open_store(str(store))
     np.testing.assert_array_equal(view.masks[0], masks[0])
     assert view.runs[0]["status"] == "done"
+
+
+@pytest.mark.slow  # four array tasks train 4 tiny runs at once
+def test_four_slurm_array_tasks_on_one_folder_cooperate_without_a_database(data, tmp_path, uninterrupted):
+    spec = spec_file(tmp_path, data)
+    store = tmp_path / "store"
+    procs = []
+    for task in range(4):
+        array = {"SLURM_ARRAY_TASK_ID": str(task + 1), "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "1"}
+        cmd = sweep(spec, "--store", store, "--devices", "cpu")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**env(), **array}, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        assert "its share finished, 0 left" in err
+    assert not (store / "runs.sqlite").exists()  # no database while training
+    assert sorted(p.name for p in (store / "results").iterdir()) == [f"run-{i}.npz" for i in range(4)]
+    status = subprocess.run(sweep("status", store), cwd=ROOT, env=env(), capture_output=True, text=True)
+    assert status.returncode == 0 and status.stdout.startswith("4/4 done, 0 failed"), status.stderr
+    assert_same_store(store, uninterrupted[0])  # each task trained its own run: the study as one machine's
+    again = subprocess.run(
+        sweep(spec, "--store", store, "--devices", "cpu", "--worker", "2", "--workers", "4"),
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 0 and "each of its 1 runs of 4 has its result file" in again.stdout

@@ -148,3 +148,32 @@ def test_masks_of_the_wrong_length_for_the_data_are_one_line_before_any_worker(t
     line = one_line_error(capsys.readouterr().err)
     assert "rows of 201 images, but the data has 200 training images" in line
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize(
+    "args, env, says",
+    [
+        (["--worker", "1"], {}, "--worker I and --workers N go together"),
+        (["--worker", "4", "--workers", "4"], {}, "the index must lie in 0..N-1"),
+        (
+            [],
+            {"SLURM_ARRAY_TASK_ID": "9", "SLURM_ARRAY_TASK_COUNT": "4"},
+            "SLURM_ARRAY_TASK_ID 9 (from 0) is not one of",
+        ),
+    ],
+)
+def test_a_bad_worker_index_is_one_line(tmp_path, capsys, monkeypatch, args, env, says):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    spec = write_spec(tmp_path)
+    assert cli.main(["sweep", str(spec), "--store", str(tmp_path / "store"), "--devices", "cpu", *args]) == 2
+    assert says in one_line_error(capsys.readouterr().err)
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_share_with_nothing_left_says_so(tmp_path, capsys):
+    spec = write_spec(tmp_path)
+    args = ["sweep", str(spec), "--store", str(tmp_path / "store"), "--devices", "cpu", "--worker", "5"]
+    assert cli.main([*args, "--workers", "6"]) == 0  # 4 runs: worker 5 of 6 has none
+    out = capsys.readouterr().out
+    assert out == "sweep: worker 5 of 6: each of its 0 runs of 4 has its result file\n"
