@@ -2,7 +2,8 @@
 beyond training, the first run of a worker apart from the later ones.
 
     python bench/bench_sweep.py --data data --runs 16                   # the CPU: 1 and 2 workers
-    python bench/bench_sweep.py --device cuda --per-device 1,2,4 --data data --runs 32 --record
+    python bench/bench_sweep.py --device cuda --full --per-device 1,2,4 --data data --runs 32 --record
+    python bench/bench_sweep.py --device cuda --full --epochs 2 --per-device 1,2,4 --data data --runs 32
     python bench/bench_sweep.py --smoke                                 # tiny, made-up data: nothing written
 
 Each configuration trains the same ``--runs`` runs (seeds seed..seed+N-1, the same settings, test
@@ -49,6 +50,7 @@ def parse(argv):
     p.add_argument("--runs", type=int, default=8, help="runs per configuration (default 8)")
     p.add_argument("--per-device", default="1,2", help="worker counts per device to measure (default 1,2)")
     p.add_argument("--full", action="store_true", help="the preset as it is, not the tiny configuration")
+    p.add_argument("--epochs", type=float, help="the runs' epochs (a shorter run of the preset with --full)")
     p.add_argument("--label", default="", help="a name for the configuration in the rows (e.g. the call)")
     p.add_argument("--smoke", action="store_true", help="2 runs on tiny made-up data, nothing written")
     p.add_argument("--record", action="store_true", help="append the rows to bench/results/sweep.jsonl")
@@ -65,6 +67,8 @@ def settings_of(args) -> dict:
     base = {} if args.full else dict(SMOKE if args.smoke else TINY)
     if args.device == "cpu":
         base["loader"] = "torch"
+    if args.epochs:
+        base["epochs"] = int(args.epochs) if args.epochs.is_integer() else args.epochs
     return {"data": args.data, **base}
 
 
@@ -155,6 +159,8 @@ def main(argv=None) -> int:
     columns += ["first_run_s", "later_run_s", "overhead_first_s", "overhead_later_s"]
     env_row = environment()
     config = "full" if args.full else ("smoke" if args.smoke else "tiny")
+    if args.epochs:
+        config += f", {settings['epochs']} epochs"
     print(f"## fastcifar sweep beside --runs {args.runs}: preset {args.preset} ({config}), {args.device}\n")
     print(f"{env_row['device']} | torch {env_row['torch']} | {env_row['date']} | commit {env_row['commit']}\n")
     print(markdown_table(rows, columns))

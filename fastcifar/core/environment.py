@@ -105,6 +105,17 @@ def running_a_command() -> bool:
     return os.path.basename(sys.argv[0] if sys.argv else "") in ("fastcifar", "fastcifar-train")
 
 
+def visible_gpu_names(count: int, environ=None) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entry of each of the ``count`` GPUs this process sees (0..count-1
+    without the variable): a child process given one of them sees that GPU, also when a scheduler
+    (Slurm: --gpus) left this process GPUs 2,3 or their UUIDs."""
+    environ = os.environ if environ is None else environ
+    given = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if "CUDA_VISIBLE_DEVICES" not in environ or len(given) < count:
+        return [str(i) for i in range(count)]
+    return given[:count]
+
+
 def slurm_array_task(environ=None) -> tuple[int, int] | None:
     """(this task's index from 0, the array's task count) of a Slurm job array (``sbatch --array``):
     SLURM_ARRAY_TASK_ID less SLURM_ARRAY_TASK_MIN (--array=1-64 counts from 1), out of

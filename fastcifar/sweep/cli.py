@@ -21,7 +21,7 @@ from pathlib import Path
 from fastcifar.cli import run_command
 from fastcifar.core import signals
 from fastcifar.core.config import ConfigError
-from fastcifar.core.environment import slurm_array_task
+from fastcifar.core.environment import slurm_array_task, visible_gpu_names
 from fastcifar.core.options import OneLineParser
 from fastcifar.sweep import files, report
 from fastcifar.sweep.spec import check_masks, read
@@ -40,8 +40,9 @@ def parse_devices(text: str) -> list[tuple[str, str | None]]:
     import torch
 
     count = torch.cuda.device_count()
+    names = visible_gpu_names(count)  # what a worker's CUDA_VISIBLE_DEVICES names GPU i by
     if text == "all":
-        return [("cuda", str(i)) for i in range(count)] or [("cpu", None)]
+        return [("cuda", names[i]) for i in range(count)] or [("cpu", None)]
     try:
         ids = [int(v) for v in text.split(",")]
     except ValueError:
@@ -49,7 +50,7 @@ def parse_devices(text: str) -> list[tuple[str, str | None]]:
     bad = [i for i in ids if not 0 <= i < count]
     if bad or len(set(ids)) != len(ids):
         raise ConfigError(f"--devices {text}: this machine has {count} GPUs (0..{count - 1}), each named once")
-    return [("cuda", str(i)) for i in ids]
+    return [("cuda", names[i]) for i in ids]
 
 
 class Line:

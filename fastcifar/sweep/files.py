@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -120,13 +121,18 @@ def load_result(path: Path) -> Result:
 
 
 def finished(folder: Path, spec: Spec) -> dict[int, str]:
-    """Each run with a file: index -> "done" or "failed"."""
+    """Each run with a file: index -> "done" or "failed" (one listing of results/, not a look per
+    run: the launchers poll it twice a second, on a network filesystem)."""
     out = {}
-    for idx in range(total_runs(spec)):
-        if result_file(folder, idx).exists():
-            out[idx] = "done"
-        elif failure_file(folder, idx).exists():
-            out[idx] = "failed"
+    total = total_runs(spec)
+    for name in os.listdir(folder / RESULTS):
+        stem, _, kind = name.partition(".")
+        if not stem.startswith("run-") or not stem[4:].isdigit() or int(stem[4:]) >= total:
+            continue
+        if kind == "npz":
+            out[int(stem[4:])] = "done"
+        elif kind == "failed.json":
+            out.setdefault(int(stem[4:]), "failed")
     return out
 
 

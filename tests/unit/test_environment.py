@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastcifar.core.environment import slurm_array_task
+from fastcifar.core.environment import slurm_array_task, visible_gpu_names
 
 
 def test_a_slurm_array_task_counts_from_its_first_index():
@@ -32,3 +32,10 @@ def test_values_that_cannot_be_are_one_line(env, says):
     with pytest.raises(ValueError) as err:
         slurm_array_task(env)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_childs_gpu_is_named_as_this_process_sees_it():
+    assert visible_gpu_names(2, {}) == ["0", "1"]
+    assert visible_gpu_names(2, {"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]  # Slurm gave this task GPUs 2 and 3
+    assert visible_gpu_names(1, {"CUDA_VISIBLE_DEVICES": "GPU-8a1f, GPU-77c2"}) == ["GPU-8a1f"]
+    assert visible_gpu_names(0, {"CUDA_VISIBLE_DEVICES": ""}) == []

@@ -74,6 +74,8 @@ def test_the_devices(monkeypatch):
     assert sweep_cli.parse_devices("2,0") == [("cuda", "2"), ("cuda", "0")]
     with pytest.raises(ConfigError, match="each named once"):
         sweep_cli.parse_devices("1,1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")  # a scheduler's GPUs: each worker is given one of them
+    assert sweep_cli.parse_devices("1") == [("cuda", "5")]
 
 
 def finished_store(tmp_path):
