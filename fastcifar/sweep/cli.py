@@ -249,6 +249,10 @@ def run_study(args) -> int:
                 del procs[slot]
                 if code == 0:  # nothing left to take
                     continue
+                if code == 2:  # it could not go on (a store it cannot write): its one line, here too
+                    log = folder / LOG_FOLDER / f"worker-{tag}{slot}.log"
+                    lines = [t for t in log.read_text(errors="replace").splitlines() if t.strip()]
+                    print(f"sweep: worker {slot} stopped: {lines[-1] if lines else 'exit 2'}", file=sys.stderr)
                 # died (SIGKILL, a crash): its run goes back now, not at its lease's end, and a new
                 # worker takes the slot while there is work (a bounded number of times: a worker that
                 # cannot start at all, exit 2, is not restarted)

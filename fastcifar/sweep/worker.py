@@ -8,7 +8,9 @@ With ``--share I/N`` it trains a fixed share of the runs and writes each as a re
 (``sweep.files``: a store on a shared filesystem, no database).
 
 A run's failure of its own (its settings, its data: any exception out of the trainer) is recorded
-with its reason and the worker goes on to the next. SIGINT or SIGTERM ends the worker within
+with its reason and the worker goes on to the next. A store it cannot write (a full disk) ends the
+worker with one line, the run pending again and its completed flag unset: nothing half-written is
+counted as done. SIGINT or SIGTERM ends the worker within
 seconds: the run it was training goes back to pending, not counted as an attempt. While its run
 trains, a heartbeat thread renews the run's lease; a worker that dies (SIGKILL, a lost node) stops
 renewing it, and another worker takes the run once the lease has run out.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import io
 import shutil
+import sqlite3
 import sys
 import threading
 import time
@@ -30,6 +33,7 @@ from fastcifar.core import signals
 from fastcifar.core.atomic import write_atomic
 from fastcifar.core.errors import ConfigError, first_line
 from fastcifar.core.names import printable
+from fastcifar.core.readfile import why
 from fastcifar.sweep import files
 from fastcifar.sweep.spec import Arm, Spec, check_masks
 from fastcifar.sweep.store import LEASE_S, Result, Table, read_spec, worker_name
@@ -126,6 +130,10 @@ def work(folder: Path, slot: int, device: str, lease_s: float) -> int:
             except signals.StopRun:
                 table.release(idx, name)
                 raise
+            except (OSError, sqlite3.Error) as exc:  # the store's trouble (a full disk), not the run's
+                table.release(idx, name, count_attempt=True)
+                text = why(exc) if isinstance(exc, OSError) else str(exc)
+                raise ConfigError(f"--store {folder}: cannot write run {idx}'s results: {text}") from None
             except Exception as exc:  # the run's own failure: recorded, and on to the next
                 table.fail(idx, name, f"{type(exc).__name__}: {reason_of(exc)}")
             finally:

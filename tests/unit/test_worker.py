@@ -103,3 +103,25 @@ def test_a_trained_runs_rows_are_its_run_folders_outputs(tmp_path):
         correct = view.test_logits[r["idx"]].argmax(1) == labels  # the files' argmax is the counted prediction
         assert r["test_acc"] == pytest.approx(100 * correct.mean())
     assert not np.array_equal(view.masks[0], view.masks[1])
+
+
+def test_a_store_that_cannot_be_written_stops_the_worker_and_counts_nothing_half_written(tmp_path, monkeypatch):
+    folder = make_store(tmp_path, runs=2)
+    made = stores.Result(np.ones(30, bool), 10, 50.0, 1.0, 0.5, 2.0, True, "runs/0/x")
+    made.test_margins = np.zeros(8, np.float32)
+    monkeypatch.setattr(worker, "train_run", lambda *args, **kwargs: made)
+    real = np.load
+
+    def full_disk(path, *args, **kwargs):
+        if kwargs.get("mmap_mode") == "r+" and str(path).endswith("completed.npy"):
+            raise OSError(28, "No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(stores.np, "load", full_disk)
+    with pytest.raises(ConfigError) as err:
+        worker.work(folder, 0, "cpu", 60)
+    assert str(err.value) == f"--store {folder}: cannot write run 0's results: No space left on device"
+    rows = Table(folder).rows()
+    assert [r["status"] for r in rows] == ["pending", "pending"] and rows[0]["attempts"] == 1
+    monkeypatch.setattr(stores.np, "load", real)
+    assert not fastcifar.open_store(str(folder)).completed.any()  # the rows went in, the flag did not
