@@ -21,7 +21,7 @@ from pathlib import Path
 from fastcifar.cli import run_command
 from fastcifar.core import signals
 from fastcifar.core.config import ConfigError
-from fastcifar.core.environment import slurm_array_task, visible_gpu_names
+from fastcifar.core.environment import slurm_array_task, threads_given, visible_gpu_names
 from fastcifar.core.options import OneLineParser
 from fastcifar.sweep import files, report
 from fastcifar.sweep.spec import check_masks, read
@@ -90,7 +90,7 @@ def _start(folder: Path, slot: int, device: str, visible: str | None, extra: lis
     env = dict(os.environ)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
-    if threads is not None and "OMP_NUM_THREADS" not in env:
+    if threads is not None and not threads_given():
         env["OMP_NUM_THREADS"] = str(threads)  # K CPU workers share the cores instead of each taking all
     log = open(folder / LOG_FOLDER / f"worker-{tag}{slot}.log", "ab")
     cmd = [sys.executable, "-m", "fastcifar.sweep.worker", "--store", str(folder), "--slot", str(slot)]
