@@ -25,7 +25,7 @@ from fastcifar.core.environment import slurm_array_task, threads_given, visible_
 from fastcifar.core.options import OneLineParser
 from fastcifar.sweep import files, report
 from fastcifar.sweep.spec import check_masks, read
-from fastcifar.sweep.store import LEASE_S, Table, open_store, prepare, worker_name
+from fastcifar.sweep.store import LEASE_S, TABLE_FILE, Table, open_store, prepare, worker_name
 
 POLL_S = 0.5  # the launcher's look at its workers and the table
 STOP_WAIT_S = 10.0  # SIGTERM, then this long before SIGKILL: a worker's stop takes about a second
@@ -200,9 +200,16 @@ def run_study(args) -> int:
     slots = [d for d in devices for _ in range(args.per_device)]
     if share is None:
         folder = prepare(args.store, spec)
+        if files.has_results(folder):  # a study begun as array tasks, finished here: their runs count
+            files.merge(folder)
         mode = TableMode(folder, args.lease_s)
         slots = slots[: max(1, mode.todo())]  # more workers than runs: the rest would find nothing
     else:
+        if (Path(args.store) / TABLE_FILE).exists() and not files.has_results(Path(args.store)):
+            raise ConfigError(
+                f"--store {args.store} was made by workers sharing its run table, which --worker/--workers and "
+                "Slurm array tasks do not read: give them a store of their own"
+            )
         folder = files.prepare_files(args.store, spec)
         mode = FilesMode(folder, spec, *share, len(slots))
     counts = mode.counts()

@@ -179,3 +179,25 @@ def test_a_share_with_nothing_left_says_so(tmp_path, capsys):
     assert cli.main([*args, "--workers", "6"]) == 0  # 4 runs: worker 5 of 6 has none
     out = capsys.readouterr().out
     assert out == "sweep: worker 5 of 6: each of its 0 runs of 4 has its result file\n"
+
+
+def test_array_tasks_refuse_a_store_of_the_shared_table(tmp_path, capsys):
+    folder = finished_store(tmp_path)
+    spec = write_spec(tmp_path)
+    args = ["sweep", str(spec), "--store", str(folder), "--devices", "cpu", "--worker", "0", "--workers", "2"]
+    assert cli.main(args) == 2
+    assert "was made by workers sharing its run table" in one_line_error(capsys.readouterr().err)
+
+
+def test_a_study_begun_as_array_tasks_counts_their_result_files_on_one_machine(tmp_path, capsys):
+    from fastcifar.sweep import files
+
+    spec = specs.parse(DOC, "spec.json", ".")
+    folder = files.prepare_files(str(tmp_path / "store"), spec)
+    for idx, acc in enumerate((90.0, 91.0, 92.0, 92.5)):
+        r = Result(np.ones(20, bool), 10, acc, 1.0, 0.5, 2.0, True, f"runs/{idx}/x")
+        r.test_margins = np.zeros(5, np.float32)
+        files.save_result(folder, idx, r, "host:1:0")
+    assert cli.main(["sweep", str(write_spec(tmp_path)), "--store", str(folder), "--devices", "cpu"]) == 0
+    assert "all 4 runs" in capsys.readouterr().out  # merged, none trained again
+    assert not (folder / "logs").exists()
