@@ -44,7 +44,14 @@ def status_lines(spec, rows: list[dict]) -> list[str]:
     per-run times; then the failed runs' reasons (up to 5)."""
     total = len(rows)
     by = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed", "running", "pending")}
-    lines = [f"{by['done']}/{total} done, {by['failed']} failed, {by['running']} running, {by['pending']} pending"]
+    head = f"{by['done']}/{total} done, {by['failed']} failed, {by['running']} running, {by['pending']} pending"
+    ended = [r for r in rows if r["status"] in ("done", "failed") and r.get("started") and r.get("ended")]
+    if ended:  # the rate from the first start to the last end: the study's pace, pauses included
+        span = max(r["ended"] for r in ended) - min(r["started"] for r in ended)
+        rate = len(ended) / span * 3600 if span > 0 else 0.0
+        left = by["running"] + by["pending"]
+        head += f"; {rate:.0f} models/h" + (f", ETA {left / rate * 3600:.0f} s" if left and rate else "")
+    lines = [head]
     width = max(len(a.name) for a in spec.arms)
     lines.append(f"{'arm':<{width}}  done  failed  pending  test acc (mean ± std)")
     for arm in spec.arms:

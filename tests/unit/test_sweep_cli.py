@@ -94,7 +94,7 @@ def test_status_and_compare_read_a_store(tmp_path, capsys):
     folder = finished_store(tmp_path)
     assert cli.main(["sweep", "status", str(folder)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "4/4 done, 0 failed, 0 running, 0 pending"
+    assert out[0].startswith("4/4 done, 0 failed, 0 running, 0 pending; ") and out[0].endswith(" models/h")
     assert out[2].split()[:4] == ["label_smoothing=0.0", "2", "0", "0"] and "91.00% ± 1.41" in out[2]
     assert cli.main(["sweep", "compare", str(folder), "label_smoothing=0.2", "label_smoothing=0.0"]) == 0
     line = capsys.readouterr().out.strip()

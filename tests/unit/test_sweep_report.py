@@ -16,6 +16,8 @@ SPEC = parse({"preset": "fast", "runs": 3, "settings": {"data": "d"}, "axes": {"
 
 def row(idx, arm, rep, status, acc=None, first=0, wall=3.0, train=1.0, reason=None):
     return {
+        "started": 1000.0 + 60 * idx if status in ("done", "failed") else None,
+        "ended": 1060.0 + 60 * idx if status in ("done", "failed") else None,
         "idx": idx,
         "arm": arm,
         "arm_name": SPEC.arms[arm].name,
@@ -68,7 +70,8 @@ def test_the_paired_comparison_is_the_paired_t_test():
 
 def test_status_counts_each_arm_and_keeps_the_first_run_apart():
     lines = report.status_lines(SPEC, ROWS)
-    assert lines[0] == "4/6 done, 1 failed, 0 running, 1 pending"
+    # 5 runs ended, one a minute from t = 1000 s to 1300 s: 60 models/h, the last one a minute away
+    assert lines[0] == "4/6 done, 1 failed, 0 running, 1 pending; 60 models/h, ETA 60 s"
     arm0 = next(line for line in lines if line.startswith("lr=0.2"))
     assert arm0.split()[1:4] == ["2", "1", "0"] and "91.00% ± 1.41" in arm0
     arm1 = next(line for line in lines if line.startswith("lr=0.4"))
