@@ -344,19 +344,25 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastcifar.sweep")
         ),
     )
     parser.add_argument("spec", help="the study's spec, .toml or .json")
-    parser.add_argument("--store", required=True, help="the store folder (made, or continued)")
-    parser.add_argument("--devices", default="all", help="all (every GPU, else the CPU) | cpu | GPU numbers: 0,1")
-    parser.add_argument("--per-device", type=int, default=1, help="worker processes per device (default 1)")
+    parser.add_argument("--store", required=True, metavar="DIR", help="the store folder (made, or continued)")
+    parser.add_argument(
+        "--devices", default="all", metavar="LIST", help="all (every GPU, else the CPU) | cpu | GPU numbers: 0,1"
+    )
+    parser.add_argument(
+        "--per-device", type=int, default=1, metavar="K", help="worker processes per device (default 1)"
+    )
     parser.add_argument(
         "--worker",
         type=int,
+        metavar="I",
         help="with --workers N: this launch is worker I (0..N-1) on a shared filesystem, a fixed share of the runs "
         "written as result files, no database (docs/sweeps.md); a Slurm array task reads its own",
     )
-    parser.add_argument("--workers", type=int, help="the count of launches sharing the study (--worker)")
+    parser.add_argument("--workers", type=int, metavar="N", help="the count of launches sharing the study (--worker)")
     parser.add_argument(
         "--lease-s",
         type=float,
+        metavar="S",
         default=LEASE_S,
         help=f"seconds without a worker's heartbeat before its run is another's (default {LEASE_S:.0f})",
     )
