@@ -88,7 +88,8 @@ def prepare_files(folder: str, spec: Spec) -> Path:
 
 def save_result(folder: Path, idx: int, result: Result, worker: str) -> Path:
     """Run ``idx``'s result as one file, whole or not at all."""
-    record = {k: getattr(result, k) for k in ("classes", "test_acc", "train_time", "setup_time", "wall_time")}
+    names = ("classes", "test_acc", "train_time", "setup_time", "wall_time", "started", "ended")
+    record = {k: getattr(result, k) for k in names}
     record.update(first=result.first, run_dir=result.run_dir, worker=worker)
     arrays = {"mask": np.asarray(result.mask, bool), "record": np.array(json.dumps(record))}
     for name in ARRAY_NAMES[1:]:
@@ -116,6 +117,8 @@ def load_result(path: Path) -> Result:
         wall_time=record["wall_time"],
         first=record["first"],
         run_dir=record["run_dir"],
+        started=record.get("started"),
+        ended=record.get("ended"),
         **arrays,
     )
 

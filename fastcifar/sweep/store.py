@@ -217,6 +217,8 @@ class Result:
     test_margins: np.ndarray | None = None
     test_logits: np.ndarray | None = None
     train_margins: np.ndarray | None = None
+    started: float | None = None  # unix times of a result file's run (sweep.files); a claimed run has its own
+    ended: float | None = None
 
 
 class Table:
@@ -344,10 +346,11 @@ class Table:
         done.flush()
         del done
         self.con.execute(
-            "UPDATE runs SET status='done', ended=?, lease_until=NULL, test_acc=?, train_time=?, setup_time=?, "
-            "wall_time=?, first_of_worker=?, run_dir=?, reason=NULL WHERE idx=?",
+            "UPDATE runs SET status='done', started=COALESCE(?, started), ended=?, lease_until=NULL, test_acc=?, "
+            "train_time=?, setup_time=?, wall_time=?, first_of_worker=?, run_dir=?, reason=NULL WHERE idx=?",
             (
-                time.time(),
+                result.started,
+                result.ended or time.time(),
                 result.test_acc,
                 result.train_time,
                 result.setup_time,

@@ -154,8 +154,10 @@ def work_share(folder: Path, index: int, count: int, slot: int, device: str) -> 
         if files.result_file(folder, idx).exists() or files.failure_file(folder, idx).exists():
             continue
         row = files.row_of(spec, idx)
+        started = time.time()
         try:
             result = train_run(spec, arms[row["arm"]], row, folder, device, first=trained == 0)
+            result.started, result.ended = started, time.time()
         except signals.StopRun:
             raise
         except Exception as exc:  # the run's own failure: recorded, and on to the next

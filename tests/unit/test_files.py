@@ -33,6 +33,7 @@ def result(idx: int) -> Result:
     return Result(
         rng.random(30) < 0.5, 10, 40.0 + idx, 1.0, 0.5, 2.0, idx < 2, f"runs/{idx}/r",
         test_margins=rng.normal(size=8).astype(np.float32), train_margins=rng.normal(size=30).astype(np.float32),
+        started=1000.0 + 60 * idx, ended=1060.0 + 60 * idx,
     )  # fmt: skip
 
 
@@ -74,6 +75,7 @@ def test_a_result_file_holds_the_run_and_merges_into_the_table_and_arrays(tmp_pa
     np.testing.assert_array_equal(view.masks[3], result(3).mask)
     assert [r["status"] for r in view.runs] == ["done", "pending", "pending", "done", "done", "failed"]
     assert view.runs[5]["reason"] == "ConfigError: no data" and view.runs[0]["test_acc"] == 40.0
+    assert (view.runs[4]["started"], view.runs[4]["ended"]) == (1240.0, 1300.0)  # the run's own times
     files.save_result(folder, 1, result(1), "host:1:0")
     assert files.merge(folder) == 1  # only what is new
     assert fastcifar.open_store(str(folder)).completed.tolist()[:2] == [True, True]
