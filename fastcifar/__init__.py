@@ -34,6 +34,7 @@ _LAZY = {
     "save_model": "models.files",
     "CheckpointError": "models.files",
     "TrainedRun": "api",
+    "open_store": "sweep.store",
 }
 
 

@@ -1,7 +1,7 @@
 """Command-line plumbing shared by the commands (train, evaluate, predict, checkpoint, export): the
 one-line error and exit status, modules that are also functions, and the ``fastcifar`` command.
 
-    fastcifar train|evaluate|predict|checkpoint|export [ARGS ...]     (also python -m fastcifar ...)
+    fastcifar train|evaluate|predict|checkpoint|export|sweep [ARGS ...]     (also python -m fastcifar ...)
 
 ``main`` is the installed ``fastcifar`` console script: it hands ARGS to the named command's own
 ``main(argv, prog="fastcifar NAME")``, so ``fastcifar train ARGS`` is ``python -m fastcifar.train
@@ -88,6 +88,7 @@ COMMANDS = {
         "inspect sparse diffs, restore a model file from a chain of them, or seal an older model file",
     ),
     "export": ("fastcifar.export", "write a saved model as an ONNX file (for onnxruntime and others)"),
+    "sweep": ("fastcifar.sweep.cli", "train a study of many runs into one store; status and compare read it"),
 }
 
 

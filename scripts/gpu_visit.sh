@@ -19,6 +19,7 @@
 #   bash scripts/gpu_visit.sh screen                   # (i) official data: the default preset beside variants of it (SCREEN), x10 each
 #   bash scripts/gpu_visit.sh levers                   # (j) official data: the candidate stack beside the default and the record, each lever's step
 #   bash scripts/gpu_visit.sh deterministic            # (k) the default preset twice with --deterministic: same weights? its cost
+#   bash scripts/gpu_visit.sh sweep                    # (l) many runs on one GPU: fastcifar sweep at 1, 2, 4 workers beside --runs N
 #   bash scripts/gpu_visit.sh dali                     # optional: the DALI loader (needs its staged wheels)
 #
 # Race (scripts/race.py): fastcifar's default preset (RACE_PRESETS names others), then each public
@@ -77,6 +78,11 @@
 # and every model file; their train time beside the normal one's is the mode's cost. The table and
 # one row in bench/results/deterministic.jsonl (DETERMINISTIC_CALL and DETERMINISTIC_COMMIT name
 # the call and the commit). Official data when staged, else the synthetic set.
+# sweep: many short runs on the one GPU (docs/sweeps.md): bench/bench_sweep.py, the default preset
+# and a shorter one (SWEEP_EPOCHS, 2), each SWEEP_RUNS (12) runs as --runs N in one process, then as
+# fastcifar sweep at --per-device 1, 2 and 4 (several runs at once where one leaves the GPU underused);
+# models per hour and the per-run overhead (first run apart), rows in bench/results/sweep.jsonl
+# (SWEEP_CALL names the call). Official data when staged, else the synthetic set.
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines, bench and nccl2 stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -89,8 +95,8 @@
 set -uo pipefail
 stage=${1:-}
 case "$stage" in
-  check|engines|bench|kernels|accuracy|race|emulated|nccl2|conv|screen|levers|deterministic|dali) ;;
-  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|nccl2|conv|screen|levers|deterministic|dali" >&2; exit 2 ;;
+  check|engines|bench|kernels|accuracy|race|emulated|nccl2|conv|screen|levers|deterministic|sweep|dali) ;;
+  *) echo "usage: bash scripts/gpu_visit.sh check|engines|bench|kernels|accuracy PRESET [SEED]|race|emulated PRESET N [RUNS]|nccl2|conv|screen|levers|deterministic|sweep|dali" >&2; exit 2 ;;
 esac
 tag=$stage
 [ "$stage" = accuracy ] && tag="accuracy-${2:-}"
@@ -513,6 +519,18 @@ deterministic)
   step deterministic-checks 60 "$py" scripts/gpu_visit_report.py deterministic "$work/runs" --data "$data" \
     --jsonl bench/results/deterministic.jsonl --call "${DETERMINISTIC_CALL:-}" --commit "${DETERMINISTIC_COMMIT:-}" \
     --out "$work/figures.md"
+  ;;
+sweep)
+  ensure_data
+  default=$(default_preset) || { note "the default preset could not be read (default-preset.log)"; failed=1; exit; }
+  preset=${default% *}
+  runs=${SWEEP_RUNS:-12}
+  # each configuration: 4 commands (--runs N, then 1, 2, 4 workers), each a process start-up (~30 s
+  # with capture) and 12 runs of a few seconds; the shorter one takes what the default left
+  step sweep-default $(((budget - SECONDS) * 3 / 5)) "$py" bench/bench_sweep.py --device cuda --full --data "$data" \
+    --preset "$preset" --runs "$runs" --per-device 1,2,4 --record --label "${SWEEP_CALL:-}"
+  step sweep-short $((budget - SECONDS)) "$py" bench/bench_sweep.py --device cuda --full --epochs "${SWEEP_EPOCHS:-2}" \
+    --data "$data" --preset "$preset" --runs "$runs" --per-device 1,2,4 --record --label "${SWEEP_CALL:-}"
   ;;
 dali)
   if ! dali_ok; then note "DALI does not import: stage it first (bash ../shared/device/stage.sh dali)"; failed=1; exit; fi

@@ -105,6 +105,39 @@ def running_a_command() -> bool:
     return os.path.basename(sys.argv[0] if sys.argv else "") in ("fastcifar", "fastcifar-train")
 
 
+def visible_gpu_names(count: int, environ=None) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entry of each of the ``count`` GPUs this process sees (0..count-1
+    without the variable): a child process given one of them sees that GPU, also when a scheduler
+    (Slurm: --gpus) left this process GPUs 2,3 or their UUIDs."""
+    environ = os.environ if environ is None else environ
+    given = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if "CUDA_VISIBLE_DEVICES" not in environ or len(given) < count:
+        return [str(i) for i in range(count)]
+    return given[:count]
+
+
+def slurm_array_task(environ=None) -> tuple[int, int] | None:
+    """(this task's index from 0, the array's task count) of a Slurm job array (``sbatch --array``):
+    SLURM_ARRAY_TASK_ID less SLURM_ARRAY_TASK_MIN (--array=1-64 counts from 1), out of
+    SLURM_ARRAY_TASK_COUNT; None outside an array. ValueError, one line, for values that cannot be
+    (not whole numbers, an index outside the count: an array with a step, --array=0-63:2, is one)."""
+    environ = os.environ if environ is None else environ
+    if "SLURM_ARRAY_TASK_ID" not in environ:
+        return None
+    names = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN")
+    values = {n: environ.get(n, "0" if n.endswith("MIN") else "").strip() for n in names}
+    bad = [n for n, v in values.items() if not (v.isascii() and v.isdigit())]
+    if bad:
+        raise ValueError(f"{bad[0]} must be a whole number, not {values[bad[0]]!r}")
+    task, count, low = (int(values[n]) for n in names)
+    if not 0 <= task - low < count:
+        raise ValueError(
+            f"SLURM_ARRAY_TASK_ID {task} (from {low}) is not one of SLURM_ARRAY_TASK_COUNT {count} tasks: "
+            "an array of consecutive indices (--array=0-63, not a step or a list with gaps)"
+        )
+    return task - low, count
+
+
 def environment_problem(environ=None) -> str | None:
     """One line saying which variable is unusable and why; None when all are fine."""
     environ = os.environ if environ is None else environ

@@ -168,7 +168,7 @@ def estimate_line(
     final = f" and {final_batches} for the test set at the end" if final_batches else ""
     # under 200 characters, as every line a run prints (its 'took' line counts the same span)
     return (
-        f"run {run}: about {about(total)} in all, set-up to model file: {epochs} at {step_s:.3g} s, "
+        f"run {run}: about {about(total)} in all (set-up to model file): {epochs} at {step_s:.3g} s, "
         f"{eval_batches} evaluation batch{'es' if eval_batches != 1 else ''} an epoch{final} at {eval_s:.3g} s; "
         f"not counted: the loader's per-epoch work, a busy machine"
     )

@@ -25,7 +25,7 @@ from fastcifar.core.options import build_parser
 from fastcifar.core.presets import DEFAULT_PRESET
 from fastcifar.models.files import load_model
 
-COMMANDS = ("train", "evaluate", "predict", "checkpoint", "export")
+COMMANDS = ("train", "evaluate", "predict", "checkpoint", "export", "sweep")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def trained(tmp_path_factory):
 def test_help_lists_every_command_in_one_line_each(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: fastcifar {train,evaluate,predict,checkpoint,export}")
+    assert out.startswith("usage: fastcifar {train,evaluate,predict,checkpoint,export,sweep}")
     for name in COMMANDS:
         (line,) = [line for line in out.splitlines() if line.strip().startswith(name + " ")]
         assert len(line.split()) > 2, line  # the name and what it does

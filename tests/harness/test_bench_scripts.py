@@ -37,6 +37,7 @@ pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a su
         ("bench_compress.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
         ("bench_sparse.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
         ("bench_train.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
+        ("bench_sweep.py", ["--smoke"], "smoke run: figures meaningless, nothing written"),
     ],
 )
 def test_bench_script_runs(script, args, expect):

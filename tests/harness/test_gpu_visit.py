@@ -35,6 +35,7 @@ STAGES = [
     ["screen"],
     ["deterministic"],
     ["levers"],  # the real candidate, fast-levers: its every lever must parse over the default
+    ["sweep"],
 ]
 MAX_FILES, MAX_DEPTH = 8, 2  # what comes back from the GPU machine's $OUT
 
@@ -482,6 +483,21 @@ def test_deterministic_stage_runs_the_default_then_twice_deterministic_and_files
         assert part in checks, checks
     proc, _ = visit(tmp_path, "deterministic", DETERMINISTIC_RUNS="5")
     assert proc.stdout.count(f"--preset {DEFAULT_PRESET} --seed 0 --runs 5 --quiet") == 6  # logged and dry-run
+
+
+def test_sweep_stage_times_the_default_and_a_shorter_preset_at_1_2_4_workers_beside_runs_n(tmp_path):
+    proc, out = visit(tmp_path, "sweep", SWEEP_CALL="visit 14")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "bench_sweep.py" in line]
+    assert len(runs) == 2, runs
+    for line in runs:
+        for part in ("--device cuda --full", f"--preset {DEFAULT_PRESET} --runs 12 --per-device 1,2,4", "--record"):
+            assert part in line, line
+        assert line.endswith("--label visit 14") and f"--data {tmp_path / 'cifar.tar.gz'}" in line
+    assert "--epochs" not in runs[0] and "--epochs 2 " in runs[1]
+    assert table_steps(out, "sweep") == ["sweep-default", "sweep-short"]
+    proc, _ = visit(tmp_path, "sweep", SWEEP_RUNS="20", SWEEP_EPOCHS="3")
+    assert proc.stdout.count("--runs 20 --per-device 1,2,4") == 4 and "--epochs 3 " in proc.stdout
 
 
 def test_unknown_stage_is_refused(tmp_path):

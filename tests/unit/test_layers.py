@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 # bottom to top; folders on one rank are siblings and import neither each other
-LAYERS = {"core": 0, "ops": 1, "kernels": 2, "models": 3, "data": 3, "parallel": 4, "run": 5, "": 6}
+LAYERS = {"core": 0, "ops": 1, "kernels": 2, "models": 3, "data": 3, "parallel": 4, "run": 5, "": 6, "sweep": 7}
 
 
 def package_folder(package: str) -> Path:

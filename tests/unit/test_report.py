@@ -70,7 +70,7 @@ def test_the_estimate_counts_every_evaluation_and_says_what_it_leaves_out():
     set's once at the end; its line names the total's span and the line that gives the time taken."""
     assert report.estimate(2.0, [10, 10, 5], 0.1, 3 * 2 + 4, 0.5) == pytest.approx(2.0 + 2.5 + 5.0)
     line = report.estimate_line(1, 9.5, [10, 10, 5], 0.1, 2, 0.5, final_batches=4)
-    assert line.startswith("run 1: about 9.5 s in all, set-up to model file: ")
+    assert line.startswith("run 1: about 9.5 s in all (set-up to model file): ")
     assert "25 steps at 0.1 s, 2 evaluation batches an epoch and 4 for the test set at the end at 0.5 s" in line
     assert "not counted: " in line and len(line) < 200
     assert "for the test set" not in report.estimate_line(1, 9.5, [10, 10], 0.1, 1, 0.5)
