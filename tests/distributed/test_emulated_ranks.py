@@ -11,8 +11,9 @@ weights after 12 steps (2026-11-26; a max-pool's near tie going the other way, g
 At a fifth of the rates the two sides stayed within 1e-6 over these 10 steps under the draws of
 2026-11-26, and within 7e-5 (one filter element; the losses within 1e-7 relative) under the seed
 streams' draws of 2026-12-07; the tolerances below are about 3x that, and the plain run (every image
-in one batchnorm, another order of images) is 1e-2 or more away. With the per-rank batchnorm switched off, or every rank drawing rank 0's augmentations,
-the comparison fails at the first epoch's losses (tried, 2026-11-26)."""
+in one batchnorm, another order of images) is 1e-2 or more away. With the per-rank batchnorm
+switched off, or every rank drawing rank 0's augmentations, the comparison fails at the first
+epoch's losses (tried, 2026-11-26)."""
 
 from __future__ import annotations
 
