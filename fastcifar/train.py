@@ -13,13 +13,15 @@ ResNet-9 "bag of tricks" ~26 s on one V100, the single-GPU speedrun scripts 1.98
 (``bash scripts/gpu_visit.sh race`` runs them beside this trainer).
 
 The story of one invocation: join the ranks and compare their settings, load the data (one rank
-per node fetches and decodes it, the others read what it left), then for each run build the model and
-optimizer, take a few untimed warm-up steps (and capture the step and evaluation as CUDA graphs),
-restore the initial state, start the clock, set the data-dependent init (the whitening conv reads
-training images, so it is training time), train epoch by epoch with the clock stopped during
-evaluation, and report. What a run switches on (sparse training, checkpoints and resume, the
-profiler window, the model file, ...) is a component (``run.component``) that the loop calls at
-fixed points; ``run.components.for_run`` chooses them.
+per node fetches and decodes it, the others read what it left), then for each run build the model
+and optimizer, take a few untimed warm-up steps (and capture the step and evaluation as CUDA
+graphs), restore the initial state (a later run whose settings differ only per run takes over the
+engine an earlier run built instead, its own initial state copied in: ``run.engine``), start the
+clock, set the data-dependent init (the whitening conv reads training images, so it is training
+time), train epoch by epoch with the clock stopped during evaluation, and report. What a run
+switches on (sparse training, checkpoints and resume, the profiler window, the model file, ...) is
+a component (``run.component``) that the loop calls at fixed points; ``run.components.for_run``
+chooses them.
 """
 
 from __future__ import annotations
@@ -355,7 +357,8 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
         sparse = SparseRun(cfg, engine.model, engine.opt, loader, ctx, log, run, seed)  # diffs; no masks here
     model, sync, opt, schedule = engine.model, engine.sync, engine.opt, engine.schedule
     train_step, eval_step = engine.train_step, engine.eval_step
-    loader.bind_static(train_step.batch.images, train_step.batch.labels)  # DALI: the one copy, into the step's buffers
+    # DALI, the Triton augmentation: each batch written into the step's buffers (a kept engine's too)
+    loader.bind_static(train_step.batch.images, train_step.batch.labels)
     per_rank_batch, steps = loader.batch_size, len(loader)
     lengths = epoch_lengths(cfg.epochs, steps)  # a fractional --epochs cuts the last one short
     hooks = recipe.RunHooks(cfg, model, loader)  # lookahead

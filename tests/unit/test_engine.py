@@ -124,3 +124,26 @@ def test_a_run_whose_built_settings_differ_builds_its_own_engine(tmp_path, monke
     fastcifar.train(dataclasses.replace(cfg, seed=6, subset_fraction=0.5), reuse=holder)  # 100 images: 2 steps
     assert len(builds) == 3 and len(holder.engines) == 3
     assert reads == ["load_dataset"]  # the data read once for all three
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs: a GPU (gpu_visit.sh sweep)")
+def test_on_a_gpu_a_kept_engines_graphs_replay_the_run_a_fresh_capture_trains(tmp_path, monkeypatch):
+    """What the CPU cannot show: the graphs captured by run 1 read, for run 2, the tensors its
+    restart wrote in place (weights, momentum, rate multipliers, schedule, static batches)."""
+    data, _ = write_official(tmp_path / "data", per_batch=40, n_test=50)
+    gpu = {**TINY, "device": "cuda", "cuda_graphs": "on", "deterministic": True}  # fp16, Triton kernels
+    cfg = from_preset("fast", data=str(data), out_dir=str(tmp_path / "runs"), **gpu)
+    builds = count_calls(monkeypatch, trainer, "make_step")
+    benchmark = torch.backends.cudnn.benchmark
+    try:
+        _, second = fastcifar.train(dataclasses.replace(cfg, runs=2, seed=3))
+        (alone,) = fastcifar.train(dataclasses.replace(cfg, runs=1, seed=4))
+    finally:  # --deterministic sets the process's torch flags: the next test's are its own
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, benchmark
+    assert len(builds) == 2
+    assert second.test_acc == alone.test_acc
+    np.testing.assert_array_equal(second.outputs.test_logits, alone.outputs.test_logits)
+    got, want = second.model.state_dict(), alone.model.state_dict()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
