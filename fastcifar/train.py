@@ -370,9 +370,9 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     run_parts = components.for_run(session, run, network_parts, parts, sync, sparse, lengths, eval_step, watchdog)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0, streams=streams.as_dict())
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
-    # the run's first line: what it will take in all, from the step and evaluation timed when its engine
-    # was built (build_engine); with
-    # --val-split the test set's one evaluation after the last epoch too
+    # the run's first line: what it will take in all, from the step and evaluation timed when its
+    # engine was built (build_engine); with --val-split the test set's one evaluation after the last
+    # epoch too
     todo, eval_batches = lengths[start_epoch:], len(session.eval_set)
     final_batches = len(session.test_set) if session.eval_set is not session.test_set else 0
     result.estimated_time = report.estimate(
