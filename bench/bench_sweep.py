@@ -12,7 +12,9 @@ process, one data read), then ``fastcifar sweep`` with K workers per device for 
 ``--per-device``, each into a new store. Every figure is wall time around the whole command, start-up
 included, as a user waits for it. From the sweep's run table: each run's wall time in its worker
 (data read, set-up, training, evaluation, outputs) less its training time, the first run of a worker
-apart (imports and compiles are paid there).
+apart (imports and compiles are paid there), and each run's set-up before its clock (``setup_*``:
+the first run builds, warms up and captures the engine that later runs take over, the baseline's
+runs 2..N as the workers' later runs: fastcifar/run/engine.py).
 
 On the CPU the K workers share the cores (each gets cores / K threads), the baseline takes them all.
 Rows go to bench/results/sweep.jsonl only with ``--record``.
@@ -99,7 +101,15 @@ def baseline(args, settings: dict, out: Path) -> dict:
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     results = json.loads((run_dir / "summary.json").read_text())["results"]
     train = statistics.fmean(r["train_time"] for r in results)
-    return {"mode": "--runs N", "workers": 1, "wall_s": wall, "train_s": train}
+    later = [r["setup_time"] for r in results[1:]]  # on run 1's engine (fastcifar/run/engine.py)
+    return {
+        "mode": "--runs N",
+        "workers": 1,
+        "wall_s": wall,
+        "train_s": train,
+        "setup_first_s": results[0]["setup_time"],
+        "setup_later_s": statistics.fmean(later) if later else None,
+    }
 
 
 def sweep(args, settings: dict, folder: Path, k: int) -> dict:
@@ -113,20 +123,24 @@ def sweep(args, settings: dict, folder: Path, k: int) -> dict:
     wall = timed([sys.executable, "-m", "fastcifar", "sweep", str(path), "--store", str(folder / "store")]
                  + ["--devices", devices, "--per-device", str(k)])  # fmt: skip
     with sqlite3.connect(folder / "store" / "runs.sqlite") as con:
-        rows = con.execute("SELECT first_of_worker, wall_time, train_time FROM runs WHERE status='done'").fetchall()
+        rows = con.execute(
+            "SELECT first_of_worker, wall_time, train_time, setup_time FROM runs WHERE status='done'"
+        ).fetchall()
     if len(rows) != args.runs:
         sys.exit(f"bench_sweep: the sweep finished {len(rows)} of {args.runs} runs")
-    first = [w for f, w, _ in rows if f]
-    later = [w for f, w, _ in rows if not f]
+    first = [w for f, w, _, _ in rows if f]
+    later = [w for f, w, _, _ in rows if not f]
     return {
         "mode": "sweep",
         "workers": k,
         "wall_s": wall,
-        "train_s": statistics.fmean(t for _, _, t in rows),
+        "train_s": statistics.fmean(t for _, _, t, _ in rows),
         "first_run_s": statistics.fmean(first),
         "later_run_s": statistics.fmean(later) if later else None,
-        "overhead_first_s": statistics.fmean(w - t for f, w, t in rows if f),
-        "overhead_later_s": statistics.fmean(w - t for f, w, t in rows if not f) if later else None,
+        "overhead_first_s": statistics.fmean(w - t for f, w, t, _ in rows if f),
+        "overhead_later_s": statistics.fmean(w - t for f, w, t, _ in rows if not f) if later else None,
+        "setup_first_s": statistics.fmean(s for f, _, _, s in rows if f),
+        "setup_later_s": statistics.fmean(s for f, _, _, s in rows if not f) if later else None,
     }
 
 
@@ -156,7 +170,7 @@ def main(argv=None) -> int:
         r["models_per_hour"] = args.runs / r["wall_s"] * 3600
         r["vs_runs_n"] = r["models_per_hour"] / rows[0]["models_per_hour"]
     columns = ["mode", "workers", "runs", "wall_s", "models_per_hour", "vs_runs_n", "train_s"]
-    columns += ["first_run_s", "later_run_s", "overhead_first_s", "overhead_later_s"]
+    columns += ["first_run_s", "later_run_s", "overhead_first_s", "overhead_later_s", "setup_first_s", "setup_later_s"]
     env_row = environment()
     config = "full" if args.full else ("smoke" if args.smoke else "tiny")
     if args.epochs:

@@ -53,10 +53,13 @@ class TrainedRun:
         return self.metrics.outputs
 
 
-def train(config: Config) -> list[TrainedRun]:
+def train(config: Config, reuse=None) -> list[TrainedRun]:
     """Train ``config.runs`` runs as ``python -m fastcifar.train`` would with these settings
     (the same validation, logs and run folder); raises ConfigError or DataError on bad input.
-    Under torchrun every rank calls it and gets its own copy of the results."""
+    Under torchrun every rank calls it and gets its own copy of the results. ``reuse``: a
+    ``fastcifar.run.engine.Reuse`` the caller keeps between calls (the sweep worker's): a later
+    call on the same data settings reads no data, and its runs train on an engine an earlier call
+    built when their settings differ only in per-run fields (seeds, subset, outputs, run folder)."""
     from fastcifar import train as trainer
     from fastcifar.ops.augment import CIFAR10_MEAN, CIFAR10_STD
     from fastcifar.parallel import distributed
@@ -69,7 +72,7 @@ def train(config: Config) -> list[TrainedRun]:
     signals.new_run()  # no handlers here, but the end must be unclaimed for this run's watchdog
     ctx = distributed.setup(config.device, config.dist_timeout_s, config.dist_group, settings=config)
     try:
-        results = trainer.run(config, ctx)
+        results = trainer.run(config, ctx, reuse)
     except (ConfigError, DataError) as exc:  # as the command line does: the run folder says why it stopped
         if not isinstance(exc, distributed.PeerDataError):  # the ranks waiting for this one's data stop waiting
             distributed.announce_stop(ctx, str(exc))

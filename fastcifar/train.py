@@ -13,13 +13,15 @@ ResNet-9 "bag of tricks" ~26 s on one V100, the single-GPU speedrun scripts 1.98
 (``bash scripts/gpu_visit.sh race`` runs them beside this trainer).
 
 The story of one invocation: join the ranks and compare their settings, load the data (one rank
-per node fetches and decodes it, the others read what it left), then for each run build the model and
-optimizer, take a few untimed warm-up steps (and capture the step and evaluation as CUDA graphs),
-restore the initial state, start the clock, set the data-dependent init (the whitening conv reads
-training images, so it is training time), train epoch by epoch with the clock stopped during
-evaluation, and report. What a run switches on (sparse training, checkpoints and resume, the
-profiler window, the model file, ...) is a component (``run.component``) that the loop calls at
-fixed points; ``run.components.for_run`` chooses them.
+per node fetches and decodes it, the others read what it left), then for each run build the model
+and optimizer, take a few untimed warm-up steps (and capture the step and evaluation as CUDA
+graphs), restore the initial state (a later run whose settings differ only per run takes over the
+engine an earlier run built instead, its own initial state copied in: ``run.engine``), start the
+clock, set the data-dependent init (the whitening conv reads training images, so it is training
+time), train epoch by epoch with the clock stopped during evaluation, and report. What a run
+switches on (sparse training, checkpoints and resume, the profiler window, the model file, ...) is
+a component (``run.component``) that the loop calls at fixed points; ``run.components.for_run``
+chooses them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from fastcifar.ops.augment import AugmentSpec
 from fastcifar.parallel import distributed
 from fastcifar.parallel.sync import GradientSync, capture_blocker
 from fastcifar.run import components, graphs, profiling, recipe, report, state, whitening
+from fastcifar.run import engine as engines
 from fastcifar.run.graphs import StaticBatch, TrainStep, make_eval_step
 from fastcifar.run.progress import Progress, chunked_decoder
 from fastcifar.run.report import EpochRecord, RunLog, RunResult, device_info, process_start_time, provenance, versions
@@ -125,18 +128,24 @@ def record_stop(exc: signals.StopRun) -> None:
         print(f"fastcifar: {exc}", file=sys.stderr, flush=True)
 
 
-def run(cfg: Config, ctx: distributed.DistContext) -> list[RunResult]:
-    """Check the settings, then train: the command line and ``fastcifar.train(cfg)`` both come here."""
+def run(cfg: Config, ctx: distributed.DistContext, reuse: engines.Reuse | None = None) -> list[RunResult]:
+    """Check the settings, then train: the command line and ``fastcifar.train(cfg)`` both come here
+    (``reuse``: ``train``'s)."""
     # Before validate: ranks given different settings all stop here, none validates alone (the
     # Python API's first collective; the command line's second, after --resume's settings).
     distributed.check_same(distributed.config_digest(cfg), "config", ctx)
     validate(cfg, ctx.world_size)
-    return train(cfg, ctx)
+    return train(cfg, ctx, reuse=reuse)
 
 
-def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> list[RunResult]:
+def train(
+    cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0, reuse: engines.Reuse | None = None
+) -> list[RunResult]:
     """``cfg.runs`` runs, logged and summarized; ``warmup_runs`` whole runs before them that are
-    neither logged nor returned (bench/bench_train.py: caches, clocks and allocator settle)."""
+    neither logged nor returned (bench/bench_train.py: caches, clocks and allocator settle).
+    ``reuse``: what earlier calls left for this one, and where this one leaves its data set and
+    engine for later calls (``run.engine``: the sweep worker's); None: kept for this call's runs only."""
+    reuse = engines.Reuse() if reuse is None else reuse
     # first: a --cuda-graphs on that cannot work is refused before anything is read or written
     use_graphs, graphs_note = graphs.resolve(
         cfg.cuda_graphs, ctx.device, capture_blocker(cfg, ctx.world_size, ctx.distributed)
@@ -190,7 +199,10 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         )
 
     doing = "downloading or reading the data" if cfg.download else "reading the data"
-    read = distributed.load_once_per_node(read_data, ctx, doing, distributed.data_timeout(cfg.dist_timeout_s))
+    read = reuse.read(  # read once per process for the same data settings (a sweep worker's later runs)
+        (cfg.data, cfg.download, cfg.download_set, cfg.cache_dir, loader_name),
+        lambda: distributed.load_once_per_node(read_data, ctx, doing, distributed.data_timeout(cfg.dist_timeout_s)),
+    )
     subset = chosen_mask(cfg, read.n_read, Streams.for_run(cfg, cfg.seed).subset)  # one for all --runs
     # the subset, then --val-split's held-out images, before any sharding; every rank's before the
     # model handshake; ``read`` stays whole for --save-outputs train
@@ -280,8 +292,23 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
     for note in [*notes, schedule_text, report.emulated_note(cfg)]:  # after the header: the run's own settings
         if note:
             log.line(note)
+    # what an engine is built from (run.engine): a later run whose settings give the same key takes it over
+    engine_key = engines.key(cfg, ctx, steps, len(test_set.labels), len(data.classes), use_graphs)
     session = components.Session(
-        cfg, ctx, dtype, train_loader, test_set, log, progress, use_graphs, tuple(data.classes), resume, eval_set, read
+        cfg,
+        ctx,
+        dtype,
+        train_loader,
+        test_set,
+        log,
+        progress,
+        use_graphs,
+        tuple(data.classes),
+        resume,
+        eval_set,
+        read,
+        reuse=reuse,
+        engine_key=engine_key,
     )
     quiet = components.Session(
         cfg,
@@ -295,6 +322,8 @@ def train(cfg: Config, ctx: distributed.DistContext, warmup_runs: int = 0) -> li
         tuple(data.classes),
         None,
         eval_set,
+        reuse=reuse,
+        engine_key=engine_key,
     )  # a warm-up run: no logs, no bars
     for _ in range(warmup_runs):  # seed + runs: a seed no measured run uses
         train_one_run(quiet, 0, cfg.seed + cfg.runs)
@@ -318,67 +347,32 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     cfg, ctx, loader, log = session.cfg, session.ctx, session.train_loader, session.log
     set_up = time.perf_counter()  # what the user waits for before the clock starts (RunResult.setup_time)
     streams = Streams.for_run(cfg, seed)  # init, order, aug: each its own (core.streams)
-    torch.manual_seed(streams.init)  # same seed on every rank: identical initial weights
-    model = build_model(cfg, ctx.device, session.dtype, num_classes=len(session.classes))
-    distributed.check_same(distributed.model_digest(model), "model's parameter shapes", ctx)
-    sync = GradientSync(model, cfg, ctx, seed)  # DDP, gradient buckets (compressed or not), or nothing
-    for line in sync.lines if run == 1 else ():
-        log.line(line)
-    net = compiled.wrap(sync.net, cfg.compile)  # --compile: torch.compile, compiled in the warm-up steps below
-    # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
+    # an earlier run's engine, when nothing it was built from differs (run.engine): this run's
+    # initial weights, momentum and schedule go into it in place; no build, warm-up or capture
+    engine = session.reuse.take(session.engine_key)
+    if engine is None:
+        engine, sparse = build_engine(session, run, seed, streams, watchdog)
+    else:
+        engine.restart(initial_model(session, streams))
+        sparse = SparseRun(cfg, engine.model, engine.opt, loader, ctx, log, run, seed)  # diffs; no masks here
+    model, sync, opt, schedule = engine.model, engine.sync, engine.opt, engine.schedule
+    train_step, eval_step = engine.train_step, engine.eval_step
+    # DALI, the Triton augmentation: each batch written into the step's buffers (a kept engine's too)
+    loader.bind_static(train_step.batch.images, train_step.batch.labels)
     per_rank_batch, steps = loader.batch_size, len(loader)
-    peak = recipe.peak_rate(cfg, per_rank_batch)
-    schedule = DeviceSchedule(lr_schedule(cfg, steps, peak), ctx.device)
     lengths = epoch_lengths(cfg.epochs, steps)  # a fractional --epochs cuts the last one short
-    opt = recipe.make_optimizer(model, cfg, per_rank_batch, peak, ctx)  # NesterovSGD, or Muon + SGD
-    sparse = SparseRun(cfg, model, opt, loader, ctx, log, run, seed)  # masks, diffs, local SGD
-    opt = sparse.optimizer  # masked when --sparse-mask is set
-    push, pop = profiling.markers(cfg.nvtx)
-    step = make_step(
-        net, opt, schedule, cfg.label_smoothing, (push, pop), sync.buckets, watchdog.dog.beat, cfg.grads_to_none
-    )
-    train_step = TrainStep(step, StaticBatch(per_rank_batch, session.dtype, ctx.device), capture=session.use_graphs)
-    loader.bind_static(train_step.batch.images, train_step.batch.labels)  # DALI: the one copy, into the step's buffers
-    eval_step = make_eval_step(  # --tta-scope test: the share over the rank's whole test set
-        model,
-        StaticBatch(cfg.eval_batch_size, session.dtype, ctx.device),
-        cfg.tta,
-        capture=session.use_graphs,
-        tta_share=cfg.tta_share,
-        tta_scope=cfg.tta_scope,
-        test_rows=len(session.test_set.labels),  # the final evaluation's, the one on the clock
-    )
-
-    # Off the clock: warm-up steps (cuDNN's algorithm search, first allocations) and graph capture
-    # on a real batch; then weights, batchnorm statistics, momentum and the schedule go back to
-    # their initial values, in place, so the captured graphs still point at them.
-    initial = copy.deepcopy(model.state_dict())
-    loader.set_epoch(streams, 10**6)  # an epoch index training never uses
-    train_step.batch.load(*next(iter(loader)))
-    loader.quiesce()  # DALI's threads must make no CUDA calls during capture
-    model.train()
     hooks = recipe.RunHooks(cfg, model, loader)  # lookahead
     network_parts = whitening.for_model(cfg, model, opt, loader, ctx, train_step)  # its whitening conv's, if any
-    with session.progress.stage(f"run {run}: warm-up" + (" and graph capture" if session.use_graphs else "")):
-        train_step.warm_up_and_capture(cfg.warmup_steps)
-        for part in network_parts:
-            part.warm_up(cfg.warmup_steps)  # the step after the whitening bias freezes; cuSOLVER's first load
-    step_s = timed(train_step, ctx.device)  # one more step, for the run's estimate; undone by the restore below
-    model.load_state_dict(initial)
-    opt.reset_state()
-    schedule.reset()
-    sync.reset()  # error-feedback residuals, compression RNG and counts
-    model.eval()
-    eval_step.batch.load(*next(iter(session.eval_set)))
-    eval_step.prepare()
-    eval_s = timed_eval(eval_step, ctx.device)  # an evaluation batch, or a slice of it scaled, for the estimate
+    push, pop = profiling.markers(cfg.nvtx)
+    step_s, eval_s = engine.step_s, engine.eval_s
 
     parts = dict(ctx=ctx, model=model, opt=opt, schedule=schedule, hooks=hooks, loader=loader)
     run_parts = components.for_run(session, run, network_parts, parts, sync, sparse, lengths, eval_step, watchdog)
     result = RunResult(run=run, seed=seed, test_acc=0.0, train_time=0.0, wall_time=0.0, streams=streams.as_dict())
     start_epoch = run_parts.start(result)  # a resumed run: as after its checkpoint's epoch
-    # the run's first line: what it will take in all, from the step and evaluation timed above; with
-    # --val-split the test set's one evaluation after the last epoch too
+    # the run's first line: what it will take in all, from the step and evaluation timed when its
+    # engine was built (build_engine); with --val-split the test set's one evaluation after the last
+    # epoch too
     todo, eval_batches = lengths[start_epoch:], len(session.eval_set)
     final_batches = len(session.test_set) if session.eval_set is not session.test_set else 0
     result.estimated_time = report.estimate(
@@ -440,8 +434,85 @@ def _train_one_run(session: components.Session, run: int, seed: int, watchdog: c
     result.model, result.classes = model, tuple(session.classes)
     run_parts.finish(result)  # the test set after --val-split, the whitening bias trainable again, the model file, ...
     result.run_time = time.perf_counter() - set_up  # the last line of the run gives it (log.run_done)
-    model.zero_grad(set_to_none=True)
+    if session.reuse.keep(engine):  # a later run trains the live model: this run's result is a copy
+        result.model = engine.model_copy()
+    else:
+        model.zero_grad(set_to_none=True)
     return result
+
+
+def initial_model(session: components.Session, streams: Streams):
+    """The run's network with its initial weights: the same on every rank, and the same whether it
+    is trained itself or copied into an earlier run's engine (``run.engine``)."""
+    torch.manual_seed(streams.init)
+    return build_model(session.cfg, session.ctx.device, session.dtype, num_classes=len(session.classes))
+
+
+def build_engine(
+    session: components.Session, run: int, seed: int, streams: Streams, watchdog: components.Watchdog
+) -> tuple[engines.Engine, SparseRun]:
+    """The run's model, optimizer and steps, built, warmed up and captured off the clock, then put
+    back to their initial state; and the run's sparse-training component, which may wrap the optimizer."""
+    cfg, ctx, loader, log = session.cfg, session.ctx, session.train_loader, session.log
+    model = initial_model(session, streams)
+    distributed.check_same(distributed.model_digest(model), "model's parameter shapes", ctx)
+    sync = GradientSync(model, cfg, ctx, seed)  # DDP, gradient buckets (compressed or not), or nothing
+    for line in sync.lines if run == 1 else ():
+        log.line(line)
+    net = compiled.wrap(sync.net, cfg.compile)  # --compile: torch.compile, compiled in the warm-up steps below
+    # Loss summed over the rank's batch, so the step is divided by the per-rank batch (see config.py).
+    per_rank_batch, steps = loader.batch_size, len(loader)
+    peak = recipe.peak_rate(cfg, per_rank_batch)
+    schedule = DeviceSchedule(lr_schedule(cfg, steps, peak), ctx.device)
+    opt = recipe.make_optimizer(model, cfg, per_rank_batch, peak, ctx)  # NesterovSGD, or Muon + SGD
+    sparse = SparseRun(cfg, model, opt, loader, ctx, log, run, seed)  # masks, diffs, local SGD
+    opt = sparse.optimizer  # masked when --sparse-mask is set
+    step = make_step(
+        net,
+        opt,
+        schedule,
+        cfg.label_smoothing,
+        profiling.markers(cfg.nvtx),
+        sync.buckets,
+        watchdog.dog.beat,
+        cfg.grads_to_none,
+    )
+    train_step = TrainStep(step, StaticBatch(per_rank_batch, session.dtype, ctx.device), capture=session.use_graphs)
+    loader.bind_static(train_step.batch.images, train_step.batch.labels)
+    eval_step = make_eval_step(  # --tta-scope test: the share over the rank's whole test set
+        model,
+        StaticBatch(cfg.eval_batch_size, session.dtype, ctx.device),
+        cfg.tta,
+        capture=session.use_graphs,
+        tta_share=cfg.tta_share,
+        tta_scope=cfg.tta_scope,
+        test_rows=len(session.test_set.labels),  # the final evaluation's, the one on the clock
+    )
+    engine = engines.Engine(session.engine_key, model, sync, opt, schedule, train_step, eval_step)
+
+    # Off the clock: warm-up steps (cuDNN's algorithm search, first allocations) and graph capture
+    # on a real batch; then weights, batchnorm statistics, momentum and the schedule go back to
+    # their initial values, in place, so the captured graphs still point at them.
+    initial = copy.deepcopy(model.state_dict())
+    loader.set_epoch(streams, 10**6)  # an epoch index training never uses
+    train_step.batch.load(*next(iter(loader)))
+    loader.quiesce()  # DALI's threads must make no CUDA calls during capture
+    model.train()
+    with session.progress.stage(f"run {run}: warm-up" + (" and graph capture" if session.use_graphs else "")):
+        train_step.warm_up_and_capture(cfg.warmup_steps)
+        for part in whitening.for_model(cfg, model, opt, loader, ctx, train_step):  # its whitening conv's, if any
+            part.warm_up(cfg.warmup_steps)  # the step after the whitening bias freezes; cuSOLVER's first load
+    step_s = timed(train_step, ctx.device)  # one more step, for the run's estimate; undone by the restore below
+    model.load_state_dict(initial)
+    opt.reset_state()
+    schedule.reset()
+    sync.reset()  # error-feedback residuals, compression RNG and counts
+    model.eval()
+    eval_step.batch.load(*next(iter(session.eval_set)))
+    eval_step.prepare()
+    eval_s = timed_eval(eval_step, ctx.device)  # an evaluation batch, or a slice of it scaled, for the estimate
+    engine.started(step_s, eval_s)
+    return engine, sparse
 
 
 # `fastcifar.train(cfg)` calls the API whether or not this module was imported first (fastcifar.cli).

@@ -82,7 +82,9 @@
 # and a shorter one (SWEEP_EPOCHS, 2), each SWEEP_RUNS (12) runs as --runs N in one process, then as
 # fastcifar sweep at --per-device 1, 2 and 4 (several runs at once where one leaves the GPU underused);
 # models per hour and the per-run overhead (first run apart), rows in bench/results/sweep.jsonl
-# (SWEEP_CALL names the call). Official data when staged, else the synthetic set.
+# (SWEEP_CALL names the call). Official data when staged, else the synthetic set. First, the check
+# that a later run on an earlier run's kept engine, replaying its graphs, trains what a fresh
+# capture trains (tests/unit/test_engine.py's GPU test, --deterministic).
 # Data: $DATA, else .stage/data/cifar10-jpeg.tar.gz (bash ../shared/device/stage.sh data); the check,
 # engines, bench and nccl2 stages fall back to a synthetic CIFAR-format set when neither exists.
 # DALI: the dali stage needs it importable (PYTHONPATH=/tmp/site after stage.sh dali); the others
@@ -525,6 +527,8 @@ sweep)
   default=$(default_preset) || { note "the default preset could not be read (default-preset.log)"; failed=1; exit; }
   preset=${default% *}
   runs=${SWEEP_RUNS:-12}
+  # a later run on the engine (graphs) of an earlier one equals that run captured fresh (--deterministic)
+  step sweep-reuse 120 "$py" -m pytest -q -p no:cacheprovider tests/unit/test_engine.py -k gpu
   # each configuration: 4 commands (--runs N, then 1, 2, 4 workers), each a process start-up (~30 s
   # with capture) and 12 runs of a few seconds; the shorter one takes what the default left
   step sweep-default $(((budget - SECONDS) * 3 / 5)) "$py" bench/bench_sweep.py --device cuda --full --data "$data" \

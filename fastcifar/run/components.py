@@ -24,6 +24,7 @@ from fastcifar.parallel import compress, distributed
 from fastcifar.parallel.sync import GradientSync
 from fastcifar.run import outputs, profiling, report, tensorboard
 from fastcifar.run.component import Component, Components
+from fastcifar.run.engine import Reuse
 from fastcifar.run.guard import LossGuard
 from fastcifar.run.progress import Progress
 from fastcifar.run.report import RunLog
@@ -48,10 +49,14 @@ class Session:
     resume: dict | None = None  # a checked training state (run.state.load_state), for run 1..N
     eval_set: EvalSet | None = None  # each epoch's evaluation: test_set, or --val-split's held-out images
     whole: Dataset | None = None  # the data set as read, before --subset and --val-split (--save-outputs train)
+    reuse: Reuse | None = None  # engines kept between runs (run.engine); None: the session's own
+    engine_key: str | None = None  # what this session's engines are built from; None: each run builds its own
 
     def __post_init__(self):
         if self.eval_set is None:
             self.eval_set = self.test_set
+        if self.reuse is None:
+            self.reuse = Reuse()
 
 
 class Watchdog(Component):

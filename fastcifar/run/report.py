@@ -294,8 +294,9 @@ class RunResult:
     train_time: float  # s, see TIMING_PROTOCOL
     wall_time: float  # s since process start
     # s before the run's clock starts: model build, warm-up steps (cuDNN's search, Triton's compiles),
-    # graph capture, the initial state's restore (and a resumed run's checkpoint); off the train
-    # clock, but a user waits for it
+    # graph capture, the initial state's restore (and a resumed run's checkpoint); on an earlier run's
+    # kept engine only its initial state built and copied in (run.engine); off the train clock, but
+    # a user waits for it
     setup_time: float = 0.0
     epochs: list[EpochRecord] = field(default_factory=list)
     classes: tuple = ()  # class names, in label order (the data's)

@@ -2,7 +2,11 @@
 by ``fastcifar sweep`` once per slot (or by hand, or by a scheduler, on the same store). It takes runs
 from the store's table one at a time and trains them back to back through ``fastcifar.train``
 in this one process, so imports, Triton's and inductor's compiles and cuDNN's choices are paid by
-its first run only (the table's ``first_of_worker`` keeps the first run's times apart).
+its first run only (the table's ``first_of_worker`` keeps the first run's times apart). It keeps a
+``run.engine.Reuse`` for its life: the data set is read once for all its runs (on the same data
+settings), and a run whose settings differ from an earlier one's only in per-run fields (seeds,
+subset, outputs) trains on that run's engine, its model, optimizer and captured steps, with no
+build, warm-up or capture of its own.
 
 With ``--share I/N`` it trains a fixed share of the runs and writes each as a result file instead
 (``sweep.files``: a store on a shared filesystem, no database).
@@ -26,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +42,9 @@ from fastcifar.core.readfile import why
 from fastcifar.sweep import files
 from fastcifar.sweep.spec import Arm, Spec, check_masks
 from fastcifar.sweep.store import LEASE_S, Result, Table, read_spec, worker_name
+
+if TYPE_CHECKING:
+    from fastcifar.run.engine import Reuse
 
 RUNS_FOLDER = "runs"
 WORK_FOLDER = "work"  # each run's mask file under policy "masks"
@@ -69,8 +77,9 @@ class Heartbeat:
         self.thread.join()
 
 
-def train_run(spec: Spec, arm: Arm, row, folder: Path, device: str, first: bool) -> Result:
-    """Train run ``row`` (its arm's settings, its rep's seed and subset) and return its rows."""
+def train_run(spec: Spec, arm: Arm, row, folder: Path, device: str, first: bool, reuse: Reuse | None = None) -> Result:
+    """Train run ``row`` (its arm's settings, its rep's seed and subset) and return its rows.
+    ``reuse``: the worker's, kept across its runs (``run.engine``)."""
     from fastcifar.api import train
 
     idx = row["idx"]
@@ -87,7 +96,7 @@ def train_run(spec: Spec, arm: Arm, row, folder: Path, device: str, first: bool)
         mask_file = str(mask_path)
     cfg = spec.config(arm, row["rep"], str(out_dir), device, mask_file)
     start = time.perf_counter()
-    (run,) = train(cfg)
+    (run,) = train(cfg, reuse=reuse)
     wall = time.perf_counter() - start
     (run_dir,) = [p for p in out_dir.iterdir() if p.is_dir()]
     outputs = run.outputs
@@ -113,6 +122,7 @@ def work(folder: Path, slot: int, device: str, lease_s: float) -> int:
     table = Table(folder)
     name = worker_name(slot)
     trained = 0
+    reuse = kept_between_runs()
     try:
         while True:
             row = table.claim(name, lease_s)
@@ -125,7 +135,7 @@ def work(folder: Path, slot: int, device: str, lease_s: float) -> int:
             idx = row["idx"]
             beat = Heartbeat(folder, idx, name, lease_s)
             try:
-                result = train_run(spec, arms[row["arm"]], row, folder, device, first=trained == 0)
+                result = train_run(spec, arms[row["arm"]], row, folder, device, first=trained == 0, reuse=reuse)
                 table.finish(idx, name, result, spec.keep)
             except signals.StopRun:
                 table.release(idx, name)
@@ -150,13 +160,14 @@ def work_share(folder: Path, index: int, count: int, slot: int, device: str) -> 
     arms = spec.arms
     name = worker_name(slot)
     trained = 0
+    reuse = kept_between_runs()
     for idx in files.share(spec, index, count):
         if files.result_file(folder, idx).exists() or files.failure_file(folder, idx).exists():
             continue
         row = files.row_of(spec, idx)
         started = time.time()
         try:
-            result = train_run(spec, arms[row["arm"]], row, folder, device, first=trained == 0)
+            result = train_run(spec, arms[row["arm"]], row, folder, device, first=trained == 0, reuse=reuse)
             result.started, result.ended = started, time.time()
         except signals.StopRun:
             raise
@@ -166,6 +177,13 @@ def work_share(folder: Path, index: int, count: int, slot: int, device: str) -> 
             files.save_result(folder, idx, result, name)
         trained += 1
     return trained
+
+
+def kept_between_runs() -> Reuse:
+    """The worker's holder of what its runs share (torch's import with it, as training's)."""
+    from fastcifar.run.engine import Reuse
+
+    return Reuse()
 
 
 def reason_of(exc: Exception) -> str:

@@ -495,7 +495,9 @@ def test_sweep_stage_times_the_default_and_a_shorter_preset_at_1_2_4_workers_bes
             assert part in line, line
         assert line.endswith("--label visit 14") and f"--data {tmp_path / 'cifar.tar.gz'}" in line
     assert "--epochs" not in runs[0] and "--epochs 2 " in runs[1]
-    assert table_steps(out, "sweep") == ["sweep-default", "sweep-short"]
+    assert table_steps(out, "sweep") == ["sweep-reuse", "sweep-default", "sweep-short"]
+    (reuse,) = [line for line in proc.stdout.splitlines() if line.startswith("dry run:") and "test_engine.py" in line]
+    assert reuse.endswith("-m pytest -q -p no:cacheprovider tests/unit/test_engine.py -k gpu"), reuse
     proc, _ = visit(tmp_path, "sweep", SWEEP_RUNS="20", SWEEP_EPOCHS="3")
     assert proc.stdout.count("--runs 20 --per-device 1,2,4") == 4 and "--epochs 3 " in proc.stdout
 

@@ -12,6 +12,7 @@ from conftest import write_official
 
 import fastcifar
 import fastcifar.api
+import fastcifar.train as trainer
 from fastcifar.core import signals
 from fastcifar.core.config import ConfigError
 from fastcifar.sweep import spec as specs
@@ -33,7 +34,7 @@ def test_a_runs_own_failure_is_recorded_and_the_worker_goes_on(tmp_path, monkeyp
     folder = make_store(tmp_path, runs=3)
     seen = []
 
-    def failing(cfg):
+    def failing(cfg, reuse=None):
         seen.append(cfg.seed)
         raise ConfigError(f"--data {cfg.data}: no such file or folder\nmore")
 
@@ -49,7 +50,7 @@ def test_a_runs_own_failure_is_recorded_and_the_worker_goes_on(tmp_path, monkeyp
 def test_an_interrupted_run_goes_back_to_pending(tmp_path, monkeypatch):
     folder = make_store(tmp_path)
 
-    def interrupted(cfg):
+    def interrupted(cfg, reuse=None):
         raise signals.Interrupted(signal.SIGTERM)
 
     monkeypatch.setattr(fastcifar.api, "train", interrupted)
@@ -64,7 +65,7 @@ def test_a_worker_waits_for_anothers_run_and_takes_it_when_its_lease_runs_out(tm
     Table(folder).claim("gone", lease_s=0.5)  # a worker that will never finish it
     taken = []
 
-    def failing(cfg):
+    def failing(cfg, reuse=None):
         taken.append(cfg.seed)
         raise ConfigError("stop")
 
@@ -74,8 +75,8 @@ def test_a_worker_waits_for_anothers_run_and_takes_it_when_its_lease_runs_out(tm
     assert Table(folder).rows()[0]["attempts"] == 2
 
 
-@pytest.mark.slow  # trains two tiny runs on the CPU (about 10 s on 2 cores)
-def test_a_trained_runs_rows_are_its_run_folders_outputs(tmp_path):
+@pytest.mark.slow  # trains three tiny runs on the CPU (about 15 s on 2 cores)
+def test_a_trained_runs_rows_are_its_run_folders_outputs(tmp_path, monkeypatch):
     data, arrays = write_official(tmp_path / "data", per_batch=40, n_test=50)
     labels = arrays["test"][1]
     folder = make_store(
@@ -84,7 +85,12 @@ def test_a_trained_runs_rows_are_its_run_folders_outputs(tmp_path):
         keep=["test_margins", "test_logits", "train_margins"],
         subset={"policy": "fraction", "fraction": 0.5},
     )
+    calls = []
+    for name in ("load_dataset", "make_step"):  # the data read, the engine built: once each
+        real = getattr(trainer, name)
+        monkeypatch.setattr(trainer, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     assert worker.work(folder, 0, "cpu", 60) == 2
+    assert calls == ["load_dataset", "make_step"]  # the second run: the worker's data and engine
     view = fastcifar.open_store(str(folder))
     assert view.completed.tolist() == [True, True]
     assert [r["first_of_worker"] for r in view.runs] == [1, 0]
@@ -103,6 +109,12 @@ def test_a_trained_runs_rows_are_its_run_folders_outputs(tmp_path):
         correct = view.test_logits[r["idx"]].argmax(1) == labels  # the files' argmax is the counted prediction
         assert r["test_acc"] == pytest.approx(100 * correct.mean())
     assert not np.array_equal(view.masks[0], view.masks[1])
+    # the second run, on the first one's engine, equals the same run trained alone, bit for bit
+    spec = stores.read_spec(folder)
+    (alone,) = fastcifar.train(spec.config(spec.arms[0], 1, str(tmp_path / "alone"), "cpu"))
+    np.testing.assert_array_equal(view.test_logits[1], alone.outputs.test_logits)
+    np.testing.assert_array_equal(view.train_margins[1], alone.outputs.train_margins.astype(np.float16))
+    assert view.runs[1]["test_acc"] == alone.test_acc
 
 
 def test_a_store_that_cannot_be_written_stops_the_worker_and_counts_nothing_half_written(tmp_path, monkeypatch):
