@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pickle
+import signal
 import tarfile
 from pathlib import Path
 
@@ -123,6 +124,23 @@ def _no_tf32():
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.fixture(autouse=True)
+def _signals_left_as_found(request):
+    """A test leaves SIGINT's and SIGTERM's handlers and the blocked set as it found them: the
+    commands later tests start inherit an ignored or blocked signal (a test of Ctrl-C during a
+    command's import then saw the command finish, exit 0). The test that changed them fails here,
+    by name, and the next test gets them back."""
+    wanted = (signal.SIGINT, signal.SIGTERM)
+    before = [signal.getsignal(s) for s in wanted], signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    after = [signal.getsignal(s) for s in wanted], signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if after != before:
+        for sig, handler in zip(wanted, before[0], strict=True):
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before[1])
+        pytest.fail(f"{request.node.nodeid} left the signal handlers or the blocked set changed: {before} -> {after}")
 
 
 def uint8_images(n=6, size=32, seed=0) -> torch.Tensor:

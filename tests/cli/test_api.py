@@ -26,11 +26,12 @@ def python(code: str, cwd, timeout=300) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.slow  # runs the README's example training twice
+@pytest.mark.slow  # runs the README's example training (a minute of both cores)
 def test_readme_example_runs_and_train_is_callable_before_and_after_import(tmp_path):
     """The README's example, in a fresh interpreter: its fastcifar.train(cfg) comes before anything
     imported the trainer module; after ``import fastcifar.train`` the attribute is that module and
-    the same call gives the same network."""
+    still trains when called (a one-epoch run of 200 images: that the same settings give the same
+    network is tests/distributed/test_controlled_runs.py's)."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("### Python API") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
@@ -46,8 +47,9 @@ assert run.test_acc > 50 and info.classes[0] == "airplane" and len(p.top) == 3
 import fastcifar.train
 from fastcifar import train
 assert fastcifar.train is sys.modules["fastcifar.train"] is train
-(again,) = train(cfg)
-assert torch.equal(again.model.fc.weight, run.model.fc.weight) and again.test_acc == run.test_acc
+import dataclasses
+(again,) = train(dataclasses.replace(cfg, subset=200, epochs=1, save_model=False))  # callable as the module too
+assert again.model.fc.weight.shape == run.model.fc.weight.shape and len(again.metrics.epochs) == 1
 print("EXAMPLE OK")
 """
     proc = python(before + code + after, tmp_path)
