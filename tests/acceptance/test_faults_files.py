@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli import ROOT, SHORT, env, run_dirs, run_train
+from cli import ROOT, SHORT, as_a_shell_starts_it, env, run_dirs, run_train
 from conftest import one_line_error, write_image_folder, write_official
 from models import TINY_WIDTHS, small_checkpoint_state, tiny_model_file
 from PIL import Image
@@ -394,6 +394,7 @@ def test_a_signal_while_a_command_still_imports_is_one_line(module, sig, model_f
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=as_a_shell_starts_it,
     )
     deadline = time.monotonic() + 60
     while not _catches_sigterm(proc.pid) and proc.poll() is None and time.monotonic() < deadline:

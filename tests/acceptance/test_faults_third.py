@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli import ROOT, TINY, env, run_dirs
+from cli import ROOT, TINY, as_a_shell_starts_it, env, run_dirs
 from conftest import one_line_error, write_image_folder, write_official
 from models import tiny_model_file
 
@@ -82,6 +82,7 @@ def test_a_signal_during_an_extensions_import_is_taken_after_it(sig, model_file,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=as_a_shell_starts_it,
     )
     deadline = time.monotonic() + 120
     while not (sync / "started").exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -54,7 +54,7 @@ def test_ci_run_makes_its_own_venv_and_leaves_the_developers_alone(tmp_path):
     assert (tree / ".venv" / "mine").read_text() == "the developer's" and not (tree / ".ci" / "venv" / "stale").exists()
     lines = calls.read_text().splitlines()
     assert lines[0] == "python3 -m venv .ci/venv"
-    assert "pip install -q -e .[test,lint,dali,triton]" in lines and "python -m pytest" in lines
+    assert "pip install -q -e .[test,lint,dali,triton]" in lines and "python -m pytest -n auto --dist loadfile" in lines
     assert lines[-1] == "check_triton .ci/venv" and "cannot be reached" in proc.stdout
     commands = [ln for ln in CI_RUN.replace(".ci/venv", "").splitlines() if not ln.lstrip().startswith("#")]
     assert not [ln for ln in commands if ".venv" in ln], "CI never names the developer's venv"
@@ -67,7 +67,8 @@ def test_readme_development_gives_what_ci_runs():
     ci = re.sub(r'"\$venv/bin/(\w+)"', r"\1", CI_RUN)  # "$venv/bin/ruff" check . -> ruff check .
     install = re.search(r"pip\"? install -q -e '(\.\[[a-z,]+\])'", CI_RUN).group(1)
     assert f"pip install -e '{install}'" in dev
-    for command in ("ruff check .", "ruff format --check .", "python -m pytest"):
+    tests = re.search(r"^python -m pytest.*$", ci, re.M).group(0)  # CI's whole command, its options too
+    for command in ("ruff check .", "ruff format --check .", tests):
         assert command in ci and command in dev, command
 
 

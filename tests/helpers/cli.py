@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -68,6 +69,15 @@ def torchrun(*entry: str) -> list[str]:
     starting two processes of `entry`: a script and its arguments, or by default the trainer."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     return [*launcher, *(entry or ("-m", "fastcifar.train"))]
+
+
+def as_a_shell_starts_it() -> None:
+    """``preexec_fn`` of a command a test interrupts: SIGINT and SIGTERM at their defaults and
+    unblocked in the child, as a terminal's shell starts it. A child inherits an ignored signal, and
+    in a pytest-xdist worker SIGINT was found ignored by then: the command never saw the Ctrl-C."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def env() -> dict:

@@ -89,6 +89,7 @@ def count_calls(monkeypatch, module, name: str) -> list:
     return calls
 
 
+@pytest.mark.slow  # trains three tiny runs on the CPU (10-20 s on 2 cores)
 def test_a_run_on_a_kept_engine_equals_the_same_run_trained_fresh(tmp_path, monkeypatch):
     data, _ = write_official(tmp_path / "data", per_batch=40, n_test=50)  # 200 images: 4 steps of 50
     cfg = from_preset("fast", data=str(data), out_dir=str(tmp_path / "runs"), **TINY)
