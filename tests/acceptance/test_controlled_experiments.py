@@ -14,6 +14,7 @@ from conftest import one_line_error, write_official
 import fastcifar
 from fastcifar.core.config import from_preset
 from fastcifar.core.streams import Streams
+from fastcifar.train import main as train_main
 
 
 class Built(Exception):
@@ -95,20 +96,27 @@ def test_a_leave_10_out_pair_shares_init_order_and_augmentation(learnable_data, 
     assert sum(len(r["epochs"]) for r in docs["loo"]["results"]) == 4  # 3 whole epochs and a third of one
 
 
-def test_a_bad_mask_ends_in_one_line_and_writes_nothing(tmp_path):
+def test_a_bad_mask_ends_in_one_line_and_writes_nothing(tmp_path, capsys):
+    """The trainer's main in this process (its exit status and stderr as the command's): the
+    interpreter's start is not what these refusals test."""
     data, _ = write_official(tmp_path / "d", per_batch=40, n_test=50)
     out = tmp_path / "runs"
     np.save(tmp_path / "short.npy", np.ones(199, bool))
     np.save(tmp_path / "objects.npy", np.array([1, None], dtype=object), allow_pickle=True)
+
+    def train(*args) -> tuple[int, str]:
+        code = train_main([str(a) for a in ("--data", data, *SHORT, "--out-dir", out, *args)])
+        return code, capsys.readouterr().err
+
     for mask, problem in (
         ("short.npy", "199 booleans, the training set has 200 images"),
         ("objects.npy", "holds Python objects (a pickle); save a bool or integer array"),
         ("absent.npy", "No such file or directory"),
     ):
-        proc = run_train(["--data", data, *SHORT, "--out-dir", out, "--subset-mask", tmp_path / mask])
-        assert proc.returncode == 2
-        assert one_line_error(proc.stderr) == f"fastcifar: error: --subset-mask {tmp_path / mask}: {problem}"
+        code, err = train("--subset-mask", tmp_path / mask)
+        assert code == 2
+        assert one_line_error(err) == f"fastcifar: error: --subset-mask {tmp_path / mask}: {problem}"
         assert run_dirs(out) == []
-    proc = run_train(["--data", data, *SHORT, "--out-dir", out, "--subset", "50", "--subset-fraction", "0.5"])
-    assert proc.returncode == 2 and run_dirs(out) == []
-    assert "--subset and --subset-fraction each choose the training subset" in one_line_error(proc.stderr)
+    code, err = train("--subset", "50", "--subset-fraction", "0.5")
+    assert code == 2 and run_dirs(out) == []
+    assert "--subset and --subset-fraction each choose the training subset" in one_line_error(err)

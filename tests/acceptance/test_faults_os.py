@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli import ROOT, SHORT, dead_pid, env, run_dirs, run_train, start_log
+from cli import ROOT, SHORT, dead_pid, env, run_dirs, start_log, train_here
 from conftest import one_line_error, write_image_folder, write_official
 from models import tiny_model_file
 from PIL import Image
@@ -161,12 +161,12 @@ def test_an_image_of_another_size_is_refused_by_its_header(tmp_path, recwarn, si
 
 
 @pytest.mark.slow  # over 2 s on 2 cores
-def test_train_refuses_a_decompression_bomb_in_one_line(tmp_path):
+def test_train_refuses_a_decompression_bomb_in_one_line(tmp_path, capsys):
     root, _ = write_image_folder(tmp_path / "imgs", n_train=20, n_test=10)
     bad = one_image(root, "test")
     bad.write_bytes(png_header(20000, 20000))
     out = tmp_path / "runs"
-    proc = run_train(["--data", root, "--out-dir", out, "--cache-dir", tmp_path / "cache", *SHORT])
+    proc = train_here(["--data", root, "--out-dir", out, "--cache-dir", tmp_path / "cache", *SHORT], capsys)
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = one_line_error(proc.stderr)
     assert line.startswith("fastcifar: error: ") and str(bad) in line and "too large to decode" in line, line

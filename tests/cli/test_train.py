@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from cli import FAST_SHORT, SHORT, run_dirs, run_train, summary_of
+from cli import FAST_SHORT, SHORT, run_dirs, run_train, summary_of, train_here
 from conftest import one_line_error, write_official
 
 from fastcifar.core.config import Config, from_preset
@@ -189,8 +189,8 @@ def test_overrides_and_presets():
         ),
     ],
 )
-def test_bad_arguments_are_one_line(args, message, tmp_path):
-    proc = run_train(["--data", tmp_path, "--out-dir", tmp_path / "runs", *args])
+def test_bad_arguments_are_one_line(args, message, tmp_path, capsys):
+    proc = train_here(["--data", tmp_path, "--out-dir", tmp_path / "runs", *args], capsys)
     assert proc.returncode == 2
     assert message in one_line_error(proc.stderr)
     assert not run_dirs(tmp_path / "runs"), "nothing may be written for a refused run"
@@ -208,20 +208,20 @@ def test_triton_on_the_cpu_of_a_gpu_machine_is_one_line(tmp_path, monkeypatch, c
     assert not run_dirs(tmp_path / "runs")
 
 
-def test_bad_data_is_one_line(tmp_path):
+def test_bad_data_is_one_line(tmp_path, capsys):
     folder, _ = write_official(tmp_path / "d")
     (folder / "test_batch").write_bytes(b"\x80\x02garbage")
-    proc = run_train(["--data", folder, "--out-dir", tmp_path / "runs", *SHORT])
+    proc = train_here(["--data", folder, "--out-dir", tmp_path / "runs", *SHORT], capsys)
     assert proc.returncode == 2
     assert "not a readable CIFAR-10 batch" in one_line_error(proc.stderr)
-    proc = run_train(["--data", tmp_path / "missing", "--out-dir", tmp_path / "runs", *SHORT])
+    proc = train_here(["--data", tmp_path / "missing", "--out-dir", tmp_path / "runs", *SHORT], capsys)
     assert proc.returncode == 2
     assert "no such file or folder" in one_line_error(proc.stderr)
 
 
-def test_batch_larger_than_the_data(tmp_path):
+def test_batch_larger_than_the_data(tmp_path, capsys):
     folder, _ = write_official(tmp_path / "d", per_batch=10)
-    proc = run_train(["--data", folder, "--out-dir", tmp_path / "runs", *SHORT, "--batch-size", "100"])
+    proc = train_here(["--data", folder, "--out-dir", tmp_path / "runs", *SHORT, "--batch-size", "100"], capsys)
     assert proc.returncode == 2
     assert "larger than the training set" in one_line_error(proc.stderr)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli import ROOT, SHORT, run_dirs, run_train, summary_of, torchrun
+from cli import ROOT, SHORT, run_dirs, run_train, summary_of, torchrun, train_here
 from conftest import one_line_error
 
 from fastcifar import checkpoint as checkpoint_cmd
@@ -93,10 +93,9 @@ def test_sparse_settings_that_cannot_work_are_refused(overrides, world, needle):
         validate(from_preset("resnet9", **overrides), world)
 
 
-@pytest.mark.slow  # over 2 s on 2 cores
-def test_bad_sparse_flag_is_one_line_and_writes_nothing(tmp_path):
+def test_bad_sparse_flag_is_one_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "runs"
-    proc = run_train(["--data", tmp_path, "--out-dir", out, *SHORT, "--sparse-checkpoints"])
+    proc = train_here(["--data", tmp_path, "--out-dir", out, *SHORT, "--sparse-checkpoints"], capsys)
     assert proc.returncode == 2 and "--sparse-checkpoints needs" in one_line_error(proc.stderr)
     assert not out.exists()
 

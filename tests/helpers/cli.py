@@ -110,6 +110,22 @@ def run_train(args, timeout=300, launcher=None, extra_env=None) -> subprocess.Co
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
+def train_here(args, capsys) -> subprocess.CompletedProcess:
+    """The trainer's ``main`` in this process, its exit status and output as ``run_train`` gives
+    them: for a refusal, whose test is its line, its status and what it wrote, not the
+    interpreter's start (about 4 s of CPU a subprocess, most of the suite's time)."""
+    from fastcifar.train import main
+
+    capsys.readouterr()
+    argv = [str(a) for a in args]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's refusals
+        code = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+
 def run_dirs(out: Path) -> list[Path]:
     return sorted(p for p in out.iterdir() if p.is_dir()) if out.exists() else []
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from cli import SHORT, run_dirs, run_train
+from cli import SHORT, run_dirs, train_here
 from conftest import one_line_error
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -266,8 +266,8 @@ def test_timed_eval_times_a_slice_on_the_cpu_and_the_whole_batch_elsewhere(monke
 
 
 @pytest.mark.slow
-def test_cuda_graphs_on_is_refused_on_cpu(learnable_data, tmp_path):
-    proc = run_train(["--data", learnable_data, "--out-dir", tmp_path / "runs", *SHORT, "--cuda-graphs", "on"])
+def test_cuda_graphs_on_is_refused_on_cpu(learnable_data, tmp_path, capsys):
+    proc = train_here(["--data", learnable_data, "--out-dir", tmp_path / "runs", *SHORT, "--cuda-graphs", "on"], capsys)
     assert proc.returncode == 2
     assert "--cuda-graphs on needs a CUDA device" in one_line_error(proc.stderr)
     assert not run_dirs(tmp_path / "runs")
