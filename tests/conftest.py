@@ -129,9 +129,9 @@ def _no_tf32():
 @pytest.fixture(autouse=True)
 def _signals_left_as_found(request):
     """A test leaves SIGINT's and SIGTERM's handlers and the blocked set as it found them: the
-    commands later tests start inherit an ignored or blocked signal (a test of Ctrl-C during a
-    command's import then saw the command finish, exit 0). The test that changed them fails here,
-    by name, and the next test gets them back."""
+    commands later tests start would inherit an ignored or blocked signal, and a later test of
+    Ctrl-C would fail far from the cause. The test that changed them fails here, by name, and the
+    next test gets them back."""
     wanted = (signal.SIGINT, signal.SIGTERM)
     before = [signal.getsignal(s) for s in wanted], signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield

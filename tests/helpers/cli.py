@@ -73,8 +73,9 @@ def torchrun(*entry: str) -> list[str]:
 
 def as_a_shell_starts_it() -> None:
     """``preexec_fn`` of a command a test interrupts: SIGINT and SIGTERM at their defaults and
-    unblocked in the child, as a terminal's shell starts it. A child inherits an ignored signal, and
-    in a pytest-xdist worker SIGINT was found ignored by then: the command never saw the Ctrl-C."""
+    unblocked in the child, as a terminal's shell starts it (a child inherits an ignored or blocked
+    signal). Under pytest-xdist such a command was seen to finish through a SIGINT (exit 0) with no
+    test found changing the worker's signal state: the cause is unknown, the child's start is fixed."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
