@@ -9,15 +9,23 @@ __version__ = "0.1.0"
 # (core.signals.install_early). A program that merely imports fastcifar is left alone.
 from fastcifar.core.environment import running_a_command as _running_a_command  # noqa: E402
 
-if _running_a_command():
-    from fastcifar.core import signals as _signals
-    from fastcifar.core.environment import environment_problem as _problem
 
-    _signals.install_early()
-    _problem_text = _problem()
-    if _problem_text is not None:
-        print(f"fastcifar: error: {_problem_text}", file=__import__("sys").stderr)
+def _start_command() -> None:
+    """The package's import for a command (a function so that tests/helpers/forkserver.py, whose
+    commands find the package imported, can run it too)."""
+    if not _running_a_command():
+        return
+    from fastcifar.core import signals
+    from fastcifar.core.environment import environment_problem
+
+    signals.install_early()
+    problem = environment_problem()
+    if problem is not None:
+        print(f"fastcifar: error: {problem}", file=__import__("sys").stderr)
         raise SystemExit(2)
+
+
+_start_command()
 
 # The Python API (fastcifar.api). Config and presets are light and imported now; the trainer,
 # evaluate and predict are modules that are also callable, imported on first use: importing

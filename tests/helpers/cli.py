@@ -1,4 +1,5 @@
-"""Running the trainer as users do: a subprocess, on the CPU, with a short recipe."""
+"""Running the trainer as users do: a process of its own (forked from one that has imported torch,
+where that changes nothing: forkserver.py), on the CPU, with a short recipe."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 # A recipe small enough for 2 CPU cores: narrow ResNet-9 (the seed preset), a few epochs, one
@@ -66,9 +69,13 @@ def free_port() -> int:
 
 def torchrun(*entry: str) -> list[str]:
     """torchrun of this interpreter's torch on one machine (--standalone: c10d on a free local port),
-    starting two processes of `entry`: a script and its arguments, or by default the trainer."""
+    starting two processes of `entry`: a script and its arguments, or by default the trainer. Each
+    rank is forked from a process that has imported torch (forkserver.client), unless ``entry``
+    starts with --no-python (the test's own rank command)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    return [*launcher, *(entry or ("-m", "fastcifar.train"))]
+    if entry[:1] == ("--no-python",):
+        return [*launcher, *entry]
+    return [*launcher, "--no-python", *forkserver.client(), *(entry or ("-m", "fastcifar.train"))]
 
 
 def as_a_shell_starts_it() -> None:
@@ -108,7 +115,7 @@ def run_train(args, timeout=300, launcher=None, extra_env=None) -> subprocess.Co
     repository root, in env() with ``extra_env`` on top; its output captured."""
     cmd = (launcher or [sys.executable, "-m", "fastcifar.train"]) + [str(a) for a in args]
     e = {**env(), **(extra_env or {})}
-    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+    return forkserver.run(cmd, env=e, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
 
 
 def train_here(args, capsys) -> subprocess.CompletedProcess:
@@ -170,13 +177,13 @@ TINY = [
 
 def run_script(code: str, *args, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, "-c", code, *map(str, args)],
-        cwd=ROOT,
         env=env(),
+        cwd=ROOT,
+        timeout=timeout,
         capture_output=True,
         text=True,
-        timeout=timeout,
     )
     return proc, time.monotonic() - t0
 
