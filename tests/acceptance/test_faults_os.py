@@ -15,6 +15,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import forkserver
 import numpy as np
 import pytest
 from cli import ROOT, SHORT, dead_pid, env, run_dirs, start_log, train_here
@@ -308,7 +309,7 @@ def test_train_with_an_unreadable_batch_enforced_is_one_line(tmp_path):
     prefix = without_permission_override()
     folder, _ = write_official(tmp_path / "data")
     (folder / "data_batch_3").chmod(0)
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             *prefix,
             sys.executable,
@@ -358,7 +359,7 @@ def test_out_dir_inside_a_folder_it_may_not_enter_enforced(tmp_path):
         "import sys\nfrom fastcifar.run import report\n"
         "try:\n    report.check_out_dir(sys.argv[1])\nexcept report.OutputError as e:\n    print(e)\n"
     )
-    proc = subprocess.run(
+    proc = forkserver.run(
         [*prefix, sys.executable, "-c", code, str(locked / "runs")],
         cwd=ROOT,
         env=env(),
@@ -489,7 +490,7 @@ def test_a_truncated_jpeg_gives_no_raw_dali_line(tmp_path):
         "try:\n    load_dataset(sys.argv[1], cache_dir=sys.argv[2], log=lambda m: None, decode=dali_decoder('cpu'))\n"
         "except DataError as e:\n    print(e)\n"
     )
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, "-c", code, str(root), str(tmp_path / "cache")],
         cwd=ROOT,
         env=env(),
@@ -521,7 +522,7 @@ def test_the_watchdog_records_the_cause_in_log_and_summary_before_it_ends_the_ra
         "dog = ProgressWatchdog(1.0, ctx, enabled=True, on_stall=lambda why: report.stop_open_logs('failed', why))\n"
         "time.sleep(60)\n"
     )
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, "-c", code, str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 3, proc.stderr
@@ -543,7 +544,7 @@ def test_the_watchdog_ends_the_rank_even_when_recording_hangs():
         "dog = distributed.ProgressWatchdog(1.0, ctx, enabled=True, on_stall=lambda why: time.sleep(120))\n"
         "time.sleep(60)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=50)
+    proc = forkserver.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=50)
     assert proc.returncode == 3, proc.stderr
 
 

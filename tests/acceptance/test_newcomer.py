@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import forkserver
 import numpy as np
 import pytest
 import torch
@@ -165,13 +166,12 @@ def test_busy_cpu_gets_advice_only_when_omp_num_threads_is_unset(monkeypatch):
 
 @pytest.mark.slow  # over 2 s on 2 cores
 def test_cpu_threads_bench_smoke_writes_nothing(data):
-    import subprocess
     import sys
 
     from cli import bench_results, env
 
     before = bench_results()
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "bench" / "bench_cpu_threads.py"),

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from cli import ROOT, SHORT, epochs_of, free_port, run_dirs, run_train, summary_of, torchrun
@@ -139,19 +140,17 @@ def rank_env(rank: int, port: int, world_size: int = 2) -> dict:
     )
 
 
-def start_ranks(argv_of, out: Path, world_size: int = 2) -> list[subprocess.Popen]:
-    """One process per rank; ``argv_of(rank)`` is its command; stdout/stderr go to files in ``out``."""
+def start_ranks(argv_of, out: Path, world_size: int = 2) -> list:
+    """One process per rank (forked where forkserver.popen can: each is signalled as a Popen);
+    ``argv_of(rank)`` is its command; stdout/stderr go to files in ``out``."""
     port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(world_size):
         stdout = open(out / f"stdout{rank}", "w")
         stderr = open(out / f"stderr{rank}", "w")
-        procs.append(
-            subprocess.Popen(
-                argv_of(rank), cwd=ROOT, env=rank_env(rank, port, world_size), stdout=stdout, stderr=stderr
-            )
-        )
+        env = rank_env(rank, port, world_size)
+        procs.append(forkserver.popen(argv_of(rank), cwd=ROOT, env=env, stdout=stdout, stderr=stderr))
     return procs
 
 

@@ -4,9 +4,9 @@ under two gloo ranks puts every rank's rows back in the data set's order (rank 0
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
+import forkserver
 import numpy as np
 import pytest
 from cli import ROOT, env, run_dirs, summary_of, torchrun
@@ -29,7 +29,7 @@ OUTPUTS = ("test_logits", "test_margins", "train_logits", "train_margins")
 
 
 def train(cmd: list[str], out, data, *extra: str) -> None:
-    proc = subprocess.run(
+    proc = forkserver.run(
         [*cmd, *ARGS, "--data", str(data), "--out-dir", str(out), *extra],
         cwd=ROOT,
         env=env(),

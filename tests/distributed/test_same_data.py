@@ -6,9 +6,9 @@ train exactly what one process given the same flag trains (fp32 on the CPU: no r
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
+import forkserver
 import pytest
 import torch
 from cli import ROOT, env, epochs_of, run_dirs, summary_of, torchrun
@@ -66,7 +66,7 @@ def test_two_ranks_fed_rank_0s_data_equal_one_process_bit_for_bit(tmp_path):
         + ["--out-dir", str(tmp_path / "one")],
     }
     for name, cmd in runs.items():
-        proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+        proc = forkserver.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
     two, one = summary_of(tmp_path / "two"), summary_of(tmp_path / "one")
     assert two["device"]["world_size"] == 2 and one["device"]["world_size"] == 1

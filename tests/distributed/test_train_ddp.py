@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import forkserver
 import pytest
 from cli import SHORT, run_dirs, run_train, summary_of, torchrun
 
@@ -37,7 +38,6 @@ def test_batch_that_does_not_divide_fails_on_every_rank(learnable_data, tmp_path
 def test_progress_watchdog_ends_a_stuck_rank_in_one_line():
     """A rank whose loop stops making progress (blocked in a graph replay waiting for a stalled
     peer, say) is ended by the watchdog with exit 3; one that keeps beating is left alone."""
-    import subprocess
 
     from cli import ROOT, env
 
@@ -49,7 +49,7 @@ def test_progress_watchdog_ends_a_stuck_rank_in_one_line():
         "print('beating ok', flush=True)\n"
         "time.sleep(60)\n"
     )  # stuck: the watchdog must end it long before this
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=30)
+    proc = forkserver.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 3
     assert proc.stdout.strip() == "beating ok"
     line = proc.stderr.strip()
@@ -60,7 +60,6 @@ def test_a_stall_seen_by_both_threads_is_reported_once():
     """gloo's timeout (main thread) and the watchdog share --dist-timeout-s: whichever reports
     first speaks; the watchdog, second, leaves the ending to the main thread (CI once saw two
     lines)."""
-    import subprocess
 
     from cli import ROOT, env
 
@@ -72,6 +71,6 @@ def test_a_stall_seen_by_both_threads_is_reported_once():
         "time.sleep(3.5)\n"  # the watchdog fires meanwhile: it must neither print nor exit
         "assert not report_failure('a second line')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=30)
+    proc = forkserver.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "fastcifar: error: [rank 1] lost contact (main thread)"

@@ -4,9 +4,9 @@ so a change to the trainer's API cannot silently break them."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 
+import forkserver
 import pytest
 import torch
 from cli import ROOT, bench_results, env
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a su
 )
 def test_bench_script_runs(script, args, expect):
     before = bench_results()
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
         cwd=ROOT,
         env=env(),
@@ -60,7 +60,7 @@ def test_bench_script_runs(script, args, expect):
 def test_gpu_bench_without_gpu_refuses_in_one_line():
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(ROOT / "bench" / "bench_step.py")],
         cwd=ROOT,
         env=env(),
@@ -96,7 +96,7 @@ def test_bn_act_pool_bench_on_cpu_labels_its_timing():
     compiles = shutil.which("g++") is not None or shutil.which("clang++") is not None
     args = ["--smoke", "--compile"] if compiles else ["--smoke"]
     before = bench_results()
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(ROOT / "bench" / "bench_bn_act_pool.py"), *args],
         cwd=ROOT,
         env=env(),

@@ -3,9 +3,9 @@ and its --preset form (the default preset's FastNet, the trainer's optimizer) on
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
+import forkserver
 import pytest
 from cli import ROOT, bench_results, env
 from script_modules import load_script
@@ -98,7 +98,7 @@ def test_idle_against_the_plain_step(bench_step, monkeypatch):
 @pytest.mark.slow
 def test_smoke_run_of_the_default_presets_network():
     before = bench_results()
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(ROOT / "bench" / "bench_step.py"), "--smoke", "--preset", DEFAULT_PRESET],
         cwd=ROOT,
         env=env(),
@@ -206,7 +206,7 @@ def test_smoke_run_of_a_ranks_step_at_a_fake_world(tmp_path):
     """The whole --fake-world path on the CPU: the table says the world is a fake group's, with the
     per-rank and global batch; nothing is written."""
     before = bench_results()
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "bench" / "bench_step.py"),

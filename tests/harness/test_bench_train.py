@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 from broken_imports import break_import
 from cli import ROOT, env
@@ -58,7 +58,7 @@ def test_two_presets_side_by_side(learnable_data, tmp_path):
         learnable_data,
         *TINY,
     ]
-    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    proc = forkserver.run([str(c) for c in cmd], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
 
     rows = [json.loads(line) for line in results.read_text().splitlines()]
@@ -100,7 +100,7 @@ def test_a_broken_matplotlib_is_a_notice_too(monkeypatch, tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, "bench/bench_train.py", "--args-for", "apple8=--no-tta", "--", "--data", str(tmp_path)],
         cwd=ROOT,
         env=env(),

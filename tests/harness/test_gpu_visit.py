@@ -13,6 +13,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import forkserver
 import pytest
 
 from fastcifar.core.config import from_preset
@@ -539,7 +540,7 @@ def write_run(root: Path, name: str, losses, preset="fast", seed=0, acc=91.0, en
 
 
 def report(*args):
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_visit_report.py"), *map(str, args)],
         capture_output=True,
         text=True,
@@ -642,7 +643,7 @@ def test_export_tensors_writes_what_the_public_loader_reads(tmp_path):
     from conftest import write_official
 
     folder, arrays = write_official(tmp_path / "data", per_batch=4, n_test=6)
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "scripts" / "export_tensors.py"),
@@ -669,7 +670,7 @@ def test_export_tensors_writes_what_the_public_loader_reads(tmp_path):
 
 @pytest.mark.slow  # over 2 s on 2 cores
 def test_export_tensors_refuses_bad_input_in_one_line(tmp_path):
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "scripts" / "export_tensors.py"),

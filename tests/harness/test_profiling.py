@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import forkserver
 import pytest
 import torch
 from cli import FAST_SHORT, ROOT, env
@@ -110,7 +111,7 @@ def test_the_step_marks_its_phases(learnable_data, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_profile_torch_end_to_end(learnable_data, tmp_path):
     out = tmp_path / "prof"
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             "scripts/profile_torch.py",
@@ -141,7 +142,7 @@ def test_profile_torch_end_to_end(learnable_data, tmp_path):
     assert "top 5 ops by self CPU time" in proc.stdout and "aten::" in proc.stdout
     trace = (out / "trace.json").read_text()
     assert trace.lstrip().startswith("{") and "ProfilerStep#" in trace
-    too_short = subprocess.run(
+    too_short = forkserver.run(
         [
             sys.executable,
             "scripts/profile_torch.py",
