@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import forkserver
 import numpy as np
 import pytest
 import torch
@@ -471,7 +470,7 @@ def test_a_bad_torchrun_environment_is_one_line_not_torchs_traceback(changes, me
     e.update({k: v for k, v in changes.items() if v is not None})
     for k in [k for k, v in changes.items() if v is None]:
         del e[k]
-    proc = forkserver.run(
+    proc = subprocess.run(
         [sys.executable, "-m", "fastcifar.train", "--data", str(tmp_path), *SHORT, "--dist-timeout-s", "5"],
         cwd=ROOT,
         env=e,

@@ -11,7 +11,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import forkserver
 import numpy as np
 import pytest
 import torch
@@ -125,7 +124,7 @@ def test_console_scripts_and_extras_in_pyproject():
 
 def test_python_m_fastcifar_is_the_same_command():
     def run(*args):
-        return forkserver.run(
+        return subprocess.run(
             [sys.executable, "-m", "fastcifar", *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
         )
 

@@ -55,7 +55,10 @@ def test_a_rank0_data_the_batch_cannot_take_is_refused_in_one_line(args, message
 
 
 @pytest.mark.slow
-def test_two_ranks_fed_rank_0s_data_equal_one_process_bit_for_bit(tmp_path):
+def test_two_ranks_fed_rank_0s_data_equal_one_process_bit_for_bit(tmp_path, monkeypatch):
+    # fresh interpreters, each rank with its own string-hash seed as in a real launch: ranks forked
+    # from one server would share one, and agree on any set's order by that alone
+    monkeypatch.setenv("FASTCIFAR_TEST_FORK", "0")
     data, _ = write_official(tmp_path / "data", per_batch=200, n_test=400)
     e = env()
     common = [*ARGS, "--data", str(data), "--rank0-data", "2"]

@@ -93,6 +93,7 @@ def test_exceptions_and_exits_end_as_the_interpreter_ends(tmp_path, served):
         "raise SystemExit": (0, ""),
         "raise KeyboardInterrupt": (-2, "KeyboardInterrupt"),
         "import os; os._exit(7)": (7, ""),
+        "import sys; sys.exit(-1)": (255, ""),
         "import atexit; atexit.register(print, 'at exit')": (0, ""),
     }
     for code, (status, err) in cases.items():
@@ -100,6 +101,14 @@ def test_exceptions_and_exits_end_as_the_interpreter_ends(tmp_path, served):
         assert out.returncode == status and err in out.stderr, (code, out)
         if "atexit" in code:
             assert out.stdout == "at exit\n"
+
+
+def test_a_package_run_with_m_keeps_its_submodules(served):
+    """``python -m fastcifar`` runs the package's __main__ with the package as imported (only a
+    module is unimported first, for runpy's sake): its subcommands find their modules."""
+    forked = fork([sys.executable, "-m", "fastcifar", "predict", "--help"])
+    assert forked.returncode == 0 and forked.stderr == "", forked.stderr
+    assert forked.stdout.startswith("usage: python -m fastcifar predict"), forked.stdout[:200]
 
 
 def test_the_trainers_help_is_the_same_and_nothing_warns(served):
@@ -207,3 +216,28 @@ def test_what_a_command_starts_with_sys_executable_is_forked_too():
     assert out.returncode == 0, out.stderr
     pid, server, same, other = out.stdout.split()
     assert same == server and other == pid, out.stdout
+
+
+def test_the_server_outlives_a_requester_that_goes_and_a_dead_server_is_replaced(served):
+    """A request cut short, and one whose sender is gone before the reply (a client killed at its
+    start), leave the server serving; a server that ended is started again on the next command."""
+    import json
+    import socket
+    import struct
+
+    proc, path, _ = forkserver._running_server()
+    cut = forkserver._connect(path, proc)
+    cut.sendall(struct.pack("!I", 1000) + b"{")  # promised 1000 bytes, sent one
+    cut.close()
+    gone = forkserver._connect(path, proc)
+    body = json.dumps({"argv": ["-c", "pass"], "env": env(), "cwd": str(ROOT)}).encode()
+    with open(os.devnull) as null:
+        socket.send_fds(gone, [struct.pack("!I", len(body))], [null.fileno()] * 3)
+    gone.sendall(body)
+    gone.close()
+    assert fork([sys.executable, "-c", "print(1)"]).stdout == "1\n"
+    assert proc.poll() is None, "the server ended"
+    proc.kill()
+    proc.wait()
+    assert fork([sys.executable, "-c", "print(2)"]).stdout == "2\n"
+    assert forkserver._server[0] is not proc

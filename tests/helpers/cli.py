@@ -95,6 +95,9 @@ def env() -> dict:
     return e
 
 
+forkserver.BASE_ENV.update(env())  # now, at collection: before any test has changed the environment
+
+
 def env_without_interpreter(**changes: str) -> dict[str, str]:
     """This process's environment without TRITON_INTERPRET (tests/conftest.py sets it on a machine
     without a GPU), with ``changes``: for a subprocess whose Triton must not be the interpreter."""

@@ -22,12 +22,19 @@ interpreter's defaults, the module run as ``__main__`` by runpy as ``python -m``
 handlers run, the exit status of ``SystemExit`` or of an uncaught exception, and fastcifar's start
 for a command (the package's import ran in the server, where it was no command).
 tests/harness/test_forkserver.py holds each of these against a real subprocess.
+
+Where a forked command is not a fresh one: every child shares the server's string-hash seed (so
+the tests that compare ranks bit for bit set FASTCIFAR_TEST_FORK=0); a program that starts the
+client sees the client's pid, not the command's (a sweep launcher names its workers by the pid it
+started, a worker itself by its own: under a forked launcher a dead worker's run comes back when
+its lease ends, not at once); a warning the imports print goes to the server's stderr.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import locale
 import os
 import select
 import shutil
@@ -44,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Variables a child may have that the server did not, each read when a run uses it, not at import:
 # pytest's name of the running test; torchrun's and Slurm's rank, place and rendezvous (read when
 # the process group starts); cuBLAS's workspace, NCCL's settings and Triton's cache folder, which
-# the trainer sets for itself, and Inductor's cache folder, which torch.compile sets (a test that
+# the trainer sets for itself, and two of Inductor's, which torch.compile sets (a test that
 # trains or compiles in-process leaves them in its process's environment, and so in every later
 # command's; FASTCIFAR_TEST_FORK_LOG=FILE lists what was not forked, and why).
 MAY_DIFFER = frozenset(
@@ -53,13 +60,16 @@ MAY_DIFFER = frozenset(
         *("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"),
         *("ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
         *("NCCL_ASYNC_ERROR_HANDLING", "CUDA_MODULE_LOADING", "CUBLAS_WORKSPACE_CONFIG", "TRITON_HOME"),
-        "TORCHINDUCTOR_CACHE_DIR",
+        *("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"),
     }
 )
 MAY_DIFFER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "SLURM_")
 # Imported by the server: what a trainer, a sweep or a bench script spends its start on.
 PRELOAD = ("torch", "numpy", "triton", "fastcifar.train", "fastcifar.sweep.cli", "bench.common")
 
+# The environment the server imports in: tests/helpers/cli.py sets it to its env() as it is
+# imported, at collection, before any test has changed this process's environment.
+BASE_ENV: dict[str, str] = {}
 _server: tuple[subprocess.Popen, str, dict] | None = None
 
 
@@ -79,7 +89,8 @@ def _forkable(argv: list[str]) -> bool:
 
 
 def _start(env: dict) -> tuple[subprocess.Popen, str, dict]:
-    folder = tempfile.mkdtemp(prefix="fastcifar-fork-")
+    # in /tmp where there is one: a long TMPDIR would pass the 107 bytes of a socket's path
+    folder = tempfile.mkdtemp(prefix="fastcifar-fork-", dir="/tmp" if os.path.isdir("/tmp") else None)
     path = os.path.join(folder, "socket")
     proc = subprocess.Popen(
         [sys.executable, __file__, path],
@@ -125,7 +136,10 @@ class Forked:
 
     def __init__(self, args: list[str], sock: socket.socket):
         self.args, self._sock, self._buffer, self.returncode = args, sock, b"", None
-        self.pid = int(self._line(None))
+        pid = self._line(60.0)  # the server forks at once; a minute is a server that is stuck
+        if pid is None:
+            raise RuntimeError("the fork server did not start the command within 60 s")
+        self.pid = int(pid)
 
     def _line(self, timeout: float | None) -> str | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -168,10 +182,8 @@ class Forked:
 
 def _running_server() -> tuple[subprocess.Popen, str, dict]:
     global _server
-    if _server is None:
-        from cli import env as commands_env  # the environment tests give the commands they start
-
-        _server = _start({k: v for k, v in commands_env().items() if k not in MAY_DIFFER})
+    if _server is None or _server[0].poll() is not None:  # none yet, or it ended: a new one
+        _server = _start({k: v for k, v in (BASE_ENV or os.environ).items() if k not in MAY_DIFFER})
     return _server
 
 
@@ -199,13 +211,15 @@ def popen(argv, *, env: dict | None = None, cwd=None, stdout=None, stderr=None):
     env = dict(os.environ) if env is None else env
     cwd = os.getcwd() if cwd is None else cwd
     server = _server_for(argv, env)
-    if server is None or not all(f is None or hasattr(f, "fileno") for f in (stdout, stderr)):
+    if server is None or not all(f is None or isinstance(f, int) or hasattr(f, "fileno") for f in (stdout, stderr)):
         return subprocess.Popen(argv, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
     proc, path, _ = server
     request = json.dumps({"argv": argv[1:], "env": env, "cwd": str(cwd)}).encode()
     sock = _connect(path, proc)
     with open(os.devnull) as null:
-        fds = [null.fileno(), *(1 if f is None else f.fileno() for f in (stdout, stderr))]
+        fds = [null.fileno()]
+        for f, own in ((stdout, 1), (stderr, 2)):  # None: this process's own, as Popen leaves it
+            fds.append(own if f is None else f if isinstance(f, int) else f.fileno())
         socket.send_fds(sock, [struct.pack("!I", len(request))], fds)
         sock.sendall(request)
         return Forked(argv, sock)
@@ -216,24 +230,48 @@ def run(
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, env=env, cwd=cwd, timeout=timeout, **kwargs)``, forked from the server
     where that gives the same result (the module's docstring): for ``capture_output=True,
-    text=True`` and nothing else in ``kwargs``."""
+    text=True`` and nothing else in ``kwargs``. As subprocess.run does, it reads the output to its
+    end (a process the command left behind holding it keeps it waiting) and decodes it as text."""
     argv = [str(a) for a in argv]
     env = dict(os.environ) if env is None else env
     if kwargs != {"capture_output": True, "text": True} or _server_for(argv, env) is None:
         return subprocess.run(argv, env=env, cwd=cwd, timeout=timeout, **kwargs)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = popen(argv, env=env, cwd=cwd, stdout=out, stderr=err)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    try:
+        proc = popen(argv, env=env, cwd=cwd, stdout=out_w, stderr=err_w)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    read, reading = {out_r: [], err_r: []}, [out_r, err_r]
+    try:
+        while reading:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = select.select(reading, [], [], left)[0]
+            if not ready:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(argv, timeout)
+            for fd in ready:
+                chunk = os.read(fd, 1 << 16)
+                read[fd].append(chunk)
+                if not chunk:
+                    reading.remove(fd)
         try:
-            proc.wait(timeout)
+            proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             raise
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(
-            argv, proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace")
-        )
+    finally:
+        os.close(out_r)
+        os.close(err_r)
+    encoding = locale.getpreferredencoding(False)
+
+    def text(fd: int) -> str:  # as Popen's text mode: the locale's encoding, universal newlines
+        return b"".join(read[fd]).decode(encoding).replace("\r\n", "\n").replace("\r", "\n")
+
+    return subprocess.CompletedProcess(argv, proc.returncode, text(out_r), text(err_r))
 
 
 def client() -> list[str]:
@@ -255,6 +293,10 @@ def client() -> list[str]:
 # What client() writes beside the socket, with SOCKET and PYTHON filled in.
 CLIENT = """
 import json, os, signal, socket, struct, sys
+FORWARDED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
+# held until the command's pid is known, then forwarded: a launcher's SIGTERM that comes first
+# is not lost (nor turned into the SIGKILL the command would get by the client's death)
+signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
 argv = sys.argv[1:]
 request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "watch": os.getpid()}).encode()
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -263,7 +305,8 @@ socket.send_fds(sock, [struct.pack("!I", len(request))], [0, 1, 2])
 sock.sendall(request)
 replies = sock.makefile("r")
 first = replies.readline().strip()
-if first == "exec":
+if first == "exec":  # the interpreter itself, with the signals as they came (exec keeps the mask)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     os.execv(PYTHON, [PYTHON, *argv])
 pid = int(first)
 
@@ -275,11 +318,17 @@ def forward(signum, frame):
         pass
 
 
-for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+for sig in FORWARDED:
     signal.signal(sig, forward)
-status = int(replies.readline())
+signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+status = replies.readline()
+if not status:
+    sys.exit("fork client: the fork server ended during the command")
+status = int(status)
 if status < 0:
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     signal.signal(-status, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {-status})
     os.kill(os.getpid(), -status)
 sys.exit(status)
 """
@@ -292,13 +341,29 @@ def _exit_status(exc: SystemExit) -> int:
     if exc.code is None:
         return 0
     if isinstance(exc.code, int):
-        return exc.code
+        return exc.code & 0xFF  # as the interpreter's: sys.exit(-1) is 255
     print(exc.code, file=sys.stderr)
     return 1
 
 
 def _child(request: dict, fds: list[int]) -> None:
-    """Become the command, then leave with its status (never returns)."""
+    """Become the command, then leave with its status (never returns, whatever happens)."""
+    code, by_signal = 1, None
+    try:
+        code, by_signal = _command(request, fds)
+    except BaseException:  # before the command ran (a folder gone, the client gone): its traceback
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        if by_signal is not None:  # as the interpreter ends after an uncaught KeyboardInterrupt
+            signal.signal(by_signal, signal.SIG_DFL)
+            os.kill(os.getpid(), by_signal)
+        os._exit(code)
+
+
+def _command(request: dict, fds: list[int]) -> tuple[int, int | None]:
+    """The command's run in this (forked) process: (exit status, signal to end by or None)."""
     import atexit as child_atexit
     import runpy
     import threading
@@ -333,7 +398,7 @@ def _child(request: dict, fds: list[int]) -> None:
     kind, target, args = ("script", argv[0], argv[1:]) if argv[0] not in ("-m", "-c") else (argv[0], argv[1], argv[2:])
     # sys.path[0] as the interpreter sets it: the script's folder, the working folder for -m, "" for -c
     sys.path[0] = {"script": os.path.dirname(os.path.abspath(target)), "-m": os.getcwd(), "-c": ""}[kind]
-    code = 0
+    code, by_signal = 0, None
     try:
         if kind == "-m":
             # runpy's own first step for `python -m`: sys.argv[0] is "-m" while the package imports
@@ -341,10 +406,14 @@ def _child(request: dict, fds: list[int]) -> None:
             import fastcifar
 
             fastcifar._start_command()  # what the package's import does for a command
-            # the module unimported, as a fresh interpreter finds it (runpy warns otherwise)
-            if sys.modules.pop(target, None) is not None and "." in target:
-                package, _, name = target.rpartition(".")
-                vars(sys.modules[package]).pop(name, None)
+            # a module (not a package: runpy runs its __main__) unimported, as a fresh interpreter
+            # finds it (runpy warns otherwise)
+            module = sys.modules.get(target)
+            if module is not None and not hasattr(module, "__path__"):
+                del sys.modules[target]
+                if "." in target:
+                    package, _, name = target.rpartition(".")
+                    vars(sys.modules[package]).pop(name, None)
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         elif kind == "-c":
             sys.argv = ["-c", *args]
@@ -358,24 +427,20 @@ def _child(request: dict, fds: list[int]) -> None:
         code = _exit_status(exc)
     except KeyboardInterrupt:
         traceback.print_exc()
-        code = -signal.SIGINT
+        code, by_signal = 1, signal.SIGINT
     except BaseException:
         traceback.print_exc()
         code = 1
-    try:
-        threading._shutdown()
-        child_atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        if code < 0:  # as the interpreter ends after an uncaught KeyboardInterrupt: by the signal
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
-        os._exit(code & 0xFF)
+    threading._shutdown()
+    child_atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code, by_signal
 
 
 def _serve(path: str) -> None:
     import importlib
+    import traceback
 
     own = dict(os.environ)
     for name in PRELOAD:
@@ -390,49 +455,67 @@ def _serve(path: str) -> None:
     listener.bind(path)
     listener.listen(16)
     children: dict[int, socket.socket] = {}
+
+    def reply(conn: socket.socket, text: str) -> None:
+        try:
+            conn.sendall(text.encode())
+        except OSError:  # the one who asked is gone (a client killed meanwhile): nothing to tell
+            pass
+
+    def serve_one(conn: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+            if len(head) < 4:  # client()'s probe: a connection and nothing sent
+                conn.close()
+                return
+            (size,) = struct.unpack("!I", head)
+            body = b""
+            while len(body) < size:
+                chunk = conn.recv(size - len(body))
+                if not chunk:
+                    raise ConnectionError("the request ended early")
+                body += chunk
+            request = {**json.loads(body), "socket": path}
+        except Exception:
+            traceback.print_exc()
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return
+        fresh = _forkable([sys.executable, *request["argv"]]) and _same_environment(request["env"], own)
+        if not fresh:  # the client runs the interpreter itself
+            differ = sorted(k for k in set(request["env"]) | set(own) if request["env"].get(k) != own.get(k))
+            print("exec:", request["argv"][:2], "variables:", differ, file=sys.stderr, flush=True)
+            for fd in fds:
+                os.close(fd)
+            reply(conn, "exec\n")
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            for other in children.values():  # another command's end is the server's to report
+                other.close()
+            conn.close()
+            _child(request, fds)
+        for fd in fds:
+            os.close(fd)
+        reply(conn, f"{pid}\n")
+        children[pid] = conn
+
     while os.getppid() == parent:
         ready, _, _ = select.select([listener], [], [], 0.02 if children else 1.0)
         if ready:
             conn, _ = listener.accept()
-            head, fds, _, _ = socket.recv_fds(conn, 4, 3)
-            if len(head) < 4:  # client()'s probe: a connection and nothing sent
-                conn.close()
-                continue
-            (size,) = struct.unpack("!I", head)
-            body = b""
-            while len(body) < size:
-                body += conn.recv(size - len(body))
-            request = {**json.loads(body), "socket": path}
-            fresh = _forkable([sys.executable, *request["argv"]]) and _same_environment(request["env"], own)
-            if not fresh:  # the client runs the interpreter itself
-                differ = sorted(
-                    k for k in set(request["env"]) ^ set(own) | {k for k in own if request["env"].get(k) != own[k]}
-                )
-                print("exec:", request["argv"][:2], "variables:", differ, file=sys.stderr, flush=True)
-                for fd in fds:
-                    os.close(fd)
-                conn.sendall(b"exec\n")
-                conn.close()
-                continue
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
-                _child(request, fds)
-            for fd in fds:
-                os.close(fd)
-            conn.sendall(f"{pid}\n".encode())
-            children[pid] = conn
+            serve_one(conn)
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             conn = children.pop(pid, None)
             if conn is not None:
-                try:
-                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-                except OSError:
-                    pass
+                reply(conn, f"{os.waitstatus_to_exitcode(status)}\n")
                 conn.close()
 
 
