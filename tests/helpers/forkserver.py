@@ -124,9 +124,10 @@ def _connect(path: str, proc: subprocess.Popen) -> socket.socket:
             time.sleep(0.05)
 
 
-def _same_environment(a: dict, b: dict) -> bool:
+def _differing(a: dict, b: dict) -> list[str]:
+    """The variables, ``MAY_DIFFER`` aside, whose values two environments do not share."""
     keys = {k for k in set(a) | set(b) if k not in MAY_DIFFER and not k.startswith(MAY_DIFFER_PREFIXES)}
-    return all(a.get(k) == b.get(k) for k in keys)
+    return sorted(k for k in keys if a.get(k) != b.get(k))
 
 
 class Forked:
@@ -192,12 +193,10 @@ def _server_for(argv: list[str], env: dict) -> tuple[subprocess.Popen, str, dict
     if os.environ.get("FASTCIFAR_TEST_FORK") == "0" or not _forkable(argv):
         return None
     server = _running_server()
-    if _same_environment(env, server[2]):
+    differ = _differing(env, server[2])
+    if not differ:
         return server
     if os.environ.get("FASTCIFAR_TEST_FORK_LOG"):  # why a command was not forked: the variables
-        differ = sorted(
-            k for k in set(env) | set(server[2]) if not _same_environment({k: env.get(k)}, {k: server[2].get(k)})
-        )
         with open(os.environ["FASTCIFAR_TEST_FORK_LOG"], "a") as log:
             print(os.environ.get("PYTEST_CURRENT_TEST"), argv[1:3], differ, file=log)
     return None
@@ -483,9 +482,8 @@ def _serve(path: str) -> None:
                 os.close(fd)
             conn.close()
             return
-        fresh = _forkable([sys.executable, *request["argv"]]) and _same_environment(request["env"], own)
-        if not fresh:  # the client runs the interpreter itself
-            differ = sorted(k for k in set(request["env"]) | set(own) if request["env"].get(k) != own.get(k))
+        differ = _differing(request["env"], own)
+        if differ or not _forkable([sys.executable, *request["argv"]]):  # the client runs the interpreter
             print("exec:", request["argv"][:2], "variables:", differ, file=sys.stderr, flush=True)
             for fd in fds:
                 os.close(fd)
