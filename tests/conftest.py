@@ -24,6 +24,22 @@ import numpy as np
 import pytest
 from PIL import Image
 
+
+def _share_the_cores() -> None:
+    """pytest-xdist's workers share the machine's cores: each worker's torch takes its share of threads
+    (cores // workers, at least 1) instead of a thread per core each. On CI's 2 cores with 2 workers,
+    torch's default (2 threads each, 4 spinning on 2 cores) made the in-process compute of
+    tests/unit/test_optim.py + tests/kernels/test_kernel_bn_act_pool.py 163 s against 130 s at one
+    thread each (2026-12-07, this repository's 2-core machine). The commands tests start already run
+    with OMP_NUM_THREADS=1 (tests/helpers/cli.py). Tests that compare with them bit for bit set one
+    thread themselves (tests/helpers/models.py), so this changes no result, only contention."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_share_the_cores()
+
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 SHARED_JPEG = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
 
