@@ -343,6 +343,11 @@ class EvalSet:
     def __len__(self) -> int:
         return -(-len(self.labels) // self.batch_size)
 
+    @property
+    def largest_batch(self) -> int:
+        """Rows in this rank's largest batch: ``batch_size``, or all its images where they are fewer."""
+        return min(self.batch_size, len(self.labels))
+
     def __iter__(self):
         for start in range(0, len(self.labels), self.batch_size):
             yield self.images[start : start + self.batch_size], self.labels[start : start + self.batch_size]

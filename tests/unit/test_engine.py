@@ -27,7 +27,7 @@ TINY = dict(
     warmup_steps=1,
     loader="torch",
     device="cpu",
-    eval_batch_size=50,
+    eval_batch_size=64,  # above the 50 test images: the evaluation's buffers hold 50 rows
     whiten_bias_epochs=0.5,
     whiten_bias_decay=False,
     whiten_images=100,  # the whitening init from 100 images, not 5000 (its warm-up whitens as many)
@@ -99,6 +99,7 @@ def test_a_run_on_a_kept_engine_equals_the_same_run_trained_fresh(tmp_path, monk
     assert len(builds) == 1  # run 2 took over run 1's engine: no build, warm-up or capture
     (kept,) = holder.engines.values()
     assert kept.runs == 2 and kept.model is not second.model  # each result holds its own copy
+    assert kept.eval_step.batch.capacity == 50  # the test set's rows, no padding to --eval-batch-size
 
     (alone,) = fastcifar.train(dataclasses.replace(cfg, runs=1, seed=4))  # run 2's seed, fresh
     assert len(builds) == 2

@@ -197,6 +197,7 @@ def test_eval_set_splits_over_ranks():
     got = sorted(torch.cat([y for p in parts for _, y in p]).tolist())
     assert got == list(range(11))
     assert [len(p) for p in parts] == [1, 1, 1]
+    assert [p.largest_batch for p in parts] == [4, 4, 3]  # rank 2's 3 images: one batch of 3
 
 
 @pytest.mark.parametrize("jitter", [{}, {"brightness": 0.2, "contrast": 0.1}])
