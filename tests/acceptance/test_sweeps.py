@@ -64,6 +64,13 @@ def launch(*args) -> subprocess.Popen:
     )
 
 
+def launch_logged(log, *args, extra_env=None):
+    """A launch whose stderr goes to the file ``log``, forked from the test's server where it can be
+    (tests/helpers/forkserver.py; the killing and SIGTERM tests launch real interpreters instead)."""
+    with open(log, "w") as err:
+        return forkserver.popen(sweep(*args), cwd=ROOT, env={**env(), **(extra_env or {})}, stderr=err)
+
+
 def run_folders(store) -> dict[int, int]:
     return {int(p.name): len([q for q in p.iterdir() if q.is_dir()]) for p in (store / "runs").iterdir()}
 
@@ -156,10 +163,10 @@ def test_a_worker_killed_in_mid_run_leaves_the_store_an_uninterrupted_study_make
 @pytest.mark.slow  # two launches of 2 workers each train 4 tiny runs
 def test_two_launches_on_one_store_cooperate(data, tmp_path, uninterrupted):
     spec = spec_file(tmp_path, data)
-    procs = [launch(spec, "--store", tmp_path / "store", "--devices", "cpu") for _ in range(2)]
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err
+    logs = [tmp_path / f"launch-{i}.err" for i in range(2)]
+    procs = [launch_logged(log, spec, "--store", tmp_path / "store", "--devices", "cpu") for log in logs]
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.wait(timeout=300) == 0, log.read_text()
     view = fastcifar.open_store(str(tmp_path / "store"))
     assert [(r["status"], r["attempts"]) for r in view.runs] == [("done", 1)] * 4  # each once
     assert run_folders(tmp_path / "store") == {0: 1, 1: 1, 2: 1, 3: 1}
@@ -221,15 +228,13 @@ def test_more_workers_than_runs_and_masks_from_a_file(data, tmp_path):
 def test_four_slurm_array_tasks_on_one_folder_cooperate_without_a_database(data, tmp_path, uninterrupted):
     spec = spec_file(tmp_path, data)
     store = tmp_path / "store"
-    procs = []
-    for task in range(4):
+    procs, logs = [], [tmp_path / f"task-{task + 1}.err" for task in range(4)]
+    for task, log in enumerate(logs):
         array = {"SLURM_ARRAY_TASK_ID": str(task + 1), "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "1"}
-        cmd = sweep(spec, "--store", store, "--devices", "cpu")
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**env(), **array}, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err
-        assert "its share finished, 0 left" in err
+        procs.append(launch_logged(log, spec, "--store", store, "--devices", "cpu", extra_env=array))
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.wait(timeout=300) == 0, log.read_text()
+        assert "its share finished, 0 left" in log.read_text()
     assert not (store / "runs.sqlite").exists()  # no database while training
     assert sorted(p.name for p in (store / "results").iterdir()) == [f"run-{i}.npz" for i in range(4)]
     status = forkserver.run(sweep("status", store), cwd=ROOT, env=env(), capture_output=True, text=True)
