@@ -103,8 +103,10 @@ def test_bias_freeze_ends_backward_at_the_whitening_conv_except_under_ddp(world_
 def test_warm_up_captures_the_frozen_step_with_the_bias_out_of_backward(monkeypatch):
     """The variant is captured with the bias not requiring grad (else its graph would hold the
     full backward and the freeze would save nothing), the default graph stays selected, and the
-    bias requires grad again after the warm-up; with --sparse-mask no variant is captured."""
+    bias requires grad again after the warm-up; with --sparse-mask no variant is captured. On the
+    CPU the warm-up whitens no scratch images (that loads CUDA's solver; the CPU has none to load)."""
     import fastcifar.run.graphs as graphs
+    import fastcifar.run.whitening as whitening
     from fastcifar.run.graphs import StaticBatch, TrainStep
 
     cfg = tiny_fast(whiten_bias_epochs=2, whiten_images=16, lookahead_steps=0)
@@ -117,8 +119,11 @@ def test_warm_up_captures_the_frozen_step_with_the_bias_out_of_backward(monkeypa
     step = TrainStep(lambda x, y: None, StaticBatch(2, torch.float32, torch.device("cpu")), capture=True)
     step.warm_up_and_capture(2)
     default = step.graph
+    whitened = []
+    monkeypatch.setattr(whitening, "init_whitening", lambda *args, **kwargs: whitened.append(args))
     hooks = Whitening(cfg, model, opt, None, CPU, step)
     hooks.warm_up(2)
+    assert not whitened, "a scratch whitening on the CPU"
     assert seen == [True, False] and set(step.graphs) == {TrainStep.DEFAULT, Whitening.BIAS_FROZEN}
     assert model.whiten.bias.requires_grad and step.graph is default
     sparse = Whitening(dataclasses.replace(cfg, sparse_mask="fisher"), model, opt, None, CPU, step)
