@@ -3,13 +3,17 @@ so a change to the trainer's API cannot silently break them."""
 
 from __future__ import annotations
 
+import io
 import shutil
 import sys
+import tarfile
 
 import forkserver
 import pytest
 import torch
 from cli import ROOT, bench_results, env
+from conftest import CLASSES, make_images
+from PIL import Image
 from script_modules import load_script
 
 pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a subprocess
@@ -25,7 +29,6 @@ pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a su
         ("sweep_bn_act_pool.py", ["--smoke"], "| block | base | w2 | best |"),
         ("sweep_conv_stats.py", ["--smoke"], "| batch | conv | cudnn+triton | base | w4 | best | best vs base |"),
         ("sweep_bn_act_pool.py", ["--smoke", "--per-kernel"], "| block | setting | kernel | us |"),
-        ("bench_loader.py", ["--images", "256", "--epochs", "1", "--batches", "64", "--no-record"], "images/s"),
         # 2 gloo ranks: the default preset's network (FastNet, narrowed), DDP and two bucket caps
         (
             "bench_allreduce.py",
@@ -57,6 +60,45 @@ def test_bench_script_runs(script, args, expect):
     assert "nan" not in cells and "inf" not in cells
 
 
+def jpeg_archive(path, n_train: int, n_test: int):
+    """An image-folder .tar.gz of JPEGs (``split/class/NNNNN.jpg``), as the shared JPEG copy is laid out."""
+    with tarfile.open(path, "w:gz") as tar:
+        for split, n, seed in (("train", n_train, 3), ("test", n_test, 4)):
+            images, labels = make_images(n, seed)
+            for i, (image, label) in enumerate(zip(images, labels, strict=True)):
+                encoded = io.BytesIO()
+                Image.fromarray(image).save(encoded, format="JPEG")
+                info = tarfile.TarInfo(f"cifar10/{split}/{CLASSES[label]}/{i:05d}.jpg")
+                info.size = encoded.tell()
+                tar.addfile(info, io.BytesIO(encoded.getvalue()))
+    return path
+
+
+def test_loader_bench_times_each_loader_and_the_start_up_decode(tmp_path):
+    """bench_loader.py's CPU form on a JPEG archive of 400 images (the shared copy's 60,000 took the
+    PIL decode alone 12 s): both tables, every loader, nothing written."""
+    archive = jpeg_archive(tmp_path / "jpegs.tar.gz", 300, 100)
+    args = ["--data", archive, "--images", "256", "--epochs", "1", "--batches", "64", "--no-record"]
+    before = bench_results()
+    proc = forkserver.run(
+        [sys.executable, str(ROOT / "bench" / "bench_loader.py"), *map(str, args)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert bench_results() == before, "a CPU form must not write results"
+    assert "read 400 JPEGs from" in proc.stdout and "Start-up: decode the whole JPEG set (400 images)" in proc.stdout
+    epochs, startup = _tables(proc.stdout)
+    loaders = {"dali", "torch"} if "DALI unavailable" not in proc.stdout else {"torch"}
+    assert {r["loader"] for r in epochs} == loaders and all(r["batch/rank"] == "64" for r in epochs)
+    assert {r["decoder"] for r in startup} == {"torch (PIL)"} | ({"dali"} & loaders)
+    cells = [c.lower() for r in epochs + startup for c in r.values()]
+    assert "nan" not in cells and "inf" not in cells
+
+
 def test_gpu_bench_without_gpu_refuses_in_one_line():
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -83,7 +125,7 @@ def _tables(stdout):
         if header is None:
             header = cells
             tables.append([])
-        elif not all(set(c) <= {"-"} for c in cells):
+        elif not all(set(c) <= {"-", ":"} for c in cells):  # not the separator row (aligned too)
             tables[-1].append(dict(zip(header, cells, strict=True)))
     return tables
 
