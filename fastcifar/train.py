@@ -479,9 +479,8 @@ def build_engine(
     )
     train_step = TrainStep(step, StaticBatch(per_rank_batch, session.dtype, ctx.device), capture=session.use_graphs)
     loader.bind_static(train_step.batch.images, train_step.batch.labels)
-    # the evaluation's buffers hold its largest batch, not always --eval-batch-size rows: a rank's 200 test
-    # images fill 200, where 1,000 rows of which 800 were zeros ran through every TTA view (the README's CPU
-    # example spent two thirds of its time so)
+    # the evaluation's buffers hold its largest batch, not always --eval-batch-size rows: --subset 2000's 400
+    # test images fill 400, where 1,000 rows of which 600 were zeros ran through every TTA view
     eval_rows = max(session.eval_set.largest_batch, session.test_set.largest_batch, 1)
     eval_step = make_eval_step(  # --tta-scope test: the share over the rank's whole test set
         model,
