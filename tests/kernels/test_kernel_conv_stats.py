@@ -276,7 +276,8 @@ def test_fused_default_preset_steps_like_the_unfused_one(monkeypatch):
     (``make_step``, the default preset's Muon), against the same without: two steps on the same
     batches give the same losses and weights (fp32). The whitening bias freezes after the first
     step, as the trainer freezes it, so the first block's conv then gets no input gradient in the
-    second (its backward skips that half), which also takes the first's momentum. The model file's keys are the unfused model's."""
+    second (its backward skips that half), which also takes the first's momentum. The model file's
+    keys are the unfused model's."""
     import dataclasses
 
     from fastcifar.core.config import from_preset
