@@ -19,6 +19,18 @@ from script_modules import load_script
 pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a subprocess
 
 
+def run_bench(script: str, *args, timeout: float = 300):
+    """bench/SCRIPT ARGS in its own process (forked where it can be), its output captured."""
+    return forkserver.run(
+        [sys.executable, str(ROOT / "bench" / script), *map(str, args)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.mark.parametrize(
     "script, args, expect",
     [
@@ -45,14 +57,7 @@ pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a su
 )
 def test_bench_script_runs(script, args, expect):
     before = bench_results()
-    proc = forkserver.run(
-        [sys.executable, str(ROOT / "bench" / script), *args],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_bench(script, *args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert expect in proc.stdout
     assert bench_results() == before, "a CPU form must not write results"
@@ -80,14 +85,7 @@ def test_loader_bench_times_each_loader_and_the_start_up_decode(tmp_path):
     archive = jpeg_archive(tmp_path / "jpegs.tar.gz", 300, 100)
     args = ["--data", archive, "--images", "256", "--epochs", "1", "--batches", "64", "--no-record"]
     before = bench_results()
-    proc = forkserver.run(
-        [sys.executable, str(ROOT / "bench" / "bench_loader.py"), *map(str, args)],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_bench("bench_loader.py", *args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert bench_results() == before, "a CPU form must not write results"
     assert "read 400 JPEGs from" in proc.stdout and "Start-up: decode the whole JPEG set (400 images)" in proc.stdout
@@ -102,14 +100,7 @@ def test_loader_bench_times_each_loader_and_the_start_up_decode(tmp_path):
 def test_gpu_bench_without_gpu_refuses_in_one_line():
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
-    proc = forkserver.run(
-        [sys.executable, str(ROOT / "bench" / "bench_step.py")],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_bench("bench_step.py", timeout=120)
     assert proc.returncode == 2
     assert "no CUDA device here" in proc.stderr and proc.stderr.count("\n") == 1
 
@@ -138,14 +129,7 @@ def test_bn_act_pool_bench_on_cpu_labels_its_timing():
     compiles = shutil.which("g++") is not None or shutil.which("clang++") is not None
     args = ["--smoke", "--compile"] if compiles else ["--smoke"]
     before = bench_results()
-    proc = forkserver.run(
-        [sys.executable, str(ROOT / "bench" / "bench_bn_act_pool.py"), *args],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_bench("bench_bn_act_pool.py", *args, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert bench_results() == before, "a CPU form must not write results"
     assert "measured device-to-device copy bandwidth" in proc.stdout
