@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from fastcifar.core.environment import usable_cores
+
 
 def _share_the_cores() -> None:
     """pytest-xdist's workers share the machine's cores: each worker's torch takes its share of threads
@@ -35,7 +37,7 @@ def _share_the_cores() -> None:
     thread themselves (tests/helpers/models.py), so this changes no result, only contention."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+        torch.set_num_threads(max(1, usable_cores() // workers))
 
 
 _share_the_cores()

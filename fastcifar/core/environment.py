@@ -64,6 +64,12 @@ def threads_given() -> bool:
     return bool(os.environ.get("OMP_NUM_THREADS"))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the OS keeps one (Linux: taskset's or
+    a container's limit), else every core (macOS has no ``sched_getaffinity``)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def home() -> str:
     return os.environ.get("HOME", "")
 

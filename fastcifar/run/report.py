@@ -135,7 +135,7 @@ def cpu_threads_note(device: torch.device) -> str:
     except OSError:
         return ""
     threads = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = environment.usable_cores()
     if threads <= 1 or cores - math.ceil(load - 0.25) >= threads:
         return ""
     return (

@@ -1,11 +1,14 @@
 """The environment variables fastcifar reads (fastcifar/core/environment.py): here, a Slurm job
-array's task (the thread variables' checks are tested with the commands that refuse them)."""
+array's task (the thread variables' checks are tested with the commands that refuse them), and the
+cores a process may use."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from fastcifar.core.environment import slurm_array_task, visible_gpu_names
+from fastcifar.core.environment import slurm_array_task, usable_cores, visible_gpu_names
 
 
 def test_a_slurm_array_task_counts_from_its_first_index():
@@ -39,3 +42,11 @@ def test_a_childs_gpu_is_named_as_this_process_sees_it():
     assert visible_gpu_names(2, {"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]  # Slurm gave this task GPUs 2 and 3
     assert visible_gpu_names(1, {"CUDA_VISIBLE_DEVICES": "GPU-8a1f, GPU-77c2"}) == ["GPU-8a1f"]
     assert visible_gpu_names(0, {"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_usable_cores_are_the_affinity_where_there_is_one_else_every_core(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3}, raising=False)
+    assert usable_cores() == 2  # taskset -c 0,3
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert usable_cores() == 6
