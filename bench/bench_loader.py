@@ -47,7 +47,7 @@ def read_jpeg_tar(path: Path) -> tuple[list[bytes], np.ndarray, list[bytes], np.
     with tarfile.open(path) as tar:
         for m in tar:
             parts = m.name.split("/")
-            if m.isfile() and m.name.endswith(".jpg") and len(parts) >= 3 and parts[-3] in files:
+            if m.isfile() and m.name.lower().endswith((".jpg", ".jpeg")) and len(parts) >= 3 and parts[-3] in files:
                 files[parts[-3]].append((parts[-2], m.name, tar.extractfile(m).read()))
     classes = sorted({c for split in files.values() for c, _, _ in split})
     out = []

@@ -3,17 +3,14 @@ so a change to the trainer's API cannot silently break them."""
 
 from __future__ import annotations
 
-import io
 import shutil
 import sys
-import tarfile
 
 import forkserver
 import pytest
 import torch
 from cli import ROOT, bench_results, env
-from conftest import CLASSES, make_images
-from PIL import Image
+from conftest import tar_folder, write_image_folder
 from script_modules import load_script
 
 pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a subprocess
@@ -65,24 +62,11 @@ def test_bench_script_runs(script, args, expect):
     assert "nan" not in cells and "inf" not in cells
 
 
-def jpeg_archive(path, n_train: int, n_test: int):
-    """An image-folder .tar.gz of JPEGs (``split/class/NNNNN.jpg``), as the shared JPEG copy is laid out."""
-    with tarfile.open(path, "w:gz") as tar:
-        for split, n, seed in (("train", n_train, 3), ("test", n_test, 4)):
-            images, labels = make_images(n, seed)
-            for i, (image, label) in enumerate(zip(images, labels, strict=True)):
-                encoded = io.BytesIO()
-                Image.fromarray(image).save(encoded, format="JPEG")
-                info = tarfile.TarInfo(f"cifar10/{split}/{CLASSES[label]}/{i:05d}.jpg")
-                info.size = encoded.tell()
-                tar.addfile(info, io.BytesIO(encoded.getvalue()))
-    return path
-
-
 def test_loader_bench_times_each_loader_and_the_start_up_decode(tmp_path):
     """bench_loader.py's CPU form on a JPEG archive of 400 images (the shared copy's 60,000 took the
     PIL decode alone 12 s): both tables, every loader, nothing written."""
-    archive = jpeg_archive(tmp_path / "jpegs.tar.gz", 300, 100)
+    folder, _ = write_image_folder(tmp_path / "jpegs", n_train=300, n_test=100, fmt="JPEG")
+    archive = tar_folder(folder, tmp_path / "jpegs.tar.gz", "cifar10")
     args = ["--data", archive, "--images", "256", "--epochs", "1", "--batches", "64", "--no-record"]
     before = bench_results()
     proc = run_bench("bench_loader.py", *args)
