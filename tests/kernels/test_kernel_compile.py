@@ -4,11 +4,12 @@ to Hopper) with Triton's own compiler, on a machine without a GPU, and none spil
 
 The compile runs in a subprocess with ``TRITON_INTERPRET`` removed: these tests' own process has
 the interpreter on (conftest.py), and the interpreter compiles nothing. The CI set is one of each
-kind the presets launch (about 20 compiles per arch); ``python bench/kernel_registers.py --set full``
-compiles the whole sweep and writes bench/results/kernel_registers.md.
+kind the presets launch (32 variants per arch, 128 compiles in all); ``python bench/kernel_registers.py
+--set full`` compiles the whole sweep and writes bench/results/kernel_registers.md.
 
-The compiling tests are marked slow (the four archs' compiles took 63 s on 2 shared CPU cores,
-sm_70 and sm_75 alone 30 s of it: 2026-12-03, Triton 3.8.0); the parsing and refusal tests are not.
+The compiling tests are marked slow (the four archs' compiles took 73 s of the fixture's 84 s, 17-19 s
+each arch, the fused conv's six variants 24 s of it: 2 CPU cores, 2026-12-08, Triton 3.8.0); the parsing
+and refusal tests are not.
 """
 
 from __future__ import annotations
